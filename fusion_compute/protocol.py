@@ -1,0 +1,25 @@
+"""Control words between client and workers: a fixed int64 vector [op, T, pos, arg].
+
+Control words carry no state: an operation, a token count, a position, a session size.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from .plan import Plan
+
+CONTROL_LEN = 4
+
+
+class Op(IntEnum):
+    HELLO = 1  # [HELLO, context, plan fingerprint, 0] -> reply [ok, fingerprint, load_ms, rss_kb]
+    FORWARD = 2  # [FORWARD, T, pos, 0], then ingress (d_w, T); reply egress (d_w, T)
+    RESET = 3  # [RESET, 0, 0, context]: drop and re-zero the KV shards
+    PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]
+    SHUTDOWN = 5
+
+
+def fingerprint_int(plan: Plan) -> int:
+    """The plan's fingerprint as a positive int64, so client and workers can check they agree."""
+    return int(plan.fingerprint()[:15], 16)

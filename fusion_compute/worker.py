@@ -1,0 +1,150 @@
+"""A worker process: loads only its weight slices, holds its residual and KV shards, runs every layer.
+
+It never receives token ids or text: only its ingress shard of the embeddings, control words
+(operation, token count, position) and the partials addressed to its own chunks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from .comm import Comm
+from .ops import LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
+from .plan import Plan, runs
+from .protocol import CONTROL_LEN, Op, fingerprint_int
+from .weights import WeightSource
+
+
+def _augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
+    """Rows of `fused` regrouped by owner, each owner's chunk followed by one zero row (the slot
+    where the sender writes its local sum of squares)."""
+    zero = fused.shape[0]
+    padded = torch.cat([fused, fused.new_zeros(1, fused.shape[1])])
+    index = [r for rows in plan_rows for r in rows + [zero]]
+    return padded.index_select(0, torch.tensor(index))
+
+
+def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
+    c = plan.config
+    share = plan.workers[w]
+    a, b = share.residual
+    cols = [(a, b)]
+    pre = f"model.layers.{layer}."
+    n = plan.n
+
+    g_attn = src.read(pre + "input_layernorm.weight")[a:b]
+    qkv = torch.cat([src.read(pre + f"self_attn.{p}_proj.weight", cols=cols) for p in "qkv"]) * g_attn
+    qkv_w = _augmented(qkv, [plan.qkv_rows(q) for q in range(n)])
+    del qkv
+    qkv_b = None
+    if c.qkv_bias:
+        bias = torch.cat([src.read(pre + f"self_attn.{p}_proj.bias") for p in "qkv"])
+        qkv_b = bias[torch.tensor(plan.qkv_rows(w))].contiguous()
+    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(plan.o_cols(w)))
+
+    g_mlp = src.read(pre + "post_attention_layernorm.weight")[a:b]
+    gu = torch.cat([src.read(pre + f"mlp.{p}_proj.weight", cols=cols) for p in ("gate", "up")]) * g_mlp
+    gu_w = _augmented(gu, [plan.gate_up_rows(q) for q in range(n)])
+    del gu
+    down_w = src.read(pre + "mlp.down_proj.weight", cols=[share.mlp])
+    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w)
+
+
+class ShardedModel:
+    """All layers of one worker. `forward(x_dT, pos)` maps this worker's residual shard at
+    ingress to its residual shard at egress; the state is never gathered in between."""
+
+    def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
+        c = plan.config
+        self.plan, self.w, self.comm = plan, w, comm
+        qkv_aug = [s + 1 for s in plan.qkv_sizes]
+        gu_aug = [s + 1 for s in plan.gate_up_sizes]
+        res = list(plan.residual_sizes)
+        self.layers = [
+            ShardedLayer(
+                i,
+                load_layer(src, plan, w, i),
+                plan.workers[w].attention,
+                comm=comm,
+                me=w,
+                qkv_sizes_aug=qkv_aug,
+                gu_sizes_aug=gu_aug,
+                res_sizes=res,
+                hidden=c.hidden,
+                head_dim=c.head_dim,
+                group_size=c.group_size,
+                eps=c.rms_eps,
+            )
+            for i in range(c.n_layers)
+        ]
+        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.max_seq = 0
+
+    def reset(self, max_seq: int) -> None:
+        """Fresh, zeroed KV shards for a new session (the old ones are dropped)."""
+        self.max_seq = max_seq
+        for layer in self.layers:
+            layer.alloc_cache(max_seq, torch.float32, self.comm.device)
+
+    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
+        t = x_dT.shape[1]
+        if pos + t > self.max_seq:
+            raise ValueError(f"position {pos + t} beyond the session's KV capacity {self.max_seq}")
+        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
+        mask = causal_mask(pos, t)
+        for layer in self.layers:
+            x_dT = layer.forward(x_dT, pos, cos, sin, mask)
+        return x_dT
+
+
+def serve(src: WeightSource, plan: Plan, w: int, comm: Comm) -> None:
+    """The worker's command loop: HELLO (handshake + KV allocation), FORWARD, RESET, SHUTDOWN."""
+    rank = w + 1
+    ctrl = torch.zeros(CONTROL_LEN, dtype=torch.int64)
+    comm.recv(ctrl, 0, "control", "hello")
+    op, context, fp, _ = (int(v) for v in ctrl)
+    mine = fingerprint_int(plan)
+    if op != Op.HELLO or fp != mine:
+        comm.send(torch.tensor([0, mine, 0, 0]), 0, "control", "hello")
+        raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model and capacities?")
+    t0 = time.perf_counter()
+    model = ShardedModel(src, plan, w, comm)
+    model.reset(context)
+    load_ms = int((time.perf_counter() - t0) * 1000)
+    comm.send(torch.tensor([1, mine, load_ms, _rss_kb()]), 0, "control", "hello")
+    n_res = plan.workers[w].n_residual
+    while True:
+        comm.recv(ctrl, 0, "control", "cmd")
+        op, t, pos, arg = (int(v) for v in ctrl)
+        if op == Op.FORWARD:
+            x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
+            x_dT = model.forward(x_dT, pos)
+            comm.send(x_dT, 0, "egress", "final")
+        elif op == Op.RESET:
+            model.reset(arg or model.max_seq)
+        elif op == Op.PING:
+            comm.send(torch.tensor([1, rank, 0, _rss_kb()]), 0, "control", "pong")
+        elif op == Op.SHUTDOWN:
+            return
+        else:
+            raise RuntimeError(f"unknown control op {op}")
+
+
+def _rss_kb() -> int:
+    """Peak resident set size of this process, kB (Linux ru_maxrss)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import worker_main
+
+    return worker_main(argv if argv is not None else sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
