@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
 EXIT_USAGE = 2
@@ -81,12 +82,24 @@ def _engine_options(a: argparse.Namespace):
 # ---- generate ----
 
 
+def _tokenizer(path, src, needed: bool):
+    """The model's tokenizer; a model without one can still run --prompt-ids (text is then empty)."""
+    from .tokenizer import Tokenizer, load_tokenizer
+
+    if path.is_file():
+        return Tokenizer.from_gguf(src.reader)  # reuse the parsed GGUF (parsing takes seconds)
+    if not (path / "tokenizer.json").is_file():
+        if needed:
+            raise CliError(f"{path}: no tokenizer.json, so --prompt TEXT cannot be used; pass --prompt-ids")
+        return None
+    return load_tokenizer(path)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .client import Engine
-    from .generate import InputError, generate
+    from .client import Engine, effective_context
+    from .generate import InputError, check_prompt, generate
     from .sampling import SamplingParams
-    from .tokenizer import load_tokenizer
-    from .weights import resolve_model_path
+    from .weights import open_weights, resolve_model_path
 
     if (a.prompt is None) == (a.prompt_ids is None):
         raise CliError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -94,32 +107,34 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise CliError("--chat needs --prompt TEXT")
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     opts = _engine_options(a)
-    tok = load_tokenizer(resolve_model_path(a.model))
+    if a.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    t_start = time.perf_counter()
+    path = resolve_model_path(a.model)
+    src = open_weights(path)
+    tok = _tokenizer(path, src, needed=a.prompt is not None)
     if a.prompt is not None:
         if not a.prompt.strip():
             raise InputError("empty prompt")
         ids = tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
     else:
         ids = _prompt_ids(a.prompt_ids)
-        if not ids:
-            raise InputError("empty prompt")
-    if a.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    stream = tok.stream_decoder()
-    with Engine(a.model, opts) as engine:
-        from .generate import check_prompt
-
-        check_prompt(ids, engine.config.vocab, engine.context, a.max_new_tokens)
+    # Validate before any worker starts: bad input never costs a spawn.
+    check_prompt(ids, src.config.vocab, effective_context(src.config.max_positions, a.context), a.max_new_tokens)
+    eos = tok.eos_ids if tok else src.config.eos_ids
+    stream = tok.stream() if tok else None
+    with Engine(path, opts, source=src) as engine:
+        load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
 
         def on_token(t: int) -> None:
-            if not a.json and t not in tok.eos_ids:
+            if not a.json and stream is not None and t not in eos:
                 sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
 
         res = generate(
-            engine, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop_ids=tok.eos_ids, on_token=on_token
+            engine, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop_ids=eos, on_token=on_token
         )
-        text = tok.decode([t for t in res.token_ids if t not in tok.eos_ids])
+        text = tok.decode([t for t in res.token_ids if t not in eos]) if tok else ""
         if a.json:
             out = {
                 "token_ids": res.token_ids,
@@ -129,7 +144,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "finish_reason": res.finish_reason,
                 "steps": res.steps,
                 "timing": {
-                    "load_s": round(engine.load_s, 4),
+                    "load_s": round(load_s, 4),
                     "ttft_s": round(res.ttft_s, 4),
                     "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
                 },
@@ -139,7 +154,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             }
             print(json.dumps(out))
         else:
-            sys.stdout.write(stream.flush() + "\n")
+            sys.stdout.write((stream.flush() if stream else " ".join(map(str, res.token_ids))) + "\n")
             sys.stdout.flush()
     return 0
 

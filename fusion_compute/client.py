@@ -33,6 +33,11 @@ class EngineOptions:
     extra_worker_args: tuple[str, ...] = ()
 
 
+def effective_context(model_window: int, requested: int | None) -> int:
+    """KV positions per session: the request (or DEFAULT_CONTEXT), never beyond the model's window."""
+    return min(model_window, requested or DEFAULT_CONTEXT)
+
+
 def _default_threads(n_workers: int) -> int:
     import os
 
@@ -42,13 +47,20 @@ def _default_threads(n_workers: int) -> int:
 class Engine:
     """Client side of one job: owns the worker processes (if local) and the session state."""
 
-    def __init__(self, model: str | Path | None, opts: EngineOptions, recorder: Recorder | None = None):
+    def __init__(
+        self,
+        model: str | Path | None,
+        opts: EngineOptions,
+        recorder: Recorder | None = None,
+        source: WeightSource | None = None,
+    ):
+        """`source`: an already opened `open_weights(model)`, to avoid parsing the file twice."""
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(model)
-        self.src: WeightSource = open_weights(self.model_path)
+        self.src: WeightSource = source or open_weights(self.model_path)
         self.config = c = self.src.config
         self.plan: Plan = make_plan(c, opts.n_workers, opts.capacities)
-        self.context = min(c.max_positions, opts.context or DEFAULT_CONTEXT)
+        self.context = effective_context(c.max_positions, opts.context)
         self.opts = opts
         self.embed = self.src.read("model.embed_tokens.weight")  # (V, H)
         if self.embed.shape != (c.vocab, c.hidden):

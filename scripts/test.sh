@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (with test extras), lint, then run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+python3 -m ruff check fusion_compute tests
+exec python3 -m pytest -q "$@"

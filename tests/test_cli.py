@@ -1,0 +1,160 @@
+"""The `fusion` command: bad input gives one line and a non-zero exit; separately started workers
+join a client; a dying worker ends the run cleanly; nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fusion_compute.comm import free_port
+
+FUSION = [sys.executable, "-m", "fusion_compute.cli"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*FUSION, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def worker_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "fusion_compute.worker"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert "Traceback" not in err, err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
+
+
+@pytest.fixture
+def no_new_workers():
+    before = worker_pids()
+    yield
+    deadline = time.monotonic() + 10
+    while worker_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker_pids() - before == set(), "orphaned worker processes"
+
+
+@pytest.fixture(scope="module")
+def unsupported_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt2")
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    return d
+
+
+BAD = [
+    (["--model", "/no/such/model", "--prompt", "hi"], "model not found"),
+    (["--workers", "97", "--prompt", "hi"], "at most 96"),
+    (["--workers", "0", "--prompt", "hi"], "--workers must be >= 1"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--prompt-ids", ""], "empty prompt"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,49152"], "outside the vocabulary"),
+    (["--prompt-ids", ",".join(["1"] * 40), "--context", "32"], "does not fit the context window"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top-p"),
+    (["--prompt", "hi", "--top-k", "-1"], "top-k"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["--prompt", "hi", "--capacity", "1,a"], "--capacity"),
+    (["--prompt", "hi", "--capacity", "1,1,1"], "3 capacities given for 2"),
+    (["--prompt", "hi", "--master", "localhost"], "HOST:PORT"),
+    (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_one_line(args, needle, no_new_workers):
+    assert_one_line_error(run("generate", *args), needle)
+
+
+def test_unsupported_architecture(unsupported_model, no_new_workers):
+    assert_one_line_error(run("generate", "--model", str(unsupported_model), "--prompt-ids", "1"), "unsupported architecture")
+    assert_one_line_error(run("plan", "--model", str(unsupported_model), "--workers", "2"), "unsupported architecture")
+
+
+def test_plan_command(tiny_qwen2):
+    r = run("plan", "--model", str(tiny_qwen2), "--workers", "3", "--capacity", "2,1,1")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [s["residual"] for s in plan["shares"]] == [[0, 36], [36, 54], [54, 72]]
+    assert_one_line_error(run("plan", "--model", str(tiny_qwen2), "--workers", "37"), "at most 12")
+
+
+def test_rendezvous_times_out_without_workers(tiny_qwen2, no_new_workers):
+    port = free_port()
+    r = run("generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", "--master", f"127.0.0.1:{port}",
+            "--timeout", "3", timeout=60)  # fmt: skip
+    assert_one_line_error(r, "rendezvous")
+
+
+def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
+    """Multi-host shape on one machine: the client and each worker are independent processes."""
+    port = free_port()
+    master = f"127.0.0.1:{port}"
+    ids = "5,17,33,2,99"
+    client = subprocess.Popen(
+        [*FUSION, "generate", "--model", str(tiny_qwen2), "--workers", "2", "--master", master,
+         "--prompt-ids", ids, "--max-new-tokens", "8", "--json", "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    workers = [
+        subprocess.Popen([*FUSION, "worker", "--model", str(tiny_qwen2), "--rank", str(r), "--workers", "2",
+                          "--master", master, "--threads", "1", "--timeout", "60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for r in (1, 2)
+    ]
+    try:
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0, err
+        for w in workers:
+            w.wait(timeout=30)
+            assert w.returncode == 0, w.stderr.read()
+    finally:
+        for p in [client, *workers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = json.loads(out)
+    # Same answer as the default local spawn.
+    local = json.loads(run("generate", "--model", str(tiny_qwen2), "--prompt-ids", ids, "--max-new-tokens", "8",
+                           "--json").stdout)  # fmt: skip
+    assert res["token_ids"] == local["token_ids"] and len(res["token_ids"]) == 8
+
+
+def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
+    """Kill a worker mid-generation: the client exits non-zero with one line, nothing hangs."""
+    from tiny_models import build
+
+    long_model = build(tmp_path / "long", "qwen2", max_position_embeddings=8192)  # minutes of decoding
+    client = subprocess.Popen(
+        [*FUSION, "generate", "--model", str(long_model), "--workers", "2", "--prompt-ids", "1,2,3",
+         "--max-new-tokens", "100000", "--context", "8192", "--timeout", "30"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        mine: set[int] = set()
+        while not mine and time.monotonic() < deadline:
+            time.sleep(0.2)
+            kids = subprocess.run(["pgrep", "-P", str(client.pid)], capture_output=True, text=True).stdout
+            mine = {int(p) for p in kids.split()}
+        assert mine, "no workers spawned"
+        time.sleep(3)  # let it reach the decode loop
+        os.kill(min(mine), signal.SIGKILL)
+        _, err = client.communicate(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    assert client.returncode not in (0, None)
+    assert "Traceback" not in err
+    assert "worker" in err and "error" in err, err

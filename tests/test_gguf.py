@@ -1,0 +1,211 @@
+"""GGUFWeights: config and every layer-0 weight vs transformers' own GGUF loader; slicing; synthetic files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from fusion_compute.config import ModelError, RopeConfig
+from fusion_compute.gguf import GGUFWeights
+from fusion_compute.weights import default_model_path
+
+# transformers dequantizes with its own kernels; both are fp32 reconstructions of the same blocks.
+DEQUANT_ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def weights() -> GGUFWeights:
+    return GGUFWeights(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_ref):
+    return smollm_ref  # one transformers load of the GGUF per test session (conftest)
+
+
+def test_config_matches_transformers(weights, hf_model):
+    c, hf = weights.config, hf_model.config
+    assert (c.arch, c.hidden, c.intermediate, c.n_layers) == ("llama", 576, 1536, 30)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.vocab) == (9, 3, 64, 49152)
+    assert c.tie_embeddings and hf.tie_word_embeddings
+    assert (c.hidden, c.intermediate, c.n_layers) == (hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim) == (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
+    assert (c.vocab, c.max_positions, c.rms_eps) == (hf.vocab_size, hf.max_position_embeddings, hf.rms_norm_eps)
+    assert c.rope.theta == hf.rope_parameters["rope_theta"] and c.rope.kind == "default"
+    assert c.qkv_bias == hf.attention_bias
+    assert c.bos_id == hf.bos_token_id and c.eos_ids == (hf.eos_token_id,)
+
+
+def test_layer0_weights_equal_transformers(weights, hf_model):
+    # q_proj / k_proj equal only if llama.cpp's RoPE row permutation is undone correctly.
+    params = dict(hf_model.named_parameters())
+    names = [n for n in params if n.startswith("model.layers.0.")] + ["model.embed_tokens.weight", "model.norm.weight"]
+    assert len(names) == 11 and not weights.has("lm_head.weight")
+    for name in names:
+        ours, ref = weights.read(name), params[name].detach()
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape, name
+        diff = (ours - ref).abs().max().item()
+        assert diff <= DEQUANT_ATOL, f"{name}: max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.3.self_attn.q_proj.weight",  # Q4_1, permuted rows
+        "model.layers.3.self_attn.k_proj.weight",  # Q4_1, permuted rows, kv heads
+        "model.layers.3.mlp.down_proj.weight",  # Q4_1, 1536 columns
+        "model.embed_tokens.weight",  # Q8_0
+    ],
+)
+def test_read_rows_cols_equals_slicing(weights, name):
+    full = weights.read(name)
+    out, inp = full.shape
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randperm(out, generator=g)[: out // 3]
+    cols = [(5, 40), (64, 65), (inp - 70, inp)]  # not block aligned, single column, to the end
+    expect = torch.cat([full[:, a:b] for a, b in cols], dim=1)[rows]
+    assert torch.equal(weights.read(name, rows=rows, cols=cols), expect)
+    assert torch.equal(weights.read(name, rows=rows), full[rows])
+    assert torch.equal(weights.read(name, cols=cols), torch.cat([full[:, a:b] for a, b in cols], dim=1))
+
+
+def test_read_1d_rows(weights):
+    norm = weights.read("model.layers.0.input_layernorm.weight")
+    rows = torch.tensor([7, 0, 575])
+    assert norm.shape == (576,) and torch.equal(
+        weights.read("model.layers.0.input_layernorm.weight", rows=rows), norm[rows]
+    )
+
+
+def test_missing_tensor_and_bad_cols(weights):
+    with pytest.raises(ModelError, match="missing"):
+        weights.read("lm_head.weight")
+    with pytest.raises(ModelError, match="out of bounds"):
+        weights.read("model.layers.0.mlp.up_proj.weight", cols=[(500, 600)])
+
+
+# --- synthetic files -------------------------------------------------------------------------------
+
+
+def _write(path: Path, arch: str, meta: dict[str, str | int | float], tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in meta.items():
+        add = {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)]
+        add(key.format(arch=arch), value)
+    for name, (x, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, x.astype(np.float32 if qtype == Q.F32 else np.float16))
+        else:
+            q = gguf.quants.quantize(x, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+H, FFN, NH, NKV, D = 64, 96, 4, 2, 16
+META = {
+    "{arch}.embedding_length": H,
+    "{arch}.feed_forward_length": FFN,
+    "{arch}.block_count": 1,
+    "{arch}.attention.head_count": NH,
+    "{arch}.attention.head_count_kv": NKV,
+    "{arch}.context_length": 128,
+    "{arch}.vocab_size": 32,
+    "{arch}.rope.freq_base": 1e6,
+    "{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+}
+
+
+def _rand(*shape: int) -> np.ndarray:
+    return np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unsupported_arch(tmp_path):
+    path = _write(tmp_path / "g.gguf", "gemma", META, {"token_embd.weight": (_rand(32, H), Q.F32)})
+    with pytest.raises(ModelError, match="unsupported GGUF architecture 'gemma'"):
+        GGUFWeights(path)
+
+
+def test_qwen2_types_roundtrip(tmp_path):
+    # Qwen2 GGUFs keep HF row order (llama.cpp uses NEOX rope for them): no un-permutation.
+    ref = {
+        "token_embd.weight": (_rand(32, H), Q.Q8_0),
+        "output.weight": (_rand(32, H), Q.BF16),
+        "blk.0.attn_q.weight": (_rand(NH * D, H), Q.F16),
+        "blk.0.attn_q.bias": (_rand(NH * D), Q.F32),
+        "blk.0.attn_k.weight": (_rand(NKV * D, H), Q.Q4_1),
+        "blk.0.ffn_down.weight": (_rand(H, FFN), Q.Q8_0),
+    }
+    w = GGUFWeights(_write(tmp_path / "q.gguf", "qwen2", META, ref))
+    c = w.config
+    assert (c.arch, c.hidden, c.head_dim, c.vocab, c.rope.theta) == ("qwen2", H, D, 32, 1e6)
+    assert c.qkv_bias and not c.tie_embeddings
+    hf = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "lm_head.weight": "output.weight",
+        "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+        "model.layers.0.self_attn.q_proj.bias": "blk.0.attn_q.bias",
+        "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+        "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    }
+    tol = {Q.F32: 0, Q.F16: 1e-2, Q.BF16: 2e-2, Q.Q8_0: 5e-2, Q.Q4_1: 0.5}
+    for name, src in hf.items():
+        x, qtype = ref[src]
+        got = w.read(name)
+        assert got.shape == x.shape, name
+        assert (got - torch.from_numpy(x)).abs().max().item() <= tol[qtype] * np.abs(x).max(), name
+    rows, cols = torch.tensor([3, 1]), [(10, 40), (50, 96)]
+    full = w.read("model.layers.0.mlp.down_proj.weight")
+    assert torch.equal(
+        w.read("model.layers.0.mlp.down_proj.weight", rows, cols), torch.cat([full[:, 10:40], full[:, 50:96]], 1)[rows]
+    )
+
+
+def test_llama_unpermute_and_linear_rope(tmp_path):
+    q, k = _rand(NH * D, H), _rand(NKV * D, H)
+    tensors = {
+        "token_embd.weight": (_rand(32, H), Q.F32),
+        "blk.0.attn_q.weight": (_llama_permute(q, NH), Q.F32),
+        "blk.0.attn_k.weight": (_llama_permute(k, NKV), Q.F32),
+        "blk.0.attn_q.bias": (_llama_permute(q[:, 0].copy(), NH), Q.F32),  # the converter permutes biases too
+    }
+    meta = {**META, "{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 4.0}
+    src = GGUFWeights(_write(tmp_path / "l.gguf", "llama", meta, tensors))
+    assert (src.config.rope.kind, src.config.rope.factor) == ("linear", 4.0)
+    assert src.config.tie_embeddings and src.config.qkv_bias
+    assert torch.equal(src.read("model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(q))
+    assert torch.equal(src.read("model.layers.0.self_attn.k_proj.weight"), torch.from_numpy(k))
+    assert torch.equal(src.read("model.layers.0.self_attn.q_proj.bias"), torch.from_numpy(q[:, 0]))
+    rows = torch.tensor([17, 0, 5])
+    assert torch.equal(src.read("model.layers.0.self_attn.q_proj.bias", rows=rows), torch.from_numpy(q[[17, 0, 5], 0]))
+    got = src.read("model.layers.0.self_attn.k_proj.weight", rows=rows, cols=[(3, 9)])
+    assert torch.equal(got, torch.from_numpy(k[[17, 0, 5], 3:9]))
+
+
+def test_llama3_rope_freqs(tmp_path):
+    # Llama 3.x GGUFs carry per-pair divisors (rope_freqs.weight) instead of the llama3 parameters.
+    theta, factor = 5e5, 32.0
+    wanted = RopeConfig(theta=theta, kind="llama3", factor=factor)
+    divisors = np.array(
+        [b / s for b, s in zip(RopeConfig(theta=theta).inv_freq(D), wanted.inv_freq(D), strict=True)], np.float32
+    )
+    meta = {**META, "{arch}.rope.freq_base": theta}
+    tensors = {"token_embd.weight": (_rand(32, H), Q.F32), "rope_freqs.weight": (divisors, Q.F32)}
+    rope = GGUFWeights(_write(tmp_path / "l3.gguf", "llama", meta, tensors)).config.rope
+    assert (rope.kind, rope.factor, rope.low_freq_factor, rope.high_freq_factor) == ("llama3", factor, 1.0, 4.0)
+    bad = {**tensors, "rope_freqs.weight": (divisors[::-1].copy(), Q.F32)}
+    with pytest.raises(ModelError, match="rope_freqs"):
+        GGUFWeights(_write(tmp_path / "bad.gguf", "llama", meta, bad))

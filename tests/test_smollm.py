@@ -1,0 +1,53 @@
+"""The bundled SmolLM2-135M-Instruct (GGUF, Q4_1): greedy tokens identical to transformers, N = 1..4."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fusion_compute import reference
+from fusion_compute.client import Engine, EngineOptions
+from fusion_compute.generate import generate
+from fusion_compute.sampling import SamplingParams
+from fusion_compute.tokenizer import load_tokenizer
+
+NEW_TOKENS = 24
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm_path):
+    tok = load_tokenizer(smollm_path)
+    return tok, tok.chat_ids([{"role": "user", "content": "Name three colours of the rainbow."}])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_greedy_identical_to_transformers(smollm_path, smollm_ref, chat_ids, n):
+    tok, ids = chat_ids
+    want = reference.greedy(smollm_ref, ids, NEW_TOKENS, stop_ids=tok.eos_ids)
+    with Engine(smollm_path, EngineOptions(n_workers=n, timeout_s=120, context=256)) as eng:
+        got = generate(eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids)
+    first = next((i for i, (a, b) in enumerate(zip(got.token_ids, want, strict=False)) if a != b), None)
+    assert got.token_ids == want, f"N={n}: first diverging token at {first}: {tok.decode(got.token_ids)!r}"
+
+
+def test_cli_json_answers_paris(smollm_path, smollm_ref):
+    out = subprocess.run(
+        [sys.executable, "-m", "fusion_compute.cli", "generate", "--workers", "3", "--chat", "--prompt", QUESTION,
+         "--max-new-tokens", "16", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, "--json prints exactly one JSON object"
+    res = json.loads(lines[0])
+    assert "Paris" in res["text"]
+    assert res["workers"] == 3 and res["prompt_tokens"] > 0
+    assert set(res["timing"]) >= {"load_s", "ttft_s", "decode_tokens_per_s"}
+    tok = load_tokenizer(smollm_path)
+    ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
+    assert res["prompt_tokens"] == len(ids)
+    assert res["token_ids"] == reference.greedy(smollm_ref, ids, 16, stop_ids=tok.eos_ids)
