@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -77,29 +78,80 @@ def _select(t: torch.Tensor, rows: torch.Tensor | None, cols: Ranges | None) -> 
     return t
 
 
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+READ_CHUNK_BYTES = 16 << 20  # rows are read in bounded chunks, then narrowed to the wanted columns
+
+
+class _SafetensorsFile:
+    """One .safetensors file read with pread, not mmap.
+
+    Why not `safe_open(...).get_slice`: it memory-maps the file, and a column slice of a row-major
+    tensor touches every page of it, so each worker's resident set would grow by the whole tensor
+    (the full model, over all layers) even though it keeps only 1/N. Reading bounded chunks of rows
+    and keeping only the wanted columns makes worker memory follow its share.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > path.stat().st_size - 8:
+                raise ValueError(f"header length {n} beyond the file's end")
+            header = json.loads(f.read(n))
+        self.base = 8 + n
+        header.pop("__metadata__", None)
+        self.tensors: dict[str, dict] = header
+
+    def read(self, name: str, cols: Ranges | None) -> torch.Tensor:
+        info = self.tensors[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ModelError(f"{self.path.name}: {name} has unsupported dtype {info['dtype']}")
+        shape = list(info["shape"])
+        begin, end = info["data_offsets"]
+        es = torch.tensor([], dtype=dtype).element_size()
+        with open(self.path, "rb", buffering=0) as f:
+            if len(shape) != 2 or cols is None:
+                f.seek(self.base + begin)
+                data = bytearray(f.read(end - begin))
+                return torch.frombuffer(data, dtype=dtype).view(shape).to(torch.float32)
+            rows, width = shape
+            row_bytes = width * es
+            step = max(1, READ_CHUNK_BYTES // max(1, row_bytes))
+            parts = []
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                f.seek(self.base + begin + r0 * row_bytes)
+                chunk = torch.frombuffer(bytearray(f.read((r1 - r0) * row_bytes)), dtype=dtype).view(r1 - r0, width)
+                parts.append(torch.cat([chunk[:, a:b] for a, b in cols], dim=1).to(torch.float32))
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 class SafetensorsWeights:
     """A Hugging Face model directory: config.json + model.safetensors or a sharded index."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = path
         self.config = ModelConfig.from_hf_dir(path)
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
-            if not files:
-                raise ModelError(f"{path}: no *.safetensors files")
-            weight_map = {}
-        self._handles = {f: safe_open(str(path / f), framework="pt") for f in files}
-        if not weight_map:
-            for f, h in self._handles.items():
-                for k in h.keys():
-                    weight_map[k] = f
-        self._where = weight_map
+        if not files:
+            raise ModelError(f"{path}: no *.safetensors files")
+        self._where: dict[str, _SafetensorsFile] = {}
+        for name in files:
+            try:
+                st = _SafetensorsFile(path / name)
+            except (OSError, ValueError, struct.error) as e:
+                raise ModelError(f"{path / name}: unreadable safetensors file ({e})") from None
+            self._where.update(dict.fromkeys(st.tensors, st))
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -107,10 +159,4 @@ class SafetensorsWeights:
     def read(self, name: str, rows: torch.Tensor | None = None, cols: Ranges | None = None) -> torch.Tensor:
         if name not in self._where:
             raise ModelError(f"{self.path}: tensor {name} missing")
-        sl = self._handles[self._where[name]].get_slice(name)
-        if cols is not None and len(sl.get_shape()) == 2:
-            # get_slice reads only the requested columns from disk.
-            t = torch.cat([sl[:, a:b] for a, b in cols], dim=1)
-        else:
-            t = sl[:]
-        return _select(t.to(torch.float32), rows, None)
+        return _select(self._where[name].read(name, cols), rows, None)

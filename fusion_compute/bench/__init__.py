@@ -1,0 +1,1 @@
+"""`fusion bench`: this runtime vs one transformers process vs a Megatron-style baseline."""
