@@ -31,10 +31,24 @@ class CommError(RuntimeError):
 class Event:
     """One transfer, as the comm layer saw it (sender-side element counts)."""
 
-    kind: str  # reduce_scatter | score_sum | ingress | egress | control | gather (leak control)
+    kind: str  # reduce_scatter | score_sum | ingress | egress | control | gather | all_reduce (controls)
     op: str  # operator name, e.g. "L3.qkv"
     sent: tuple[int, ...]  # elements this rank sent to each world rank (index = rank)
     received: tuple[int, ...]  # elements this rank received from each world rank
+    itemsize: int = 4  # bytes per element (fp32 state; int64 control words are 8)
+
+
+# Transfers among workers (everything else is client <-> worker: ingress, egress, control).
+WORKER_COLLECTIVES = frozenset({"reduce_scatter", "score_sum", "gather", "all_reduce"})
+
+
+@dataclass
+class Counters:
+    """Always-on totals for the benchmark (three integer additions per transfer)."""
+
+    collectives: int = 0  # collectives this rank took part in among workers
+    peer_bytes_sent: int = 0  # bytes it addressed to other workers (sender-side, payload only)
+    client_bytes: int = 0  # bytes to and from the client (rank 0)
 
 
 class Recorder(Protocol):
@@ -63,11 +77,18 @@ class Comm:
         timeout_s: float = 120.0,
         score_groups: Sequence[Sequence[int]] = (),
         recorder: Recorder | None = None,
+        reduce_scatter_impl: str = "all_to_all",
     ):
         host, _, port = master.rpartition(":")
         self.rank = rank
         self.world = n_workers + 1
         self.recorder: Recorder = recorder or NullRecorder()
+        self.counters = Counters()
+        if reduce_scatter_impl not in ("all_to_all", "gloo"):
+            raise CommError(f"unknown reduce-scatter implementation {reduce_scatter_impl!r} (all_to_all | gloo)")
+        # "gloo" exists only as an audit negative control: gloo's reduce_scatter is an all-reduce in
+        # disguise. The events below are identical either way; only the OS socket counters differ.
+        self.reduce_scatter_impl = reduce_scatter_impl
         self.device = torch.device("cpu")
         if backend == "nccl":
             self.device = torch.device("cuda", (rank - 1) % max(1, torch.cuda.device_count()) if rank else 0)
@@ -96,8 +117,14 @@ class Comm:
     def _counts(self, peer_elems: dict[int, int]) -> tuple[int, ...]:
         return tuple(peer_elems.get(r, 0) for r in range(self.world))
 
-    def _emit(self, kind: str, op: str, sent: dict[int, int], received: dict[int, int]) -> None:
-        self.recorder.record(Event(kind, op, self._counts(sent), self._counts(received)))
+    def _emit(self, kind: str, op: str, sent: dict[int, int], received: dict[int, int], itemsize: int = 4) -> None:
+        c = self.counters
+        if kind in WORKER_COLLECTIVES:
+            c.collectives += 1
+            c.peer_bytes_sent += sum(n for r, n in sent.items() if r != 0) * itemsize
+        else:
+            c.client_bytes += (sent.get(0, 0) + received.get(0, 0)) * itemsize
+        self.recorder.record(Event(kind, op, self._counts(sent), self._counts(received), itemsize))
 
     # ---- verbs ----
 
@@ -113,15 +140,17 @@ class Comm:
         recv = torch.empty((n * sizes[me], t), dtype=send.dtype, device=send.device)
         if n == 1:
             return send
+        sent = {q + 1: sizes[q] * t for q in range(n) if q != me}
+        received = {q + 1: sizes[me] * t for q in range(n) if q != me}
+        if self.reduce_scatter_impl == "gloo":  # negative control only (see __init__)
+            out = torch.empty((sizes[me], t), dtype=send.dtype, device=send.device)
+            dist.reduce_scatter(out, list(send.split(list(sizes))), group=self.workers_pg)
+            self._emit("reduce_scatter", op, sent, received)
+            return out
         dist.all_to_all_single(
             recv, send, output_split_sizes=[sizes[me]] * n, input_split_sizes=list(sizes), group=self.workers_pg
         )
-        self._emit(
-            "reduce_scatter",
-            op,
-            {q + 1: sizes[q] * t for q in range(n) if q != me},
-            {q + 1: sizes[me] * t for q in range(n) if q != me},
-        )
+        self._emit("reduce_scatter", op, sent, received)
         return recv.view(n, sizes[me], t).sum(0)
 
     def sum_scores(self, scores: torch.Tensor, group: int, op: str) -> torch.Tensor:
@@ -136,12 +165,28 @@ class Comm:
     def send(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> None:
         """Point-to-point: ingress (client -> worker shard), egress (worker shard -> client), control."""
         dist.send(tensor.contiguous(), dst)
-        self._emit(kind, op, {dst: tensor.numel()}, {})
+        self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
 
     def recv(self, tensor: torch.Tensor, src: int, kind: str, op: str) -> torch.Tensor:
         dist.recv(tensor, src)
-        self._emit(kind, op, {}, {src: tensor.numel()})
+        self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
         return tensor
+
+    def isend(self, tensor: torch.Tensor, dst: int, kind: str, op: str):
+        """Non-blocking `send` (masked mode: a linear's round trips to several workers overlap, and
+        group B streams its layers ahead of the client). Returns a handle; call `.wait()` on it, and
+        keep `tensor` (contiguous) alive and unmodified until then."""
+        if not tensor.is_contiguous():
+            raise ValueError("isend needs a contiguous tensor (it must outlive the transfer)")
+        work = dist.isend(tensor, dst)
+        self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
+        return work
+
+    def irecv(self, tensor: torch.Tensor, src: int, kind: str, op: str):
+        """Non-blocking `recv` into `tensor`; valid after `.wait()` on the returned handle."""
+        work = dist.irecv(tensor, src)
+        self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
+        return work
 
     def all_gather_workers(self, shard: torch.Tensor, sizes: Sequence[int], op: str) -> torch.Tensor:
         """A deliberate leak, for negative controls and the Megatron-style baseline only: every

@@ -51,6 +51,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2)
 
 
+@dataclass(frozen=True)
+class LayerIndex:
+    """The coordinates this worker's tensors stand for, as the index maps its weights were cut with.
+
+    Inputs are the columns a weight was sliced by; outputs the rows of the fused output space that
+    the scatter delivers to this worker. The audit records these (not the plan) at every step.
+    """
+
+    resid_in: list[int]  # residual coords of x_dT: columns of qkv_w / gu_w, in [0, H)
+    qkv_out: list[int]  # rows of [q; k; v] in this worker's qkv chunk, in [0, n_h d + 2 n_kv d)
+    attn_in: list[int]  # columns of o_proj = q coords of o_aT, in [0, n_h d)
+    resid_out: list[int]  # rows of the o / down scatter chunk delivered here, in [0, H)
+    gu_out: list[int]  # rows of [gate; up] in this worker's chunk, in [0, 2I)
+    h_in: list[int]  # columns of down_proj = MLP coords of h_mT, in [0, I)
+
+
 @dataclass
 class LayerShard:
     """One worker's weights for one decoder layer (norm gains folded into the columns)."""
@@ -60,6 +76,7 @@ class LayerShard:
     o_w: torch.Tensor  # (H, a_r)
     gu_w: torch.Tensor  # (Σ_q (2 m_q + 1), d_r)
     down_w: torch.Tensor  # (H, m_r)
+    index: LayerIndex | None = None  # what the rows/columns above stand for (audit)
 
 
 @dataclass
@@ -128,6 +145,7 @@ class ShardedLayer:
         self.qkv_ss_rows = torch.tensor([sum(qkv_sizes_aug[: q + 1]) - 1 for q in range(len(qkv_sizes_aug))])
         self.gu_ss_rows = torch.tensor([sum(gu_sizes_aug[: q + 1]) - 1 for q in range(len(gu_sizes_aug))])
         self.caches: list[BlockCache] = []
+        self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
 
     def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device) -> None:
         self.caches = [
@@ -144,7 +162,7 @@ class ShardedLayer:
         """Local attention over the worker's KV shard; returns o_aT (a_r, T) in q-row order."""
         t = qkv_aT.shape[1]
         outs, row = [], 0
-        for bi, (b, cache) in enumerate(zip(self.blocks, self.caches)):
+        for b, cache in zip(self.blocks, self.caches, strict=False):
             ng, dl, gs = b.n_groups, b.dims, self.gs
             nq, nk = ng * gs * dl, ng * dl
             q = qkv_aT[row : row + nq].view(ng, gs, dl, t)
@@ -161,7 +179,7 @@ class ShardedLayer:
             scores = q_g @ cache.k[:, :s_len].transpose(1, 2)  # (ng, gs*T, S) partial over own dims
             if b.split:
                 # q·k summed over the group's dims = Σ over its owners of their partial dot products.
-                self.comm.sum_scores(scores, b.g0, f"L{self.i}.scores.b{bi}")
+                self.comm.sum_scores(scores, b.g0, f"L{self.i}.scores.g{b.g0}")
             scores = scores * self.scale
             if mask is not None:
                 scores = scores.view(ng, gs, t, s_len).masked_fill(mask, float("-inf")).view(ng, gs * t, s_len)
@@ -171,7 +189,7 @@ class ShardedLayer:
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def forward(self, x_dT: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, mask) -> torch.Tensor:
-        L, w, c = self.i, self.w, self.comm
+        L, w, c, a = self.i, self.w, self.comm, self.audit
         qkv_aT = norm_linear_scatter(
             c, x_dT, w.qkv_w, self.qkv_ss_rows, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv"
         )
@@ -179,13 +197,27 @@ class ShardedLayer:
             # Bias once, by the owner, after the scatter: added to partials it would count N times.
             qkv_aT = qkv_aT + w.qkv_b[:, None]
         o_aT = self.attention(qkv_aT, pos, cos, sin, mask)
-        x_dT = x_dT + c.reduce_scatter(w.o_w @ o_aT, self.res_sizes, f"L{L}.o")
+        y_dT = c.reduce_scatter(w.o_w @ o_aT, self.res_sizes, f"L{L}.o")
+        if a is not None:  # holdings at this step, from the index maps the tensors were built with
+            ix = w.index
+            a.hold(L, "resid.in", ix.resid_in, x_dT.shape[0])
+            a.hold(L, "qkv", ix.qkv_out, qkv_aT.shape[0])
+            a.hold(L, "kv", ix.qkv_out, sum(2 * ch.k.shape[0] * ch.k.shape[2] for ch in self.caches))
+            a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
+            a.hold(L, "resid.mid", ix.resid_out, y_dT.shape[0])
+        x_dT = x_dT + y_dT
         gu_mT = norm_linear_scatter(
             c, x_dT, w.gu_w, self.gu_ss_rows, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up"
         )
         m = gu_mT.shape[0] // 2
         h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
-        return x_dT + c.reduce_scatter(w.down_w @ h_mT, self.res_sizes, f"L{L}.down")
+        y_dT = c.reduce_scatter(w.down_w @ h_mT, self.res_sizes, f"L{L}.down")
+        if a is not None:
+            ix = w.index
+            a.hold(L, "gate_up", ix.gu_out, gu_mT.shape[0])
+            a.hold(L, "h", ix.h_in, h_mT.shape[0])
+            a.hold(L, "resid.out", ix.resid_out, y_dT.shape[0])
+        return x_dT + y_dT
 
 
 def causal_mask(pos: int, t: int) -> torch.Tensor | None:

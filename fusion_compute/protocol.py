@@ -18,6 +18,7 @@ class Op(IntEnum):
     RESET = 3  # [RESET, 0, 0, context]: drop and re-zero the KV shards
     PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]
     SHUTDOWN = 5
+    STATS = 6  # [STATS, ...] -> [collectives, peer_bytes_sent, client_bytes, rss_kb] (benchmark)
 
 
 def fingerprint_int(plan: Plan) -> int:

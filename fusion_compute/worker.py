@@ -12,7 +12,7 @@ import time
 import torch
 
 from .comm import Comm
-from .ops import LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
+from .ops import LayerIndex, LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
 from .plan import Plan, runs
 from .protocol import CONTROL_LEN, Op, fingerprint_int
 from .weights import WeightSource
@@ -35,22 +35,35 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
     pre = f"model.layers.{layer}."
     n = plan.n
 
+    qkv_rows = [plan.qkv_rows(q) for q in range(n)]
+    gu_rows = [plan.gate_up_rows(q) for q in range(n)]
+    o_cols = plan.o_cols(w)
+    res_off = sum(plan.residual_sizes[:w])  # o / down outputs are split in natural row order
+    index = LayerIndex(
+        resid_in=list(range(a, b)),
+        qkv_out=qkv_rows[w],
+        attn_in=o_cols,
+        resid_out=list(range(res_off, res_off + plan.residual_sizes[w])),
+        gu_out=gu_rows[w],
+        h_in=list(range(*share.mlp)),
+    )
+
     g_attn = src.read(pre + "input_layernorm.weight")[a:b]
     qkv = torch.cat([src.read(pre + f"self_attn.{p}_proj.weight", cols=cols) for p in "qkv"]) * g_attn
-    qkv_w = _augmented(qkv, [plan.qkv_rows(q) for q in range(n)])
+    qkv_w = _augmented(qkv, qkv_rows)
     del qkv
     qkv_b = None
     if c.qkv_bias:
         bias = torch.cat([src.read(pre + f"self_attn.{p}_proj.bias") for p in "qkv"])
-        qkv_b = bias[torch.tensor(plan.qkv_rows(w))].contiguous()
-    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(plan.o_cols(w)))
+        qkv_b = bias[torch.tensor(qkv_rows[w])].contiguous()
+    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(o_cols))
 
     g_mlp = src.read(pre + "post_attention_layernorm.weight")[a:b]
     gu = torch.cat([src.read(pre + f"mlp.{p}_proj.weight", cols=cols) for p in ("gate", "up")]) * g_mlp
-    gu_w = _augmented(gu, [plan.gate_up_rows(q) for q in range(n)])
+    gu_w = _augmented(gu, gu_rows)
     del gu
     down_w = src.read(pre + "mlp.down_proj.weight", cols=[share.mlp])
-    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w)
+    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
 
 
 class ShardedModel:
@@ -82,6 +95,11 @@ class ShardedModel:
         ]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = 0
+        self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
+
+    def attach_audit(self, audit) -> None:
+        for layer in self.layers:
+            layer.audit = audit
 
     def reset(self, max_seq: int) -> None:
         """Fresh, zeroed KV shards for a new session (the old ones are dropped)."""
@@ -96,12 +114,20 @@ class ShardedModel:
         cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
         mask = causal_mask(pos, t)
         for layer in self.layers:
+            if self.leak is not None:
+                self.leak(layer.i, x_dT)
             x_dT = layer.forward(x_dT, pos, cos, sin, mask)
         return x_dT
 
 
-def serve(src: WeightSource, plan: Plan, w: int, comm: Comm) -> None:
-    """The worker's command loop: HELLO (handshake + KV allocation), FORWARD, RESET, SHUTDOWN."""
+def serve(
+    src: WeightSource, plan: Plan, w: int, comm: Comm, *, audit=None, leak: str | None = None, variant: str = "sharded"
+) -> None:
+    """The worker's command loop: HELLO (handshake + KV allocation), FORWARD, RESET, SHUTDOWN.
+
+    audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
+    per step; leak: a negative-control spec (`audit.inject`); variant: "sharded" or "megatron"
+    (the replicated-residual baseline of megatron.py, same protocol)."""
     rank = w + 1
     ctrl = torch.zeros(CONTROL_LEN, dtype=torch.int64)
     comm.recv(ctrl, 0, "control", "hello")
@@ -111,8 +137,20 @@ def serve(src: WeightSource, plan: Plan, w: int, comm: Comm) -> None:
         comm.send(torch.tensor([0, mine, 0, 0]), 0, "control", "hello")
         raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model and capacities?")
     t0 = time.perf_counter()
-    model = ShardedModel(src, plan, w, comm)
+    if variant == "megatron":
+        from .megatron import MegatronModel
+
+        model = MegatronModel(src, plan, w, comm)
+    else:
+        model = ShardedModel(src, plan, w, comm)
     model.reset(context)
+    if leak:
+        from .audit.inject import install_leak
+
+        install_leak(model, leak)
+    if audit is not None:
+        model.attach_audit(audit)
+        audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
     load_ms = int((time.perf_counter() - t0) * 1000)
     comm.send(torch.tensor([1, mine, load_ms, _rss_kb()]), 0, "control", "hello")
     n_res = plan.workers[w].n_residual
@@ -120,14 +158,25 @@ def serve(src: WeightSource, plan: Plan, w: int, comm: Comm) -> None:
         comm.recv(ctrl, 0, "control", "cmd")
         op, t, pos, arg = (int(v) for v in ctrl)
         if op == Op.FORWARD:
+            if audit is not None:
+                audit.begin_step(t, pos)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
             x_dT = model.forward(x_dT, pos)
             comm.send(x_dT, 0, "egress", "final")
+            if audit is not None:
+                audit.end_step()
         elif op == Op.RESET:
             model.reset(arg or model.max_seq)
+            if audit is not None:
+                audit.new_session()
         elif op == Op.PING:
             comm.send(torch.tensor([1, rank, 0, _rss_kb()]), 0, "control", "pong")
+        elif op == Op.STATS:
+            k = comm.counters
+            comm.send(torch.tensor([k.collectives, k.peer_bytes_sent, k.client_bytes, _rss_kb()]), 0, "control", "stats")
         elif op == Op.SHUTDOWN:
+            if audit is not None:
+                audit.close()
             return
         else:
             raise RuntimeError(f"unknown control op {op}")

@@ -1,0 +1,264 @@
+"""`fusion audit run | verify | exposure`. Registered by fusion_compute.cli via `add_audit_parser`.
+
+Bad input ends in one line on stderr and a non-zero exit: 2 for usage errors, 1 for a failed audit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+
+
+class AuditCliError(Exception):
+    pass
+
+
+def _ints(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise AuditCliError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not out:
+        raise AuditCliError(f"{what} is empty")
+    return out
+
+
+def _capacities(text: str | None) -> tuple[float, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise AuditCliError(f"--capacity must be comma-separated numbers, got {text!r}") from None
+
+
+def _guard(name: str, func):
+    """Run a subcommand; expected failures become one line on stderr."""
+
+    def run(a: argparse.Namespace) -> int:
+        from ..config import ModelError
+        from ..plan import PlanError
+        from .inject import LeakSpecError
+        from .runner import AuditRunError
+        from .verify import AuditFormatError
+
+        try:
+            return func(a)
+        except (AuditCliError, AuditFormatError, LeakSpecError) as e:
+            print(f"fusion audit {name}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except (AuditRunError, ModelError, PlanError, OSError) as e:
+            print(f"fusion audit {name}: error: {e}", file=sys.stderr)
+            return EXIT_FAIL
+
+    return run
+
+
+# ---- run ----
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from .runner import RunConfig, run_audit
+
+    if a.prompt is not None and a.prompt_ids is not None:
+        raise AuditCliError("give at most one of --prompt and --prompt-ids")
+    for flag, value in (("--workers", a.workers), ("--steps", a.steps), ("--cold-starts", a.cold_starts)):
+        if value < 1:
+            raise AuditCliError(f"{flag} must be >= 1, got {value}")
+    if a.variant not in ("sharded", "megatron"):
+        raise AuditCliError(f"--variant must be sharded or megatron, got {a.variant!r}")
+    if a.threads is not None and a.threads < 1:
+        raise AuditCliError(f"--threads must be >= 1, got {a.threads}")
+    if not (a.timeout > 0):
+        raise AuditCliError(f"--timeout must be > 0, got {a.timeout}")
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise AuditCliError(f"--out {a.out}: exists and is not a directory")
+    cfg = RunConfig(
+        out=out,
+        model=a.model,
+        workers=a.workers,
+        steps=a.steps,
+        cold_starts=a.cold_starts,
+        prompt=a.prompt,
+        prompt_ids=_ints(a.prompt_ids, "--prompt-ids"),
+        capacities=_capacities(a.capacity),
+        inject_leak=a.inject_leak,
+        variant=a.variant,
+        threads=a.threads,
+        timeout_s=a.timeout,
+        netcount=not a.no_netcount,
+        exposure=not a.no_exposure,
+    )
+    summary = run_audit(cfg, log=lambda s: print(s, file=sys.stderr))
+    print(
+        f"audit {'PASS' if summary['all_ok'] else 'FAIL'}: {summary['closed']} decode steps closed over "
+        f"{summary['cold_starts']} cold starts, {summary['workers']} workers; {out / 'summary.json'}, {out / 'report.md'}"
+    )
+    return 0 if summary["all_ok"] else EXIT_FAIL
+
+
+# ---- verify ----
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    """One cold-start directory, or a run's OUT directory (every cold*/ in it)."""
+    from .schema import MANIFEST
+    from .verify import verify_dir
+
+    root = Path(a.dir)
+    dirs = [root]
+    if root.is_dir() and not (root / MANIFEST).exists():
+        dirs = sorted(p.parent for p in root.glob(f"cold*/{MANIFEST}")) or [root]
+    results = [verify_dir(d) for d in dirs]
+    if a.json:
+        out = [r.to_dict() for r in results]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+    else:
+        print("\n\n".join(r.render() for r in results))
+    return 0 if all(r.ok for r in results) else EXIT_FAIL
+
+
+# ---- exposure ----
+
+
+def cmd_exposure(a: argparse.Namespace) -> int:
+    from ..plan import make_plan
+    from ..weights import open_weights
+    from .exposure import analyse, summarize, to_rows
+
+    if a.workers < 1:
+        raise AuditCliError(f"--workers must be >= 1, got {a.workers}")
+    src = open_weights(a.model)
+    c = src.config
+    plan = make_plan(c, a.workers, _capacities(a.capacity))
+    layers = _ints(a.layers, "--layers")
+    if layers is not None and any(not (0 <= x < c.n_layers) for x in layers):
+        raise AuditCliError(f"--layers must be in 0..{c.n_layers - 1}, got {a.layers}")
+    results = analyse(src, plan, layers)
+    summary = summarize(results, plan)
+    attacks = []
+    if a.attack_layers is not None:
+        attacks = _attack(a, src, plan)
+    if a.json:
+        print(json.dumps({"summary": summary, "ranks": to_rows(results), "attacks": attacks}, indent=2))
+        return 0
+    h = c.hidden
+    print(
+        f"exposure: {c.arch}, hidden {h}, {c.n_layers} layers, {plan.n} workers "
+        f"(rank of the linear map from the residual to what a party observes; {h} = can reconstruct it)"
+    )
+    print("  views: shard = own residual coords + own q/k/v or gate/up shard; wire = shard + each peer's partial")
+    for w, views in summary["per_worker"].items():
+        parts = []
+        for view, s in views.items():
+            parts.append(
+                f"{view}: full rank at {s['full_rank_points']}/{s['points']} (layer, point) pairs, "
+                f"rank {s['min_rank']}..{s['max_rank']}/{h}"
+            )
+        print(f"  worker {w} (rank {w + 1}): " + "; ".join(parts))
+    for key, k in summary["smallest_full_coalition"].items():
+        who = "no coalition" if k is None else ("every single worker" if k == 1 else f"coalitions of {k}")
+        print(f"  {key}: {who} can reconstruct the residual at every layer")
+    if a.verbose:
+        print("  layer point  party     view   rank")
+        for e in results:
+            print(f"  {e.layer:>5} {e.point:<6} {str(e.party):<9} {e.view:<6} {e.rank}/{e.hidden}")
+    for r in attacks:
+        print(
+            f"  vocabulary attack, layer {r['layer']}, worker {r['worker']} ({r['coords']}/{h} coords"
+            f"{', mask x' + str(r['mask_scale']) if r['mask_scale'] else ''}): recovered {r['recovered']}/{r['positions']} prompt tokens"
+        )
+    return 0
+
+
+def _attack(a: argparse.Namespace, src, plan) -> list[dict]:
+    from .attack import Dense, vocab_match
+
+    c = src.config
+    layers = _ints(a.attack_layers, "--attack-layers") or []
+    if any(not (0 <= x < c.n_layers) for x in layers):
+        raise AuditCliError(f"--attack-layers must be in 0..{c.n_layers - 1}")
+    if a.attack_prompt_ids:
+        ids = _ints(a.attack_prompt_ids, "--attack-prompt-ids")
+    else:
+        from ..tokenizer import load_tokenizer
+        from ..weights import resolve_model_path
+
+        try:
+            ids = load_tokenizer(resolve_model_path(a.model)).encode(a.attack_prompt)
+        except Exception:
+            raise AuditCliError("cannot tokenize --attack-prompt for this model: give --attack-prompt-ids") from None
+    if any(not (0 <= i < c.vocab) for i in ids):
+        raise AuditCliError(f"--attack-prompt-ids must be in [0, {c.vocab})")
+    workers = _ints(a.attack_workers, "--attack-workers") if a.attack_workers else [0]
+    if any(not (0 <= w < plan.n) for w in workers):
+        raise AuditCliError(f"--attack-workers must be in 0..{plan.n - 1}")
+    dense = Dense(src, max(layers) if layers else 0)
+    out = []
+    for layer in layers:
+        for w in workers:
+            coords = list(range(*plan.workers[w].residual))
+            r = vocab_match(dense, ids, layer, coords, mask_scale=a.mask_scale)
+            out.append(
+                {
+                    "layer": layer,
+                    "worker": w,
+                    "coords": r.coords,
+                    "recovered": r.recovered,
+                    "positions": r.positions,
+                    "mask_scale": r.mask_scale,
+                }
+            )
+    return out
+
+
+def add_audit_parser(sub) -> None:
+    """Register `fusion audit {run,verify,exposure}` on the main CLI's subparsers."""
+    p = sub.add_parser("audit", help="ownership audit: run the experiment, verify logs, exposure analysis")
+    asub = p.add_subparsers(dest="audit_cmd", required=True)
+
+    r = asub.add_parser("run", help="audited generation: N workers, cold starts, verifier, summary.json + report.md")
+    r.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    r.add_argument("--workers", type=int, default=2)
+    r.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
+    r.add_argument("--steps", type=int, default=250, help="decode steps per cold start (default 250)")
+    r.add_argument("--cold-starts", type=int, default=5, help="fresh worker processes this many times (default 5)")
+    r.add_argument("--out", required=True, help="output directory (one subdirectory per cold start)")
+    r.add_argument("--prompt", help="prompt text (tokenized on the client)")
+    r.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    r.add_argument("--inject-leak", help="negative control: gather@LAYER | silent-gather@LAYER | gloo-rs")
+    r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
+    r.add_argument("--threads", type=int, help="torch threads per worker")
+    r.add_argument("--timeout", type=float, default=120.0)
+    r.add_argument("--no-netcount", action="store_true", help="skip the OS socket byte accounting")
+    r.add_argument("--no-exposure", action="store_true", help="skip the exposure ranks and attack in the report")
+    r.set_defaults(func=_guard("run", cmd_run))
+
+    v = asub.add_parser("verify", help="independent verifier of an audit directory (exit 0 only if every check passes)")
+    v.add_argument("dir", help="an audit directory (manifest.json + rank*.jsonl), or a run's --out (every cold start)")
+    v.add_argument("--json", action="store_true", help="print the full result as JSON")
+    v.set_defaults(func=_guard("verify", cmd_verify))
+
+    e = asub.add_parser("exposure", help="what a worker could reconstruct: ranks per layer/worker/coalition, attacks")
+    e.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    e.add_argument("--workers", type=int, required=True)
+    e.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
+    e.add_argument("--layers", help="comma-separated layers (default: all)")
+    e.add_argument("--attack-layers", help="also run the vocabulary-matching attack at these layers, e.g. 0,2")
+    e.add_argument(
+        "--attack-prompt", default="My password is hunter2 and my bank is", help="prompt the attack recovers"
+    )
+    e.add_argument("--attack-prompt-ids", help="attack prompt as token ids (models without a tokenizer)")
+    e.add_argument("--attack-workers", help="workers whose residual shard the attacker holds (default 0)")
+    e.add_argument("--mask-scale", type=float, default=0.0, help="additive Gaussian mask on the shard, x its RMS")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--verbose", action="store_true", help="print every rank")
+    e.set_defaults(func=_guard("exposure", cmd_exposure))

@@ -1,0 +1,81 @@
+"""Negative controls: deliberate leaks the audit must catch (worker flag `--inject-leak SPEC`).
+
+  gather@L         a hidden AllGather of the residual before layer L, every step. Recorded like any
+                   transfer (kind "gather") and the worker holds all H coordinates: the log checks
+                   (no full holder, closure, accounting) and the socket counters all fail.
+  silent-gather@L  the same AllGather with the recorder switched off around it and no holding
+                   recorded: the log looks clean; only the OS socket byte counts can catch it.
+  gloo-rs          every reduce-scatter through gloo's reduce_scatter (an all-reduce in disguise).
+                   The comm layer records the same addressed pieces; the sockets carry ~2-4x more.
+
+None of these changes the worker's output: the gathered residual is dropped after the leak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("gather", "silent-gather", "gloo-rs")
+
+
+class LeakSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Leak:
+    kind: str
+    layer: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.layer is None else f"{self.kind}@{self.layer}"
+
+
+def parse_leak(spec: str, n_layers: int | None = None) -> Leak:
+    """ "gather@3" -> Leak("gather", 3). Raises LeakSpecError with the accepted forms."""
+    kind, sep, layer = spec.strip().partition("@")
+    if kind not in KINDS:
+        raise LeakSpecError(f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER or gloo-rs")
+    if kind == "gloo-rs":
+        if sep:
+            raise LeakSpecError(f"--inject-leak {spec!r}: gloo-rs applies to every layer, give no @LAYER")
+        return Leak(kind)
+    if not sep or not layer.isdigit():
+        raise LeakSpecError(f"--inject-leak {spec!r}: {kind} needs a layer, e.g. {kind}@0")
+    if n_layers is not None and not (0 <= int(layer) < n_layers):
+        raise LeakSpecError(f"--inject-leak {spec!r}: layer must be in 0..{n_layers - 1}")
+    return Leak(kind, int(layer))
+
+
+def install_leak(model, spec: str) -> Leak:
+    """Arm the leak on a worker's ShardedModel (worker.py calls this once, after loading)."""
+    from ..comm import NullRecorder
+
+    leak = parse_leak(spec, len(model.layers))
+    comm = model.comm
+    if leak.kind == "gloo-rs":
+        comm.reduce_scatter_impl = "gloo"
+        return leak
+    if not hasattr(model, "leak"):
+        raise LeakSpecError(f"--inject-leak {spec}: not supported by this model variant")
+    res_sizes = list(model.plan.residual_sizes)
+    full_index = list(range(sum(res_sizes)))  # the gather's output rows: every worker's range, in order
+    target = leak.layer
+
+    def gather(layer: int, x_dT) -> None:
+        if layer != target:
+            return
+        if leak.kind == "silent-gather":
+            saved, comm.recorder = comm.recorder, NullRecorder()
+            try:
+                comm.all_gather_workers(x_dT, res_sizes, f"L{layer}.leak")
+            finally:
+                comm.recorder = saved
+            return
+        x_HT = comm.all_gather_workers(x_dT, res_sizes, f"L{layer}.leak")  # (H, T): the full residual
+        audit = model.layers[layer].audit
+        if audit is not None:
+            audit.hold(layer, "resid.in", full_index, x_HT.shape[0])
+
+    model.leak = gather
+    return leak

@@ -1,0 +1,192 @@
+"""The recorder: turns comm events and per-step holdings into one hash-chained JSONL log per rank.
+
+It implements comm's `Recorder` protocol (`record(event)`) and the layers' `hold(...)` probe. Cost
+is kept off the hot path: an event or a hold is one list append; coordinate sets are interned once
+per index map (by object identity, the maps are built at load time); a step is serialized, hashed
+and written once, at `end_step`. The recorder times itself (`busy_s`, written in the end record).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+from .schema import GENESIS, SCHEMA_VERSION, canonical, log_name, parse_op, to_runs
+
+
+def model_dims(config) -> dict:
+    """The dimensions the verifier needs, from a ModelConfig (the only runtime object it sees)."""
+    c = config
+    return {
+        "arch": c.arch,
+        "hidden": c.hidden,
+        "intermediate": c.intermediate,
+        "layers": c.n_layers,
+        "heads": c.n_heads,
+        "kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab": c.vocab,
+    }
+
+
+def share_record(share) -> dict:
+    """A plan WorkerShare as the worker declares it in its log header."""
+    return {
+        "worker": share.worker,
+        "residual": list(share.residual),
+        "attention": [[b.g0, b.g1, b.p0, b.p1] for b in share.attention],
+        "mlp": list(share.mlp),
+    }
+
+
+class AuditRecorder:
+    """One rank's audit log. Not thread-safe (a rank records from its main thread only)."""
+
+    def __init__(self, audit_dir: str | Path, rank: int, role: str = "worker"):
+        self.dir = Path(audit_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / log_name(rank)
+        self.rank = rank
+        self.role = role
+        self._f = open(self.path, "w", buffering=1 << 20)
+        self._seq = 0
+        self._prev = GENESIS
+        self._ops: dict[str, tuple[int, str]] = {}
+        self._set_ids: dict[int, int] = {}  # id(index map) -> set id
+        self._set_refs: list[object] = []  # keep interned maps alive so their ids stay unique
+        self._new_sets: dict[str, list[list[int]]] = {}
+        self._control: list[list] = []
+        self._events: list[list] | None = None  # inside a step
+        self._holds: list[list] = []
+        self._last_holds: list[list] | None = None
+        self._step_meta: dict = {}
+        self.session = 0
+        self.step = 0
+        self.steps_total = 0
+        self.busy_s = 0.0
+        self.closed = False
+
+    # ---- hot path ----
+
+    def record(self, event) -> None:
+        t0 = time.perf_counter()
+        meta = self._ops.get(event.op)
+        if meta is None:
+            meta = self._ops[event.op] = parse_op(event.op)
+        row = [meta[0], event.op, event.kind, meta[1], event.sent, event.received, event.itemsize]
+        (self._events if self._events is not None else self._control).append(row)
+        self.busy_s += time.perf_counter() - t0
+
+    def hold(self, layer: int, name: str, index, n_rows: int) -> None:
+        """At this step, tensor `name` of `layer` has n_rows rows standing for coordinates `index`."""
+        t0 = time.perf_counter()
+        sid = self._set_ids.get(id(index))
+        if sid is None:
+            sid = self._intern(index)
+        self._holds.append([layer, name, sid, n_rows])
+        self.busy_s += time.perf_counter() - t0
+
+    def _intern(self, index) -> int:
+        runs = to_runs(index)
+        sid = len(self._set_refs)
+        self._set_ids[id(index)] = sid
+        self._set_refs.append(index)
+        self._new_sets[str(sid)] = runs
+        return sid
+
+    # ---- records ----
+
+    def _write(self, record: dict) -> str:
+        body = canonical({"seq": self._seq, "prev": self._prev, **record})  # serialized once
+        h = hashlib.sha256(self._prev.encode() + body).hexdigest()  # == schema.chain_hash
+        self._f.write(body[:-1].decode() + f',"hash":"{h}"}}\n')
+        self._f.flush()
+        self._seq += 1
+        self._prev = h
+        return h
+
+    def _take_control(self) -> list[list]:
+        ctl, self._control = self._control, []
+        return ctl
+
+    def start(self, share=None, config=None, *, variant: str = "sharded", leak: str | None = None, **extra) -> None:
+        """The header record: who this rank is and what it declares to own."""
+        rec = {
+            "type": "header",
+            "schema": SCHEMA_VERSION,
+            "rank": self.rank,
+            "role": self.role,
+            "pid": os.getpid(),
+            "variant": variant,
+            "leak": leak,
+            "dims": model_dims(config) if config is not None else None,
+            "share": share_record(share) if share is not None else None,
+            "time": time.time(),
+            "control": self._take_control(),
+            **extra,
+        }
+        self._write(rec)
+
+    def new_session(self) -> None:
+        t0 = time.perf_counter()
+        self.session += 1
+        self.step = 0
+        self._write({"type": "session", "session": self.session, "control": self._take_control()})
+        self.busy_s += time.perf_counter() - t0
+
+    def begin_step(self, t: int, pos: int) -> None:
+        self._events = []
+        self._holds = []
+        self._step_meta = {
+            "session": self.session,
+            "step": self.step,
+            "phase": "decode" if t == 1 and pos > 0 else "prefill",
+            "t": t,
+            "pos": pos,
+        }
+
+    def end_step(self) -> None:
+        t0 = time.perf_counter()
+        holds = self._holds
+        if holds == self._last_holds and not self._new_sets:
+            holds = "same"  # identical to the previous step's list (schema: the verifier expands it)
+        else:
+            self._last_holds = holds
+        rec = {
+            "type": "step",
+            **self._step_meta,
+            "control": self._take_control(),
+            "events": self._events or [],
+            "holds": holds,
+            "sets": self._new_sets,
+        }
+        self._new_sets = {}
+        self._events = None
+        self._holds = []
+        self._write(rec)
+        self.step += 1
+        self.steps_total += 1
+        self.busy_s += time.perf_counter() - t0
+
+    def close(self) -> str:
+        """The end record; returns the chain's final hash."""
+        if self.closed:
+            return self._prev
+        self.closed = True
+        self._write(
+            {
+                "type": "end",
+                "steps": self.steps_total,
+                "recorder_busy_s": round(self.busy_s, 6),
+                "time": time.time(),
+                "control": self._take_control(),
+            }
+        )
+        self._f.close()
+        return self._prev
+
+    @property
+    def final_hash(self) -> str:
+        return self._prev

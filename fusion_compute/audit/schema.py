@@ -1,0 +1,192 @@
+"""The audit log format: files, record kinds, hash chain, coordinate spaces, wire model.
+
+Pure Python (no torch, no runtime imports): the recorder writes it, the independent verifier
+reads it. Everything the verifier needs to interpret a log is defined here or in the log itself.
+
+An audit directory (one cold start) holds:
+  manifest.json   model dimensions, the plan (for humans), workers, versions, start/end, and the
+                  final hash of every rank's chain (plus the sha256 of netcount.json)
+  rank{R}.jsonl   one hash-chained log per rank (0 = client, 1..N = workers)
+  netcount.json   OS-level socket byte counters per process, sampled by the runner (optional)
+
+Each log line is one JSON record with `seq` (0, 1, ...), `prev` (hash of the previous record,
+GENESIS for the first) and `hash` = sha256(prev + canonical JSON of the record without `hash`).
+Record types, in order:
+  header   rank, role (client|worker), dims, share (worker: declared residual / attention blocks /
+           MLP ranges), variant, leak, pid; `control`: events before it (the HELLO handshake)
+  session  a RESET: fresh KV shards; `control`: the events since the previous record
+  step     one forward: session, step, phase, t (tokens), pos; `events` (transfers inside the step),
+           `holds` (coordinates held per protected tensor, per layer), `sets` (new coordinate sets),
+           `control` (transfers since the previous record that were outside any step)
+  end      steps, recorder self-timing; `control`: the SHUTDOWN word
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+SCHEMA_VERSION = 1
+GENESIS = "0" * 64
+MANIFEST = "manifest.json"
+NETCOUNT = "netcount.json"
+
+
+def log_name(rank: int) -> str:
+    return f"rank{rank}.jsonl"
+
+
+# ---- events: one transfer as the comm layer saw it ----
+
+# An event is a JSON array in this field order (compact: a step has ~5 events per layer).
+EVENT_FIELDS = ("layer", "op", "kind", "role", "to", "from", "itemsize")
+#   layer    int, -1 outside the layers (ingress, egress, control)
+#   op       operator name, "L3.qkv"
+#   kind     one of KINDS
+#   role     tensor role the transfer carries (see OP_ROLES)
+#   to/from  [elements per world rank]: sent to / received from each rank (index = rank)
+#   itemsize bytes per element
+
+REDUCE_SCATTER = "reduce_scatter"
+SCORE_SUM = "score_sum"
+INGRESS = "ingress"
+EGRESS = "egress"
+CONTROL = "control"
+GATHER = "gather"
+ALL_REDUCE = "all_reduce"
+KINDS = (REDUCE_SCATTER, SCORE_SUM, INGRESS, EGRESS, CONTROL, GATHER, ALL_REDUCE)
+# Inside the protected interval (between ingress and egress) only these may touch protected data:
+# reduce-scatters of partials (with the fused Σx² scalars) and declared score sums.
+ALLOWED_IN_INTERVAL = (REDUCE_SCATTER, SCORE_SUM)
+
+# Operator name (after "L{i}.") -> the tensor role its transfer carries.
+OP_ROLES = {
+    "qkv": "qkv_partial",
+    "o": "resid_partial",
+    "gate_up": "gate_up_partial",
+    "down": "resid_partial",
+    "scores": "scores",
+    "embed": "resid",
+    "final": "resid",
+}
+
+
+def parse_op(op: str) -> tuple[int, str]:
+    """ "L3.qkv" -> (3, "qkv_partial"); "L3.scores.g0" -> (3, "scores"); "embed" -> (-1, "resid")."""
+    layer, name = -1, op
+    if op.startswith("L") and "." in op:
+        head, _, rest = op.partition(".")
+        if head[1:].isdigit():
+            layer, name = int(head[1:]), rest
+    return layer, OP_ROLES.get(name.split(".")[0], name.split(".")[0])
+
+
+# ---- holdings: which coordinates a worker's tensors stand for ----
+
+# A hold is a JSON array [layer, name, set_id, n_rows]: at this step, in this layer, the tensor
+# `name` had n_rows rows standing for the coordinate set `set_id` (defined once, in a `sets` map
+# {set_id: [[start, stop), ...]} of the header or a step record) of the space named below.
+# A step's `holds` is the list of holds, or the string "same": identical to the previous step's.
+HOLD_FIELDS = ("layer", "name", "set", "rows")
+HOLD_NAMES = ("resid.in", "qkv", "kv", "attn", "resid.mid", "gate_up", "h", "resid.out")
+
+
+def spaces(dims: dict) -> dict[str, int]:
+    """Size of the coordinate space of each hold name, from model dimensions."""
+    h, i, d = dims["hidden"], dims["intermediate"], dims["head_dim"]
+    q, kv = dims["heads"] * d, dims["kv_heads"] * d
+    return {
+        "resid.in": h,
+        "resid.mid": h,
+        "resid.out": h,
+        "qkv": q + 2 * kv,  # [q | k | v]
+        "kv": q + 2 * kv,  # the KV cache, named by the same [q | k | v] rows (k and v parts only)
+        "attn": q,
+        "gate_up": 2 * i,  # [gate | up]
+        "h": i,
+    }
+
+
+# Protected roles, each a (hold name, part) of a space: the verifier checks partition and "no full
+# holder" on every one of them, every step, every layer.
+PROTECTED_ROLES = (
+    "resid.in",
+    "q",
+    "k",
+    "v",
+    "kcache",
+    "vcache",
+    "attn",
+    "resid.mid",
+    "gate",
+    "up",
+    "h",
+    "resid.out",
+)
+
+
+def role_parts(dims: dict) -> dict[str, tuple[str, int, int]]:
+    """role -> (hold name, start, stop): the part of the hold's space the role occupies."""
+    i, d = dims["intermediate"], dims["head_dim"]
+    q, kv = dims["heads"] * d, dims["kv_heads"] * d
+    return {
+        "resid.in": ("resid.in", 0, dims["hidden"]),
+        "q": ("qkv", 0, q),
+        "k": ("qkv", q, q + kv),
+        "v": ("qkv", q + kv, q + 2 * kv),
+        "kcache": ("kv", q, q + kv),
+        "vcache": ("kv", q + kv, q + 2 * kv),
+        "attn": ("attn", 0, q),
+        "resid.mid": ("resid.mid", 0, dims["hidden"]),
+        "gate": ("gate_up", 0, i),
+        "up": ("gate_up", i, 2 * i),
+        "h": ("h", 0, i),
+        "resid.out": ("resid.out", 0, dims["hidden"]),
+    }
+
+
+def to_runs(indices: Iterable[int]) -> list[list[int]]:
+    """Indices (any order) -> maximal [start, stop) runs, in the given order."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def from_runs(runs: Iterable[Iterable[int]]) -> list[int]:
+    return [i for a, b in runs for i in range(a, b)]
+
+
+# ---- hash chain ----
+
+
+def canonical(record: dict) -> bytes:
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+def chain_hash(prev: str, record: dict) -> str:
+    """Hash of a record (without its `hash` field) chained to the previous record's hash."""
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.sha256(prev.encode() + canonical(body)).hexdigest()
+
+
+# ---- wire model: bytes on the TCP sockets for each transfer (gloo over TCP) ----
+# Measured on this project's machines (torch 2.13 gloo, loopback): every message carries a
+# 96-byte header from the sender, and the receiver answers with a 48-byte notification; an
+# all_to_all_single exchanges one message each way with every peer. An all_reduce among k ranks
+# (ring) sends 2(k-1)/k of the payload plus 576 (k-1) bytes of headers per rank, for payloads of
+# 16 B to 160 KB (beyond that gloo segments and adds headers; the score sums here stay far below).
+# The OS check compares counters with this model; a primitive that moves more than the addressed
+# pieces (gloo's reduce_scatter is an all-reduce) shows up as a large excess.
+WIRE_HEADER = 96
+WIRE_ACK = 48
+WIRE_ALLREDUCE_PER_PEER = 576
+# Tolerance for |measured - predicted| on one process: the model is exact to a few bytes per
+# message; the slack covers sampling of ss and rare TCP-level extras, and is far below one leaked
+# residual shard per step over a run (see docs/audit.md).
+WIRE_REL_TOL = 2e-4
+WIRE_ABS_TOL = 2048

@@ -1,0 +1,319 @@
+"""The ownership audit: a clean run passes every invariant, and every negative control fails.
+
+Tiny random models (3 layers) keep each audited run to a few seconds: Qwen2 with N = 3 exercises
+split KV groups (score sums) and uneven splits; Llama with N = 2 whole groups. Negative controls:
+an injected AllGather (recorded, and silent), gloo's reduce_scatter (an all-reduce in disguise),
+the Megatron-style replicated residual, and tampered logs. Each must make the verifier fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusion_compute.audit import netcount
+from fusion_compute.audit import schema as S
+from fusion_compute.audit.runner import RunConfig, run_audit, run_cold_start
+from fusion_compute.audit.verify import verify_dir
+from fusion_compute.cli import main
+
+STEPS = 4
+PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
+needs_ss = pytest.mark.skipif(not netcount.available(), reason="`ss` not installed: no OS byte accounting")
+
+
+def audited(model: Path, out: Path, n: int, **kw) -> dict:
+    cfg = RunConfig(
+        out=out, model=str(model), workers=n, steps=STEPS, cold_starts=1, prompt_ids=PROMPT, timeout_s=60, **kw
+    )
+    return run_cold_start(cfg, 0)
+
+
+@pytest.fixture(scope="module")
+def good_summary(tiny_qwen2, tmp_path_factory) -> dict:
+    """The whole experiment (one cold start): summary.json, report.md, exposure section."""
+    out = tmp_path_factory.mktemp("good")
+    cfg = RunConfig(out=out, model=str(tiny_qwen2), workers=3, steps=STEPS, cold_starts=1, prompt_ids=PROMPT)
+    return run_audit(cfg, log=lambda s: None) | {"out": out}
+
+
+@pytest.fixture(scope="module")
+def good(good_summary) -> dict:
+    return good_summary["runs"][0]
+
+
+def test_summary_and_report(good_summary):
+    s = good_summary
+    assert s["all_ok"] and s["closed"] == f"{STEPS}/{STEPS}"
+    assert json.loads((s["out"] / "summary.json").read_text())["closed"] == s["closed"]
+    report = (s["out"] / "report.md").read_text()
+    assert "**PASS**" in report and "holding" in report and "knowing" in report
+    # holding is not knowing: tiny Qwen2 at N = 3, every worker alone can reconstruct the residual
+    # at the MLP input (72/3 own + 200/3 gate/up rows >= 72), and the layer-0 attack recovers the prompt
+    exp = s["exposure"]
+    assert all(v["wire"]["full_rank_points"] == v["wire"]["points"] for v in exp["ranks"]["per_worker"].values())
+    assert [a["recovered"] for a in exp["attack"]] == [len(PROMPT)] * 3
+    assert f"recovered {len(PROMPT)}/{len(PROMPT)} prompt tokens" in report
+
+
+def test_clean_run_closes_every_step(good):
+    assert good["ok"], good["first_violations"]
+    assert (good["closed_decode"], good["decode_steps"]) == (STEPS, STEPS)
+    assert (good["closed_prefill"], good["prefill_steps"]) == (1, 1)
+    assert good["layer_closed"] == [STEPS + 1] * 3
+    assert set(good["coalition"].values()) == {"3/3"}  # every protected tensor needs all 3 workers
+    res = verify_dir(good["dir"])
+    assert res.ok and res.checks["partition"] > 0 and res.checks["closure"] > 0 and res.checks["accounting"] > 0
+    assert res.summary_line() == f"closed: {STEPS}/{STEPS} decode steps (+1/1 prefill), 3 layers each, 0 violations"
+    # split groups: the score sums are in the log (qwen2 tiny has 2 KV heads, so N = 3 splits them)
+    log = [json.loads(x) for x in (Path(good["dir"]) / "rank2.jsonl").read_text().splitlines()]
+    kinds = {e[2] for r in log if r["type"] == "step" for e in r["events"]}
+    assert kinds == {"ingress", "reduce_scatter", "score_sum", "egress"}
+
+
+@needs_ss
+def test_socket_counters_match_the_prediction(good):
+    assert len(good["os"]) == 3
+    for o in good["os"].values():
+        assert o["ok"], o
+        assert abs(o["excess_sent"]) <= o["tolerance"] and o["measured_sent"] > 0
+
+
+def test_verify_cli_exit_codes(good, tmp_path, capsys):
+    assert main(["audit", "verify", good["dir"]]) == 0
+    assert "0 violations" in capsys.readouterr().out
+    assert main(["audit", "verify", str(tmp_path)]) == 2  # no manifest
+    assert "no manifest.json" in capsys.readouterr().err
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert main(["audit", "verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "malformed manifest" in err
+
+
+# ---- tampered logs ----
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _rechain(d: Path, rank: int, records: list[dict]) -> None:
+    """Rewrite a log with a valid chain and update the manifest: a forger who controls both."""
+    prev, lines = S.GENESIS, []
+    for i, r in enumerate(records):
+        r = {k: v for k, v in r.items() if k != "hash"} | {"seq": i, "prev": prev}
+        r["hash"] = prev = S.chain_hash(prev, r)
+        lines.append(json.dumps(r))
+    (d / S.log_name(rank)).write_text("\n".join(lines) + "\n")
+    m = json.loads((d / S.MANIFEST).read_text())
+    m["chains"][str(rank)] = prev
+    (d / S.MANIFEST).write_text(json.dumps(m))
+
+
+def _steps(records: list[dict]) -> list[int]:
+    return [i for i, r in enumerate(records) if r["type"] == "step"]
+
+
+def drop_record(d: Path) -> None:
+    p = d / "rank1.jsonl"
+    lines = p.read_text().splitlines()
+    del lines[_steps(_records(p))[2]]
+    p.write_text("\n".join(lines) + "\n")
+
+
+def drop_record_rechained(d: Path) -> None:
+    recs = _records(d / "rank1.jsonl")
+    del recs[_steps(recs)[2]]
+    _rechain(d, 1, recs)
+
+
+def drop_event_rechained(d: Path) -> None:
+    recs = _records(d / "rank2.jsonl")
+    step = recs[_steps(recs)[1]]
+    step["events"] = [e for e in step["events"] if e[1] != "L1.gate_up"]
+    _rechain(d, 2, recs)
+
+
+def extra_coordinates(d: Path) -> None:
+    recs = _records(d / "rank1.jsonl")
+    first = recs[_steps(recs)[0]]
+    sid = next(str(h[2]) for h in first["holds"] if h[1] == "resid.in")
+    runs = first["sets"][sid]
+    runs.append([runs[-1][1], runs[-1][1] + 5])  # claims 5 residual coordinates of its neighbour
+    for h in first["holds"]:
+        if h[1] == "resid.in":
+            h[3] += 5
+    _rechain(d, 1, recs)
+
+
+def altered_bytes(d: Path) -> None:
+    recs = _records(d / "rank3.jsonl")
+    step = recs[_steps(recs)[3]]
+    ev = next(e for e in step["events"] if e[1] == "L2.down")
+    ev[4] = [v - 1 if v else 0 for v in ev[4]]
+    _rechain(d, 3, recs)
+
+
+def reordered_steps(d: Path) -> None:
+    recs = _records(d / "rank1.jsonl")
+    i, j = _steps(recs)[1:3]
+    recs[i], recs[j] = recs[j], recs[i]
+    _rechain(d, 1, recs)
+
+
+def broken_chain(d: Path) -> None:
+    p = d / "rank2.jsonl"
+    lines = p.read_text().splitlines()
+    k = _steps(_records(p))[1]
+    rec = json.loads(lines[k])
+    rec["t"] = rec["t"]  # unchanged field, then a changed one: the stored hash no longer matches
+    rec["pos"] += 1
+    lines[k] = json.dumps(rec)
+    p.write_text("\n".join(lines) + "\n")
+
+
+def altered_netcount(d: Path) -> None:
+    p = d / S.NETCOUNT
+    if not p.exists():
+        pytest.skip("no netcount.json (ss unavailable)")
+    net = json.loads(p.read_text())
+    net["ranks"]["1"]["sent"] -= 1000
+    p.write_text(json.dumps(net))
+
+
+TAMPERS = {
+    "dropped-record": (drop_record, {"chain"}),
+    "dropped-record-rechained": (drop_record_rechained, {"structure"}),
+    "dropped-event-rechained": (drop_event_rechained, {"accounting"}),
+    "extra-coordinates": (extra_coordinates, {"holding", "partition"}),
+    "altered-bytes": (altered_bytes, {"accounting"}),
+    "reordered-steps": (reordered_steps, {"structure"}),
+    "broken-hash-chain": (broken_chain, {"chain"}),
+    "altered-netcount": (altered_netcount, {"chain"}),
+}
+
+
+@pytest.mark.parametrize("name", list(TAMPERS))
+def test_tampered_log_fails(good, tmp_path, name, capsys):
+    tamper, expect = TAMPERS[name]
+    d = tmp_path / "audit"
+    shutil.copytree(good["dir"], d)
+    tamper(d)
+    assert main(["audit", "verify", str(d)]) == 1
+    capsys.readouterr()
+    counts = verify_dir(d).counts()
+    hit = {k for k, v in counts.items() if v}
+    assert expect <= hit, (name, counts)
+
+
+# ---- negative controls on live runs ----
+
+
+def test_injected_gather_fails(tiny_llama, tmp_path):
+    r = audited(tiny_llama, tmp_path, 2, inject_leak="gather@1")
+    assert not r["ok"] and r["closed_decode"] == 0
+    c = r["violation_counts"]
+    assert c["closure"] and c["no_full_holder"] and c["accounting"] and c["partition"], c
+    assert r["coalition"]["resid.in"] == "1/2"  # one worker alone covers the residual
+    layers = {v.layer for v in verify_dir(r["dir"]).violations if v.invariant != "os_bytes"}
+    assert layers == {0, 1}, layers  # the gather before layer 1 (layer 0's output feeds it); layer 2 is clean
+    if netcount.available():
+        assert c["os_bytes"] == 2
+
+
+@needs_ss
+def test_silent_gather_is_caught_by_the_socket_counters_only(tiny_llama, tmp_path):
+    r = audited(tiny_llama, tmp_path, 2, inject_leak="silent-gather@2")
+    c = r["violation_counts"]
+    assert {k for k, v in c.items() if v} == {"os_bytes"}, c  # the log itself looks clean
+    h = 64 // 2  # tiny llama: hidden 64, N = 2 -> each worker's leaked shard is 32 floats per token
+    tokens = len(PROMPT) + STEPS
+    for o in r["os"].values():
+        # every step: the peer's shard (4 B each) plus one message header and one acknowledgement
+        assert o["excess_sent"] == h * 4 * tokens + (S.WIRE_HEADER + S.WIRE_ACK) * (STEPS + 1), o
+
+
+@needs_ss
+def test_gloo_reduce_scatter_is_caught_by_the_socket_counters(tiny_qwen2, tmp_path):
+    r = audited(tiny_qwen2, tmp_path, 3, inject_leak="gloo-rs")
+    c = r["violation_counts"]
+    assert {k for k, v in c.items() if v} == {"os_bytes"}, c  # comm's own bookkeeping cannot see it
+    for o in r["os"].values():
+        assert o["measured_sent"] > 1.5 * o["predicted_sent"], o  # an all-reduce moves far more
+
+
+def test_megatron_variant_fails_and_is_exact(tiny_qwen2, good, tmp_path):
+    r = audited(tiny_qwen2, tmp_path, 3, variant="megatron")
+    c = r["violation_counts"]
+    assert c["no_full_holder"] and c["partition"] and c["closure"], c
+    assert r["closed_decode"] == 0
+    assert r["coalition"]["resid.in"] == "1/3"
+    assert r["generated_sha256"] == good["generated_sha256"]  # same tokens: a correct baseline
+
+
+# ---- command line and structure ----
+
+
+def test_run_bad_input_is_one_line(tiny_qwen2, tmp_path, capsys):
+    cases = [
+        (["--workers", "0"], "--workers must be >= 1"),
+        (["--inject-leak", "gather@9"], "layer must be in 0..2"),
+        (["--inject-leak", "teleport@1"], "expected gather@LAYER"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "999999"], "outside the vocabulary"),
+        (["--variant", "tp"], "--variant must be"),
+        (["--workers", "99"], "too many"),
+    ]
+    for extra, msg in cases:
+        rc = main(["audit", "run", "--model", str(tiny_qwen2), "--out", str(tmp_path / "x"), *extra])
+        err = capsys.readouterr().err
+        assert rc != 0 and msg in err and err.count("\n") == 1, (extra, err)
+
+
+def test_cli_is_one_line_without_traceback(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "fusion_compute.cli", "audit", "verify", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_verifier_imports_only_the_schema():
+    """The verifier must not be able to certify a bug in the plan or runtime: it reads logs only."""
+    src = Path(__file__).resolve().parent.parent / "fusion_compute" / "audit" / "verify.py"
+    allowed_stdlib = {"__future__", "itertools", "json", "collections", "dataclasses", "pathlib", "hashlib"}
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: only `from . import schema`
+                assert node.level == 1 and node.module is None and [a.name for a in node.names] == ["schema"], ast.dump(
+                    node
+                )
+            else:
+                assert node.module.split(".")[0] in allowed_stdlib, node.module
+        elif isinstance(node, ast.Import):
+            assert all(a.name.split(".")[0] in allowed_stdlib for a in node.names), [a.name for a in node.names]
+
+
+def test_parse_ss_counts_per_pid():
+    text = (
+        'ESTAB 0 0 127.0.0.1:40000 127.0.0.1:50000 users:(("python",pid=11,fd=5))\n'
+        "\t cubic wscale:7,7 bytes_sent:1000 bytes_retrans:100 bytes_acked:901 bytes_received:50 segs_out:3\n"
+        'ESTAB 0 0 127.0.0.1:40001 127.0.0.1:50001 users:(("python",pid=12,fd=6))\n'
+        "\t cubic bytes_sent:7 bytes_received:9\n"
+        'ESTAB 0 0 127.0.0.1:40002 127.0.0.1:50002 users:(("python",pid=11,fd=7))\n'
+        "\t cubic bytes_received:20\n"
+    )
+    s = netcount.parse_ss(text, {11})
+    assert s == {
+        11: {"127.0.0.1:40000 127.0.0.1:50000": (1000, 100, 50), "127.0.0.1:40002 127.0.0.1:50002": (0, 0, 20)}
+    }
+    d = netcount.delta({11: {"127.0.0.1:40000 127.0.0.1:50000": (400, 0, 10)}}, s)
+    assert d[11] == {"sent": 500, "retrans": 100, "received": 60, "sockets": 2}
