@@ -1,0 +1,228 @@
+"""Measured costs of the masked mode next to the structural mode, on the same machine, same prompt.
+
+  python -m fusion_compute.masked.bench [--model M] [--groups 2+2] [--workers 2] [--tokens 32]
+                                        [--rounds 2] [--kernels] [--json]
+
+Per mode and round: greedy decode of the chat prompt for a fixed number of tokens (not stopping
+at end-of-turn, so every round times the same steps); decode tokens/s (tokens after the first over
+the time after the first, as `fusion generate` reports it), bytes per decode token sent to and
+received from the workers by the client (from comm's own events), client CPU per decode token
+(process time, all threads), and worker CPU per decode token (utime + stime of the local worker
+processes, from /proc). Rounds alternate the modes so a noisy neighbour hurts both alike; the
+summary takes each mode's best round. `--kernels` times the ring product against its alternatives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+QUESTION = "What is the capital of France?"
+
+
+class _Bytes:
+    """Comm recorder: bytes the client sent to / received from workers."""
+
+    def __init__(self):
+        self.sent = self.received = 0
+
+    def record(self, e) -> None:
+        self.sent += sum(e.sent) * e.itemsize
+        self.received += sum(e.received) * e.itemsize
+
+
+def _proc_cpu_s(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / tick
+
+
+def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups) -> dict:
+    from ..client import Engine, EngineOptions
+    from ..sampling import Sampler, SamplingParams
+    from .client import MaskedEngine, MaskedOptions
+
+    rec = _Bytes()
+    if mode == "masked":
+        eng = MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=groups[1], context=512), recorder=rec)
+    else:
+        eng = Engine(model, EngineOptions(n_workers=n, context=512), recorder=rec)
+    with eng:
+        sampler = Sampler(SamplingParams())
+        eng.reset()
+        logits = eng.forward(ids)
+        out = [sampler(logits)]
+        pids = eng.procs.pids if eng.procs is not None else []
+        s0, r0, w0 = rec.sent, rec.received, _proc_cpu_s(pids)
+        c0, t0 = time.process_time(), time.perf_counter()
+        while len(out) < tokens:  # past an end-of-turn token too: a fixed number of decode steps
+            out.append(sampler(eng.forward([out[-1]])))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        steps = len(out) - 1
+        workers_cpu = _proc_cpu_s(pids) - w0
+    return {
+        "mode": mode,
+        "workers": f"{groups[0]}+{groups[1]}" if mode == "masked" else str(n),
+        "decode_tokens": steps,
+        "decode_tokens_per_s": steps / wall,
+        "client_to_workers_bytes_per_token": (rec.sent - s0) / steps,
+        "workers_to_client_bytes_per_token": (rec.received - r0) / steps,
+        "client_cpu_ms_per_token": 1000 * cpu / steps,
+        "workers_cpu_ms_per_token": 1000 * workers_cpu / steps,
+        "token_ids": out,
+    }
+
+
+def kernels(model) -> list[dict]:
+    """Time the ring product W_fx m (mod 2^64) for the model's shapes: float64 limbs (β = 13, 16, 22)
+    against torch's int64 matmul (W converted per call, as `RingMatrix.matmul` does), with fp32
+    W x as the yardstick. Single thread, best of N."""
+    from ..weights import open_weights
+    from .plan import linear_shapes
+    from .ring import RingMatrix, limit_blas_threads, quantize_rows, weight_bits
+
+    torch.set_num_threads(1)
+    limit_blas_threads(1)
+    c = open_weights(model).config
+
+    def best(f, n: int) -> float:
+        f()
+        b = float("inf")
+        for _ in range(n):
+            t0 = time.perf_counter()
+            f()
+            b = min(b, time.perf_counter() - t0)
+        return 1000 * b
+
+    rows = []
+    for s in linear_shapes(c):
+        w = torch.randn(s.rows, s.k)
+        for t in (1, 32, 128):
+            m = torch.randint(-(2**63), 2**63 - 1, (s.k, t), dtype=torch.int64)
+            x = torch.randn(s.k, t)
+            row = {"linear": s.name, "shape": [s.rows, s.k], "T": t, "fp32_ms": best(lambda: w @ x, 50)}  # noqa: B023
+            for beta in (13, 16, 22):
+                mat = RingMatrix(quantize_rows(w, weight_bits(s.k, beta))[0], beta)
+                row[f"f64_limbs_b{beta}_ms"] = best(lambda: mat.matmul_limbs(m), 20)  # noqa: B023
+            row["int64_ms"] = best(lambda: mat.matmul_int64(m), 3)  # noqa: B023 (W converted per call)
+            rows.append(row)
+    return rows
+
+
+def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), groups=(2, 2)) -> dict:
+    """How far each mode is from exact (float64) arithmetic on the same weights.
+
+    Per linear: the real inputs of every q/o/gate/down projection in a float64 transformers forward
+    of `ids` (hooks); error of the fixed-point ring product (exact integer W_fx x_fx, rescaled) and
+    of fp32 W x (what transformers computes), both against float64, as max |err| / rms(W x).
+    End to end: prefill logits of the masked engine for each limb width, of the structural engine
+    and of transformers fp32, against transformers float64."""
+    from ..client import Engine, EngineOptions
+    from ..reference import load_reference
+    from .client import MaskedEngine, MaskedOptions
+    from .ring import RingMatrix, decode, encode, inverse_scales, quantize_rows, weight_bits
+
+    ref32 = load_reference(model)
+    ref64 = load_reference(model).double()
+    inputs: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(ref64.model.layers):
+        for name, mod in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
+                          ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):  # fmt: skip
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, key=(i, name): inputs.setdefault(key, a[0][0])))
+    with torch.no_grad():
+        logits64 = ref64(torch.tensor([ids])).logits[0]
+        logits32 = ref32(torch.tensor([ids])).logits[0].double()
+    for h in hooks:
+        h.remove()
+    weights = {"qkv": lambda L: torch.cat([L.self_attn.q_proj.weight, L.self_attn.k_proj.weight, L.self_attn.v_proj.weight]),
+               "o": lambda L: L.self_attn.o_proj.weight, "down": lambda L: L.mlp.down_proj.weight,
+               "gate_up": lambda L: torch.cat([L.mlp.gate_proj.weight, L.mlp.up_proj.weight])}  # fmt: skip
+    per_linear = {f"ring_b{b}": 0.0 for b in limb_bits} | {"fp32": 0.0}
+    for (i, name), x64 in inputs.items():
+        w64 = weights[name](ref64.model.layers[i]).detach()  # float64 copies of the fp32 weights: exact
+        exact = x64 @ w64.T  # (T, N)
+        rms = float(exact.pow(2).mean().sqrt())
+        fp32 = (x64.float() @ w64.float().T).double()
+        per_linear["fp32"] = max(per_linear["fp32"], float((fp32 - exact).abs().max()) / rms)
+        for b in limb_bits:
+            w_fx, e = quantize_rows(w64, weight_bits(w64.shape[1], b))
+            x_fx, s = encode(x64.T.float(), float(w_fx.norm(dim=1).max()))  # the client encodes its fp32 x
+            y = decode(RingMatrix(w_fx, b).matmul(x_fx), inverse_scales(e), s).T
+            ref = x64.float().double() @ w64.T  # same fp32 input, exact product: isolates the ring's error
+            per_linear[f"ring_b{b}"] = max(per_linear[f"ring_b{b}"], float((y - ref).abs().max()) / rms)
+    out = {"per_linear_max_err_over_rms": per_linear, "logits_max_abs_err_vs_float64": {}}
+    errs = out["logits_max_abs_err_vs_float64"]
+    errs["transformers_fp32"] = float((logits32 - logits64).abs().max())
+    with Engine(model, EngineOptions(n_workers=2, context=512)) as eng:
+        eng.reset()
+        errs["structural_N2"] = float((eng.forward(ids, all_logits=True).double() - logits64).abs().max())
+    for b in limb_bits:
+        with MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=groups[1], context=512, limb_bits=b)) as eng:
+            eng.reset()
+            errs[f"masked_b{b}"] = float((eng.forward(ids, all_logits=True).double() - logits64).abs().max())
+    out["logits_scale_rms"] = float(logits64.pow(2).mean().sqrt())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..tokenizer import load_tokenizer
+    from ..weights import resolve_model_path
+    from .plan import parse_groups
+
+    p = argparse.ArgumentParser(prog="python -m fusion_compute.masked.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model")
+    p.add_argument("--groups", default="2+2", help="masked group sizes A+B")
+    p.add_argument("--workers", type=int, default=2, help="structural N")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--kernels", action="store_true", help="also time the ring-product kernels")
+    p.add_argument("--exactness", action="store_true", help="only measure errors against float64 (no timing)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    path = resolve_model_path(a.model)
+    groups = parse_groups(a.groups)
+    tok = load_tokenizer(path)
+    ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
+    if a.exactness:
+        print(json.dumps(exactness(path, ids, groups=groups), indent=2))
+        return 0
+    runs = []
+    for _ in range(a.rounds):
+        for mode in ("structural", "masked"):
+            r = run_mode(mode, path, ids, a.tokens, a.workers, groups)
+            runs.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), file=sys.stderr)
+    best = {
+        m: max((r for r in runs if r["mode"] == m), key=lambda r: r["decode_tokens_per_s"])
+        for m in ("structural", "masked")
+    }
+    s, m = best["structural"], best["masked"]
+    summary = {
+        "model": path.name,
+        "cpus": os.cpu_count(),
+        "structural": {k: v for k, v in s.items() if k != "token_ids"},
+        "masked": {k: v for k, v in m.items() if k != "token_ids"},
+        "same_tokens": s["token_ids"] == m["token_ids"],
+        "decode_speed_ratio_masked_over_structural": m["decode_tokens_per_s"] / s["decode_tokens_per_s"],
+        "client_bytes_ratio": (m["client_to_workers_bytes_per_token"] + m["workers_to_client_bytes_per_token"])
+        / (s["client_to_workers_bytes_per_token"] + s["workers_to_client_bytes_per_token"]),
+        "client_cpu_ratio": m["client_cpu_ms_per_token"] / s["client_cpu_ms_per_token"],
+    }
+    if a.kernels:
+        summary["kernels"] = kernels(path)
+    print(json.dumps(summary, indent=None if a.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

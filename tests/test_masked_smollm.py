@@ -1,0 +1,69 @@
+"""Masked mode on the bundled SmolLM2-135M-Instruct, groups 2+2: the issue's question answered with
+greedy ids identical to transformers; group A's real view passes the audit (uniform, fresh masks)
+and the vocabulary-matching attack on exactly what worker 1 received recovers no prompt token, while
+the same attack on a structural worker's ingress shard recovers the prompt.
+
+(`fusion generate --mode masked --workers 2+2 --chat --prompt ...` is this engine behind the CLI;
+test_masked_runtime.py drives that CLI path on a tiny model to keep the suite short.)"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from fusion_compute import reference
+from fusion_compute.client import Engine, EngineOptions
+from fusion_compute.generate import generate
+from fusion_compute.masked import attack, audit
+from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+from fusion_compute.sampling import SamplingParams
+from fusion_compute.tokenizer import load_tokenizer
+from fusion_compute.weights import open_weights
+
+QUESTION = "What is the capital of France?"
+NEW_TOKENS = 16
+
+
+def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_path):
+    tok = load_tokenizer(smollm_path)
+    ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
+    src = open_weights(smollm_path)
+    d = tmp_path / "audit"
+    want = reference.greedy(smollm_ref, ids, NEW_TOKENS, stop_ids=tok.eos_ids)
+
+    with MaskedEngine(smollm_path, MaskedOptions(n_a=2, n_b=2, context=128, audit_dir=str(d)), source=src) as eng:
+        res = generate(eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids)
+    first = next((i for i, (a, b) in enumerate(zip(res.token_ids, want, strict=False)) if a != b), None)
+    assert res.token_ids == want, f"first diverging token at {first}: {tok.decode(res.token_ids)!r}"
+    assert "Paris" in tok.decode(res.token_ids)
+
+    report = audit.verify(d)
+    assert report["ok"], report["violations"]
+    for rank in (1, 2):
+        a = report["parties"][f"rank{rank}"]
+        print(f"A{rank}'s view:", json.dumps({"uniformity": a["uniformity"], "freshness": a["freshness"]}))
+    op, first_msg = audit.read_tap(d, 1)[0]  # worker 1's first message: layer 0's qkv input, prefill
+    assert op == "L0.qkv" and first_msg.shape == (src.config.hidden, len(ids))
+    view = torch.from_numpy(first_msg.T.copy())
+    masked_hits = attack.recovered(attack.vocab_match(view, attack.masked_table(src)), ids)
+
+    # Structural, N = 2: what worker 1 received at ingress, captured as the client sent it.
+    seen: list[torch.Tensor] = []
+    with Engine(smollm_path, EngineOptions(n_workers=2, context=128), source=src) as eng:
+        send = eng.comm.send
+
+        def tap(tensor, dst, kind, op):
+            if dst == 1 and kind == "ingress":
+                seen.append(tensor.clone())
+            return send(tensor, dst, kind, op)
+
+        eng.comm.send = tap
+        eng.reset()
+        eng.forward(ids)
+        coords = eng.plan.workers[0].residual
+    structural_hits = attack.recovered(attack.vocab_match(seen[0].T, attack.structural_table(src, coords)), ids)
+    print(f"vocabulary attack on {len(ids)} prompt tokens: masked worker 1 recovers {masked_hits}, "
+          f"structural worker 1 ({coords[1] - coords[0]} of {src.config.hidden} coordinates) {structural_hits}")  # fmt: skip
+    assert masked_hits == 0  # chance level is T / V = 0.07% per token
+    assert structural_hits >= 0.9 * len(ids)
