@@ -42,24 +42,59 @@ def _master(text: str | None) -> str | None:
     return text
 
 
+def _workers_arg(text: str) -> int | tuple[int, int]:
+    """--workers: N, or A+B group sizes for --mode masked (e.g. 2+2)."""
+    a, plus, b = text.partition("+")
+    if plus and a.strip().isdigit() and b.strip().isdigit():
+        return int(a), int(b)
+    if not plus and text.strip().lstrip("-").isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected N or A+B (masked mode), got {text!r}")
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     _add_model(p)
-    p.add_argument("--workers", type=int, default=2, help="number of workers N (default 2)")
+    p.add_argument("--workers", type=_workers_arg, help="number of workers N (default 2); A+B with --mode masked")
     p.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
     p.add_argument("--master", help="HOST:PORT to rendezvous with separately started workers (no local spawn)")
+    p.add_argument("--topology", help="TOML file naming the workers (address, capacity) of a multi-host run")
     p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
     p.add_argument("--threads", type=int, help="torch threads per local worker")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds (default 120)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
 
 
+def _topology(a: argparse.Namespace, rank: int):
+    """The --topology file (None without one): checks this machine is participant `rank`'s host,
+    binds gloo to it, and fills in --model when the file names one. Kept as `a.topology_obj`."""
+    if not getattr(a, "topology", None):
+        return None
+    from .topology import Topology, bind_here
+
+    if a.workers is not None or a.master or a.capacity:
+        raise CliError("--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master")
+    topo = Topology.load(a.topology)
+    bind_here(topo.participant(rank))
+    a.model = a.model or topo.model_for(rank)
+    a.topology_obj = topo
+    return topo
+
+
 def _engine_options(a: argparse.Namespace):
     from .client import EngineOptions
 
+    topo = _topology(a, 0)
+    if topo is not None:
+        a.workers, a.master = topo.n_workers, topo.master
+        a.capacity = ",".join(str(c) for c in topo.capacities)
+    if a.workers is None:
+        a.workers = 2
+    if isinstance(a.workers, tuple):
+        raise CliError(f"--workers {a.workers[0]}+{a.workers[1]} (two groups) needs --mode masked")
     if a.workers < 1:
         raise CliError(f"--workers must be >= 1, got {a.workers}")
     if a.context is not None and a.context < 2:
@@ -105,8 +140,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise CliError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if a.chat and a.prompt is None:
         raise CliError("--chat needs --prompt TEXT")
+    from .progress import is_tty, load_monitor, log_startup
+
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    opts = _engine_options(a)
+    masked = a.mode == "masked"
+    if masked:  # fusion_compute/masked: two groups compute on one-time-pad-masked data
+        from .masked.cli import masked_options
+
+        opts = masked_options(a, CliError)
+    else:
+        opts = _engine_options(a)
+        opts.progress = load_monitor(sys.stderr)  # bars on a terminal only; stdout stays clean
     if a.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     t_start = time.perf_counter()
@@ -123,8 +167,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     check_prompt(ids, src.config.vocab, effective_context(src.config.max_positions, a.context), a.max_new_tokens)
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None
+    if masked:
+        from .masked.client import MaskedEngine as Engine  # same interface as the structural Engine
     with Engine(path, opts, source=src) as engine:
         load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
+        if is_tty(sys.stderr) and not masked:
+            log_startup(engine, sys.stderr, getattr(a, "topology_obj", None))
 
         def on_token(t: int) -> None:
             if not a.json and stream is not None and t not in eos:
@@ -152,6 +200,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "plan": engine.plan.fingerprint(),
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }
+            if masked:
+                out |= {"mode": "masked", "groups": [opts.n_a, opts.n_b]}
             print(json.dumps(out))
         else:
             sys.stdout.write((stream.flush() if stream else " ".join(map(str, res.token_ids))) + "\n")
@@ -181,14 +231,40 @@ def cmd_worker(a: argparse.Namespace) -> int:
 
     from .comm import Comm, backend_for
     from .plan import make_plan
+    from .progress import CountingSource, WorkerReporter, worker_elements
     from .weights import open_weights
     from .worker import serve
 
+    if a.mode == "masked":
+        from .masked.cli import cmd_worker as masked_worker
+
+        return masked_worker(a, CliError)
+    _worker_topology(a)
+    if isinstance(a.workers, tuple):
+        raise CliError("--workers A+B (two groups) needs --mode masked")
     if not (1 <= a.rank <= a.workers):
         raise CliError(f"--rank must be in 1..{a.workers}, got {a.rank}")
     torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // a.workers))
+    report = WorkerReporter(a.progress, label=f"fusion worker {a.rank}")
+    report.phase("open")
     src = open_weights(a.model)
     plan = make_plan(src.config, a.workers, _capacities(a.capacity))
+    # Count the elements of this worker's slices as they are read: the load progress.
+    src = CountingSource(src, worker_elements(plan, a.rank - 1),
+                         lambda done, total: report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
+    report.phase("join")
+    audit = None
+    if a.inject_leak:
+        from .audit.inject import LeakSpecError, parse_leak
+
+        try:
+            parse_leak(a.inject_leak, src.config.n_layers)
+        except LeakSpecError as e:
+            raise CliError(str(e)) from None
+    if a.audit_dir:
+        from .audit.recorder import AuditRecorder
+
+        audit = AuditRecorder(a.audit_dir, a.rank)
     comm = Comm(
         a.rank,
         a.workers,
@@ -196,12 +272,37 @@ def cmd_worker(a: argparse.Namespace) -> int:
         backend=backend_for(a.device),
         timeout_s=a.timeout,
         score_groups=plan.group_owners,
+        recorder=audit,
     )
     try:
-        serve(src, plan, a.rank - 1, comm)
+        serve(src, plan, a.rank - 1, comm, audit=audit, leak=a.inject_leak, variant=a.variant)
     finally:
         comm.close()
+        if audit is not None:
+            audit.close()
     return 0
+
+
+def _worker_topology(a: argparse.Namespace) -> None:
+    """Fill --rank/--workers/--master/--capacity/--model from --topology (rank: --rank, or the one
+    worker of the file whose address is this machine's)."""
+    if not a.topology:
+        missing = [f"--{k}" for k in ("rank", "workers", "master") if getattr(a, k) is None]
+        if missing:
+            raise CliError(f"give {', '.join(missing)} (or --topology FILE)")
+        return
+    from .topology import Topology
+
+    if a.rank is None:
+        topo = Topology.load(a.topology)
+        here = topo.local_worker_ranks()
+        if len(here) != 1:
+            which = f"{len(here)} workers of the file are on this machine" if here else "no worker of the file is on this machine"
+            raise CliError(f"give --rank: {which}")
+        a.rank = here[0]
+    topo = _topology(a, a.rank)
+    a.workers, a.master = topo.n_workers, topo.master
+    a.capacity = ",".join(str(c) for c in topo.capacities)
 
 
 def worker_main(argv: list[str]) -> int:
@@ -226,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--mode", choices=("structural", "masked"), default="structural",
+                   help="masked: workers see only one-time-pad-masked data (--workers A+B; docs/masked.md)")  # fmt: skip
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plan", help="print the sharding plan as JSON")
@@ -234,34 +337,59 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
     pl.set_defaults(func=cmd_plan)
 
-    w = sub.add_parser("worker", help="run one worker and join a client at --master")
+    w = sub.add_parser("worker", help="run one worker and join a client at --master (or per --topology)")
     _add_model(w)
-    w.add_argument("--rank", type=int, required=True, help="1..N")
-    w.add_argument("--workers", type=int, required=True)
-    w.add_argument("--master", required=True, help="client HOST:PORT")
+    w.add_argument("--rank", type=int, help="1..N")
+    w.add_argument("--workers", type=_workers_arg, help="N, or A+B with --mode masked")
+    w.add_argument("--mode", choices=("structural", "masked"), default="structural")
+    w.add_argument("--group", choices=("A", "B"), help="masked mode: this worker's group (checked against --rank)")
+    w.add_argument("--master", help="client HOST:PORT")
+    w.add_argument("--topology", help="TOML topology file: sets --workers, --master, --capacity (and --model)")
+    w.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
+                   help="load progress on stderr: auto = a bar on a terminal, else nothing")  # fmt: skip
     w.add_argument("--capacity")
     w.add_argument("--threads", type=int)
     w.add_argument("--timeout", type=float, default=120.0)
     w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    w.add_argument("--audit-dir", help="record this worker's hash-chained audit log into DIR")
+    w.add_argument("--inject-leak", help="audit negative control: gather@LAYER | silent-gather@LAYER | gloo-rs")
+    w.add_argument("--variant", choices=("sharded", "megatron"), default="sharded",
+                   help="megatron: replicated-residual baseline (benchmark / negative control)")  # fmt: skip
     w.set_defaults(func=cmd_worker)
+
+    from .chat import add_parser as add_chat_parser
+    from .serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _add_engine)
+    add_chat_parser(sub, _add_engine)
+
+    from .audit.cli import add_audit_parser
+
+    add_audit_parser(sub)
+
+    from .bench.run import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    from .bench.run import BenchError
     from .comm import CommError
     from .config import ModelError
     from .generate import InputError
     from .plan import PlanError
     from .sampling import SamplingError
+    from .topology import TopologyError
 
-    return (CliError, ModelError, PlanError, SamplingError, InputError, CommError)
+    return (CliError, ModelError, PlanError, SamplingError, InputError, CommError, TopologyError, BenchError)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = a.func
-    prefix = f"fusion {a.cmd}" + (f" (rank {a.rank})" if a.cmd == "worker" else "")
+    prefix = f"fusion {a.cmd}" + (f" (rank {a.rank})" if a.cmd == "worker" and a.rank else "")
     try:
         return func(a)
     except _known_errors() as e:

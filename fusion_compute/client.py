@@ -5,8 +5,10 @@ norm, LM head. Text and token ids never leave this process; workers get embeddin
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +33,9 @@ class EngineOptions:
     device: str = "cpu"
     worker_env: dict[str, str] = field(default_factory=dict)
     extra_worker_args: tuple[str, ...] = ()
+    # Start-up display (progress.load_monitor): called as progress(procs, plan, master) before the
+    # rendezvous, closed after the handshake. None = quiet.
+    progress: Callable[..., Any] | None = None
 
 
 def effective_context(model_window: int, requested: int | None) -> int:
@@ -79,17 +84,24 @@ class Engine:
             if opts.capacities:
                 args += ["--capacity", ",".join(str(x) for x in opts.capacities)]
             args += list(opts.extra_worker_args)
+            if opts.progress is not None:
+                args += ["--progress", "lines"]  # workers report load progress into their logs
             self.procs = WorkerProcs(lambda r: ["--rank", str(r), *args], opts.n_workers, opts.worker_env)
-        self.comm = Comm(
-            0,
-            opts.n_workers,
-            master,
-            backend=backend_for(opts.device),
-            timeout_s=opts.timeout_s,
-            score_groups=self.plan.group_owners,
-            recorder=recorder,
-        )
-        self.worker_info = self._hello()
+        monitor = opts.progress(self.procs, self.plan, master) if opts.progress is not None else None
+        try:
+            self.comm = Comm(
+                0,
+                opts.n_workers,
+                master,
+                backend=backend_for(opts.device),
+                timeout_s=opts.timeout_s,
+                score_groups=self.plan.group_owners,
+                recorder=recorder,
+            )
+            self.worker_info = self._hello()
+        finally:
+            if monitor is not None:
+                monitor.close(ok=hasattr(self, "worker_info"))
         self.pos = 0
         self.load_s = time.perf_counter() - t0
 
@@ -118,6 +130,18 @@ class Engine:
         for s in self.plan.workers:
             r = self.comm.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", "pong")
             out.append({"rank": s.rank, "peak_rss_mb": int(r[3]) / 1024})
+        return out
+
+    def stats(self) -> list[dict]:
+        """Per worker: collectives among workers, payload bytes sent to other workers, bytes to and
+        from the client, peak RSS (MB). Counted by each worker's comm layer since it started."""
+        self._control(Op.STATS)
+        out = []
+        for s in self.plan.workers:
+            r = self.comm.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", "stats")
+            coll, peer, client, rss = (int(v) for v in r)
+            out.append({"rank": s.rank, "collectives": coll, "peer_bytes_sent": peer, "client_bytes": client,
+                        "peak_rss_mb": rss / 1024})  # fmt: skip
         return out
 
     def reset(self) -> None:

@@ -34,9 +34,12 @@ class WorkerProcs:
         for rank in range(1, n_workers + 1):
             log = tempfile.TemporaryFile(mode="w+b")
             cmd = [sys.executable, "-m", "fusion_compute.worker", *args_for_rank(rank)]
+            # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
+            # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
             p = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env, preexec_fn=_die_with_parent
-            )
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env, preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )  # fmt: skip
             self.procs.append(p)
             self.logs.append(log)
         atexit.register(self.stop)
@@ -50,7 +53,8 @@ class WorkerProcs:
     def last_error(self, i: int) -> str:
         log = self.logs[i]
         log.seek(0)
-        lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+        text = log.read().decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("@fusion-progress ")]
         return lines[-1] if lines else f"exit code {self.procs[i].returncode}"
 
     def _watchdog(self) -> None:
