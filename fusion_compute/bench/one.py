@@ -1,0 +1,125 @@
+"""Measure one system in this process and print one JSON line (run by bench/run.py in a fresh
+subprocess per system and repeat, so peak RSS and warm caches belong to that system alone).
+
+Same workload for every system: greedy decode of `decode_tokens` after a short prompt (EOS
+ignored: ids are fed back whatever they are), and prefill of random prompts of each length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import torch
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+
+def measure_transformers(model: str, a: argparse.Namespace) -> dict:
+    from ..reference import load_reference
+
+    torch.set_num_threads(a.threads)
+    ref = load_reference(model)
+    vocab = ref.config.vocab_size
+    out: dict = {"system": "transformers", "workers": 1}
+
+    @torch.no_grad()
+    def prefill(ids: list[int]):
+        return ref(torch.tensor([ids]), use_cache=True)
+
+    for n in a.prompts:
+        ids = _prompt(n, vocab, n)
+        t = time.perf_counter()
+        prefill(ids)
+        out[f"prefill_{n}_s"] = time.perf_counter() - t
+    ids = _prompt(a.decode_prompt, vocab, 7)
+    t0 = time.perf_counter()
+    res = prefill(ids)
+    tok = int(res.logits[0, -1].argmax())
+    out["ttft_s"] = time.perf_counter() - t0
+    cache = res.past_key_values
+    t = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(a.decode_tokens):
+            res = ref(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+    out["decode_s"] = time.perf_counter() - t
+    out["peak_rss_mb"] = {"client": round(_rss_mb(), 1)}
+    return out
+
+
+def measure_engine(model: str, a: argparse.Namespace) -> dict:
+    from ..client import Engine, EngineOptions
+
+    torch.set_num_threads(1)  # the client only embeds and runs the LM head
+    extra = ("--variant", "megatron") if a.system == "megatron-tp" else ()
+    ctx = max(max(a.prompts), a.decode_prompt + a.decode_tokens) + 8
+    opts = EngineOptions(n_workers=a.workers, context=ctx, threads=a.threads, extra_worker_args=extra)
+    out: dict = {"system": a.system, "workers": a.workers}
+    with Engine(model, opts) as eng:
+        vocab = eng.config.vocab
+        for n in a.prompts:
+            eng.reset()
+            ids = _prompt(n, vocab, n)
+            t = time.perf_counter()
+            eng.forward(ids)
+            out[f"prefill_{n}_s"] = time.perf_counter() - t
+        eng.reset()
+        ids = _prompt(a.decode_prompt, vocab, 7)
+        before = eng.stats()
+        t0 = time.perf_counter()
+        tok = int(eng.forward(ids).argmax())
+        out["ttft_s"] = time.perf_counter() - t0
+        mid = eng.stats()
+        t = time.perf_counter()
+        for _ in range(a.decode_tokens):
+            tok = int(eng.forward([tok]).argmax())
+        out["decode_s"] = time.perf_counter() - t
+        after = eng.stats()
+        # Per decode token, per worker: collectives among workers and bytes each worker sent to
+        # other workers (ingress/egress/control with the client excluded; they are listed apart).
+        k = a.decode_tokens
+        out["collectives_per_token"] = max((w1["collectives"] - w0["collectives"]) / k for w0, w1 in zip(mid, after, strict=False))
+        out["bytes_per_token"] = max((w1["peer_bytes_sent"] - w0["peer_bytes_sent"]) / k for w0, w1 in zip(mid, after, strict=False))
+        out["client_bytes_per_token"] = sum(
+            (w1["client_bytes"] - w0["client_bytes"]) / k for w0, w1 in zip(mid, after, strict=False)
+        )
+        out["prefill_collectives"] = max(w1["collectives"] - w0["collectives"] for w0, w1 in zip(before, mid, strict=False))
+        if a.system == "fusion":
+            out["plan_bytes_per_token"] = max(
+                eng.plan.bytes_per_token_layer(w) * eng.config.n_layers for w in range(eng.plan.n)
+            )
+        out["peak_rss_mb"] = {"client": round(_rss_mb(), 1)} | {
+            f"worker{w['rank']}": round(w["peak_rss_mb"], 1) for w in after
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=("transformers", "fusion", "megatron-tp"), required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512])
+    p.add_argument("--decode-prompt", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    a = p.parse_args(argv)
+    res = measure_transformers(a.model, a) if a.system == "transformers" else measure_engine(a.model, a)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

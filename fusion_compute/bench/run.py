@@ -1,0 +1,210 @@
+"""`fusion bench`: every system on the same machine, model, workload and thread budget, in one run.
+
+Systems: (a) transformers, one process; (b) fusion, 1 worker; (c) megatron-tp (replicated
+residual, 2 all-reduces per layer: a baseline, not a product mode), N workers; (d) fusion, N
+workers. Each (system, repeat) runs in a fresh subprocess; we report medians and min..max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..weights import resolve_model_path
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def _run_one(args: list[str], timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "fusion_compute.bench.one", *args]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"benchmark step timed out after {timeout_s:.0f} s: {' '.join(args)}") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise BenchError(f"benchmark step failed ({' '.join(args)}): {last}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def systems(ns: list[int]) -> list[tuple[str, int]]:
+    out = [("transformers", 1), ("fusion", 1)]
+    for n in ns:
+        out.append(("megatron-tp", n))
+    for n in ns:
+        out.append(("fusion", n))
+    return out
+
+
+def run_bench(
+    model: str | None,
+    ns: list[int],
+    repeats: int,
+    prompts: list[int],
+    decode_tokens: int,
+    cores: int,
+    log=lambda s: None,
+    timeout_s: float = 1800,
+) -> dict:
+    path = resolve_model_path(model)
+    from ..weights import open_weights
+
+    cfg = open_weights(path).config
+    results = []
+    for system, n in systems(ns):
+        # Same thread budget for everyone: `cores` torch threads in total across the job's compute
+        # processes (the client's 1 thread is idle while workers compute).
+        threads = cores if system == "transformers" else max(1, cores // n)
+        runs = []
+        for rep in range(repeats):
+            log(f"bench: {system} N={n} run {rep + 1}/{repeats}")
+            args = ["--system", system, "--model", str(path), "--workers", str(n), "--threads", str(threads),
+                    "--prompts", ",".join(map(str, prompts)), "--decode-tokens", str(decode_tokens)]  # fmt: skip
+            runs.append(_run_one(args, timeout_s))
+        row: dict = {"system": system, "workers": n, "threads_per_process": threads, "repeats": repeats}
+        dec = [decode_tokens / r["decode_s"] for r in runs]
+        row["decode_tokens_per_s"] = statistics.median(dec)
+        row["decode_tokens_per_s_spread"] = _summary(dec)
+        for p in prompts:
+            pre = [p / r[f"prefill_{p}_s"] for r in runs]
+            row[f"prefill_{p}_tokens_per_s"] = statistics.median(pre)
+            row[f"prefill_{p}_tokens_per_s_spread"] = _summary(pre)
+        row["prefill_tokens_per_s"] = row[f"prefill_{prompts[0]}_tokens_per_s"]
+        row["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
+        for key in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token"):
+            if key in runs[0]:
+                row[key] = statistics.median(r[key] for r in runs)
+        if system == "transformers":
+            row["collectives_per_token"] = 0
+            row["bytes_per_token"] = 0
+        row["peak_rss_mb"] = {k: max(r["peak_rss_mb"][k] for r in runs) for k in runs[0]["peak_rss_mb"]}
+        results.append(row)
+    return {
+        "model": str(path),
+        "layers": cfg.n_layers,
+        "hidden": cfg.hidden,
+        "cores": cores,
+        "decode_tokens": decode_tokens,
+        "prompts": prompts,
+        "results": results,
+        "ratios": ratios(results, cfg),
+    }
+
+
+def _find(results: list[dict], system: str, n: int) -> dict | None:
+    return next((r for r in results if r["system"] == system and r["workers"] == n), None)
+
+
+def ratios(results: list[dict], cfg) -> dict:
+    out: dict = {}
+    hf = _find(results, "transformers", 1)
+    f1 = _find(results, "fusion", 1)
+    if hf and f1:
+        out["fusion1_vs_transformers_decode"] = f1["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+        out["fusion1_vs_transformers_prefill"] = f1["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
+    for r in results:
+        n = r["workers"]
+        if r["system"] == "fusion" and n > 1:
+            mt = _find(results, "megatron-tp", n)
+            if mt:
+                out[f"fusion{n}_vs_megatron{n}_decode"] = r["decode_tokens_per_s"] / mt["decode_tokens_per_s"]
+                out[f"fusion{n}_vs_megatron{n}_prefill"] = r["prefill_tokens_per_s"] / mt["prefill_tokens_per_s"]
+            out[f"fusion{n}_collectives_per_layer"] = r["collectives_per_token"] / cfg.n_layers
+            if r.get("plan_bytes_per_token"):
+                out[f"fusion{n}_bytes_vs_plan"] = r["bytes_per_token"] / r["plan_bytes_per_token"]
+    return out
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"model: {report['model']} ({report['layers']} layers), {report['cores']} cores, "
+        f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs",
+        "",
+        "| system | N | decode tok/s (min..max) | prefill "
+        + " | prefill ".join(f"{p} tok/s" for p in report["prompts"])
+        + " | TTFT s | collectives/token | bytes/token/worker | peak RSS MB |",
+        "|---|---|---|" + "---|" * len(report["prompts"]) + "---|---|---|---|",
+    ]
+    for r in report["results"]:
+        s = r["decode_tokens_per_s_spread"]
+        rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items())
+        pre = " | ".join(f"{r[f'prefill_{p}_tokens_per_s']:.1f}" for p in report["prompts"])
+        lines.append(
+            f"| {r['system']} | {r['workers']} | {r['decode_tokens_per_s']:.2f} ({s['min']:.2f}..{s['max']:.2f}) | "
+            f"{pre} | {r['ttft_s']:.3f} | {r['collectives_per_token']:.0f} | {r['bytes_per_token']:.0f} | {rss} |"
+        )
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+def write(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    j, m = out / "bench.json", out / "bench.md"
+    j.write_text(json.dumps(report, indent=2))
+    m.write_text(table(report) + "\n")
+    return j, m
+
+
+def default_cores() -> int:
+    return os.cpu_count() or 1
+
+
+# ---- `fusion bench` ----
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark vs transformers and a Megatron-style baseline (ratios)")
+    b.add_argument("--model", help="HF dir or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    b.add_argument("--qwen-1.5b", dest="qwen_1_5b", action="store_true", help="use a Qwen2.5-1.5B-shaped random model (built once, cached)")
+    b.add_argument("--workers", type=_ints, default=[2, 3], help="N for megatron-tp and fusion (default 2,3)")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--prompts", type=_ints, default=[128, 512], help="prefill prompt lengths (default 128,512)")
+    b.add_argument("--decode-tokens", type=int, default=32)
+    b.add_argument("--cores", type=int, default=default_cores(), help="thread budget shared by every system")
+    b.add_argument("--out", default="out/bench", help="directory for bench.json and bench.md")
+    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(a) -> int:
+    if a.repeats < 1 or a.decode_tokens < 2 or a.cores < 1:
+        raise BenchError("--repeats and --cores must be >= 1, --decode-tokens >= 2")
+    if a.qwen_1_5b and a.model:
+        raise BenchError("give --model or --qwen-1.5b, not both")
+    model = a.model
+    if a.qwen_1_5b:
+        from .models import qwen2_5_1_5b_shaped
+
+        model = str(qwen2_5_1_5b_shaped())
+    log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    report = run_bench(model, a.workers, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
+    j, m = write(report, a.out)
+    if a.json:
+        print(json.dumps(report))
+    else:
+        print(table(report))
+        print(f"\nwrote {j} and {m}")
+    return 0
