@@ -337,6 +337,7 @@ class Gateway:
         self.card = card
         self.n_workers = engine.plan.n
         self.fingerprint = engine.plan.fingerprint()
+        self.masked = getattr(engine.plan, "n_a", None) is not None  # masked.plan.MaskedPlan
 
     def run(self, req: Request, emit: Callable[[str], None], cancelled: Callable[[], bool] = lambda: False) -> Outcome:
         """Generate for `req` in a fresh session; `emit(text)` gets each new piece of the answer."""
@@ -386,7 +387,23 @@ class Gateway:
     def protection(self, outcome: Outcome | None) -> dict:
         """The `fusion` extension object: what was protected for this request."""
         n = self.n_workers
+        if self.masked:
+            p = self.engine.plan
+            return {
+                "mode": "masked",
+                "workers": n,
+                "groups": [p.n_a, p.n_b],
+                "steps": outcome.steps if outcome else 0,
+                "plan": self.fingerprint,
+                "protected": ["residual", "qkv", "mlp_activations", "kv_cache"],
+                "split": (
+                    "by the protocol, group A receives only one-time-pad-masked ring elements, group B only "
+                    "the mask key; the client alone holds clear values (assumes A and B do not collude)"
+                ),
+                "audit": dict(AUDIT_UNCHECKED),
+            }
         return {
+            "mode": "structural",
             "workers": n,
             "steps": outcome.steps if outcome else 0,
             "plan": self.fingerprint,
@@ -798,7 +815,14 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
     from .weights import open_weights, resolve_model_path
 
     stderr = stderr or sys.stderr
-    opts = _engine_options(a)  # loads --topology (and binds to its address) when given
+    masked = getattr(a, "mode", "structural") == "masked"
+    if masked:  # two groups computing on masked data (fusion_compute/masked, docs/masked.md)
+        from .masked.cli import masked_options
+        from .masked.client import MaskedEngine
+
+        opts = masked_options(a, CliError)
+    else:
+        opts = _engine_options(a)  # loads --topology (and binds to its address) when given
     topology = getattr(a, "topology_obj", None)
     max_tokens = getattr(a, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
@@ -809,10 +833,13 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
     if tok is None:
         raise CliError(f"{path}: no tokenizer, which serving text needs")
     context = effective_context(src.config.max_positions, a.context)
-    opts.progress = load_monitor(stderr)
-    engine = Engine(path, opts, source=src)
-    if always_log or is_tty(stderr):
-        log_startup(engine, stderr, topology)
+    if masked:
+        engine = MaskedEngine(path, opts, source=src)
+    else:
+        opts.progress = load_monitor(stderr)
+        engine = Engine(path, opts, source=src)
+        if always_log or is_tty(stderr):
+            log_startup(engine, stderr, topology)
     name = getattr(a, "served_model_name", None) or model_id(path)
     card = ModelCard(
         id=name, tokenizer=tok, context=context, vocab=src.config.vocab, eos_ids=tuple(tok.eos_ids),
@@ -824,6 +851,8 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
 def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway (the client role) over sharded workers")
     add_engine(s)
+    s.add_argument("--mode", choices=("structural", "masked"), default="structural",
+                   help="masked: --workers A+B compute on one-time-pad-masked data (docs/masked.md)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     s.add_argument("--served-model-name", help="model id for the API (default: the model file or directory name)")

@@ -22,7 +22,7 @@ import pytest
 
 from fusion_compute.serve import ApiError, ModelCard, StopMatcher, parse_chat, parse_completion
 
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402  (a test dependency: missing must fail, not skip)
 
 FUSION = [sys.executable, "-m", "fusion_compute.cli"]
 API_KEY = "test-key"
