@@ -18,11 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai  # a test dependency: missing must fail, not skip
 import pytest
 
 from fusion_compute.serve import ApiError, ModelCard, StopMatcher, parse_chat, parse_completion
-
-import openai  # noqa: E402  (a test dependency: missing must fail, not skip)
 
 FUSION = [sys.executable, "-m", "fusion_compute.cli"]
 API_KEY = "test-key"

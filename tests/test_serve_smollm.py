@@ -10,8 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_serve import FUSION, start_server, stop_server
 
-import openai  # noqa: E402  (a test dependency: missing must fail, not skip)
-
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
 
