@@ -146,3 +146,16 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def dims(self) -> dict[str, Any]:
+        """The shape numbers the plan prints and the audit verifier needs (no weights, no rope)."""
+        return {
+            "arch": self.arch,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "layers": self.n_layers,
+            "heads": self.n_heads,
+            "kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab": self.vocab,
+        }

@@ -212,16 +212,7 @@ class Plan:
     def to_dict(self) -> dict:
         c = self.config
         out = {
-            "model": {
-                "arch": c.arch,
-                "hidden": c.hidden,
-                "intermediate": c.intermediate,
-                "layers": c.n_layers,
-                "heads": c.n_heads,
-                "kv_heads": c.n_kv_heads,
-                "head_dim": c.head_dim,
-                "vocab": c.vocab,
-            },
+            "model": c.dims(),
             "workers": self.n,
             "group_owners": [list(o) for o in self.group_owners],
             "shares": [],

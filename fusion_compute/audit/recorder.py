@@ -18,17 +18,7 @@ from .schema import GENESIS, SCHEMA_VERSION, canonical, log_name, parse_op, to_r
 
 def model_dims(config) -> dict:
     """The dimensions the verifier needs, from a ModelConfig (the only runtime object it sees)."""
-    c = config
-    return {
-        "arch": c.arch,
-        "hidden": c.hidden,
-        "intermediate": c.intermediate,
-        "layers": c.n_layers,
-        "heads": c.n_heads,
-        "kv_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "vocab": c.vocab,
-    }
+    return config.dims()
 
 
 def share_record(share) -> dict:
