@@ -62,7 +62,9 @@ def measure_transformers(model: str, a: argparse.Namespace) -> dict:
 def measure_engine(model: str, a: argparse.Namespace) -> dict:
     from ..client import Engine, EngineOptions
 
-    torch.set_num_threads(1)  # the client only embeds and runs the LM head
+    # The client embeds and runs the LM head while the workers wait, and waits while they compute:
+    # the two never overlap, so it gets the whole budget, as `fusion generate` gives it by default.
+    torch.set_num_threads(a.client_threads)
     extra = ("--variant", "megatron") if a.system == "megatron-tp" else ()
     ctx = max(max(a.prompts), a.decode_prompt + a.decode_tokens) + 8
     opts = EngineOptions(n_workers=a.workers, context=ctx, threads=a.threads, extra_worker_args=extra)
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", choices=("transformers", "fusion", "megatron-tp"), required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (transformers: its process)")
+    p.add_argument("--client-threads", type=int, default=1)
     p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512])
     p.add_argument("--decode-prompt", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=32)

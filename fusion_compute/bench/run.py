@@ -63,13 +63,14 @@ def run_bench(
     cfg = open_weights(path).config
     results = []
     for system, n in systems(ns):
-        # Same thread budget for everyone: `cores` torch threads in total across the job's compute
-        # processes (the client's 1 thread is idle while workers compute).
+        # Same thread budget for everyone: `cores` torch threads among the processes computing at any
+        # moment (workers split it; the client, which only runs while the workers wait, gets it all).
         threads = cores if system == "transformers" else max(1, cores // n)
         runs = []
         for rep in range(repeats):
             log(f"bench: {system} N={n} run {rep + 1}/{repeats}")
             args = ["--system", system, "--model", str(path), "--workers", str(n), "--threads", str(threads),
+                    "--client-threads", str(cores),
                     "--prompts", ",".join(map(str, prompts)), "--decode-tokens", str(decode_tokens)]  # fmt: skip
             runs.append(_run_one(args, timeout_s))
         row: dict = {"system": system, "workers": n, "threads_per_process": threads, "repeats": repeats}
