@@ -17,13 +17,14 @@ class CliError(Exception):
     pass
 
 
-def _capacities(text: str | None) -> tuple[float, ...] | None:
+def _capacities(text: str | None, error: type[Exception] = CliError) -> tuple[float, ...] | None:
+    """--capacity 2,1,1 -> (2.0, 1.0, 1.0); `error` lets other command groups keep their exit codes."""
     if not text:
         return None
     try:
         return tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise CliError(f"--capacity must be comma-separated numbers, got {text!r}") from None
+        raise error(f"--capacity must be comma-separated numbers, got {text!r}") from None
 
 
 def _prompt_ids(text: str) -> list[int]:

@@ -31,12 +31,9 @@ def _ints(text: str | None, what: str) -> list[int] | None:
 
 
 def _capacities(text: str | None) -> tuple[float, ...] | None:
-    if not text:
-        return None
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise AuditCliError(f"--capacity must be comma-separated numbers, got {text!r}") from None
+    from ..cli import _capacities as parse
+
+    return parse(text, AuditCliError)
 
 
 def _guard(name: str, func):
