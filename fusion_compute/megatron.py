@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm
-from .ops import LayerIndex, LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
+from .ops import LayerIndex, LayerShard, ShardedLayer, inv_freq_tensor
 from .plan import Plan, runs
 from .weights import WeightSource
+from .worker import ShardedModel
 
 
 def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
@@ -90,9 +91,10 @@ class MegatronLayer(ShardedLayer):
         return x_HT + y_HT
 
 
-class MegatronModel:
-    """Drop-in for worker.ShardedModel: forward(x_dT, pos) maps the ingress shard to the egress
-    shard (so the client runs unchanged), replicating the residual in between."""
+class MegatronModel(ShardedModel):
+    """Drop-in for worker.ShardedModel (whose session plumbing it inherits: reset, attach_audit,
+    RoPE and mask per step): forward(x_dT, pos) maps the ingress shard to the egress shard (so the
+    client runs unchanged), replicating the residual in between."""
 
     def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
         c = plan.config
@@ -118,21 +120,8 @@ class MegatronModel:
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = 0
 
-    def attach_audit(self, audit) -> None:
-        for layer in self.layers:
-            layer.audit = audit
-
-    def reset(self, max_seq: int) -> None:
-        self.max_seq = max_seq
-        for layer in self.layers:
-            layer.alloc_cache(max_seq, torch.float32, self.comm.device)
-
     def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
-        t = x_dT.shape[1]
-        if pos + t > self.max_seq:
-            raise ValueError(f"position {pos + t} beyond the session's KV capacity {self.max_seq}")
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
-        mask = causal_mask(pos, t)
+        cos, sin, mask = self._step(pos, x_dT.shape[1])
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
         for layer in self.layers:
             x_HT = layer.forward(x_HT, pos, cos, sin, mask)

@@ -107,12 +107,15 @@ class ShardedModel:
         for layer in self.layers:
             layer.alloc_cache(max_seq, torch.float32, self.comm.device)
 
-    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
-        t = x_dT.shape[1]
+    def _step(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """RoPE tables and causal mask for T tokens at `pos`, after checking the KV capacity."""
         if pos + t > self.max_seq:
             raise ValueError(f"position {pos + t} beyond the session's KV capacity {self.max_seq}")
         cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
-        mask = causal_mask(pos, t)
+        return cos, sin, causal_mask(pos, t)
+
+    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
+        cos, sin, mask = self._step(pos, x_dT.shape[1])
         for layer in self.layers:
             if self.leak is not None:
                 self.leak(layer.i, x_dT)
