@@ -328,13 +328,13 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
 
 
 def cmd_chat(a: Any) -> int:
-    from .cli import CliError
+    from .errors import UsageError
     from .progress import is_tty
     from .sampling import SamplingParams
 
     SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # fail before spawning
     if a.max_tokens is not None and a.max_tokens < 1:
-        raise CliError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+        raise UsageError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     params: dict = {"temperature": a.temperature, "top_p": a.top_p}
     if a.top_k:
         params["top_k"] = a.top_k
@@ -352,7 +352,7 @@ def cmd_chat(a: Any) -> int:
             gateway, _ = open_gateway(a, always_log=False)
             backend = LocalBackend(gateway)
     except ChatError as e:
-        raise CliError(str(e)) from None
+        raise UsageError(str(e)) from None
     try:
         return chat_loop(backend, params, a.system, sys.stdin, sys.stdout, sys.stderr, interactive)
     finally:

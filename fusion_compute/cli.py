@@ -1,4 +1,5 @@
-"""`fusion` command line. Bad input ends in one line on stderr and a non-zero exit, never a traceback."""
+"""`fusion` command line: the top of the import graph (nothing imports it). Bad input ends in one line
+on stderr and a non-zero exit, never a traceback: 2 for a wrong command line, 1 for a failed run."""
 
 from __future__ import annotations
 
@@ -9,171 +10,53 @@ import sys
 import time
 from collections.abc import Callable
 
-EXIT_USAGE = 2
-EXIT_ERROR = 1
-
-
-class CliError(Exception):
-    pass
-
-
-def _capacities(text: str | None, error: type[Exception] = CliError) -> tuple[float, ...] | None:
-    """--capacity 2,1,1 -> (2.0, 1.0, 1.0); `error` lets other command groups keep their exit codes."""
-    if not text:
-        return None
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise error(f"--capacity must be comma-separated numbers, got {text!r}") from None
-
-
-def _prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise CliError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-
-
-def _master(text: str | None) -> str | None:
-    if text is None:
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
-        raise CliError(f"--master must be HOST:PORT, got {text!r}")
-    return text
-
-
-def _workers_arg(text: str) -> int | tuple[int, int]:
-    """--workers: N, or A+B group sizes for --mode masked (e.g. 2+2)."""
-    a, plus, b = text.partition("+")
-    if plus and a.strip().isdigit() and b.strip().isdigit():
-        return int(a), int(b)
-    if not plus and text.strip().lstrip("-").isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected N or A+B (masked mode), got {text!r}")
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-
-
-def _add_engine(p: argparse.ArgumentParser) -> None:
-    _add_model(p)
-    p.add_argument("--workers", type=_workers_arg, help="number of workers N (default 2); A+B with --mode masked")
-    p.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
-    p.add_argument("--master", help="HOST:PORT to rendezvous with separately started workers (no local spawn)")
-    p.add_argument("--topology", help="TOML file naming the workers (address, capacity) of a multi-host run")
-    p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
-    p.add_argument("--threads", type=int, help="torch threads per local worker")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds (default 120)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-
-
-def _topology(a: argparse.Namespace, rank: int):
-    """The --topology file (None without one): checks this machine is participant `rank`'s host,
-    binds gloo to it, and fills in --model when the file names one. Kept as `a.topology_obj`."""
-    if not getattr(a, "topology", None):
-        return None
-    from .topology import Topology, bind_here
-
-    if a.workers is not None or a.master or a.capacity:
-        raise CliError("--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master")
-    topo = Topology.load(a.topology)
-    bind_here(topo.participant(rank))
-    a.model = a.model or topo.model_for(rank)
-    a.topology_obj = topo
-    return topo
-
-
-def _engine_options(a: argparse.Namespace):
-    from .client import EngineOptions
-
-    topo = _topology(a, 0)
-    if topo is not None:
-        a.workers, a.master = topo.n_workers, topo.master
-        a.capacity = ",".join(str(c) for c in topo.capacities)
-    if a.workers is None:
-        a.workers = 2
-    if isinstance(a.workers, tuple):
-        raise CliError(f"--workers {a.workers[0]}+{a.workers[1]} (two groups) needs --mode masked")
-    if a.workers < 1:
-        raise CliError(f"--workers must be >= 1, got {a.workers}")
-    if a.context is not None and a.context < 2:
-        raise CliError(f"--context must be >= 2, got {a.context}")
-    if a.threads is not None and a.threads < 1:
-        raise CliError(f"--threads must be >= 1, got {a.threads}")
-    if not (a.timeout > 0):
-        raise CliError(f"--timeout must be > 0, got {a.timeout}")
-    return EngineOptions(
-        n_workers=a.workers,
-        capacities=_capacities(a.capacity),
-        master=_master(a.master),
-        context=a.context,
-        threads=a.threads,
-        timeout_s=a.timeout,
-        device=a.device,
-    )
-
+from . import options as O
+from .errors import FusionError, UsageError
 
 # ---- generate ----
 
 
-def _tokenizer(path, src, needed: bool):
-    """The model's tokenizer; a model without one can still run --prompt-ids (text is then empty)."""
-    from .tokenizer import Tokenizer, load_tokenizer
-
-    if path.is_file():
-        return Tokenizer.from_gguf(src.reader)  # reuse the parsed GGUF (parsing takes seconds)
-    if not (path / "tokenizer.json").is_file():
-        if needed:
-            raise CliError(f"{path}: no tokenizer.json, so --prompt TEXT cannot be used; pass --prompt-ids")
-        return None
-    return load_tokenizer(path)
-
-
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .client import Engine, effective_context
     from .generate import InputError, check_prompt, generate
+    from .progress import is_tty, load_monitor, log_startup
     from .sampling import SamplingParams
     from .weights import open_weights, resolve_model_path
 
     if (a.prompt is None) == (a.prompt_ids is None):
-        raise CliError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+        raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if a.chat and a.prompt is None:
-        raise CliError("--chat needs --prompt TEXT")
-    from .progress import is_tty, load_monitor, log_startup
-
+        raise UsageError("--chat needs --prompt TEXT")
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     masked = a.mode == "masked"
-    if masked:  # fusion_compute/masked: two groups compute on one-time-pad-masked data
-        from .masked.cli import masked_options
-
-        opts = masked_options(a, CliError)
-    else:
-        opts = _engine_options(a)
+    opts = O.engine_options(a, masked=masked)
+    if not masked:
         opts.progress = load_monitor(sys.stderr)  # bars on a terminal only; stdout stays clean
     if a.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     t_start = time.perf_counter()
     path = resolve_model_path(a.model)
     src = open_weights(path)
-    tok = _tokenizer(path, src, needed=a.prompt is not None)
+    tok = O.tokenizer_for(path, src, needed=a.prompt is not None)
     if a.prompt is not None:
         if not a.prompt.strip():
             raise InputError("empty prompt")
         ids = tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
     else:
-        ids = _prompt_ids(a.prompt_ids)
+        ids = O.int_list(a.prompt_ids, "--prompt-ids")
     # Validate before any worker starts: bad input never costs a spawn.
+    from .engine import effective_context
+
     check_prompt(ids, src.config.vocab, effective_context(src.config.max_positions, a.context), a.max_new_tokens)
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None
     if masked:
         from .masked.client import MaskedEngine as Engine  # same interface as the structural Engine
+    else:
+        from .client import Engine
     with Engine(path, opts, source=src) as engine:
         load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
         if is_tty(sys.stderr) and not masked:
-            log_startup(engine, sys.stderr, getattr(a, "topology_obj", None))
+            log_startup(engine, sys.stderr, opts.topology)
 
         def on_token(t: int) -> None:
             if not a.json and stream is not None and t not in eos:
@@ -199,6 +82,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 },
                 "model": str(engine.model_path),
                 "plan": engine.plan.fingerprint(),
+                "engine": opts.engine,
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }
             if masked:
@@ -218,8 +102,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from .weights import open_weights
 
     if a.workers < 1:
-        raise CliError(f"--workers must be >= 1, got {a.workers}")
-    plan = make_plan(open_weights(a.model).config, a.workers, _capacities(a.capacity))
+        raise UsageError(f"--workers must be >= 1, got {a.workers}")
+    plan = make_plan(open_weights(a.model).config, a.workers, O.capacities(a.capacity))
     print(plan.to_json())
     return 0
 
@@ -228,86 +112,27 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    import torch
+    from .worker import run
 
-    from .comm import Comm, backend_for
-    from .plan import make_plan
-    from .progress import CountingSource, WorkerReporter, worker_elements
-    from .weights import open_weights
-    from .worker import serve
-
-    if a.mode == "masked":
-        from .masked.cli import cmd_worker as masked_worker
-
-        return masked_worker(a, CliError)
-    _worker_topology(a)
-    if isinstance(a.workers, tuple):
-        raise CliError("--workers A+B (two groups) needs --mode masked")
-    if not (1 <= a.rank <= a.workers):
-        raise CliError(f"--rank must be in 1..{a.workers}, got {a.rank}")
-    torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // a.workers))
-    report = WorkerReporter(a.progress, label=f"fusion worker {a.rank}")
-    report.phase("open")
-    src = open_weights(a.model)
-    plan = make_plan(src.config, a.workers, _capacities(a.capacity))
-    # Count the elements of this worker's slices as they are read: the load progress.
-    src = CountingSource(src, worker_elements(plan, a.rank - 1),
-                         lambda done, total: report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
-    report.phase("join")
-    audit = None
-    if a.inject_leak:
-        from .audit.inject import LeakSpecError, parse_leak
-
-        try:
-            parse_leak(a.inject_leak, src.config.n_layers)
-        except LeakSpecError as e:
-            raise CliError(str(e)) from None
-    if a.audit_dir:
-        from .audit.recorder import AuditRecorder
-
-        audit = AuditRecorder(a.audit_dir, a.rank)
-    comm = Comm(
-        a.rank,
-        a.workers,
-        _master(a.master),
-        backend=backend_for(a.device),
-        timeout_s=a.timeout,
-        score_groups=plan.group_owners,
-        recorder=audit,
-    )
-    try:
-        serve(src, plan, a.rank - 1, comm, audit=audit, leak=a.inject_leak, variant=a.variant)
-    finally:
-        comm.close()
-        if audit is not None:
-            audit.close()
+    run(O.worker_options(a))
     return 0
 
 
-def _worker_topology(a: argparse.Namespace) -> None:
-    """Fill --rank/--workers/--master/--capacity/--model from --topology (rank: --rank, or the one
-    worker of the file whose address is this machine's)."""
-    if not a.topology:
-        missing = [f"--{k}" for k in ("rank", "workers", "master") if getattr(a, k) is None]
-        if missing:
-            raise CliError(f"give {', '.join(missing)} (or --topology FILE)")
-        return
-    from .topology import Topology
-
-    if a.rank is None:
-        topo = Topology.load(a.topology)
-        here = topo.local_worker_ranks()
-        if len(here) != 1:
-            which = f"{len(here)} workers of the file are on this machine" if here else "no worker of the file is on this machine"
-            raise CliError(f"give --rank: {which}")
-        a.rank = here[0]
-    topo = _topology(a, a.rank)
-    a.workers, a.master = topo.n_workers, topo.master
-    a.capacity = ",".join(str(c) for c in topo.capacities)
+# ---- keys ----
 
 
-def worker_main(argv: list[str]) -> int:
-    return main(["worker", *argv])
+def cmd_keys(a: argparse.Namespace) -> int:
+    from .comm import Identity
+
+    if a.keys_cmd == "new":
+        ident = Identity.new()
+        ident.save(a.path)
+        print(ident.public.line())
+        print(f"fusion keys: wrote {a.path} (secret: keep it on this machine); the line above is its public key "
+              f"(fingerprint {ident.public.fingerprint}) for the topology file", file=sys.stderr)  # fmt: skip
+    else:
+        print(Identity.load(a.path).public.line())
+    return 0
 
 
 # ---- entry ----
@@ -317,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fusion", description="Exact LLM inference with the state sharded across workers.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text (spawns local workers unless --master)")
-    _add_engine(g)
+    g = sub.add_parser("generate", help="generate text (spawns local workers unless --topology)")
+    O.add_engine_args(g)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -333,69 +158,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plan", help="print the sharding plan as JSON")
-    _add_model(pl)
+    pl.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     pl.add_argument("--workers", type=int, required=True)
     pl.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
     pl.set_defaults(func=cmd_plan)
 
-    w = sub.add_parser("worker", help="run one worker and join a client at --master (or per --topology)")
-    _add_model(w)
-    w.add_argument("--rank", type=int, help="1..N")
-    w.add_argument("--workers", type=_workers_arg, help="N, or A+B with --mode masked")
-    w.add_argument("--mode", choices=("structural", "masked"), default="structural")
-    w.add_argument("--group", choices=("A", "B"), help="masked mode: this worker's group (checked against --rank)")
-    w.add_argument("--master", help="client HOST:PORT")
-    w.add_argument("--topology", help="TOML topology file: sets --workers, --master, --capacity (and --model)")
-    w.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
-                   help="load progress on stderr: auto = a bar on a terminal, else nothing")  # fmt: skip
-    w.add_argument("--capacity")
-    w.add_argument("--threads", type=int)
-    w.add_argument("--timeout", type=float, default=120.0)
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    w.add_argument("--audit-dir", help="record this worker's hash-chained audit log into DIR")
-    w.add_argument("--inject-leak", help="audit negative control: gather@LAYER | silent-gather@LAYER | gloo-rs")
-    w.add_argument("--variant", choices=("sharded", "megatron"), default="sharded",
-                   help="megatron: replicated-residual baseline (benchmark / negative control)")  # fmt: skip
+    w = sub.add_parser("worker", help="run one worker: join a client (--topology FILE --key FILE, or --master)")
+    O.add_worker_args(w)
     w.set_defaults(func=cmd_worker)
 
+    k = sub.add_parser("keys", help="participant key pairs: `keys new FILE`, `keys show FILE`")
+    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    kn = ksub.add_parser("new", help="write a new key file (mode 0600) and print its public line")
+    kn.add_argument("path")
+    ks = ksub.add_parser("show", help="print a key file's public line")
+    ks.add_argument("path")
+    k.set_defaults(func=cmd_keys)
+
+    from .audit.cli import add_audit_parser
+    from .bench.run import add_parser as add_bench_parser
     from .chat import add_parser as add_chat_parser
     from .serve import add_parser as add_serve_parser
 
-    add_serve_parser(sub, _add_engine)
-    add_chat_parser(sub, _add_engine)
-
-    from .audit.cli import add_audit_parser
-
+    add_serve_parser(sub, O.add_engine_args)
+    add_chat_parser(sub, O.add_engine_args)
     add_audit_parser(sub)
-
-    from .bench.run import add_parser as add_bench_parser
-
     add_bench_parser(sub)
     return p
-
-
-def _known_errors() -> tuple[type[BaseException], ...]:
-    from .bench.run import BenchError
-    from .comm import CommError
-    from .config import ModelError
-    from .generate import InputError
-    from .plan import PlanError
-    from .sampling import SamplingError
-    from .topology import TopologyError
-
-    return (CliError, ModelError, PlanError, SamplingError, InputError, CommError, TopologyError, BenchError)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = a.func
-    prefix = f"fusion {a.cmd}" + (f" (rank {a.rank})" if a.cmd == "worker" and a.rank else "")
+    prefix = f"fusion {a.cmd}" + (f" (rank {a.rank})" if a.cmd == "worker" and getattr(a, "rank", None) else "")
     try:
         return func(a)
-    except _known_errors() as e:
+    except FusionError as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(e, CliError) else EXIT_ERROR
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
@@ -404,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"{prefix}: error: {type(e).__name__}: {first}", file=sys.stderr)
-        return EXIT_ERROR
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import FusionError
+
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
 
-class ModelError(ValueError):
+class ModelError(FusionError, ValueError):
     """A model that cannot be loaded or run: bad path, unsupported architecture, bad config."""
 
 

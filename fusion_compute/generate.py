@@ -7,10 +7,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .client import Engine
+from .errors import FusionError
 from .sampling import Sampler, SamplingParams
 
 
-class InputError(ValueError):
+class InputError(FusionError, ValueError):
     """A request the model cannot run: empty prompt, too long, bad ids."""
 
 

@@ -24,22 +24,38 @@ def _die_with_parent() -> None:
 
 
 class WorkerProcs:
-    """N local worker processes plus a watchdog that fails fast if one dies unexpectedly."""
+    """N local worker processes plus a watchdog that reports one that dies unexpectedly."""
 
-    def __init__(self, args_for_rank: Callable[[int], Sequence[str]], n_workers: int, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args_for_rank: Callable[[int], Sequence[str]],
+        n_workers: int,
+        env: dict[str, str] | None = None,
+        stdin_for_rank: Callable[[int], bytes] | None = None,
+    ):
+        """`stdin_for_rank(rank)`: bytes written to the worker's stdin, then closed (its secret key:
+        never on a command line or in the environment, which other local users can read)."""
         self.procs: list[subprocess.Popen] = []
         self.logs = []
         self.closing = False
+        self.failures: list[tuple[int, str]] = []
+        self.quiet = True  # during start-up the client's own error says it; afterwards the watchdog does
         child_env = {**os.environ, **(env or {})}
         for rank in range(1, n_workers + 1):
             log = tempfile.TemporaryFile(mode="w+b")
-            cmd = [sys.executable, "-m", "fusion_compute.worker", *args_for_rank(rank)]
+            cmd = [sys.executable, "-m", "fusion_compute", "worker", *args_for_rank(rank)]
             # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
             # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
             p = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env, preexec_fn=_die_with_parent,
-                start_new_session=True,
+                cmd, stdin=subprocess.PIPE if stdin_for_rank else subprocess.DEVNULL, stdout=log, stderr=log,
+                env=child_env, preexec_fn=_die_with_parent, start_new_session=True,
             )  # fmt: skip
+            if stdin_for_rank is not None:
+                try:
+                    p.stdin.write(stdin_for_rank(rank))
+                    p.stdin.close()
+                except OSError:
+                    pass  # it died at once; the watchdog reports its last words
             self.procs.append(p)
             self.logs.append(log)
         atexit.register(self.stop)
@@ -58,15 +74,23 @@ class WorkerProcs:
         return lines[-1] if lines else f"exit code {self.procs[i].returncode}"
 
     def _watchdog(self) -> None:
+        """Notice a worker that exits unexpectedly and say which, with its last words. The client
+        itself learns it from its links (the connection closes) or from `failure()` at start-up;
+        this thread never kills the process it runs in (a gateway or a test may host the client)."""
+        reported: set[int] = set()
         while not self.closing:
             for i, p in enumerate(self.procs):
-                if p.poll() is not None and not self.closing:
-                    msg = self.last_error(i)
-                    sys.stderr.write(f"error: worker {i + 1} exited unexpectedly: {msg}\n")
-                    sys.stderr.flush()
-                    self.stop(grace_s=0)
-                    os._exit(1)  # the client cannot continue without a shard; never hang
+                if i not in reported and p.poll() is not None and not self.closing:
+                    reported.add(i)
+                    self.failures.append((i + 1, self.last_error(i)))
+                    if not self.quiet:
+                        sys.stderr.write(f"fusion: worker {i + 1} (pid {p.pid}) exited unexpectedly: {self.failures[-1][1]}\n")
+                        sys.stderr.flush()
             time.sleep(0.2)
+
+    def failure(self) -> tuple[int, str] | None:
+        """(rank, last error line) of the first worker that exited unexpectedly, if any."""
+        return self.failures[0] if self.failures else None
 
     def stop(self, grace_s: float = 3.0) -> None:
         self.closing = True

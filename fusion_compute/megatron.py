@@ -24,8 +24,8 @@ import torch
 from .comm import Comm
 from .ops import LayerIndex, LayerShard, ShardedLayer, inv_freq_tensor
 from .plan import Plan, runs
+from .sharded import ShardedModel
 from .weights import WeightSource
-from .worker import ShardedModel
 
 
 def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:

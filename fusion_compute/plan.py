@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from .config import ModelConfig
+from .errors import FusionError
 
 BYTES_PER_ELEMENT = 4  # fp32 on the wire
 
 
-class PlanError(ValueError):
+class PlanError(FusionError, ValueError):
     """An impossible plan (too many workers for a dimension, bad capacities)."""
 
 

@@ -233,6 +233,14 @@ def _attention_text(share: Any, head_dim: int) -> tuple[str, int]:
     return (", ".join(parts) or "none"), dims
 
 
+LINKS = {
+    "tls": "TLS 1.3, every worker authenticated by its pinned key, every byte encrypted",
+    "tcp": "PLAINTEXT TCP (--insecure): readable by anyone on the path, workers unauthenticated",
+    "gloo": "client links TLS; worker-to-worker on torch.distributed gloo, PLAINTEXT (--insecure)",
+    "nccl": "client links TLS; worker-to-worker on NCCL (plaintext, trusted GPU fabric)",
+}
+
+
 def startup_lines(engine: Any, topology: Any = None) -> list[str]:
     """Who holds what share and how much memory each worker uses, one line per worker."""
     plan, c = engine.plan, engine.config
@@ -249,11 +257,14 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
             else " (N = 1 holds everything: nothing is split)"
         ),  # fmt: skip
     ]
+    opts = getattr(engine, "opts", None)
+    if opts is not None:
+        lines.append(f"fusion: links: {LINKS.get(opts.engine, opts.engine)}")
     for s in plan.workers:
         where = f"pid {pids[s.worker]}" if s.worker < len(pids) else "remote"
         if topology is not None:
             p = topology.participant(s.rank)
-            where = f"{p.name + ' ' if p.name else ''}{p.host}"
+            where = f"{p.name + ' ' if p.name else ''}{p.host}" + (f", key {p.key.fingerprint}" if p.key else "")
         attn, kv_dims = _attention_text(s, c.head_dim)
         weights = worker_elements(plan, s.worker) * 4 / MIB
         kv = 2 * c.n_layers * engine.context * kv_dims * 4 / MIB

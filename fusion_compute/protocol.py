@@ -19,6 +19,8 @@ class Op(IntEnum):
     PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]
     SHUTDOWN = 5
     STATS = 6  # [STATS, ...] -> [collectives, peer_bytes_sent, client_bytes, rss_kb] (benchmark)
+    BENCH_RS = 7  # [BENCH_RS, rows, iters, 0]: time `iters` reduce-scatters of `rows` per peer among the
+    #              workers (random data, not state) -> [median ns, min ns, max ns, 0] (benchmark)
 
 
 def fingerprint_int(plan: Plan) -> int:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UsageError
 
-class SamplingError(ValueError):
+
+class SamplingError(UsageError, ValueError):
     pass
 
 

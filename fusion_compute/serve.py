@@ -807,45 +807,43 @@ def model_id(path: Any) -> str:
 
 
 def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[Gateway, Any]:
-    """Engine + tokenizer + card from `fusion serve|chat` arguments (spawns or joins workers).
+    """Engine + tokenizer + card from `fusion serve|chat` arguments (spawns or admits workers).
     Returns (gateway, topology or None). Bad arguments raise before any worker starts."""
-    from .cli import CliError, _engine_options, _tokenizer
-    from .client import Engine, effective_context
+    from .engine import effective_context
+    from .errors import UsageError
+    from .options import engine_options, tokenizer_for
     from .progress import is_tty, load_monitor, log_startup
     from .weights import open_weights, resolve_model_path
 
     stderr = stderr or sys.stderr
     masked = getattr(a, "mode", "structural") == "masked"
-    if masked:  # two groups computing on masked data (fusion_compute/masked, docs/masked.md)
-        from .masked.cli import masked_options
-        from .masked.client import MaskedEngine
-
-        opts = masked_options(a, CliError)
-    else:
-        opts = _engine_options(a)  # loads --topology (and binds to its address) when given
-    topology = getattr(a, "topology_obj", None)
+    opts = engine_options(a, masked=masked)
     max_tokens = getattr(a, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
-        raise CliError(f"--max-tokens must be >= 1, got {max_tokens}")
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     path = resolve_model_path(a.model)
     src = open_weights(path)
-    tok = _tokenizer(path, src, needed=True)
+    tok = tokenizer_for(path, src, needed=True)
     if tok is None:
-        raise CliError(f"{path}: no tokenizer, which serving text needs")
+        raise UsageError(f"{path}: no tokenizer, which serving text needs")
     context = effective_context(src.config.max_positions, a.context)
     if masked:
+        from .masked.client import MaskedEngine
+
         engine = MaskedEngine(path, opts, source=src)
     else:
+        from .client import Engine
+
         opts.progress = load_monitor(stderr)
         engine = Engine(path, opts, source=src)
         if always_log or is_tty(stderr):
-            log_startup(engine, stderr, topology)
+            log_startup(engine, stderr, opts.topology)
     name = getattr(a, "served_model_name", None) or model_id(path)
     card = ModelCard(
         id=name, tokenizer=tok, context=context, vocab=src.config.vocab, eos_ids=tuple(tok.eos_ids),
         default_max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
     )  # fmt: skip
-    return Gateway(engine, card), topology
+    return Gateway(engine, card), opts.topology
 
 
 def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
@@ -865,12 +863,12 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
 
 
 def cmd_serve(a: Any) -> int:
-    from .cli import CliError
+    from .errors import UsageError
 
     if not (0 <= a.port < 65536):
-        raise CliError(f"--port must be in 0..65535, got {a.port}")
+        raise UsageError(f"--port must be in 0..65535, got {a.port}")
     if a.max_queue < 0:
-        raise CliError(f"--max-queue must be >= 0, got {a.max_queue}")
+        raise UsageError(f"--max-queue must be >= 0, got {a.max_queue}")
 
     def log(line: str) -> None:
         sys.stderr.write(line + "\n")
@@ -880,7 +878,7 @@ def cmd_serve(a: Any) -> int:
     try:
         server = Server((a.host, a.port), None)
     except OSError as e:
-        raise CliError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+        raise UsageError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     try:
         gateway, _ = open_gateway(a)
     except BaseException:

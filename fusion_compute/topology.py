@@ -1,41 +1,50 @@
-"""A topology file (TOML): who takes part in a multi-host run, where, and with what capacity.
+"""A topology file (TOML): who takes part in a multi-host run, where, with what share, and under
+which public key. The user decides who holds their conversation by listing keys here.
 
     model = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"   # optional: default model path for everyone
 
     [client]                      # the user side (rank 0): tokenizer, embedding, LM head, sampling
     address = "10.0.0.1:29500"    # HOST:PORT it listens on for the rendezvous
+    key = "fc1.MIHQ..."           # its public key (`fusion keys new client.key` prints it)
 
     [[worker]]                    # rank 1 (workers are ranked in file order)
-    address = "10.0.0.2"          # the host this worker runs on
+    name = "alpha"                # optional label for logs
+    address = "10.0.0.2"          # the host this worker runs on (it listens there for its peers)
     capacity = 2                  # relative share (default 1)
+    key = "fc1.MIHQ..."           # its public key
 
     [[worker]]                    # rank 2
-    name = "gpu-box"              # optional label for logs
     address = "10.0.0.3"
+    key = "fc1.MIHQ..."
     model = "/data/smollm2.gguf"  # optional: this participant's own path to the same model
 
-The user decides who takes part: the client rendezvouses for exactly these N workers and their
-capacities fix the plan (client and workers check the plan fingerprint at start-up). A participant
-refuses to start on a machine that does not have its declared address, and binds gloo to the
-interface holding that address (GLOO_SOCKET_IFNAME), so traffic goes where the file says.
+Masked mode: give every worker `group = "A"` or `group = "B"`; group A members take ranks 1..n_A in
+file order, then group B (`fusion generate --mode masked --topology FILE`).
+
+Every link is TLS 1.3 with the keys of this file pinned on both ends (comm/links.py); a worker
+started with a key that is not listed, or listed for another rank or group, is refused before it
+receives anything. A participant refuses to start on a machine that does not hold its declared
+address. Keys may be left out only for a plaintext run the user asks for by name (`--insecure`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .comm import IdentityError, PublicId
+from .errors import UsageError
+
 _TOP_KEYS = {"model", "client", "worker"}
-_CLIENT_KEYS = {"address", "model", "name"}
-_WORKER_KEYS = {"address", "capacity", "model", "name"}
+_CLIENT_KEYS = {"address", "model", "name", "key"}
+_WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group"}
+GROUPS = ("A", "B")
 
 
-class TopologyError(ValueError):
+class TopologyError(UsageError, ValueError):
     """The topology file is missing, malformed, or does not fit this machine."""
 
 
@@ -43,13 +52,17 @@ class TopologyError(ValueError):
 class Participant:
     rank: int  # 0 = client, 1..N = workers
     host: str
+    key: PublicId | None = None
     capacity: float = 1.0
     name: str | None = None
     model: str | None = None
+    group: str | None = None  # "A" / "B": masked mode
 
     @property
     def label(self) -> str:
         role = "client" if self.rank == 0 else f"worker {self.rank}"
+        if self.group:
+            role += f" (group {self.group})"
         return f"{role} ({self.name})" if self.name else role
 
 
@@ -58,7 +71,7 @@ class Topology:
     path: Path
     client: Participant
     port: int
-    workers: tuple[Participant, ...]
+    workers: tuple[Participant, ...]  # by rank
     model: str | None = None
 
     @property
@@ -74,6 +87,15 @@ class Topology:
     def capacities(self) -> tuple[float, ...]:
         return tuple(w.capacity for w in self.workers)
 
+    @property
+    def masked(self) -> bool:
+        return any(w.group for w in self.workers)
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(n_A, n_B) of a masked topology."""
+        return sum(w.group == "A" for w in self.workers), sum(w.group == "B" for w in self.workers)
+
     def participant(self, rank: int) -> Participant:
         if rank == 0:
             return self.client
@@ -85,18 +107,25 @@ class Topology:
         """The model path participant `rank` should open: its own `model`, else the file's."""
         return self.participant(rank).model or self.model
 
-    def local_worker_ranks(self) -> list[int]:
-        return [w.rank for w in self.workers if is_local_address(w.host)]
+    def by_key(self, key: PublicId) -> Participant | None:
+        for p in (self.client, *self.workers):
+            if p.key is not None and p.key.cert_der == key.cert_der:
+                return p
+        return None
+
+    def require_keys(self) -> None:
+        """Every participant must be named by its key for the secure engine."""
+        for p in (self.client, *self.workers):
+            if p.key is None:
+                raise TopologyError(
+                    f"{self.path}: {p.label} has no key: add key = \"fc1....\" (`fusion keys new FILE` prints one), "
+                    "or run with --insecure"
+                )
 
     @staticmethod
     def load(path: str | Path) -> Topology:
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            try:
-                import tomli as tomllib  # type: ignore[no-redef]
-            except ModuleNotFoundError:
-                raise TopologyError("topology files need Python 3.11+ (tomllib) or the tomli package") from None
+        import tomllib
+
         p = Path(path)
         try:
             data = tomllib.loads(p.read_text())
@@ -125,7 +154,9 @@ class Topology:
         workers_raw = data.get("worker")
         if not isinstance(workers_raw, list) or not workers_raw:
             raise fail('no workers: add one [[worker]] table per worker, each with address = "HOST"')
-        workers = []
+        keys: dict[bytes, str] = {}
+        client_key = _key(client, "[client]", fail, keys)
+        entries = []
         names: set[str] = set()
         for i, w in enumerate(workers_raw, start=1):
             where = f"[[worker]] #{i}"
@@ -151,18 +182,46 @@ class Topology:
             wmodel = w.get("model")
             if wmodel is not None and not isinstance(wmodel, str):
                 raise fail(f"{where}: model must be a string path")
-            workers.append(Participant(i, addr, float(cap), name, wmodel))
+            group = w.get("group")
+            if group is not None and group not in GROUPS:
+                raise fail(f"{where}: group must be \"A\" or \"B\" (masked mode), got {group!r}")
+            key = _key(w, where, fail, keys)
+            entries.append((addr, key, float(cap), name, wmodel, group))
+        grouped = [e[5] is not None for e in entries]
+        if any(grouped):
+            if not all(grouped):
+                raise fail("either every worker has a group (masked mode) or none does")
+            if {e[5] for e in entries} != set(GROUPS):
+                raise fail("a masked topology needs at least one worker in group A and one in group B")
+            if any(e[2] != 1.0 for e in entries):
+                raise fail("capacity is not supported in masked mode (each group splits its rows evenly)")
+            entries = [e for e in entries if e[5] == "A"] + [e for e in entries if e[5] == "B"]
+        workers = tuple(Participant(r, *e) for r, e in enumerate(entries, start=1))
         cname = client.get("name")
         cmodel = client.get("model")
         if cmodel is not None and not isinstance(cmodel, str):
             raise fail("[client]: model must be a string path")
         return Topology(
             path=path,
-            client=Participant(0, host, 1.0, cname if isinstance(cname, str) else None, cmodel),
+            client=Participant(0, host, client_key, 1.0, cname if isinstance(cname, str) else None, cmodel),
             port=port,
-            workers=tuple(workers),
+            workers=workers,
             model=model,
         )
+
+
+def _key(table: dict, where: str, fail, seen: dict[bytes, str]) -> PublicId | None:
+    text = table.get("key")
+    if text is None:
+        return None
+    try:
+        key = PublicId.parse(text, f"{where} key")
+    except IdentityError as e:
+        raise fail(str(e)) from None
+    if key.cert_der in seen:
+        raise fail(f"{where}: duplicate key (also the key of {seen[key.cert_der]}): every participant needs its own")
+    seen[key.cert_der] = where
+    return key
 
 
 def _unknown(table: dict, allowed: set[str], where: str, fail) -> None:
@@ -191,9 +250,9 @@ def _host_port(text: Any, fail) -> tuple[str, int]:
 # ---- this machine ----
 
 
-def _resolve_ipv4(host: str) -> list[str]:
+def _resolve(host: str) -> list[str]:
     try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return []
     return list(dict.fromkeys(i[4][0] for i in infos))
@@ -201,8 +260,9 @@ def _resolve_ipv4(host: str) -> list[str]:
 
 def is_local_address(host: str) -> bool:
     """True when this machine holds `host` (binding a socket to it succeeds)."""
-    for ip in _resolve_ipv4(host):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    for ip in _resolve(host):
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((ip, 0))
                 return True
@@ -211,38 +271,10 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-def interface_for(host: str) -> str | None:
-    """The name of the network interface holding `host`'s IPv4 address (Linux), or None."""
-    if sys.platform != "linux":
-        return None
-    import fcntl
-    import struct
-
-    wanted = set(_resolve_ipv4(host))
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # no IPv4 address on this interface
-            if socket.inet_ntoa(raw[20:24]) in wanted:
-                return name
-    return None
-
-
-def bind_here(participant: Participant, env: dict[str, str] | None = None) -> str | None:
-    """Check that this machine is `participant`'s declared host, and bind gloo to its interface.
-
-    Returns the interface name (or None when it could not be determined: gloo then picks its own).
-    An explicit GLOO_SOCKET_IFNAME in the environment wins."""
-    env = os.environ if env is None else env
+def check_here(participant: Participant) -> None:
+    """Refuse to run `participant` on a machine that does not hold its declared address."""
     if not is_local_address(participant.host):
         raise TopologyError(
             f"{participant.label} is declared at {participant.host}, which is not an address of this machine "
             f"(run it on that host, or fix the topology file)"
         )
-    iface = interface_for(participant.host)
-    if iface and not env.get("GLOO_SOCKET_IFNAME"):
-        env["GLOO_SOCKET_IFNAME"] = iface
-    return env.get("GLOO_SOCKET_IFNAME") or iface

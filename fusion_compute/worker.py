@@ -1,132 +1,103 @@
-"""A worker process: loads only its weight slices, holds its residual and KV shards, runs every layer.
+"""A worker process: who it is, joining the client, then serving in the mode the client names.
 
-It never receives token ids or text: only its ingress shard of the embeddings, control words
-(operation, token count, position) and the partials addressed to its own chunks.
+It never receives token ids or text. In the structural mode (`serve` below) it gets its ingress
+shard of the embeddings, control words (operation, token count, position) and the partials
+addressed to its own chunks; in the masked mode (masked/worker.py), masked ring elements or a mask
+key. Every byte arrives over links that authenticated the client (and its peers) by their pinned
+keys, unless the user asked for --insecure.
 """
 
 from __future__ import annotations
 
+import math
+import resource
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from .comm import Comm
-from .ops import LayerIndex, LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
-from .plan import Plan, runs
+from .comm import Comm, Identity, PublicId, join
+from .plan import Plan, make_plan
+from .progress import CountingSource, WorkerReporter, worker_elements
 from .protocol import CONTROL_LEN, Op, fingerprint_int
-from .weights import WeightSource
+from .sharded import ShardedModel
+from .weights import WeightSource, open_weights
 
 
-def _augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
-    """Rows of `fused` regrouped by owner, each owner's chunk followed by one zero row (the slot
-    where the sender writes its local sum of squares)."""
-    zero = fused.shape[0]
-    padded = torch.cat([fused, fused.new_zeros(1, fused.shape[1])])
-    index = [r for rows in plan_rows for r in rows + [zero]]
-    return padded.index_select(0, torch.tensor(index))
+@dataclass
+class WorkerOptions:
+    master: tuple[str, int]  # the client's rendezvous address
+    key: Identity | None  # this worker's key; None = insecure
+    client_key: PublicId | None  # the client's pinned public key; None = insecure
+    model: str | None = None
+    listen_host: str | None = None  # where to listen for peers (topology address); None = as seen by the client
+    rank: int | None = None  # a claim the client checks (topology, --rank); required when insecure
+    group: str | None = None  # a claim (masked topology, --group)
+    threads: int | None = None
+    timeout_s: float = 120.0
+    join_timeout_s: float = 120.0
+    device: str = "cpu"
+    progress: str = "auto"
+    audit_dir: str | None = None
+    inject_leak: str | None = None
+    variant: str = "sharded"
+    log: Callable[[str], None] = lambda line: sys.stderr.write(f"fusion worker: {line}\n")
 
 
-def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
-    c = plan.config
-    share = plan.workers[w]
-    a, b = share.residual
-    cols = [(a, b)]
-    pre = f"model.layers.{layer}."
-    n = plan.n
+def run(o: WorkerOptions) -> None:
+    """Open the model, join, serve until SHUTDOWN (or until the client goes away)."""
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    report = WorkerReporter(o.progress, label="fusion worker")
+    report.phase("open")
+    src = open_weights(o.model)
+    if o.inject_leak and o.inject_leak != "a-to-b":  # a-to-b: the masked mode's own (masked/worker.py)
+        from .audit.inject import parse_leak
 
-    qkv_rows = [plan.qkv_rows(q) for q in range(n)]
-    gu_rows = [plan.gate_up_rows(q) for q in range(n)]
-    o_cols = plan.o_cols(w)
-    res_off = sum(plan.residual_sizes[:w])  # o / down outputs are split in natural row order
-    index = LayerIndex(
-        resid_in=list(range(a, b)),
-        qkv_out=qkv_rows[w],
-        attn_in=o_cols,
-        resid_out=list(range(res_off, res_off + plan.residual_sizes[w])),
-        gu_out=gu_rows[w],
-        h_in=list(range(*share.mlp)),
-    )
+        parse_leak(o.inject_leak, src.config.n_layers)  # a bad spec fails before joining
+    report.phase("join")
+    deadline = time.monotonic() + o.join_timeout_s
+    joined = join(o.key, o.client_key, o.master, listen_host=o.listen_host, claim_rank=o.rank,
+                  claim_group=o.group, deadline=deadline, log=o.log)  # fmt: skip
+    welcome, rank = joined.welcome, joined.rank
+    n = int(welcome["n_workers"])
+    if welcome.get("mode") == "masked":
+        from .masked.worker import run_member
 
-    g_attn = src.read(pre + "input_layernorm.weight")[a:b]
-    qkv = torch.cat([src.read(pre + f"self_attn.{p}_proj.weight", cols=cols) for p in "qkv"]) * g_attn
-    qkv_w = _augmented(qkv, qkv_rows)
-    del qkv
-    qkv_b = None
-    if c.qkv_bias:
-        bias = torch.cat([src.read(pre + f"self_attn.{p}_proj.bias") for p in "qkv"])
-        qkv_b = bias[torch.tensor(qkv_rows[w])].contiguous()
-    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(o_cols))
+        run_member(src, welcome, rank, joined.links, o)
+        return
+    plan = make_plan(src.config, n, tuple(float(x) for x in welcome["capacities"]))
+    # Count the elements of this worker's slices as they are read: the load progress.
+    src = CountingSource(src, worker_elements(plan, rank - 1),
+                         lambda done, total: report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
+    audit = None
+    if o.audit_dir:
+        from .audit.recorder import AuditRecorder
 
-    g_mlp = src.read(pre + "post_attention_layernorm.weight")[a:b]
-    gu = torch.cat([src.read(pre + f"mlp.{p}_proj.weight", cols=cols) for p in ("gate", "up")]) * g_mlp
-    gu_w = _augmented(gu, gu_rows)
-    del gu
-    down_w = src.read(pre + "mlp.down_proj.weight", cols=[share.mlp])
-    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
+        audit = AuditRecorder(o.audit_dir, rank)
+    fabric = None
+    if welcome.get("fabric"):
+        from .comm.torch_fabric import TorchFabric
 
-
-class ShardedModel:
-    """All layers of one worker. `forward(x_dT, pos)` maps this worker's residual shard at
-    ingress to its residual shard at egress; the state is never gathered in between."""
-
-    def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
-        c = plan.config
-        self.plan, self.w, self.comm = plan, w, comm
-        qkv_aug = [s + 1 for s in plan.qkv_sizes]
-        gu_aug = [s + 1 for s in plan.gate_up_sizes]
-        res = list(plan.residual_sizes)
-        self.layers = [
-            ShardedLayer(
-                i,
-                load_layer(src, plan, w, i),
-                plan.workers[w].attention,
-                comm=comm,
-                me=w,
-                qkv_sizes_aug=qkv_aug,
-                gu_sizes_aug=gu_aug,
-                res_sizes=res,
-                hidden=c.hidden,
-                head_dim=c.head_dim,
-                group_size=c.group_size,
-                eps=c.rms_eps,
-            )
-            for i in range(c.n_layers)
-        ]
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
-        self.max_seq = 0
-        self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
-
-    def attach_audit(self, audit) -> None:
-        for layer in self.layers:
-            layer.audit = audit
-
-    def reset(self, max_seq: int) -> None:
-        """Fresh, zeroed KV shards for a new session (the old ones are dropped)."""
-        self.max_seq = max_seq
-        for layer in self.layers:
-            layer.alloc_cache(max_seq, torch.float32, self.comm.device)
-
-    def _step(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """RoPE tables and causal mask for T tokens at `pos`, after checking the KV capacity."""
-        if pos + t > self.max_seq:
-            raise ValueError(f"position {pos + t} beyond the session's KV capacity {self.max_seq}")
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
-        return cos, sin, causal_mask(pos, t)
-
-    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
-        cos, sin, mask = self._step(pos, x_dT.shape[1])
-        for layer in self.layers:
-            if self.leak is not None:
-                self.leak(layer.i, x_dT)
-            x_dT = layer.forward(x_dT, pos, cos, sin, mask)
-        return x_dT
+        f = welcome["fabric"]
+        fabric = TorchFabric(f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners)
+    comm = Comm(rank, n, joined.links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
+                fabric=fabric, device=fabric.device if fabric else None,
+                engine=fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp"))  # fmt: skip
+    try:
+        serve(src, plan, rank - 1, comm, audit=audit, leak=o.inject_leak, variant=o.variant)
+    finally:
+        comm.close()
+        if audit is not None:
+            audit.close()
 
 
 def serve(
     src: WeightSource, plan: Plan, w: int, comm: Comm, *, audit=None, leak: str | None = None, variant: str = "sharded"
 ) -> None:
-    """The worker's command loop: HELLO (handshake + KV allocation), FORWARD, RESET, SHUTDOWN.
+    """The structural command loop: HELLO (handshake + KV allocation), FORWARD, RESET, SHUTDOWN.
 
     audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
     per step; leak: a negative-control spec (`audit.inject`); variant: "sharded" or "megatron"
@@ -138,7 +109,8 @@ def serve(
     mine = fingerprint_int(plan)
     if op != Op.HELLO or fp != mine:
         comm.send(torch.tensor([0, mine, 0, 0]), 0, "control", "hello")
-        raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model and capacities?")
+        comm.flush()
+        raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model file?")
     t0 = time.perf_counter()
     if variant == "megatron":
         from .megatron import MegatronModel
@@ -155,16 +127,16 @@ def serve(
         model.attach_audit(audit)
         audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
     load_ms = int((time.perf_counter() - t0) * 1000)
-    comm.send(torch.tensor([1, mine, load_ms, _rss_kb()]), 0, "control", "hello")
+    comm.send(torch.tensor([1, mine, load_ms, rss_kb()]), 0, "control", "hello")
     n_res = plan.workers[w].n_residual
     while True:
-        comm.recv(ctrl, 0, "control", "cmd")
+        comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
         if op == Op.FORWARD:
             if audit is not None:
                 audit.begin_step(t, pos)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
-            x_dT = model.forward(x_dT, pos)
+            x_dT = model.forward(x_dT.to(comm.device), pos)
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()
@@ -173,10 +145,12 @@ def serve(
             if audit is not None:
                 audit.new_session()
         elif op == Op.PING:
-            comm.send(torch.tensor([1, rank, 0, _rss_kb()]), 0, "control", "pong")
+            comm.send(torch.tensor([1, rank, 0, rss_kb()]), 0, "control", "pong")
+        elif op == Op.BENCH_RS:
+            comm.send(bench_reduce_scatter(comm, plan.n, t, pos), 0, "control", "bench")
         elif op == Op.STATS:
             k = comm.counters
-            comm.send(torch.tensor([k.collectives, k.peer_bytes_sent, k.client_bytes, _rss_kb()]), 0, "control", "stats")
+            comm.send(torch.tensor([k.collectives, k.peer_bytes_sent, k.client_bytes, rss_kb()]), 0, "control", "stats")
         elif op == Op.SHUTDOWN:
             if audit is not None:
                 audit.close()
@@ -185,18 +159,20 @@ def serve(
             raise RuntimeError(f"unknown control op {op}")
 
 
-def _rss_kb() -> int:
+def bench_reduce_scatter(comm: Comm, n: int, rows: int, iters: int) -> torch.Tensor:
+    """Latency of the reduce-scatter verb alone: `iters` of them on random (rows * n, 1) partials
+    (no state involved), timed back to back after one warm-up; [median, min, max] in ns."""
+    partial = torch.randn(rows * n, 1)
+    times = []
+    for i in range(iters + 1):
+        t0 = time.perf_counter_ns()
+        comm.reduce_scatter(partial, [rows] * n, "bench")
+        if i:
+            times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    return torch.tensor([times[len(times) // 2], times[0], times[-1], 0], dtype=torch.int64)
+
+
+def rss_kb() -> int:
     """Peak resident set size of this process, kB (Linux ru_maxrss)."""
-    import resource
-
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .cli import worker_main
-
-    return worker_main(argv if argv is not None else sys.argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,11 +27,14 @@ def worker_pids() -> set[int]:
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
+    """Non-zero exit, no traceback, one error line (a warning the user asked for, e.g. --insecure's,
+    may stand before it)."""
     assert r.returncode != 0
     err = r.stderr.strip()
     assert "Traceback" not in err, err
-    assert len(err.splitlines()) == 1, err
-    assert needle in err, err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("fusion: warning:")]
+    assert len(lines) == 1, err
+    assert needle in lines[0], err
 
 
 @pytest.fixture
@@ -89,25 +92,42 @@ def test_plan_command(tiny_qwen2):
     assert_one_line_error(run("plan", "--model", str(tiny_qwen2), "--workers", "37"), "at most 12")
 
 
+def test_master_needs_keys_or_insecure(tiny_qwen2, no_new_workers):
+    r = run("generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", "--master", f"127.0.0.1:{free_port()}")
+    assert_one_line_error(r, "--master without --topology cannot pin the workers' keys")
+
+
 def test_rendezvous_times_out_without_workers(tiny_qwen2, no_new_workers):
     port = free_port()
+    t0 = time.monotonic()
     r = run("generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", "--master", f"127.0.0.1:{port}",
-            "--timeout", "3", timeout=60)  # fmt: skip
-    assert_one_line_error(r, "rendezvous")
+            "--insecure", "--join-timeout", "3", timeout=60)  # fmt: skip
+    assert_one_line_error(r, "workers did not join in time")
+    assert "rendezvous" in r.stderr and time.monotonic() - t0 < 30
+    assert "warning: --insecure" in r.stderr  # plaintext is never silent
+
+
+def test_worker_with_unreachable_client_fails_in_time(tiny_qwen2, no_new_workers):
+    t0 = time.monotonic()
+    r = run("worker", "--model", str(tiny_qwen2), "--master", f"127.0.0.1:{free_port()}", "--rank", "1",
+            "--insecure", "--join-timeout", "2", timeout=60)  # fmt: skip
+    assert_one_line_error(r, "could not reach the client")
+    assert time.monotonic() - t0 < 20
 
 
 def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
-    """Multi-host shape on one machine: the client and each worker are independent processes."""
+    """Multi-host shape on one machine, plaintext (--insecure): the client and each worker are
+    independent processes; the workers claim their ranks. (The keyed way: test_topology.py.)"""
     port = free_port()
     master = f"127.0.0.1:{port}"
     ids = "5,17,33,2,99"
     client = subprocess.Popen(
-        [*FUSION, "generate", "--model", str(tiny_qwen2), "--workers", "2", "--master", master,
+        [*FUSION, "generate", "--model", str(tiny_qwen2), "--workers", "2", "--master", master, "--insecure",
          "--prompt-ids", ids, "--max-new-tokens", "8", "--json", "--timeout", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     workers = [
-        subprocess.Popen([*FUSION, "worker", "--model", str(tiny_qwen2), "--rank", str(r), "--workers", "2",
+        subprocess.Popen([*FUSION, "worker", "--model", str(tiny_qwen2), "--rank", str(r), "--insecure",
                           "--master", master, "--threads", "1", "--timeout", "60"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         for r in (1, 2)

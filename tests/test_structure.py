@@ -1,4 +1,4 @@
-"""Architecture rules that must not rot: one door to torch.distributed, no transformers at runtime."""
+"""Architecture rules that must not rot: one door to the wire, no transformers at runtime."""
 
 from __future__ import annotations
 
@@ -19,14 +19,19 @@ def imports(path: Path) -> set[str]:
     return out
 
 
-def test_only_comm_imports_torch_distributed():
-    offenders = [
-        str(p.relative_to(PKG))
-        for p in PKG.rglob("*.py")
-        if p.name != "comm.py" and any(m == "torch.distributed" or m.startswith("torch.distributed.") for m in imports(p))
-    ]
-    assert offenders == [], f"torch.distributed imported outside comm.py: {offenders}"
-    assert "torch.distributed" in imports(PKG / "comm.py")
+ENGINES = ("torch.distributed", "ssl", "zmq", "mpi4py")  # what may carry state between participants
+
+
+def uses_engine(path: Path) -> bool:
+    return any(m == e or m.startswith(e + ".") for m in imports(path) for e in ENGINES)
+
+
+def test_only_the_comm_package_touches_the_wire():
+    comm = PKG / "comm"
+    offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if comm not in p.parents and uses_engine(p)]
+    assert offenders == [], f"a wire engine imported outside fusion_compute/comm/: {offenders}"
+    assert uses_engine(comm / "links.py") and uses_engine(comm / "torch_fabric.py")
+    assert [p.name for p in comm.rglob("*.py") if "torch.distributed" in imports(p)] == ["torch_fabric.py"]
 
 
 def test_scanner_catches_an_offender(tmp_path):

@@ -1,43 +1,70 @@
-"""Topology files: parsing and checks, and multi-host runs on one machine (loopback) where the client
-and every worker are separately started processes that take their roles from the same file."""
+"""Topology files with pinned keys: parsing and checks, and multi-host runs on one machine (loopback)
+where the client and every worker are separately started processes that take their roles from the
+same file and their identities from their own key files."""
 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from test_serve import FUSION, build_chat_model
+from procs import fusion, reap, run
+from test_serve import build_chat_model
 
-from fusion_compute.comm import free_port
-from fusion_compute.topology import Topology, TopologyError, bind_here, interface_for, is_local_address
+from fusion_compute.comm import Identity, free_port
+from fusion_compute.topology import Topology, TopologyError, check_here, is_local_address
 
-GOOD = """
-model = "/models/m.gguf"
-[client]
-address = "127.0.0.1:29555"
-[[worker]]
-address = "127.0.0.1"
-capacity = 2
-[[worker]]
-name = "b"
-address = "localhost"
-model = "/elsewhere/m.gguf"
-"""
+
+def keys(n: int) -> list[Identity]:
+    return [Identity.new() for _ in range(n)]
+
+
+def topo_text(ids: list[Identity], hosts: list[str], caps=None, groups=None, model=None, port=None) -> str:
+    """ids[0] is the client's; ids[1:] the workers'."""
+    text = f'model = "{model}"\n' if model else ""
+    text += f'[client]\naddress = "127.0.0.1:{port or free_port()}"\nkey = "{ids[0].public.line()}"\n'
+    for i, (ident, host) in enumerate(zip(ids[1:], hosts, strict=True)):
+        text += f'[[worker]]\naddress = "{host}"\nkey = "{ident.public.line()}"\n'
+        if caps:
+            text += f"capacity = {caps[i]}\n"
+        if groups:
+            text += f'group = "{groups[i]}"\n'
+    return text
+
+
+def write_keys(d: Path, ids: list[Identity]) -> list[Path]:
+    paths = []
+    for i, ident in enumerate(ids):
+        p = d / f"p{i}.key"
+        p.unlink(missing_ok=True)
+        ident.save(p)
+        paths.append(p)
+    return paths
 
 
 def test_parse_good(tmp_path):
+    ids = keys(3)
     f = tmp_path / "t.toml"
-    f.write_text(GOOD)
+    f.write_text(topo_text(ids, ["127.0.0.1", "localhost"], caps=[2, 1], model="/models/m.gguf"))
     t = Topology.load(f)
-    assert t.n_workers == 2 and t.master == "127.0.0.1:29555" and t.capacities == (2.0, 1.0)
-    assert t.model_for(0) == t.model_for(1) == "/models/m.gguf" and t.model_for(2) == "/elsewhere/m.gguf"
-    assert t.participant(2).label == "worker 2 (b)" and t.local_worker_ranks() == [1, 2]
+    assert t.n_workers == 2 and t.capacities == (2.0, 1.0) and t.model_for(2) == "/models/m.gguf"
+    assert t.by_key(ids[2].public).rank == 2 and t.by_key(ids[0].public).rank == 0
+    assert t.by_key(Identity.new().public) is None
+    t.require_keys()
 
 
+def test_masked_groups_rank_a_first(tmp_path):
+    ids = keys(4)
+    f = tmp_path / "t.toml"
+    f.write_text(topo_text(ids, ["127.0.0.1"] * 3, groups=["B", "A", "B"]))
+    t = Topology.load(f)
+    assert t.masked and t.groups == (1, 2)
+    assert [w.group for w in t.workers] == ["A", "B", "B"] and t.by_key(ids[2].public).rank == 1
+
+
+A_KEY = Identity.new().public.line()
+B_KEY = Identity.new().public.line()
 BAD = [
     ("", "missing [client]"),
     ("[client]\naddress = '127.0.0.1'\n[[worker]]\naddress = 'a'\n", "HOST:PORT"),
@@ -46,12 +73,19 @@ BAD = [
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\ncapacity = 1\n", "address"),
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a:99'\n", "host only"),
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\ncapacity = 0\n", "positive"),
-    ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\ncapacity = 'x'\n", "positive"),
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\ncapasity = 1\n", "unknown key 'capasity'"),
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\nname = 'x'\n[[worker]]\naddress = 'b'\n"
      "name = 'x'\n", "duplicate name"),  # fmt: skip
     ("workers = 3\n", "unknown key 'workers'"),
     ("[client\n", "not valid TOML"),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = 'abc'\n", "not a Fusion public key"),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = 'fc1.AAAA'\n", "not a certificate"),
+    (f"[client]\naddress = '127.0.0.1:1'\nkey = '{A_KEY}'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY}'\n", "duplicate key"),
+    (f"[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY[:-8]}'\n", "not a certificate"),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'C'\n", 'group must be "A" or "B"'),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n",
+     "either every worker has a group"),  # fmt: skip
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n", "one in group B"),
 ]
 
 
@@ -61,41 +95,67 @@ def test_parse_bad(tmp_path, text, needle):
     f.write_text(text)
     with pytest.raises(TopologyError, match=needle.replace("[", r"\[")):
         Topology.load(f)
+
+
+def test_missing_file_and_missing_keys(tmp_path):
     with pytest.raises(TopologyError, match="not found"):
         Topology.load(tmp_path / "missing.toml")
+    f = tmp_path / "t.toml"
+    f.write_text(f"[client]\naddress = '127.0.0.1:1'\nkey = '{B_KEY}'\n[[worker]]\naddress = 'a'\n")
+    with pytest.raises(TopologyError, match="worker 1 has no key"):
+        Topology.load(f).require_keys()
 
 
 def test_this_machine():
     assert is_local_address("127.0.0.1") and not is_local_address("192.0.2.1")  # TEST-NET-1: nobody's
-    assert interface_for("127.0.0.1") == "lo"
     t = Topology.from_dict({"client": {"address": "127.0.0.1:1"}, "worker": [{"address": "192.0.2.1"}]})
-    env: dict[str, str] = {}
-    assert bind_here(t.client, env) == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    check_here(t.client)
     with pytest.raises(TopologyError, match="not an address of this machine"):
-        bind_here(t.workers[0], {})
+        check_here(t.workers[0])
 
 
-def write_topology(path: Path, model: Path, caps: tuple[float, ...], hosts: tuple[str, ...] | None = None) -> Path:
-    hosts = hosts or ("127.0.0.1",) * len(caps)
-    text = f'model = "{model}"\n[client]\naddress = "127.0.0.1:{free_port()}"\n'
-    for h, c in zip(hosts, caps, strict=True):
-        text += f'[[worker]]\naddress = "{h}"\ncapacity = {c}\n'
-    path.write_text(text)
-    return path
+def test_keys_command(tmp_path):
+    r = run("keys", "new", str(tmp_path / "w.key"))
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert line.startswith("fc1.") and len(line.splitlines()) == 1
+    assert (tmp_path / "w.key").stat().st_mode & 0o777 == 0o600
+    assert run("keys", "show", str(tmp_path / "w.key")).stdout.strip() == line
+    again = run("keys", "new", str(tmp_path / "w.key"))  # never overwrites a key
+    assert again.returncode != 0 and "refusing to overwrite" in again.stderr and len(again.stderr.splitlines()) == 1
+    (tmp_path / "junk.key").write_text("hello\n")
+    for args, needle in ((["show", str(tmp_path / "junk.key")], "not a Fusion key file"),
+                         (["show", str(tmp_path / "none.key")], "key file not found")):  # fmt: skip
+        bad = run("keys", *args)
+        assert bad.returncode != 0 and needle in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr
 
 
 def test_cli_topology_errors_one_line(tmp_path, capsys):
     from fusion_compute.cli import main
 
-    good = write_topology(tmp_path / "t.toml", tmp_path, (1, 1))
-    away = write_topology(tmp_path / "away.toml", tmp_path, (1, 1), ("192.0.2.1", "127.0.0.1"))
+    ids = keys(3)
+    kf = write_keys(tmp_path, ids)
+    good = tmp_path / "t.toml"
+    good.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"]))
+    away = tmp_path / "away.toml"
+    away.write_text(topo_text(ids, ["192.0.2.1", "127.0.0.1"]))
+    stranger = tmp_path / "stranger.key"
+    Identity.new().save(stranger)
     cases = [
-        (["worker", "--topology", str(good)], "give --rank: 2 workers of the file are on this machine"),
-        (["worker", "--topology", str(away), "--rank", "1"], "not an address of this machine"),
-        (["worker", "--topology", str(good), "--rank", "3"], "rank 3 is not in the file"),
-        (["worker", "--rank", "1"], "give --workers, --master"),
+        (["worker", "--topology", str(good)], "give --key FILE"),
+        (["worker", "--topology", str(good), "--key", str(stranger)], "is not one of"),
+        (["worker", "--topology", str(good), "--key", str(kf[0])], "is not one of"),  # the client's key
+        (["worker", "--topology", str(away), "--key", str(kf[1])], "not an address of this machine"),
+        (["worker", "--topology", str(good), "--key", str(tmp_path / "none.key")], "key file not found"),
+        (["worker", "--master", "127.0.0.1:9"], "give --key FILE and --client-key"),
+        (["worker", "--master", "127.0.0.1:9", "--key", str(kf[1]), "--client-key", "fc1.xyz"], "--client-key"),
+        (["worker", "--rank", "1"], "give --master"),
         (["generate", "--topology", str(good), "--workers", "3", "--prompt-ids", "1"], "drop --workers"),
         (["generate", "--topology", str(tmp_path / "nope.toml"), "--prompt-ids", "1"], "not found"),
+        (["generate", "--topology", str(good), "--prompt-ids", "1"], "needs the client's key"),
+        (["generate", "--topology", str(good), "--key", str(kf[1]), "--prompt-ids", "1"], "not the client's key"),
+        (["generate", "--topology", str(good), "--mode", "masked", "--key", str(kf[0]), "--prompt-ids", "1"],
+         "names no groups"),  # fmt: skip
     ]
     for args, needle in cases:
         assert main(args) != 0
@@ -103,35 +163,23 @@ def test_cli_topology_errors_one_line(tmp_path, capsys):
         assert needle in err and len(err.splitlines()) == 1, (args, err)
 
 
-def _workers(topo: Path, n: int) -> list[subprocess.Popen]:
-    return [
-        subprocess.Popen([*FUSION, "worker", "--topology", str(topo), "--rank", str(r), "--threads", "1",
-                          "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        for r in range(1, n + 1)
-    ]
-
-
-def _reap(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+def _workers(topo: Path, key_files: list[Path]) -> list:
+    return [fusion("worker", "--topology", str(topo), "--key", str(k), "--threads", "1", "--timeout", "60")
+            for k in key_files]  # fmt: skip
 
 
 def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     from fusion_compute.plan import make_plan
     from fusion_compute.weights import open_weights
 
-    topo = write_topology(tmp_path / "t.toml", tiny_qwen2, (2, 1))
-    ids = "5,17,33,2,99"
-    client = subprocess.Popen([*FUSION, "generate", "--topology", str(topo), "--prompt-ids", ids,
-                               "--max-new-tokens", "8", "--json", "--timeout", "60"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    workers = _workers(topo, 2)
+    ids = keys(3)
+    kf = write_keys(tmp_path, ids)
+    topo = tmp_path / "t.toml"
+    topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], caps=[2, 1], model=tiny_qwen2))
+    prompt = "5,17,33,2,99"
+    client = fusion("generate", "--topology", str(topo), "--key", str(kf[0]), "--prompt-ids", prompt,
+                    "--max-new-tokens", "8", "--json", "--timeout", "60")  # fmt: skip
+    workers = _workers(topo, kf[1:])
     try:
         out, err = client.communicate(timeout=120)
         assert client.returncode == 0, err
@@ -141,41 +189,70 @@ def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
             assert w.returncode == 0, w.stderr.read()
             assert w.stderr.read() == ""  # not a terminal: no progress output
     finally:
-        _reap([client, *workers])
+        reap([client, *workers])
     res = json.loads(out)
-    assert res["workers"] == 2 and len(res["token_ids"]) == 8
-    # The file's capacities made the plan (client and workers agreed on it at the handshake). That a
-    # run with separately started workers gives the local run's tokens is test_cli's check.
+    assert res["workers"] == 2 and len(res["token_ids"]) == 8 and res["engine"] == "tls"
+    # The file's capacities made the plan (client and workers agreed on it at the handshake).
     assert res["plan"] == make_plan(open_weights(tiny_qwen2).config, 2, (2.0, 1.0)).fingerprint()
+    # The same tokens as a local run: separately started, keyed workers change nothing but who joins.
+    local = json.loads(run("generate", "--model", str(tiny_qwen2), "--capacity", "2,1", "--prompt-ids", prompt,
+                           "--max-new-tokens", "8", "--json").stdout)  # fmt: skip
+    assert res["token_ids"] == local["token_ids"]
+
+
+def test_masked_run_with_topology_groups(tiny_qwen2, tmp_path):
+    ids = keys(4)
+    kf = write_keys(tmp_path, ids)
+    topo = tmp_path / "t.toml"
+    topo.write_text(topo_text(ids, ["127.0.0.1"] * 3, groups=["A", "B", "A"], model=tiny_qwen2))
+    client = fusion("generate", "--mode", "masked", "--topology", str(topo), "--key", str(kf[0]),
+                    "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json", "--timeout", "60")  # fmt: skip
+    workers = _workers(topo, kf[1:])
+    try:
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0, err
+        for w in workers:
+            w.wait(timeout=30)
+            assert w.returncode == 0, w.stderr.read()
+    finally:
+        reap([client, *workers])
+    res = json.loads(out)
+    assert res["mode"] == "masked" and res["groups"] == [2, 1]
+    local = json.loads(run("generate", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", "2+1",
+                           "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json").stdout)  # fmt: skip
+    assert res["token_ids"] == local["token_ids"]
 
 
 def test_serve_with_topology_and_separate_workers(tmp_path):
     import openai
+
     model = build_chat_model(tmp_path / "model")
-    topo = write_topology(tmp_path / "t.toml", model, (1, 3))
-    workers: list[subprocess.Popen] = []
+    ids = keys(3)
+    kf = write_keys(tmp_path, ids)
+    topo = tmp_path / "t.toml"
+    topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], caps=[1, 3], model=model))
+    workers: list = []
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([*FUSION, "serve", "--topology", str(topo), "--port", "0", "--timeout", "60"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # fmt: skip
+    proc = fusion("serve", "--topology", str(topo), "--key", str(kf[0]), "--port", "0", "--timeout", "60",
+                  stdout=None, stderr=open(log, "w"))  # fmt: skip
     try:
-        workers = _workers(topo, 2)
+        workers = _workers(topo, kf[1:])
         deadline = time.monotonic() + 120
         while "listening on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         text = log.read_text()
         assert "listening on" in text, text
-        assert "worker 2 (127.0.0.1, capacity 3)" in text  # the start-up log names each participant's host
+        # the start-up log names each participant's host and key
+        assert f"worker 2 (127.0.0.1, key {ids[2].public.fingerprint}, capacity 3)" in text, text
         url = text.split("listening on ", 1)[1].split()[0]
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
         r = c.chat.completions.create(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}],
                                       max_tokens=4)  # fmt: skip
         assert r.model_extra["fusion"]["workers"] == 2 and r.usage.completion_tokens >= 1
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        reap([proc], grace_s=30)
         assert proc.returncode == 0
         for w in workers:
             w.wait(timeout=30)  # the server's shutdown reaches every worker
             assert w.returncode == 0, w.stderr.read()
     finally:
-        _reap([proc, *workers])
-
+        reap([proc, *workers])

@@ -31,9 +31,13 @@ def _ints(text: str | None, what: str) -> list[int] | None:
 
 
 def _capacities(text: str | None) -> tuple[float, ...] | None:
-    from ..cli import _capacities as parse
+    from ..errors import UsageError
+    from ..options import capacities
 
-    return parse(text, AuditCliError)
+    try:
+        return capacities(text)
+    except UsageError as e:
+        raise AuditCliError(str(e)) from None
 
 
 def _guard(name: str, func):
@@ -231,7 +235,7 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--out", required=True, help="output directory (one subdirectory per cold start)")
     r.add_argument("--prompt", help="prompt text (tokenized on the client)")
     r.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    r.add_argument("--inject-leak", help="negative control: gather@LAYER | silent-gather@LAYER | gloo-rs")
+    r.add_argument("--inject-leak", help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce")
     r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
     r.add_argument("--threads", type=int, help="torch threads per worker")
     r.add_argument("--timeout", type=float, default=120.0)

@@ -5,8 +5,9 @@
                    (no full holder, closure, accounting) and the socket counters all fail.
   silent-gather@L  the same AllGather with the recorder switched off around it and no holding
                    recorded: the log looks clean; only the OS socket byte counts can catch it.
-  gloo-rs          every reduce-scatter through gloo's reduce_scatter (an all-reduce in disguise).
-                   The comm layer records the same addressed pieces; the sockets carry ~2-4x more.
+  rs-allreduce     every reduce-scatter done as an all-reduce in disguise (what gloo's reduce_scatter
+                   is): each worker sends every peer its whole partial. The comm layer records the
+                   same addressed pieces; the sockets carry N times more.
 
 None of these changes the worker's output: the gathered residual is dropped after the leak.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("gather", "silent-gather", "gloo-rs")
+from ..errors import UsageError
+
+KINDS = ("gather", "silent-gather", "rs-allreduce")
 
 
-class LeakSpecError(ValueError):
+class LeakSpecError(UsageError, ValueError):
     pass
 
 
@@ -35,10 +38,10 @@ def parse_leak(spec: str, n_layers: int | None = None) -> Leak:
     """ "gather@3" -> Leak("gather", 3). Raises LeakSpecError with the accepted forms."""
     kind, sep, layer = spec.strip().partition("@")
     if kind not in KINDS:
-        raise LeakSpecError(f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER or gloo-rs")
-    if kind == "gloo-rs":
+        raise LeakSpecError(f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER or rs-allreduce")
+    if kind == "rs-allreduce":
         if sep:
-            raise LeakSpecError(f"--inject-leak {spec!r}: gloo-rs applies to every layer, give no @LAYER")
+            raise LeakSpecError(f"--inject-leak {spec!r}: rs-allreduce applies to every layer, give no @LAYER")
         return Leak(kind)
     if not sep or not layer.isdigit():
         raise LeakSpecError(f"--inject-leak {spec!r}: {kind} needs a layer, e.g. {kind}@0")
@@ -53,8 +56,8 @@ def install_leak(model, spec: str) -> Leak:
 
     leak = parse_leak(spec, len(model.layers))
     comm = model.comm
-    if leak.kind == "gloo-rs":
-        comm.reduce_scatter_impl = "gloo"
+    if leak.kind == "rs-allreduce":
+        comm.reduce_scatter_impl = "allreduce"
         return leak
     if not hasattr(model, "leak"):
         raise LeakSpecError(f"--inject-leak {spec}: not supported by this model variant")

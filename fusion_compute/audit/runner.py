@@ -223,6 +223,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "inject_leak": cfg.inject_leak,
         "plan": engine.plan.to_dict(),
         "plan_fingerprint": engine.plan.fingerprint(),
+        "wire": engine.opts.engine,  # the verifier's wire model for the socket byte check
         "prompt": {"tokens": len(prompt), "source": prompt_src},
         "steps": {"prefill": 1, "decode": cfg.steps},
         "versions": {

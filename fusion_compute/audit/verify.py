@@ -248,26 +248,13 @@ def expected_events(w: int, decls: list[Declared], owners: list[list[int]], dims
     return ev
 
 
-def wire_bytes(events: list[tuple], n_controls: int, owners_k: dict[str, int]) -> tuple[int, int]:
-    """(sent, received) bytes on the wire for a worker, from predicted events (schema wire model)."""
-    sent = n_controls * S.WIRE_ACK
-    recv = n_controls * (32 + S.WIRE_HEADER)  # a control word is 4 int64
-    for _layer, op, kind, to, frm, isz in events:
-        if kind == S.SCORE_SUM:
-            k = owners_k[op] + 1
-            total = max(to) * isz
-            wire = round(2 * (k - 1) / k * total) + S.WIRE_ALLREDUCE_PER_PEER * (k - 1)
-            sent += wire
-            recv += wire
-            continue
-        for v in to:
-            if v:
-                sent += v * isz + S.WIRE_HEADER
-                recv += S.WIRE_ACK
-        for v in frm:
-            if v:
-                recv += v * isz + S.WIRE_HEADER
-                sent += S.WIRE_ACK
+def wire_bytes(events: list[tuple], n_controls: int, engine: str) -> tuple[int, int]:
+    """(sent, received) bytes on the wire for a worker, from predicted events (schema wire model):
+    one message per peer with a non-zero count, plus the control words it received."""
+    sent, recv = 0, n_controls * S.message_bytes(S.CONTROL_BYTES, engine)
+    for _layer, _op, _kind, to, frm, isz in events:
+        sent += sum(S.message_bytes(v * isz, engine) for v in to if v)
+        recv += sum(S.message_bytes(v * isz, engine) for v in frm if v)
     return sent, recv
 
 
@@ -391,6 +378,7 @@ class _Ctx:
     # (session, step) -> worker -> {(layer, hold name): coordinates}
     held: dict[tuple, dict[int, dict]] = field(default_factory=lambda: defaultdict(dict))
     predicted_wire: dict[int, list[int]] = field(default_factory=dict)
+    wire: str = "tls"  # the engine whose wire model predicts the socket bytes (manifest "wire")
     sent_by_phase: dict[int, dict[str, list[int]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list))
     )
@@ -430,7 +418,10 @@ def verify_dir(path: str | Path) -> Result:
     dims, n = manifest["model"]["dims"], int(manifest["workers"])
     res = Result(dir=str(d), workers=n, layers=int(dims["layers"]), variant=manifest.get("variant", "sharded"))
     res.checks = dict.fromkeys(INVARIANTS, 0)
-    ctx = _Ctx(res, dims, n, res.layers)
+    ctx = _Ctx(res, dims, n, res.layers, wire=str(manifest.get("wire")))
+    if ctx.wire not in S.WIRE_ENGINES:
+        res.violations.append(Violation("os_bytes", f"manifest names no known wire engine ({ctx.wire!r})"))
+        ctx.wire = "tls"
 
     logs = {}
     for rank in range(n + 1):
@@ -495,16 +486,11 @@ def _check_worker(ctx: _Ctx, w: int, body: list[dict]) -> None:
     sets_version = 0
     hold_memo: dict[tuple, tuple] = {}  # a worker holds the same sets step after step: check once
     last_holds = None
-    owners_k = {
-        f"L{layer}.scores.g{b[0]}": len(ctx.owners[b[0]]) - 1
-        for layer in range(ctx.n_layers)
-        for b in ctx.decls[w].blocks
-    }
     wire_sent = wire_recv = 0
     for r in body:
         n_ctl = sum(1 for e in r.get("control") or [] if len(e) > 5 and any(e[5]))  # control words received
         if r.get("type") == "session":
-            s, rr = wire_bytes([], n_ctl, {})
+            s, rr = wire_bytes([], n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
             continue
         key = (r.get("session"), r.get("step"))
@@ -516,7 +502,7 @@ def _check_worker(ctx: _Ctx, w: int, body: list[dict]) -> None:
                 sets_version += 1
             events = r.get("events") or []
             expect = expected_events(w, ctx.decls, ctx.owners, dims, t, pos)
-            s, rr = wire_bytes(expect, n_ctl, owners_k)
+            s, rr = wire_bytes(expect, n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
             _check_events(events, expect, where, res, ctx.violate)
             ctx.sent_by_phase[rank][r.get("phase", "?")].append(

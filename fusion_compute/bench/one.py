@@ -59,7 +59,39 @@ def measure_transformers(model: str, a: argparse.Namespace) -> dict:
     return out
 
 
+def measure_rtt(a: argparse.Namespace) -> dict:
+    """The raw TCP round trip on loopback: 8 bytes there and back between two processes, blocking
+    sockets, TCP_NODELAY: the floor any engine's per-collective latency is compared with."""
+    import os
+    import socket
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+    n = 5000
+    pid = os.fork()
+    if pid == 0:  # the echoing peer
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(n):
+            s.sendall(s.recv(8))
+        os._exit(0)
+    s, _ = lst.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        s.sendall(b"12345678")
+        got = 0
+        while got < 8:
+            got += len(s.recv(8 - got))
+        times.append(time.perf_counter_ns() - t0)
+    os.waitpid(pid, 0)
+    times = sorted(times[n // 10 :])
+    return {"system": "tcp-rtt", "workers": 2, "rtt_us": times[len(times) // 2] / 1000}
+
+
 def measure_engine(model: str, a: argparse.Namespace) -> dict:
+    from ..audit import netcount
     from ..client import Engine, EngineOptions
 
     # The client embeds and runs the LM head while the workers wait, and waits while they compute:
@@ -67,8 +99,9 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.client_threads)
     extra = ("--variant", "megatron") if a.system == "megatron-tp" else ()
     ctx = max(max(a.prompts), a.decode_prompt + a.decode_tokens) + 8
-    opts = EngineOptions(n_workers=a.workers, context=ctx, threads=a.threads, extra_worker_args=extra)
-    out: dict = {"system": a.system, "workers": a.workers}
+    opts = EngineOptions(n_workers=a.workers, context=ctx, threads=a.threads, extra_worker_args=extra,
+                         engine=a.engine, insecure=a.engine != "tls", log=lambda line: None)  # fmt: skip
+    out: dict = {"system": a.system, "workers": a.workers, "engine": a.engine}
     with Engine(model, opts) as eng:
         vocab = eng.config.vocab
         for n in a.prompts:
@@ -84,11 +117,22 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
         tok = int(eng.forward(ids).argmax())
         out["ttft_s"] = time.perf_counter() - t0
         mid = eng.stats()
+        pids = eng.procs.pids if eng.procs is not None else []
+        sockets = netcount.available() and pids
+        if sockets:
+            netcount.settle(0.1)
+            s0 = netcount.sample(pids)
         t = time.perf_counter()
         for _ in range(a.decode_tokens):
             tok = int(eng.forward([tok]).argmax())
         out["decode_s"] = time.perf_counter() - t
+        if sockets:  # kernel-counted bytes each worker put on its sockets per decode token (all peers)
+            netcount.settle(0.1)
+            moved = netcount.delta(s0, netcount.sample(pids))
+            out["wire_bytes_per_token"] = max(m["sent"] for m in moved.values()) / a.decode_tokens
         after = eng.stats()
+        if a.workers > 1:  # the reduce-scatter verb alone: 300 fp32 rows per peer, as in the issue's figures
+            out["collective_us"] = max(w["median_us"] for w in eng.bench_collective(300, 2000))
         # Per decode token, per worker: collectives among workers and bytes each worker sent to
         # other workers (ingress/egress/control with the client excluded; they are listed apart).
         k = a.decode_tokens
@@ -110,7 +154,8 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=("transformers", "fusion", "megatron-tp"), required=True)
+    p.add_argument("--system", choices=("transformers", "fusion", "megatron-tp", "tcp-rtt"), required=True)
+    p.add_argument("--engine", default="tls", help="tls | tcp | gloo (fusion and megatron-tp)")
     p.add_argument("--model", required=True)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (transformers: its process)")
@@ -119,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-prompt", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=32)
     a = p.parse_args(argv)
-    res = measure_transformers(a.model, a) if a.system == "transformers" else measure_engine(a.model, a)
+    if a.system == "transformers":
+        res = measure_transformers(a.model, a)
+    elif a.system == "tcp-rtt":
+        res = measure_rtt(a)
+    else:
+        res = measure_engine(a.model, a)
     print(json.dumps(res))
     return 0
 

@@ -15,10 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..errors import FusionError
 from ..weights import resolve_model_path
 
 
-class BenchError(RuntimeError):
+class BenchError(FusionError, RuntimeError):
     pass
 
 
@@ -38,18 +39,19 @@ def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def systems(ns: list[int]) -> list[tuple[str, int]]:
-    out = [("transformers", 1), ("fusion", 1)]
-    for n in ns:
-        out.append(("megatron-tp", n))
-    for n in ns:
-        out.append(("fusion", n))
+def systems(ns: list[int], engines: list[str]) -> list[tuple[str, int, str]]:
+    """(system, N, engine) in run order. N = 1 has no worker-to-worker traffic: one engine is enough."""
+    out = [("transformers", 1, "-"), ("fusion", 1, engines[0])]
+    for engine in engines:
+        out += [("megatron-tp", n, engine) for n in ns]
+        out += [("fusion", n, engine) for n in ns]
     return out
 
 
 def run_bench(
     model: str | None,
     ns: list[int],
+    engines: list[str],
     repeats: int,
     prompts: list[int],
     decode_tokens: int,
@@ -62,18 +64,20 @@ def run_bench(
 
     cfg = open_weights(path).config
     results = []
-    for system, n in systems(ns):
+    rtt = _run_one(["--system", "tcp-rtt", "--model", str(path)], timeout_s)["rtt_us"]
+    for system, n, engine in systems(ns, engines):
         # Same thread budget for everyone: `cores` torch threads among the processes computing at any
         # moment (workers split it; the client, which only runs while the workers wait, gets it all).
         threads = cores if system == "transformers" else max(1, cores // n)
         runs = []
         for rep in range(repeats):
-            log(f"bench: {system} N={n} run {rep + 1}/{repeats}")
-            args = ["--system", system, "--model", str(path), "--workers", str(n), "--threads", str(threads),
+            log(f"bench: {system} N={n} {engine} run {rep + 1}/{repeats}")
+            args = ["--system", system, "--engine", engine if engine != "-" else "tls", "--model", str(path),
+                    "--workers", str(n), "--threads", str(threads),
                     "--client-threads", str(cores),
                     "--prompts", ",".join(map(str, prompts)), "--decode-tokens", str(decode_tokens)]  # fmt: skip
             runs.append(_run_one(args, timeout_s))
-        row: dict = {"system": system, "workers": n, "threads_per_process": threads, "repeats": repeats}
+        row: dict = {"system": system, "workers": n, "engine": engine, "threads_per_process": threads, "repeats": repeats}
         dec = [decode_tokens / r["decode_s"] for r in runs]
         row["decode_tokens_per_s"] = statistics.median(dec)
         row["decode_tokens_per_s_spread"] = _summary(dec)
@@ -83,7 +87,8 @@ def run_bench(
             row[f"prefill_{p}_tokens_per_s_spread"] = _summary(pre)
         row["prefill_tokens_per_s"] = row[f"prefill_{prompts[0]}_tokens_per_s"]
         row["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
-        for key in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token"):
+        for key in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token",
+                    "wire_bytes_per_token", "collective_us"):
             if key in runs[0]:
                 row[key] = statistics.median(r[key] for r in runs)
         if system == "transformers":
@@ -96,18 +101,20 @@ def run_bench(
         "layers": cfg.n_layers,
         "hidden": cfg.hidden,
         "cores": cores,
+        "tcp_rtt_us": rtt,
         "decode_tokens": decode_tokens,
         "prompts": prompts,
         "results": results,
-        "ratios": ratios(results, cfg),
+        "ratios": ratios(results, cfg, rtt),
     }
 
 
-def _find(results: list[dict], system: str, n: int) -> dict | None:
-    return next((r for r in results if r["system"] == system and r["workers"] == n), None)
+def _find(results: list[dict], system: str, n: int, engine: str | None = None) -> dict | None:
+    return next((r for r in results if r["system"] == system and r["workers"] == n
+                 and (engine is None or r["engine"] == engine)), None)  # fmt: skip
 
 
-def ratios(results: list[dict], cfg) -> dict:
+def ratios(results: list[dict], cfg, rtt_us: float) -> dict:
     out: dict = {}
     hf = _find(results, "transformers", 1)
     f1 = _find(results, "fusion", 1)
@@ -115,35 +122,46 @@ def ratios(results: list[dict], cfg) -> dict:
         out["fusion1_vs_transformers_decode"] = f1["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
         out["fusion1_vs_transformers_prefill"] = f1["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
     for r in results:
-        n = r["workers"]
+        n, e = r["workers"], r["engine"]
         if r["system"] == "fusion" and n > 1:
-            mt = _find(results, "megatron-tp", n)
+            mt = _find(results, "megatron-tp", n, e)
             if mt:
-                out[f"fusion{n}_vs_megatron{n}_decode"] = r["decode_tokens_per_s"] / mt["decode_tokens_per_s"]
-                out[f"fusion{n}_vs_megatron{n}_prefill"] = r["prefill_tokens_per_s"] / mt["prefill_tokens_per_s"]
-            out[f"fusion{n}_collectives_per_layer"] = r["collectives_per_token"] / cfg.n_layers
+                out[f"fusion{n}_vs_megatron{n}_{e}_decode"] = r["decode_tokens_per_s"] / mt["decode_tokens_per_s"]
+                out[f"fusion{n}_vs_megatron{n}_{e}_prefill"] = r["prefill_tokens_per_s"] / mt["prefill_tokens_per_s"]
+            gloo = _find(results, "fusion", n, "gloo")
+            if gloo and e != "gloo":
+                out[f"fusion{n}_{e}_vs_gloo_decode"] = r["decode_tokens_per_s"] / gloo["decode_tokens_per_s"]
+                out[f"fusion{n}_{e}_vs_gloo_prefill"] = r["prefill_tokens_per_s"] / gloo["prefill_tokens_per_s"]
+            if r.get("collective_us") and rtt_us:
+                out[f"fusion{n}_{e}_collective_vs_tcp_rtt"] = r["collective_us"] / rtt_us
+            out[f"fusion{n}_{e}_collectives_per_layer"] = r["collectives_per_token"] / cfg.n_layers
             if r.get("plan_bytes_per_token"):
-                out[f"fusion{n}_bytes_vs_plan"] = r["bytes_per_token"] / r["plan_bytes_per_token"]
+                out[f"fusion{n}_{e}_bytes_vs_plan"] = r["bytes_per_token"] / r["plan_bytes_per_token"]
     return out
 
 
 def table(report: dict) -> str:
     lines = [
         f"model: {report['model']} ({report['layers']} layers), {report['cores']} cores, "
-        f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs",
+        f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs; "
+        f"raw TCP round trip on loopback: {report['tcp_rtt_us']:.1f} µs",
         "",
-        "| system | N | decode tok/s (min..max) | prefill "
+        "| system | N | engine | decode tok/s (min..max) | prefill "
         + " | prefill ".join(f"{p} tok/s" for p in report["prompts"])
-        + " | TTFT s | collectives/token | bytes/token/worker | peak RSS MB |",
-        "|---|---|---|" + "---|" * len(report["prompts"]) + "---|---|---|---|",
+        + " | TTFT s | collectives/token | reduce-scatter µs | payload B/token/worker | wire B/token/worker "
+        "| peak RSS MB |",
+        "|---|---|---|---|" + "---|" * len(report["prompts"]) + "---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         s = r["decode_tokens_per_s_spread"]
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items())
         pre = " | ".join(f"{r[f'prefill_{p}_tokens_per_s']:.1f}" for p in report["prompts"])
+        coll = f"{r['collective_us']:.0f}" if r.get("collective_us") else "-"
+        wire = f"{r['wire_bytes_per_token']:.0f}" if r.get("wire_bytes_per_token") else "-"
         lines.append(
-            f"| {r['system']} | {r['workers']} | {r['decode_tokens_per_s']:.2f} ({s['min']:.2f}..{s['max']:.2f}) | "
-            f"{pre} | {r['ttft_s']:.3f} | {r['collectives_per_token']:.0f} | {r['bytes_per_token']:.0f} | {rss} |"
+            f"| {r['system']} | {r['workers']} | {r['engine']} | {r['decode_tokens_per_s']:.2f} "
+            f"({s['min']:.2f}..{s['max']:.2f}) | {pre} | {r['ttft_s']:.3f} | {r['collectives_per_token']:.0f} | "
+            f"{coll} | {r['bytes_per_token']:.0f} | {wire} | {rss} |"
         )
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
@@ -176,11 +194,21 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _engines(text: str) -> list[str]:
+    vals = [x for x in text.split(",") if x]
+    bad = [x for x in vals if x not in ("tls", "tcp", "gloo")]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(f"engines are tls, tcp, gloo; got {text!r}")
+    return vals
+
+
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark vs transformers and a Megatron-style baseline (ratios)")
     b.add_argument("--model", help="HF dir or .gguf (default: bundled SmolLM2-135M-Instruct)")
     b.add_argument("--qwen-1.5b", dest="qwen_1_5b", action="store_true", help="use a Qwen2.5-1.5B-shaped random model (built once, cached)")
     b.add_argument("--workers", type=_ints, default=[2, 3], help="N for megatron-tp and fusion (default 2,3)")
+    b.add_argument("--engines", type=_engines, default=["tls", "gloo"],
+                   help="engines side by side, comma-separated: tls, tcp, gloo (default tls,gloo)")  # fmt: skip
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--prompts", type=_ints, default=[128, 512], help="prefill prompt lengths (default 128,512)")
     b.add_argument("--decode-tokens", type=int, default=32)
@@ -201,7 +229,7 @@ def cmd_bench(a) -> int:
 
         model = str(qwen2_5_1_5b_shaped())
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
-    report = run_bench(model, a.workers, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
+    report = run_bench(model, a.workers, a.engines, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
     j, m = write(report, a.out)
     if a.json:
         print(json.dumps(report))

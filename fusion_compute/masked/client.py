@@ -24,19 +24,16 @@ close), so `generate()` and the CLI drive it unchanged.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from ..client import effective_context
-from ..comm import Comm, Event, Recorder, free_port
+from ..comm import Event, Recorder
 from ..config import ModelError
-from ..launch import WorkerProcs
+from ..engine import EngineBase, EngineOptions, control_word
+from ..errors import UsageError
 from ..ops import apply_rope, causal_mask, inv_freq_tensor, rope_cos_sin
-from ..weights import WeightSource, open_weights, resolve_model_path
 from . import protocol as P
 from . import ring
 from .masks import make_stream, new_key
@@ -46,22 +43,25 @@ MASK_KINDS = {"chacha20": P.MASK_CHACHA20, "zero": P.MASK_ZERO}
 
 
 @dataclass
-class MaskedOptions:
+class MaskedOptions(EngineOptions):
     n_a: int = 2
     n_b: int = 2
-    master: str | None = None  # HOST:PORT; None = spawn local workers on loopback
-    context: int | None = None
-    threads: int | None = None  # torch threads per worker; None = cores // workers, >= 1
-    timeout_s: float = 120.0
     limb_bits: int = ring.DEFAULT_LIMB_BITS
     masks: str = "chacha20"  # "zero" = NEGATIVE CONTROL (A receives x_fx in the clear)
     audit_dir: str | None = None  # every rank writes its masked audit log (and A its tap) here
     leak: str | None = None  # worker-side negative control: "a-to-b"
-    worker_env: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def n_workers(self) -> int:
-        return self.n_a + self.n_b
+    def __post_init__(self) -> None:
+        self.n_workers = self.n_a + self.n_b
+
+    def check(self) -> None:
+        super().check()
+        if self.masks not in MASK_KINDS:
+            raise UsageError(f"unknown mask source {self.masks!r} ({', '.join(MASK_KINDS)})")
+        if self.capacities:
+            raise UsageError("--capacity is not supported with --mode masked (groups split rows evenly)")
+        if self.engine not in ("tls", "tcp") or self.device != "cpu":
+            raise UsageError("--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)")
 
 
 class Tally:
@@ -88,92 +88,70 @@ def _rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-class MaskedEngine:
-    """Client side of a masked job: owns the worker processes (if local), the session, the KV cache."""
+class MaskedEngine(EngineBase):
+    """Client side of a masked job: the session, the masks, the KV cache, every nonlinear step."""
 
-    def __init__(
-        self,
-        model: str | Path | None,
-        opts: MaskedOptions,
-        recorder: Recorder | None = None,
-        source: WeightSource | None = None,
-    ):
-        t0 = time.perf_counter()
-        self.model_path = resolve_model_path(model)
-        self.src: WeightSource = source or open_weights(self.model_path)
-        self.config = c = self.src.config
-        if opts.masks not in MASK_KINDS:
-            raise ValueError(f"unknown mask source {opts.masks!r} ({', '.join(MASK_KINDS)})")
-        self.plan: MaskedPlan = make_masked_plan(c, opts.n_a, opts.n_b, opts.limb_bits)
-        self.context = effective_context(c.max_positions, opts.context)
-        self.opts = opts
-        # The client's own weights: embedding, norms, biases, LM head (the workers never see these
-        # applied to anything; they are public, like all the weights).
-        self.embed = self.src.read("model.embed_tokens.weight")  # (V, H)
-        if self.embed.shape != (c.vocab, c.hidden):
-            raise ModelError(f"embedding shape {tuple(self.embed.shape)} != ({c.vocab}, {c.hidden})")
-        self.final_norm = self.src.read("model.norm.weight")
-        tied = c.tie_embeddings or not self.src.has("lm_head.weight")
-        self.lm_head = self.embed if tied else self.src.read("lm_head.weight")
+    mode = "masked"
+    opts: MaskedOptions
+
+    def make_plan(self) -> MaskedPlan:
+        return make_masked_plan(self.config, self.opts.n_a, self.opts.n_b, self.opts.limb_bits)
+
+    def group_of(self, rank: int) -> str:
+        return self.plan.group_of(rank)[0]
+
+    def welcome(self) -> dict:
+        return {"groups": [self.opts.n_a, self.opts.n_b]}
+
+    def worker_args(self) -> list[str]:
+        out = list(self.opts.extra_worker_args)
+        if self.opts.audit_dir:
+            out += ["--audit-dir", str(self.opts.audit_dir)]
+        if self.opts.leak:
+            out += ["--inject-leak", self.opts.leak]
+        return out
+
+    def worker_env(self, threads: int) -> dict[str, str]:
+        # The ring product runs on numpy's OpenBLAS (ring.py), which sizes its thread pool at
+        # import: more threads than cores spin against each other (measured: 13x the worker CPU).
+        return {"OPENBLAS_NUM_THREADS": str(threads), **self.opts.worker_env}
+
+    def prepare(self, recorder: Recorder | None) -> Recorder:
+        """The client's own weights (norms, biases: public, applied here only), the session state and
+        the recorder that tallies bytes per group (and writes the masked audit log)."""
+        c, src = self.config, self.src
         pre = [f"model.layers.{i}." for i in range(c.n_layers)]
-        self.g_attn = [self.src.read(p + "input_layernorm.weight") for p in pre]
-        self.g_mlp = [self.src.read(p + "post_attention_layernorm.weight") for p in pre]
+        self.g_attn = [src.read(p + "input_layernorm.weight") for p in pre]
+        self.g_mlp = [src.read(p + "post_attention_layernorm.weight") for p in pre]
         self.qkv_bias = (
-            [torch.cat([self.src.read(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) for p in pre]
-            if c.qkv_bias
-            else None
+            [torch.cat([src.read(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) for p in pre] if c.qkv_bias else None
         )
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.audit = None
-        if opts.audit_dir:
+        if self.opts.audit_dir:
             from .audit import AuditLog
 
-            self.audit = AuditLog(opts.audit_dir, 0, "client", None, opts.n_a, opts.n_b)
+            self.audit = AuditLog(self.opts.audit_dir, 0, "client", None, self.opts.n_a, self.opts.n_b)
         self.tally = Tally(self.plan, [r for r in (recorder, self.audit) if r is not None])
-        self.procs: WorkerProcs | None = None
-        master = opts.master
-        if master is None:
-            master = f"127.0.0.1:{free_port()}"
-            threads = opts.threads or max(1, (os.cpu_count() or 1) // opts.n_workers)
-            args = ["--mode", "masked", "--workers", f"{opts.n_a}+{opts.n_b}", "--master", master,
-                    "--model", str(self.model_path), "--threads", str(threads), "--timeout", str(opts.timeout_s)]  # fmt: skip
-            if opts.audit_dir:
-                args += ["--audit-dir", str(opts.audit_dir)]
-            if opts.leak:
-                args += ["--inject-leak", opts.leak]
-            # The ring product runs on numpy's OpenBLAS (ring.py), which sizes its thread pool at
-            # import: more threads than cores spin against each other (measured: 13x the worker CPU).
-            env = {"OPENBLAS_NUM_THREADS": str(threads), **opts.worker_env}
-            self.procs = WorkerProcs(
-                lambda r: ["--rank", str(r), "--group", self.plan.group_of(r)[0], *args], opts.n_workers, env
-            )
-        try:
-            self.comm = Comm(0, opts.n_workers, master, backend="gloo", timeout_s=opts.timeout_s, recorder=self.tally)
-            self.worker_info = self._hello()
-        except BaseException:
-            if self.procs is not None:  # never leave workers behind a failed start
-                self.procs.stop(grace_s=0)
-            if hasattr(self, "comm"):
-                self.comm.close()
-            raise
         self.session, self.step, self.pos = -1, 0, 0
         self.stream = None
-        self._pending: list = []  # non-blocking sends still in flight (with their tensors)
+        self._pending: list = []  # sends whose delivery is still to be waited for
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.costs: list[dict] = []  # per forward: tokens, wall_s, client_cpu_s, bytes by direction
-        self.load_s = time.perf_counter() - t0
+        return self.tally
 
     # ---- handshake: public quantization metadata from both groups ----
 
-    def _hello(self) -> list[dict]:
+    def hello(self, deadline: float) -> list[dict]:
         plan, c = self.plan, self.comm
         fp = P.fingerprint_int(plan)
-        msg = torch.tensor([int(P.Op.HELLO), plan.limb_bits, fp, MASK_KINDS[self.opts.masks]], dtype=torch.int64)
+        msg = control_word(P.Op.HELLO, plan.limb_bits, fp, MASK_KINDS[self.opts.masks])
         for r in range(1, plan.n + 1):
             c.send(msg, r, P.KIND_CONTROL, "hello")
         info, meta = [], {}
         for r in range(1, plan.n + 1):
-            reply = c.recv(torch.zeros(P.CONTROL_LEN, dtype=torch.int64), r, P.KIND_CONTROL, "hello")
+            wait = max(1.0, deadline - time.monotonic())  # the workers load their weights meanwhile
+            reply = c.recv(torch.zeros(P.CONTROL_LEN, dtype=torch.int64), r, P.KIND_CONTROL, "hello", wait_s=wait)
             ok, wfp, load_ms, rss_kb = (int(v) for v in reply)
             if not ok:
                 raise ModelError(f"worker {r} computed a different masked plan ({wfp:x} vs {fp:x}): same model?")
@@ -210,10 +188,10 @@ class MaskedEngine:
     # ---- sessions ----
 
     def _isend(self, tensor: torch.Tensor, rank: int, kind: str, op: str) -> None:
-        self._pending.append((self.comm.isend(tensor, rank, kind, op), tensor))
+        self._pending.append(self.comm.isend(tensor, rank, kind, op))
 
     def _drain(self) -> None:
-        for work, _ in self._pending:
+        for work in self._pending:
             work.wait()
         self._pending.clear()
 
@@ -366,7 +344,7 @@ class MaskedEngine:
 
     def ping(self) -> list[dict]:
         self._drain()
-        msg = torch.tensor([int(P.Op.PING), 0, 0, 0], dtype=torch.int64)
+        msg = control_word(P.Op.PING)
         out = []
         for r in range(1, self.plan.n + 1):
             self.comm.send(msg, r, P.KIND_CONTROL, "ping")
@@ -374,22 +352,12 @@ class MaskedEngine:
             out.append({"rank": r, "group": self.plan.group_of(r)[0], "peak_rss_mb": int(reply[3]) / 1024})
         return out
 
+    def shutdown(self) -> None:
+        self._drain()
+        for r in range(1, self.plan.n + 1):
+            self.comm.send(control_word(P.Op.SHUTDOWN), r, P.KIND_CONTROL, "shutdown")
+
     def close(self) -> None:
-        try:
-            self._drain()
-            msg = torch.tensor([int(P.Op.SHUTDOWN), 0, 0, 0], dtype=torch.int64)
-            for r in range(1, self.plan.n + 1):
-                self.comm.send(msg, r, P.KIND_CONTROL, "shutdown")
-        except Exception:
-            pass
-        if self.audit is not None:
+        super().close()
+        if getattr(self, "audit", None) is not None:
             self.audit.close()
-        if self.procs is not None:
-            self.procs.stop()
-        self.comm.close()
-
-    def __enter__(self) -> MaskedEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

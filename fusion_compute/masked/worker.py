@@ -13,8 +13,10 @@ layer is done so A and B run side by side.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -116,7 +118,7 @@ class MaskedWorker:
         ctrl = torch.zeros(P.CONTROL_LEN, dtype=torch.int64)
         leak_to_b = self.leak == "a-to-b" and self.member == 0
         while True:
-            c.recv(ctrl, 0, P.KIND_CONTROL, "cmd")
+            c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)  # idle between requests is normal
             op, t = int(ctrl[0]), int(ctrl[1])
             if op == P.Op.FORWARD:
                 for layer, row in enumerate(mats):
@@ -150,7 +152,7 @@ class MaskedWorker:
         ahead: tuple[int, int, list[torch.Tensor]] | None = None  # (step, T, per-layer products)
         leak_from_a = self.leak == "a-to-b" and self.member == 0
         while True:
-            c.recv(ctrl, 0, P.KIND_CONTROL, "cmd")
+            c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)
             op, t, step = int(ctrl[0]), int(ctrl[1]), int(ctrl[3])
             if op == P.Op.RESET:
                 key = c.recv(torch.zeros(32, dtype=torch.uint8), 0, P.KIND_KEY, "key")
@@ -170,6 +172,7 @@ class MaskedWorker:
                     pending.append((c.isend(y, 0, P.KIND_OUT, P.op_name(layer, "mask")), y))
                 expected = step + 1
                 # Work ahead while the client and group A run this step: the next decode step (T = 1).
+                # (The sends above are already queued; the link's writer keeps them moving meanwhile.)
                 ahead = (expected, 1, [self._products(stream, expected, layer, 1) for layer in range(n_layers)])
                 for work, _ in pending:
                     work.wait()
@@ -194,6 +197,24 @@ def _rss_kb() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any) -> None:
+    """A masked worker process after joining: `welcome` names the groups; `o` is worker.WorkerOptions."""
+    from .audit import AuditLog
+    from .ring import limit_blas_threads
+
+    n_a, n_b = (int(x) for x in welcome["groups"])
+    limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
+    group = "A" if rank <= n_a else "B"
+    audit = AuditLog(o.audit_dir, rank, "worker", group, n_a, n_b) if o.audit_dir else None
+    comm = Comm(rank, n_a + n_b, links, timeout_s=o.timeout_s, recorder=audit, engine="tls" if o.key else "tcp")
+    try:
+        run(src, n_a, n_b, rank, comm, audit=audit, leak=o.inject_leak)
+    finally:
+        if audit is not None:
+            audit.close()
+        comm.close()
 
 
 def run(src: WeightSource, n_a: int, n_b: int, rank: int, comm: Comm, *, audit=None, leak: str | None = None) -> None:

@@ -1,0 +1,7 @@
+"""`python -m fusion_compute ...` is the `fusion` command (local workers are started this way)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,35 @@
+"""The one door to the wire. Nothing outside this package opens a socket to a peer or imports an
+engine (ssl sockets here, torch.distributed in torch_fabric.py); a test enforces it.
+
+  identity.py      participant key pairs and the one-line public keys the topology pins
+  links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext
+  rendezvous.py    admission against the roster, then wiring every pair of workers
+  comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
+  events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
+  torch_fabric.py  torch.distributed among workers: NCCL on GPUs, gloo for comparison
+  errors.py        `CommError` and the per-peer errors that name who failed
+"""
+
+from __future__ import annotations
+
+import socket
+
+from .comm import Comm
+from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
+from .identity import Identity, IdentityError, PublicId
+from .links import wire_bytes
+from .rendezvous import Admission, Joined, Member, join
+
+__all__ = [
+    "Admission", "Comm", "CommError", "Counters", "Event", "Identity", "IdentityError", "Joined", "Member",
+    "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Recorder", "WORKER_COLLECTIVES",
+    "free_port", "join", "wire_bytes",
+]  # fmt: skip
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a rendezvous or a store to bind next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,303 @@
+"""`Comm`: a rank's verbs, each a thin composition of point-to-point messages on its links, and
+each reported to the `Recorder` (audit) as one `Event`.
+
+Ranks: 0 is the client (user side); 1..N are workers. Verbs and what moves:
+
+  verb             who                       on the wire
+  reduce_scatter   all workers               p_r[Y_q] from every worker r to every owner q (addressed
+                                             rows only), summed by the owner in rank order
+  sum_scores       owners of a split group   each owner's partial scores to the other owners, summed
+                                             by each in owner order (a declared exchanged intermediate)
+  send / recv      client <-> worker         ingress shards, egress shards, control words
+  isend / irecv    client <-> worker         the same, posted ahead (masked mode); receives complete
+                                             in posting order per peer
+
+Baselines and negative controls only: `all_gather_workers` (every worker gets every shard) and
+`all_reduce_workers` (Megatron-style replicated sum).
+
+The reduce-scatter is never an all-reduce in disguise: only addressed rows leave a worker (DESIGN.md
+§4). The negative control `rs_allreduce` (audit) breaks exactly that: it sends every peer the whole
+partial while recording only the addressed rows, and the socket byte counters catch it.
+
+When a worker-group `fabric` is given (torch.distributed: NCCL on GPUs, or gloo for comparison),
+reduce_scatter and sum_scores run on it instead; the client's links stay what they are.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from .errors import CommError
+from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
+from .links import Link, wire_bytes
+
+
+class Fabric(Protocol):
+    """Collectives among the workers on another engine (torch_fabric.py)."""
+
+    def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
+    def sum_among(self, tensor: torch.Tensor, group: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().numpy()).cast("B")
+
+
+class _Sent:
+    """Handle of an `isend`: the message is already encrypted and queued; waiting pushes it into
+    the kernel."""
+
+    def __init__(self, link: Link, deadline: float):
+        self.link, self.deadline = link, deadline
+
+    def wait(self) -> None:
+        self.link.flush(self.deadline)
+
+
+class _Posted:
+    """Handle of an `irecv`: filled, in posting order per peer, when waited on."""
+
+    def __init__(self, comm: Comm, src: int, tensor: torch.Tensor, what: str):
+        self.comm, self.src, self.tensor, self.what = comm, src, tensor, what
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        self.comm._complete(self)
+        return self.tensor
+
+
+class Comm:
+    """A rank's view of the job: its links (and optional fabric), the verbs, the recorder."""
+
+    def __init__(
+        self,
+        rank: int,
+        n_workers: int,
+        links: dict[int, Link],
+        *,
+        timeout_s: float = 120.0,
+        score_groups: Sequence[Sequence[int]] = (),
+        recorder: Recorder | None = None,
+        fabric: Fabric | None = None,
+        device: torch.device | None = None,
+        engine: str = "tls",
+    ):
+        self.rank = rank
+        self.world = n_workers + 1
+        self.links = links
+        self.timeout_s = timeout_s
+        self.recorder: Recorder = recorder or NullRecorder()
+        self.counters = Counters()
+        self.fabric = fabric
+        self.device = device or torch.device("cpu")
+        self.engine = engine  # "tls" | "tcp" (insecure) | "gloo" / "nccl" (fabric among workers)
+        # owner ranks of each split KV group this rank belongs to
+        self.score_owners: dict[int, list[int]] = {
+            g: [w + 1 for w in owners] for g, owners in enumerate(score_groups) if len(owners) > 1 and rank - 1 in owners
+        }
+        # audit negative control (audit/inject.py): "all_to_all" (correct) or "allreduce" (leaky)
+        self.reduce_scatter_impl = "all_to_all"
+        self._posted: dict[int, collections.deque[_Posted]] = collections.defaultdict(collections.deque)
+
+    # ---- wire ----
+
+    def _deadline(self, wait_s: float | None = None) -> float:
+        return time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
+
+    def _link(self, peer: int) -> Link:
+        try:
+            return self.links[peer]
+        except KeyError:
+            raise CommError(f"rank {self.rank} has no link to rank {peer}") from None
+
+    def _put(self, peer: int, t: torch.Tensor) -> None:
+        self._link(peer).send(_bytes(t.contiguous()))
+
+    def _get(self, peer: int, out: torch.Tensor, what: str, wait_s: float | None = None) -> torch.Tensor:
+        """Receive the next message from `peer` into `out` (contiguous), after any posted receives."""
+        pending = self._posted.get(peer)
+        while pending:
+            self._complete(pending[-1])
+        self._link(peer).recv_into(_bytes(out), self._deadline(wait_s), what)
+        return out
+
+    def _complete(self, handle: _Posted) -> None:
+        pending = self._posted[handle.src]
+        while not handle.done:
+            first = pending.popleft()
+            self._link(first.src).recv_into(_bytes(first.tensor), self._deadline(), first.what)
+            first.done = True
+
+    # ---- events ----
+
+    def _counts(self, peer_elems: dict[int, int]) -> tuple[int, ...]:
+        return tuple(peer_elems.get(r, 0) for r in range(self.world))
+
+    def _emit(self, kind: str, op: str, sent: dict[int, int], received: dict[int, int], itemsize: int = 4) -> None:
+        c = self.counters
+        if kind in WORKER_COLLECTIVES:
+            c.collectives += 1
+            c.peer_bytes_sent += sum(n for r, n in sent.items() if r != 0) * itemsize
+        else:
+            c.client_bytes += (sent.get(0, 0) + received.get(0, 0)) * itemsize
+        self.recorder.record(Event(kind, op, self._counts(sent), self._counts(received), itemsize))
+
+    # ---- verbs among workers ----
+
+    def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int], op: str) -> torch.Tensor:
+        """Sum of every worker's partial, delivered chunk by chunk to its owner.
+
+        send: (Σ_q sizes[q], T) partial, rows grouped by owner (P, full width); returns this worker's
+        chunk (sizes[me], T) summed over workers in rank order (S). Only addressed rows move.
+        """
+        me, n, t = self.rank - 1, len(sizes), send.shape[1]
+        if n == 1:
+            return send
+        sent = {q + 1: sizes[q] * t for q in range(n) if q != me and sizes[q]}
+        received = {q + 1: sizes[me] * t for q in range(n) if q != me and sizes[me]}
+        if self.fabric is not None:
+            out = self.fabric.reduce_scatter(send, sizes)
+            self._emit("reduce_scatter", op, sent, received)
+            return out
+        chunks = send.split(list(sizes))  # contiguous row blocks of a row-major (R, T) partial
+        if self.reduce_scatter_impl == "allreduce":  # NEGATIVE CONTROL: every peer gets the whole partial
+            return self._leaky_reduce_scatter(send, sizes, op, sent, received)
+        for q in sent:
+            self._put(q, chunks[q - 1])
+        stack = torch.empty((n, sizes[me], t), dtype=send.dtype)  # (n, s_me, T): one slot per worker
+        stack[me] = chunks[me]
+        for q in received:
+            self._get(q, stack[q - 1], op)
+        self._emit("reduce_scatter", op, sent, received)
+        return stack.sum(0)
+
+    def _leaky_reduce_scatter(self, send, sizes, op, sent, received) -> torch.Tensor:
+        me, n, t = self.rank - 1, len(sizes), send.shape[1]
+        for q in range(n):
+            if q != me:
+                self._put(q + 1, send)
+        stack = torch.empty((n, sum(sizes), t), dtype=send.dtype)
+        stack[me] = send
+        for q in range(n):
+            if q != me:
+                self._get(q + 1, stack[q], op)
+        self._emit("reduce_scatter", op, sent, received)  # records only the addressed rows: a lie
+        a = sum(sizes[:me])
+        return stack.sum(0)[a : a + sizes[me]].contiguous()
+
+    def sum_scores(self, scores: torch.Tensor, group: int, op: str) -> torch.Tensor:
+        """In-place sum of partial attention scores among the owners of one split KV group."""
+        owners = self.score_owners[group]
+        peers = [r for r in owners if r != self.rank]
+        n = scores.numel()
+        if self.fabric is not None:
+            self.fabric.sum_among(scores, group)
+        else:
+            mine = scores.contiguous()
+            for r in peers:
+                self._put(r, mine)
+            stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)
+            for i, r in enumerate(owners):
+                if r == self.rank:
+                    stack[i] = mine
+                else:
+                    self._get(r, stack[i], op)
+            scores.copy_(stack.sum(0))
+        self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers})
+        return scores
+
+    # ---- client <-> worker ----
+
+    def send(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> None:
+        """Point-to-point: ingress (client -> worker shard), egress (worker shard -> client), control."""
+        self._put(dst, tensor.cpu())
+        self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
+
+    def recv(self, tensor: torch.Tensor, src: int, kind: str, op: str, wait_s: float | None = None) -> torch.Tensor:
+        """Receive into `tensor` (CPU, contiguous) and return it. `wait_s`: this wait's bound instead
+        of the session timeout (math.inf for a worker idling between requests)."""
+        self._get(src, tensor, op, wait_s)
+        self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
+        return tensor
+
+    def isend(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> _Sent:
+        """Send without waiting (the bytes are encrypted and queued at once); `.wait()` on the handle
+        blocks until they are in the kernel."""
+        if not tensor.is_contiguous():
+            raise ValueError("isend needs a contiguous tensor")
+        self._put(dst, tensor)
+        self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
+        return _Sent(self._link(dst), self._deadline())
+
+    def irecv(self, tensor: torch.Tensor, src: int, kind: str, op: str) -> _Posted:
+        """Post a receive into `tensor`; valid after `.wait()`. Posted receives of one peer complete
+        in posting order (its messages arrive in that order)."""
+        handle = _Posted(self, src, tensor, op)
+        self._posted[src].append(handle)
+        self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
+        return handle
+
+    # ---- baselines and negative controls ----
+
+    def all_gather_workers(self, shard: torch.Tensor, sizes: Sequence[int], op: str) -> torch.Tensor:
+        """A deliberate leak, for negative controls and the Megatron-style baseline only: every
+        worker gets every worker's shard. (n_rows_q, T) chunks -> (Σ sizes, T)."""
+        me, n, t = self.rank - 1, len(sizes), shard.shape[1]
+        for q in range(n):
+            if q != me:
+                self._put(q + 1, shard)
+        out = torch.empty((sum(sizes), t), dtype=shard.dtype)
+        for q, rows in enumerate(out.split(list(sizes))):
+            if q == me:
+                rows.copy_(shard)
+            else:
+                self._get(q + 1, rows, op)
+        self._emit("gather", op, {q + 1: sizes[me] * t for q in range(n) if q != me},
+                   {q + 1: sizes[q] * t for q in range(n) if q != me})  # fmt: skip
+        return out
+
+    def all_reduce_workers(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Megatron-style baseline only: full-width sum replicated on every worker (each worker sends
+        its whole tensor to every other: one round, (N-1)x the bytes of the tensor)."""
+        peers = [r for r in range(1, self.world) if r != self.rank]
+        mine = tensor.contiguous().clone()
+        for r in peers:
+            self._put(r, mine)
+        stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
+        for r in range(1, self.world):
+            if r == self.rank:
+                stack[r - 1] = mine
+            else:
+                self._get(r, stack[r - 1], op)
+        tensor.copy_(stack.sum(0))
+        n = tensor.numel()
+        self._emit("all_reduce", op, {r: n for r in peers}, {r: n for r in peers})
+        return tensor
+
+    # ---- lifetime ----
+
+    def flush(self) -> None:
+        deadline = self._deadline()
+        for link in self.links.values():
+            link.flush(deadline)
+
+    def close(self, grace_s: float = 2.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for link in self.links.values():
+            link.close(deadline)
+        if self.fabric is not None:
+            self.fabric.close()
+            self.fabric = None
+
+    @property
+    def tls(self) -> bool:
+        return any(link.tls is not None for link in self.links.values())
+
+    def message_wire_bytes(self, payload: int) -> int:
+        return wire_bytes(payload, self.tls)

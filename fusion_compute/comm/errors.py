@@ -1,0 +1,26 @@
+"""The comm layer's errors. Every one names the peer it is about, so a user reads *which* participant
+failed (rank, address, key) instead of a socket error."""
+
+from __future__ import annotations
+
+from ..errors import FusionError
+
+
+class CommError(FusionError, RuntimeError):
+    """A peer vanished, refused us, sent something malformed, or a deadline passed."""
+
+
+class PeerError(CommError):
+    """Something went wrong with one identified peer (`rank`)."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+class PeerLost(PeerError):
+    """The peer closed its connection or its process died."""
+
+
+class PeerTimeout(PeerError):
+    """The peer did not answer within the deadline (frozen, overloaded, or cut off)."""

@@ -1,0 +1,323 @@
+"""Ordered, framed messages to each peer over one TCP connection per pair of participants.
+
+The secure engine wraps every connection in TLS 1.3 (Python's `ssl`, i.e. OpenSSL) with pinned
+certificates on both sides: each end presents its own certificate, trusts exactly the peers it
+expects, and after the handshake compares the presented certificate with the pinned one byte for
+byte. Records are AEAD-encrypted (AES-GCM or ChaCha20-Poly1305, as OpenSSL negotiates). The insecure
+engine (`--insecure`) is the same framing on plain TCP.
+
+Why TLS over sockets and not CurveZMQ: measured on this project's 2-core machine (docs/security.md),
+an all-to-all of 300 fp32 rows per peer took 20-60 µs at 2 ranks on these links against 70-90 µs
+on pyzmq DEALER sockets with CURVE, and large messages encrypt at AES-GCM speed here (3.4 GB/s)
+against ~0.5 GB/s for CURVE's XSalsa20-Poly1305; a closed peer is seen at once (EOF) instead of
+through socket monitors; and the bytes on the wire follow an exact model (below).
+
+Framing: a message is an 8-byte little-endian length, then the payload. With TLS, a message whose
+header and payload fit one record (8 + P <= 16384) is written as one record; a larger one as a
+header record then the payload in records of 16384 bytes. Every record costs 22 bytes (5 header,
+1 inner content type, 16 tag), so the bytes on the wire are exactly `wire_bytes(P, tls)`.
+
+Threads: the thread that owns a `Links` encrypts, decrypts, sends and receives. A send is tried at
+once without blocking (`MSG_DONTWAIT`); whatever the kernel does not take right away goes to the
+link's writer thread, which only moves already-encrypted bytes, so a process never deadlocks on a
+full socket buffer while it is itself waiting to receive, and bytes keep flowing while it computes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import ssl
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+
+from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from .identity import Identity, PublicId
+
+HEADER = struct.Struct("<Q")
+TLS_RECORD = 16384  # largest plaintext per TLS record
+TLS_OVERHEAD = 22  # bytes per TLS 1.3 record on the wire: 5 header + 1 content type + 16 AEAD tag
+TICK_S = 1.0  # a blocking receive wakes up this often to check its deadline
+RAW_CHUNK = 1 << 18
+MAX_MESSAGE = 1 << 34  # a length above this is a corrupt or hostile header, not a tensor
+
+
+def wire_bytes(payload: int, tls: bool) -> int:
+    """Bytes one message of `payload` bytes puts on the TCP stream (what the kernel counts)."""
+    if not tls:
+        return HEADER.size + payload
+    if HEADER.size + payload <= TLS_RECORD:
+        return HEADER.size + payload + TLS_OVERHEAD
+    return HEADER.size + TLS_OVERHEAD + payload + TLS_OVERHEAD * -(-payload // TLS_RECORD)
+
+
+# ---- TLS ----
+
+
+def tls_context(me: Identity, trusted: Iterable[PublicId], server: bool) -> ssl.SSLContext:
+    """TLS 1.3 only, mutual authentication against `trusted` (pinned certificates), no tickets."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False  # a participant is its pinned certificate, not a host name
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    # ssl loads private keys from files only: a private temporary file, removed at once.
+    fd, path = tempfile.mkstemp(prefix="fusion-key-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(me.pem_bundle())
+        ctx.load_cert_chain(path)
+    finally:
+        os.unlink(path)
+    pems = "".join(p.pem() for p in trusted)
+    if pems:
+        ctx.load_verify_locations(cadata=pems)
+    if server:
+        ctx.num_tickets = 0  # no session tickets: after the handshake, only our records travel
+    return ctx
+
+
+KEEPALIVE = (10, 5, 3)  # idle s, interval s, probes: a vanished host is noticed within ~25 s even when idle
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        idle, interval, count = KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    sock.setblocking(True)
+    # A kernel receive timeout: a blocking recv returns EAGAIN after TICK_S, so waits stay bounded
+    # without a select() per message (measured: one syscall per receive instead of two).
+    sec = int(TICK_S)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((TICK_S - sec) * 1e6)))
+
+
+class Link:
+    """One connected peer. `tls` is None on the insecure engine."""
+
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject | None, rank: int, label: str):
+        self.sock = sock
+        self.tls = tls
+        self.rank = rank
+        self.label = label  # "worker 2 (10.0.0.3, key 3f2a9c0d1e4b)", for errors
+        self._inc: ssl.MemoryBIO | None = getattr(tls, "_fusion_inc", None)
+        self._out: ssl.MemoryBIO | None = getattr(tls, "_fusion_out", None)
+        self._raw = bytearray(RAW_CHUNK)
+        self._hdr = bytearray(HEADER.size)
+        self._lock = threading.Lock()
+        self._queue: collections.deque[memoryview] = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self.closed = False
+        _tune(sock)
+
+    # ---- sending ----
+
+    def send(self, payload: memoryview) -> None:
+        n = len(payload)
+        if self.tls is not None:
+            if HEADER.size + n <= TLS_RECORD:
+                self.tls.write(HEADER.pack(n) + payload)
+            else:
+                self.tls.write(HEADER.pack(n))
+                self.tls.write(payload)
+            parts = [memoryview(self._out.read())]
+        else:
+            parts = [memoryview(HEADER.pack(n)), payload]
+        with self._lock:
+            self._raise_writer_error()
+            if not self._queue:
+                parts = self._send_now(parts)
+            if parts:  # the kernel is full: the writer thread takes the rest (own copies of the bytes)
+                self._queue.extend(memoryview(bytes(p)) if self.tls is None else p for p in parts)
+                self._start_writer()
+                self._wake.notify()
+
+    def _send_now(self, parts: list[memoryview]) -> list[memoryview]:
+        try:
+            sent = self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return parts
+        except OSError as e:
+            raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
+        return parts
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name=f"fusion-link-{self.rank}", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                part = self._queue[0]
+            try:
+                self.sock.sendall(part)  # blocking: this thread only moves bytes
+            except OSError as e:
+                with self._lock:
+                    self._error = e
+                    self._queue.clear()
+                    self._wake.notify_all()
+                return
+            with self._lock:
+                self._queue.popleft()
+                if not self._queue:
+                    self._wake.notify_all()
+
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:
+            e = self._error
+            raise PeerLost(self.rank, f"{self.label} closed the connection ({getattr(e, 'strerror', None) or e})")
+
+    def flush(self, deadline: float) -> None:
+        """Block until every queued byte is in the kernel (or the deadline passes)."""
+        with self._lock:
+            while self._queue and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(self.rank, f"{self.label} stopped reading: could not deliver within the deadline")
+                self._wake.wait(min(left, TICK_S))
+            self._raise_writer_error()
+
+    # ---- receiving ----
+
+    def _read_raw(self, view: memoryview, deadline: float) -> int:
+        while True:
+            try:
+                n = self.sock.recv_into(view)
+            except BlockingIOError:  # SO_RCVTIMEO tick
+                if time.monotonic() >= deadline:
+                    raise PeerTimeout(self.rank, f"{self.label} did not answer within the deadline") from None
+                continue
+            except OSError as e:
+                raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+            if n == 0:
+                raise PeerLost(self.rank, f"{self.label} closed the connection")
+            return n
+
+    def _read_exact(self, view: memoryview, deadline: float) -> None:
+        got, want = 0, len(view)
+        if self.tls is None:
+            while got < want:
+                got += self._read_raw(view[got:], deadline)
+            return
+        while got < want:
+            try:
+                k = self.tls.read(want - got, view[got:])
+            except ssl.SSLWantReadError:
+                k = -1
+            except ssl.SSLError as e:
+                raise PeerLost(self.rank, f"{self.label}: TLS error ({e.reason or e})") from None
+            if k == 0:
+                raise PeerLost(self.rank, f"{self.label} closed the connection")
+            if k > 0:
+                got += k
+                continue
+            n = self._read_raw(memoryview(self._raw), deadline)
+            self._inc.write(memoryview(self._raw)[:n])
+
+    def recv_size(self, deadline: float) -> int:
+        self._read_exact(memoryview(self._hdr), deadline)
+        (n,) = HEADER.unpack(self._hdr)
+        if n > MAX_MESSAGE:
+            raise PeerError(self.rank, f"{self.label} sent a malformed message header (length {n})")
+        return n
+
+    def recv_into(self, out: memoryview, deadline: float, what: str = "") -> None:
+        n = self.recv_size(deadline)
+        if n != len(out):
+            raise PeerError(self.rank, f"{self.label} sent {n} bytes{' for ' + what if what else ''} where "
+                                       f"{len(out)} were expected (wrong shape or dtype)")  # fmt: skip
+        self._read_exact(out, deadline)
+
+    def recv_bytes(self, deadline: float, limit: int) -> bytes:
+        n = self.recv_size(deadline)
+        if n > limit:
+            raise PeerError(self.rank, f"{self.label} sent a {n}-byte control message (limit {limit})")
+        buf = bytearray(n)
+        self._read_exact(memoryview(buf), deadline)
+        return bytes(buf)
+
+    def close(self, deadline: float | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if deadline is not None:
+            try:
+                self.flush(deadline)
+            except CommError:
+                pass
+        with self._lock:
+            self._closing = True
+            self._queue.clear()
+            self._wake.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+# ---- establishing a link ----
+
+
+def handshake(sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, deadline: float) -> ssl.SSLObject | None:
+    """Run the TLS 1.3 handshake over a connected socket (memory BIOs, so that afterwards every
+    record passes through our own send/receive path). None when `ctx` is None (insecure)."""
+    if ctx is None:
+        return None
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(inc, out, server_side=server)
+    tls._fusion_inc, tls._fusion_out = inc, out  # type: ignore[attr-defined]
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("TLS handshake did not finish in time")
+        sock.settimeout(left)
+        try:
+            tls.do_handshake()
+            done = True
+        except ssl.SSLWantReadError:
+            done = False
+        except ssl.SSLError:
+            _send_pending_alert(sock, out)  # tell the peer why (e.g. "unknown ca": its key is not listed)
+            raise
+        data = out.read()
+        if data:
+            sock.sendall(data)
+        if done:
+            return tls
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the peer closed the connection during the TLS handshake")
+        inc.write(chunk)
+
+
+def _send_pending_alert(sock: socket.socket, out: ssl.MemoryBIO) -> None:
+    data = out.read()
+    if data:
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass
+
+
+def peer_certificate(tls: ssl.SSLObject | None) -> bytes | None:
+    return None if tls is None else tls.getpeercert(binary_form=True)

@@ -1,0 +1,76 @@
+"""Collectives among the workers on torch.distributed: NCCL on GPUs (the trusted GPU fabric), or gloo
+(plaintext TCP; kept to compare with the links it replaced: `fusion bench --engine gloo`).
+
+The client is not part of this group: it talks to the workers over its links (links.py), so its
+traffic is TLS whatever the fabric. The fabric's own traffic is NOT encrypted or authenticated
+(torch.distributed has neither), so it is for one machine or a network the user trusts, and is
+asked for by name. Rendezvous: worker 1 hosts a TCPStore at the address the client names in
+WELCOME; every worker joins it.
+
+The reduce-scatter is `all_to_all_single` with per-peer split sizes plus a local sum, never
+`reduce_scatter`: gloo implements that as an all-reduce followed by keeping one chunk, so every
+rank would briefly hold the complete sum (DESIGN.md §4). This is the only module that imports
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommError
+
+
+class TorchFabric:
+    def __init__(
+        self,
+        backend: str,
+        worker: int,
+        n_workers: int,
+        store: str,
+        *,
+        timeout_s: float,
+        score_groups: Sequence[Sequence[int]] = (),
+    ):
+        host, _, port = store.rpartition(":")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.me = worker
+        self.device = torch.device("cpu")
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise CommError("the NCCL fabric needs CUDA, which is not available here")
+            self.device = torch.device("cuda", worker % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        try:
+            tcp_store = dist.TCPStore(host, int(port), n_workers, is_master=worker == 0, timeout=timeout)
+            dist.init_process_group(backend, store=tcp_store, rank=worker, world_size=n_workers, timeout=timeout)
+            self.groups: dict[int, object] = {}
+            for g, owners in enumerate(score_groups):  # every rank creates every group, in order
+                if len(owners) > 1:
+                    pg = dist.new_group(list(owners), timeout=timeout)
+                    if worker in owners:
+                        self.groups[g] = pg
+        except Exception as e:
+            raise CommError(f"{backend} fabric at {store} failed: {str(e).splitlines()[0] if str(e) else e}") from None
+
+    def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        n, me, t = len(sizes), self.me, send.shape[1]
+        recv = torch.empty((n * sizes[me], t), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send, output_split_sizes=[sizes[me]] * n, input_split_sizes=list(sizes))
+        return recv.view(n, sizes[me], t).sum(0)
+
+    def sum_among(self, tensor: torch.Tensor, group: int) -> None:
+        dist.all_reduce(tensor, group=self.groups[group])
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass

@@ -1,0 +1,17 @@
+"""One base for every error a user can act on. The `fusion` command prints such an error as one line
+and exits with its `exit_code` (2: the command line was wrong; 1: the run failed); anything else is
+a bug, and still gets one line (FUSION_DEBUG=1 shows the traceback)."""
+
+from __future__ import annotations
+
+
+class FusionError(Exception):
+    """A failure with a message meant for the user: the run could not go on."""
+
+    exit_code = 1
+
+
+class UsageError(FusionError):
+    """The command line (or a file it names) asks for something that cannot work."""
+
+    exit_code = 2

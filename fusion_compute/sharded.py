@@ -1,0 +1,119 @@
+"""The sharded model of one worker: its weight slices, its residual and KV shards, every layer.
+
+`ShardedModel.forward(x_dT, pos)` maps this worker's residual shard at ingress to its residual shard
+at egress; the state is never gathered in between (ops.py has the operators, comm.py the wire).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm
+from .ops import LayerIndex, LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
+from .plan import Plan, runs
+from .weights import WeightSource
+
+
+def augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
+    """Rows of `fused` regrouped by owner, each owner's chunk followed by one zero row (the slot
+    where the sender writes its local sum of squares)."""
+    zero = fused.shape[0]
+    padded = torch.cat([fused, fused.new_zeros(1, fused.shape[1])])
+    index = [r for rows in plan_rows for r in rows + [zero]]
+    return padded.index_select(0, torch.tensor(index))
+
+
+def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
+    c = plan.config
+    share = plan.workers[w]
+    a, b = share.residual
+    cols = [(a, b)]
+    pre = f"model.layers.{layer}."
+    n = plan.n
+
+    qkv_rows = [plan.qkv_rows(q) for q in range(n)]
+    gu_rows = [plan.gate_up_rows(q) for q in range(n)]
+    o_cols = plan.o_cols(w)
+    res_off = sum(plan.residual_sizes[:w])  # o / down outputs are split in natural row order
+    index = LayerIndex(
+        resid_in=list(range(a, b)),
+        qkv_out=qkv_rows[w],
+        attn_in=o_cols,
+        resid_out=list(range(res_off, res_off + plan.residual_sizes[w])),
+        gu_out=gu_rows[w],
+        h_in=list(range(*share.mlp)),
+    )
+
+    g_attn = src.read(pre + "input_layernorm.weight")[a:b]
+    qkv = torch.cat([src.read(pre + f"self_attn.{p}_proj.weight", cols=cols) for p in "qkv"]) * g_attn
+    qkv_w = augmented(qkv, qkv_rows)
+    del qkv
+    qkv_b = None
+    if c.qkv_bias:
+        bias = torch.cat([src.read(pre + f"self_attn.{p}_proj.bias") for p in "qkv"])
+        qkv_b = bias[torch.tensor(qkv_rows[w])].contiguous()
+    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(o_cols))
+
+    g_mlp = src.read(pre + "post_attention_layernorm.weight")[a:b]
+    gu = torch.cat([src.read(pre + f"mlp.{p}_proj.weight", cols=cols) for p in ("gate", "up")]) * g_mlp
+    gu_w = augmented(gu, gu_rows)
+    del gu
+    down_w = src.read(pre + "mlp.down_proj.weight", cols=[share.mlp])
+    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
+
+
+class ShardedModel:
+    """All layers of one worker. `forward(x_dT, pos)` maps this worker's residual shard at
+    ingress to its residual shard at egress; the state is never gathered in between."""
+
+    def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
+        c = plan.config
+        self.plan, self.w, self.comm = plan, w, comm
+        qkv_aug = [s + 1 for s in plan.qkv_sizes]
+        gu_aug = [s + 1 for s in plan.gate_up_sizes]
+        res = list(plan.residual_sizes)
+        self.layers = [
+            ShardedLayer(
+                i,
+                load_layer(src, plan, w, i),
+                plan.workers[w].attention,
+                comm=comm,
+                me=w,
+                qkv_sizes_aug=qkv_aug,
+                gu_sizes_aug=gu_aug,
+                res_sizes=res,
+                hidden=c.hidden,
+                head_dim=c.head_dim,
+                group_size=c.group_size,
+                eps=c.rms_eps,
+            )
+            for i in range(c.n_layers)
+        ]
+        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.max_seq = 0
+        self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
+
+    def attach_audit(self, audit) -> None:
+        for layer in self.layers:
+            layer.audit = audit
+
+    def reset(self, max_seq: int) -> None:
+        """Fresh, zeroed KV shards for a new session (the old ones are dropped)."""
+        self.max_seq = max_seq
+        for layer in self.layers:
+            layer.alloc_cache(max_seq, torch.float32, self.comm.device)
+
+    def _step(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """RoPE tables and causal mask for T tokens at `pos`, after checking the KV capacity."""
+        if pos + t > self.max_seq:
+            raise ValueError(f"position {pos + t} beyond the session's KV capacity {self.max_seq}")
+        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
+        return cos, sin, causal_mask(pos, t)
+
+    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
+        cos, sin, mask = self._step(pos, x_dT.shape[1])
+        for layer in self.layers:
+            if self.leak is not None:
+                self.leak(layer.i, x_dT)
+            x_dT = layer.forward(x_dT, pos, cos, sin, mask)
+        return x_dT

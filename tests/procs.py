@@ -1,0 +1,66 @@
+"""Processes that tests start: the `fusion` command line, and stopping what a test started, by PID,
+with bounded waits."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+FUSION = [sys.executable, "-m", "fusion_compute"]
+
+
+def fusion(*args: str, **kw) -> subprocess.Popen:
+    """Start `fusion ARGS` with stdout/stderr piped as text (stdin closed unless given)."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.Popen([*FUSION, *args], text=True, **kw)
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*FUSION, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def reap(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
+    """Stop every process still running (SIGTERM, then SIGKILL after `grace_s`) and wait for it."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def children(pid: int) -> set[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def worker_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "fusion_compute.worker"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def wait_gone(pids: set[int], timeout: float = 10) -> set[int]:
+    """The pids among `pids` still alive after waiting up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if _alive(p)}
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
