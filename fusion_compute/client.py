@@ -11,6 +11,7 @@ import torch
 
 from .config import ModelError
 from .engine import EngineBase, EngineOptions, control_word, effective_context
+from .kernels import rms_norm
 from .plan import Plan, make_plan
 from .protocol import CONTROL_LEN, Op, fingerprint_int
 
@@ -102,6 +103,5 @@ class Engine(EngineBase):
         x_TH = torch.cat(shards).T  # (T, H): reconstructed on the user side only
         if not all_logits:
             x_TH = x_TH[-1:]
-        h = x_TH * torch.rsqrt(x_TH.pow(2).mean(-1, keepdim=True) + self.config.rms_eps) * self.final_norm
-        logits = h @ self.lm_head.T  # (T, V)
+        logits = rms_norm(x_TH, self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
         return logits if all_logits else logits[0]

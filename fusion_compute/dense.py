@@ -1,72 +1,172 @@
-"""The dense twin: the same decoder in one process, same names, same feature-major layout, no
-sharding and no communication. The only difference from the sharded model (worker.py + ops.py) is
-that every "reduce-scatter" here is the identity on the full width, which makes it the yardstick
-for the sharded operators and for debugging loaders without starting processes.
+"""One decoder layer in the clear, with every linear injected, and the dense twin built from it.
+
+`decoder_layer` is the single copy of the layer's math outside the sharded runtime. Its callers:
+
+  DenseModel       the dense twin: the same model in one process, no sharding, no communication
+                   (tests, loaders, and the red team's view of the public model: audit/attack.py)
+  masked.client    the masked mode's client: its `linear` is a product computed by workers on
+                   one-time-pad-masked inputs; everything else runs here, in the clear
+
+The sharded model (sharded.py + ops.py) computes the same layer on shards, by design a separate
+implementation (its shards and collectives are the point); it shares the kernels (kernels.py).
+
+Layout: token-major, x (B, T, H); a linear maps (..., K) -> (..., N) as W x with HF weights (N, K).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from .ops import apply_rope, causal_mask, inv_freq_tensor, rope_cos_sin
+from .config import ModelConfig
+from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm
 from .weights import WeightSource
+
+LINEARS = ("qkv", "o", "gate_up", "down")  # in the order a layer uses them
+# (name, x (B, T, K)) -> W_name x (B, T, N), without bias
+Linear = Callable[[str, torch.Tensor], torch.Tensor]
+# (k, v) of this call, (B, n_kv, T, d) -> every (k, v) to attend to, (B or 1, n_kv, S, d)
+KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ClearParams:
+    """What the clear layer applies itself: the norm gains and the q/k/v bias (Qwen2)."""
+
+    g_attn: torch.Tensor
+    g_mlp: torch.Tensor
+    qkv_bias: torch.Tensor | None
+
+    @staticmethod
+    def read(src: WeightSource, layer: int) -> ClearParams:
+        p = f"model.layers.{layer}."
+        bias = torch.cat([src.read(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if src.config.qkv_bias else None
+        return ClearParams(src.read(p + "input_layernorm.weight"), src.read(p + "post_attention_layernorm.weight"), bias)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, d/2) for the given absolute positions."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, d/2)
+    return freqs.cos(), freqs.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., T, d) with transformers' rotate_half pairing (i, i + d/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def decoder_layer(
+    c: ModelConfig, p: ClearParams, x: torch.Tensor, linear: Linear, kv: KV, cos, sin, mask
+) -> torch.Tensor:
+    """x (B, T, H) -> x (B, T, H): RMSNorm, qkv (+ bias), RoPE, attention, o, RMSNorm, SwiGLU MLP."""
+    b, t, _ = x.shape
+    nh, nkv, d, gs = c.n_heads, c.n_kv_heads, c.head_dim, c.group_size
+    qkv = linear("qkv", rms_norm(x, p.g_attn, c.rms_eps))  # (B, T, (nh + 2 nkv) d)
+    if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias
+    q = rotate(qkv[..., : nh * d].view(b, t, nh, d).transpose(1, 2), cos, sin)  # (B, nh, T, d)
+    k = rotate(qkv[..., nh * d : (nh + nkv) * d].view(b, t, nkv, d).transpose(1, 2), cos, sin)  # (B, nkv, T, d)
+    v = qkv[..., (nh + nkv) * d :].view(b, t, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
+    k_all, v_all = kv(k, v)
+    o = attend(q.reshape(b, nkv, gs * t, d), k_all, v_all, mask, gs, t, d**-0.5)  # (B, nkv, gs*T, d)
+    o = o.view(b, nkv, gs, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)  # (B, T, nh d), head-major
+    x = x + linear("o", o)
+    gu = linear("gate_up", rms_norm(x, p.g_mlp, c.rms_eps))  # (B, T, 2I)
+    inter = gu.shape[-1] // 2
+    return x + linear("down", torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:])
 
 
 class DenseModel:
-    def __init__(self, src: WeightSource, max_seq: int = 256):
+    """The public model in one process: layers [0, n_layers) with their full weights.
+
+    forward(ids, pos)            logits (T, V), with a KV cache kept across calls (the twin)
+    residual(ids_BT, upto)       the residual entering layer `upto`, for a batch of sequences
+    residual_after(prefix, cand, upto)
+                                 the same at position len(prefix) for each candidate next token,
+                                 the prefix run once (the vocabulary-matching attack)
+    """
+
+    def __init__(self, src: WeightSource, n_layers: int | None = None, max_seq: int = 256):
         c = self.config = src.config
-        self.embed = src.read("model.embed_tokens.weight")
+        self.n_layers = c.n_layers if n_layers is None else n_layers
+        self.embed = src.read("model.embed_tokens.weight")  # (V, H)
         self.final_norm = src.read("model.norm.weight")
         self.lm_head = self.embed if not src.has("lm_head.weight") else src.read("lm_head.weight")
-        self.layers = []
-        for i in range(c.n_layers):
+        self.clear = [ClearParams.read(src, i) for i in range(self.n_layers)]
+        self.weights = []
+        for i in range(self.n_layers):
             p = f"model.layers.{i}."
-            layer = {
-                "g_attn": src.read(p + "input_layernorm.weight"),
+            self.weights.append({
                 "qkv": torch.cat([src.read(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
                 "o": src.read(p + "self_attn.o_proj.weight"),
-                "g_mlp": src.read(p + "post_attention_layernorm.weight"),
-                "gu": torch.cat([src.read(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
+                "gate_up": torch.cat([src.read(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
                 "down": src.read(p + "mlp.down_proj.weight"),
-                "b": torch.cat([src.read(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if c.qkv_bias else None,
-            }
-            self.layers.append(layer)
-        d, nkv = c.head_dim, c.n_kv_heads
-        self.k_cache = [torch.zeros(nkv, max_seq, d) for _ in self.layers]  # (n_kv, S, d)
-        self.v_cache = [torch.zeros(nkv, max_seq, d) for _ in self.layers]
-        self.inv_freq = inv_freq_tensor(c.rope, d)
+            })  # fmt: skip
+        shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
+        self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)  # (L, n_kv, S, d)
+        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
 
-    def _norm(self, x_HT: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return x_HT * torch.rsqrt(x_HT.pow(2).mean(0, keepdim=True) + self.config.rms_eps) * g[:, None]
+    def _linear(self, i: int) -> Linear:
+        w = self.weights[i]
+        return lambda name, x: x @ w[name].T
 
     def forward(self, ids: list[int], pos: int) -> torch.Tensor:
         """Logits (T, V) for tokens `ids` at positions pos.. (KV cache kept across calls)."""
-        c = self.config
-        d, gs, nkv, t = c.head_dim, c.group_size, c.n_kv_heads, len(ids)
-        half = d // 2
-        # Local head-dim order is [first halves | second halves] of the pairs; for a whole head
-        # that is the natural order, so apply_rope is used unchanged.
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
+        t = len(ids)
+        cos, sin = rope_tables(self.inv_freq, torch.arange(pos, pos + t))
         mask = causal_mask(pos, t)
-        x_HT = self.embed[torch.tensor(ids)].T  # (H, T)
-        for i, w in enumerate(self.layers):
-            qkv = w["qkv"] @ self._norm(x_HT, w["g_attn"])  # (Q + 2K, T)
-            if w["b"] is not None:
-                qkv = qkv + w["b"][:, None]
-            nq = c.n_heads * d
-            q = apply_rope(qkv[:nq].view(nkv, gs, d, t), cos[:half], sin[:half])  # (n_kv, gs, d, T)
-            k = apply_rope(qkv[nq : nq + nkv * d].view(nkv, d, t), cos[:half], sin[:half])  # (n_kv, d, T)
-            v = qkv[nq + nkv * d :].view(nkv, d, t)
-            self.k_cache[i][:, pos : pos + t] = k.transpose(1, 2)
-            self.v_cache[i][:, pos : pos + t] = v.transpose(1, 2)
-            s = pos + t
-            scores = q.permute(0, 1, 3, 2).reshape(nkv, gs * t, d) @ self.k_cache[i][:, :s].transpose(1, 2)
-            scores = scores * d**-0.5
-            if mask is not None:
-                scores = scores.view(nkv, gs, t, s).masked_fill(mask, float("-inf")).view(nkv, gs * t, s)
-            o = torch.softmax(scores, -1) @ self.v_cache[i][:, :s]  # (n_kv, gs*T, d)
-            x_HT = x_HT + w["o"] @ o.view(nkv, gs, t, d).permute(0, 1, 3, 2).reshape(nq, t)
-            gu = w["gu"] @ self._norm(x_HT, w["g_mlp"])  # (2I, T)
-            m = gu.shape[0] // 2
-            x_HT = x_HT + w["down"] @ (torch.nn.functional.silu(gu[:m]) * gu[m:])
-        return (self._norm(x_HT, self.final_norm).T @ self.lm_head.T).float()  # (T, V)
+        x = self.embed[torch.tensor(ids)][None]  # (1, T, H)
+        for i in range(self.n_layers):
+
+            def kv(k, v, i=i):
+                self.k_cache[i][:, pos : pos + t] = k[0]
+                self.v_cache[i][:, pos : pos + t] = v[0]
+                return self.k_cache[i][None, :, : pos + t], self.v_cache[i][None, :, : pos + t]
+
+            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
+        return rms_norm(x[0], self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
+
+    @torch.no_grad()
+    def _run(self, ids: torch.Tensor, upto: int) -> tuple[torch.Tensor, list]:
+        t = ids.shape[1]
+        x = self.embed[ids]  # (B, T, H)
+        cos, sin = rope_tables(self.inv_freq, torch.arange(t))
+        mask = causal_mask(0, t)
+        cache = []
+        for i in range(upto):
+            kept: list = []
+
+            def kv(k, v, kept=kept):
+                kept.append((k, v))
+                return k, v
+
+            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
+            cache.append(kept[0])
+        return x, cache
+
+    @torch.no_grad()
+    def residual(self, ids: torch.Tensor, upto: int) -> torch.Tensor:
+        """(B, T) ids -> (B, T, H) residual entering layer `upto` (0 = the embedding)."""
+        return self._run(ids, upto)[0]
+
+    @torch.no_grad()
+    def residual_after(self, prefix: list[int], cand: torch.Tensor, upto: int) -> torch.Tensor:
+        """Residual entering layer `upto` at position len(prefix), for each candidate token (B,)
+        following the same prefix: the prefix runs once, candidates attend to its cached k/v."""
+        p, b = len(prefix), cand.shape[0]
+        cache = self._run(torch.tensor([prefix]), upto)[1] if p else [None] * upto
+        x = self.embed[cand][:, None, :]  # (B, 1, H)
+        cos, sin = rope_tables(self.inv_freq, torch.tensor([p]))
+        for i in range(upto):
+
+            def kv(k, v, past=cache[i]):
+                if past is None:
+                    return k, v
+                return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat([past[1].expand(b, -1, -1, -1), v], 2)
+
+            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, None)
+        return x[:, 0]

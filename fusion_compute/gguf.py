@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from .config import SUPPORTED_ARCHS, ModelConfig, ModelError, RopeConfig
-from .weights import Ranges
+from .source import Ranges
 
 # GGUF per-layer tensor stem -> HF module path under `model.layers.N.`.
 _LAYER_NAMES = {

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm
-from .ops import LayerIndex, LayerShard, ShardedLayer, inv_freq_tensor
+from .kernels import inv_freq_tensor
+from .ops import LayerIndex, LayerShard, ShardedLayer
 from .plan import Plan, runs
 from .sharded import ShardedModel
 from .weights import WeightSource

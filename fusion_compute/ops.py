@@ -22,16 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .config import RopeConfig
+from .kernels import attend
 from .plan import AttnBlock
-
-
-def inv_freq_tensor(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies (d/2,), computed in fp32 exactly as transformers does."""
-    base = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.kind == "default":
-        return base
-    return torch.tensor(rope.inv_freq(head_dim), dtype=torch.float32)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,15 +168,9 @@ class ShardedLayer:
             cache.v[:, pos : pos + t] = v.transpose(1, 2)
             s_len = pos + t
             q_g = q.permute(0, 1, 3, 2).reshape(ng, gs * t, dl)  # (ng, gs*T, dl)
-            scores = q_g @ cache.k[:, :s_len].transpose(1, 2)  # (ng, gs*T, S) partial over own dims
-            if b.split:
-                # q·k summed over the group's dims = Σ over its owners of their partial dot products.
-                self.comm.sum_scores(scores, b.g0, f"L{self.i}.scores.g{b.g0}")
-            scores = scores * self.scale
-            if mask is not None:
-                scores = scores.view(ng, gs, t, s_len).masked_fill(mask, float("-inf")).view(ng, gs * t, s_len)
-            probs = torch.softmax(scores, dim=-1)
-            o = probs @ cache.v[:, :s_len]  # (ng, gs*T, dl)
+            # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
+            reduce = (lambda sc, g=b.g0: self.comm.sum_scores(sc, g, f"L{self.i}.scores.g{g}")) if b.split else None
+            o = attend(q_g, cache.k[:, :s_len], cache.v[:, :s_len], mask, gs, t, self.scale, reduce)  # (ng, gs*T, dl)
             outs.append(o.view(ng, gs, t, dl).permute(0, 1, 3, 2).reshape(nq, t))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
@@ -218,12 +204,3 @@ class ShardedLayer:
             a.hold(L, "h", ix.h_in, h_mT.shape[0])
             a.hold(L, "resid.out", ix.resid_out, y_dT.shape[0])
         return x_dT + y_dT
-
-
-def causal_mask(pos: int, t: int) -> torch.Tensor | None:
-    """(T, pos+T) True where query i (at pos+i) must not see key j (j > pos+i). None for T=1."""
-    if t == 1:
-        return None
-    q = torch.arange(pos, pos + t)[:, None]
-    k = torch.arange(pos + t)[None, :]
-    return k > q

@@ -53,7 +53,7 @@ def apportion(n_units: int, capacities: tuple[float, ...], what: str) -> list[in
     return counts
 
 
-def _ranges(counts: list[int]) -> tuple[tuple[int, int], ...]:
+def contiguous_ranges(counts: list[int]) -> tuple[tuple[int, int], ...]:
     out, start = [], 0
     for c in counts:
         out.append((start, start + c))
@@ -162,15 +162,6 @@ class Plan:
         inter = self.config.intermediate
         return list(range(a, b)) + list(range(inter + a, inter + b))
 
-    def qkv_perm(self) -> list[int]:
-        return [r for w in range(self.n) for r in self.qkv_rows(w)]
-
-    def gate_up_perm(self) -> list[int]:
-        return [r for w in range(self.n) for r in self.gate_up_rows(w)]
-
-    def residual_perm(self) -> list[int]:
-        return list(range(self.config.hidden))  # residual ranges are already contiguous, in order
-
     # ---- chunk sizes of the four reduce-scatters (rows per owner) ----
 
     @cached_property
@@ -275,16 +266,16 @@ def make_plan(config: ModelConfig, n_workers: int, capacities: tuple[float, ...]
             f"{n_workers} workers is too many for this model: at most {max_n} "
             f"(hidden {c.hidden}, intermediate {c.intermediate}, {c.n_kv_heads} KV heads x {half} RoPE pairs)"
         )
-    residual = _ranges(apportion(c.hidden, caps, "hidden"))
-    mlp = _ranges(apportion(c.intermediate, caps, "intermediate"))
+    residual = contiguous_ranges(apportion(c.hidden, caps, "hidden"))
+    mlp = contiguous_ranges(apportion(c.intermediate, caps, "intermediate"))
     if n_workers <= c.n_kv_heads:
         # Whole KV groups per worker: attention needs no cross-worker traffic at all.
-        units = _ranges(apportion(c.n_kv_heads, caps, "KV heads"))
+        units = contiguous_ranges(apportion(c.n_kv_heads, caps, "KV heads"))
         attention = tuple((AttnBlock(g0, g1, 0, half, False),) for g0, g1 in units)
         owners = tuple((w,) for w, (g0, g1) in enumerate(units) for _ in range(g0, g1))
     else:
         # Split groups by RoPE pairs; a worker's contiguous pair range may straddle groups.
-        units = _ranges(apportion(c.n_kv_heads * half, caps, "attention RoPE pairs"))
+        units = contiguous_ranges(apportion(c.n_kv_heads * half, caps, "attention RoPE pairs"))
         group_owner_lists: list[list[int]] = [[] for _ in range(c.n_kv_heads)]
         blocks_per_worker = []
         for w, (u0, u1) in enumerate(units):

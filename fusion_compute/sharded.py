@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm
-from .ops import LayerIndex, LayerShard, ShardedLayer, causal_mask, inv_freq_tensor, rope_cos_sin
+from .kernels import causal_mask, inv_freq_tensor
+from .ops import LayerIndex, LayerShard, ShardedLayer, rope_cos_sin
 from .plan import Plan, runs
 from .weights import WeightSource
 

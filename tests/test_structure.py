@@ -50,3 +50,80 @@ def test_runtime_does_not_import_transformers():
         p.name for p in PKG.rglob("*.py") if p.name not in allowed and any(m.startswith("transformers") for m in imports(p))
     ]
     assert offenders == [], offenders
+
+
+# ---- imports flow one way (STYLE.md #12) ----
+
+
+def module_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """Internal import edges of the package (module -> modules it imports, at any depth in the
+    file) and every private name one module imports from another."""
+    mods = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = p
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private = []
+    for m, p in mods.items():
+        base = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                pkg = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level else (node.module or "")
+                targets = [((f"{pkg}.{a.name}" if f"{pkg}.{a.name}" in mods else pkg), a.name) for a in node.names]
+            for target, name in targets:
+                if target in mods and target != m:
+                    edges[m].add(target)
+                    if name and name.startswith("_") and not name.startswith("__"):
+                        private.append(f"{m} imports {target}.{name}")
+    return edges, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_form_a_dag_with_cli_on_top():
+    edges, private = module_graph()
+    assert cycles(edges) == [], "import cycles"
+    below = [m for m, t in edges.items() if "fusion_compute.cli" in t and m not in ("fusion_compute.cli", "fusion_compute.__main__")]
+    assert below == [], f"imported from below the command line: {below}"
+    assert private == [], f"private names imported across modules: {private}"
+
+
+def test_dag_check_can_fail():
+    """The checks above see a cycle, an upward import and a private import when there is one."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    edges, _ = module_graph()
+    assert "fusion_compute.cli" in edges["fusion_compute.__main__"]  # the graph does see imports of cli

@@ -181,7 +181,8 @@ def cmd_exposure(a: argparse.Namespace) -> int:
 
 
 def _attack(a: argparse.Namespace, src, plan) -> list[dict]:
-    from .attack import Dense, vocab_match
+    from ..dense import DenseModel
+    from .attack import vocab_match
 
     c = src.config
     layers = _ints(a.attack_layers, "--attack-layers") or []
@@ -202,7 +203,7 @@ def _attack(a: argparse.Namespace, src, plan) -> list[dict]:
     workers = _ints(a.attack_workers, "--attack-workers") if a.attack_workers else [0]
     if any(not (0 <= w < plan.n) for w in workers):
         raise AuditCliError(f"--attack-workers must be in 0..{plan.n - 1}")
-    dense = Dense(src, max(layers) if layers else 0)
+    dense = DenseModel(src, max(layers) if layers else 0)
     out = []
     for layer in layers:
         for w in workers:

@@ -279,13 +279,14 @@ def exposure_section(cfg: RunConfig, prep: Prepared) -> dict:
     """What holding does not prove, for this model and N: the rank of what each worker observes
     (exposure.py) and the vocabulary-matching attack on each worker's layer-0 residual shard,
     run on this audit's own prompt (attack.py)."""
+    from ..dense import DenseModel
     from ..plan import make_plan
-    from .attack import Dense, vocab_match
+    from .attack import vocab_match
     from .exposure import analyse, summarize
 
     plan = make_plan(prep.config, cfg.workers, cfg.capacities)
     ranks = summarize(analyse(prep.src, plan), plan)
-    dense = Dense(prep.src, 0)
+    dense = DenseModel(prep.src, 0)
     attacks = []
     for share in plan.workers:
         r = vocab_match(dense, prep.prompt, 0, list(range(*share.residual)))

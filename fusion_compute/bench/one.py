@@ -29,7 +29,7 @@ def measure_transformers(model: str, a: argparse.Namespace) -> dict:
     from ..reference import load_reference
 
     torch.set_num_threads(a.threads)
-    ref = load_reference(model)
+    ref = load_reference(model, torch.float32)  # the speed comparison runs transformers as users do: fp32
     vocab = ref.config.vocab_size
     out: dict = {"system": "transformers", "workers": 1}
 
@@ -47,12 +47,12 @@ def measure_transformers(model: str, a: argparse.Namespace) -> dict:
     res = prefill(ids)
     tok = int(res.logits[0, -1].argmax())
     out["ttft_s"] = time.perf_counter() - t0
-    cache = res.past_key_values
+    cache = res.cache
     t = time.perf_counter()
     with torch.no_grad():
         for _ in range(a.decode_tokens):
-            res = ref(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
+            res = ref(torch.tensor([[tok]]), cache=cache, use_cache=True)
+            cache = res.cache
             tok = int(res.logits[0, -1].argmax())
     out["decode_s"] = time.perf_counter() - t
     out["peak_rss_mb"] = {"client": round(_rss_mb(), 1)}

@@ -42,6 +42,8 @@ class Fabric(Protocol):
 
     def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
     def sum_among(self, tensor: torch.Tensor, group: int) -> None: ...
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+    def all_gather(self, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
     def close(self) -> None: ...
 
 
@@ -249,15 +251,18 @@ class Comm:
         """A deliberate leak, for negative controls and the Megatron-style baseline only: every
         worker gets every worker's shard. (n_rows_q, T) chunks -> (Σ sizes, T)."""
         me, n, t = self.rank - 1, len(sizes), shard.shape[1]
-        for q in range(n):
-            if q != me:
-                self._put(q + 1, shard)
-        out = torch.empty((sum(sizes), t), dtype=shard.dtype)
-        for q, rows in enumerate(out.split(list(sizes))):
-            if q == me:
-                rows.copy_(shard)
-            else:
-                self._get(q + 1, rows, op)
+        if self.fabric is not None:
+            out = self.fabric.all_gather(shard, sizes)
+        else:
+            for q in range(n):
+                if q != me:
+                    self._put(q + 1, shard)
+            out = torch.empty((sum(sizes), t), dtype=shard.dtype)
+            for q, rows in enumerate(out.split(list(sizes))):
+                if q == me:
+                    rows.copy_(shard)
+                else:
+                    self._get(q + 1, rows, op)
         self._emit("gather", op, {q + 1: sizes[me] * t for q in range(n) if q != me},
                    {q + 1: sizes[q] * t for q in range(n) if q != me})  # fmt: skip
         return out
@@ -266,16 +271,19 @@ class Comm:
         """Megatron-style baseline only: full-width sum replicated on every worker (each worker sends
         its whole tensor to every other: one round, (N-1)x the bytes of the tensor)."""
         peers = [r for r in range(1, self.world) if r != self.rank]
-        mine = tensor.contiguous().clone()
-        for r in peers:
-            self._put(r, mine)
-        stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
-        for r in range(1, self.world):
-            if r == self.rank:
-                stack[r - 1] = mine
-            else:
-                self._get(r, stack[r - 1], op)
-        tensor.copy_(stack.sum(0))
+        if self.fabric is not None:
+            self.fabric.all_reduce(tensor)
+        else:
+            mine = tensor.contiguous().clone()
+            for r in peers:
+                self._put(r, mine)
+            stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
+            for r in range(1, self.world):
+                if r == self.rank:
+                    stack[r - 1] = mine
+                else:
+                    self._get(r, stack[r - 1], op)
+            tensor.copy_(stack.sum(0))
         n = tensor.numel()
         self._emit("all_reduce", op, {r: n for r in peers}, {r: n for r in peers})
         return tensor

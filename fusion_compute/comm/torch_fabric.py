@@ -66,7 +66,16 @@ class TorchFabric:
         dist.all_reduce(tensor, group=self.groups[group])
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Megatron-style baseline only (a replicated sum)."""
         dist.all_reduce(tensor)
+
+    def all_gather(self, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Baseline and negative controls only: every worker's shard, concatenated in worker order."""
+        n, t = len(sizes), shard.shape[1]
+        send = shard.contiguous().repeat(n, 1)
+        recv = torch.empty((sum(sizes), t), dtype=shard.dtype, device=shard.device)
+        dist.all_to_all_single(recv, send, output_split_sizes=list(sizes), input_split_sizes=[sizes[self.me]] * n)
+        return recv
 
     def close(self) -> None:
         if dist.is_initialized():

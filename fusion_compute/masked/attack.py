@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import rms_norm
 from ..weights import WeightSource
 
 
@@ -47,7 +48,7 @@ def masked_table(src: WeightSource) -> torch.Tensor:
     RMSNorm(E[v]) · g, up to the positive scale 2^s. (V, H)"""
     e = src.read("model.embed_tokens.weight")
     g = src.read("model.layers.0.input_layernorm.weight")
-    return g * (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + src.config.rms_eps))
+    return rms_norm(e, g, src.config.rms_eps)
 
 
 def recovered(guesses: list[int], ids: list[int]) -> int:

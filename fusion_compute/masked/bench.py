@@ -131,8 +131,8 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
     from .client import MaskedEngine, MaskedOptions
     from .ring import RingMatrix, decode, encode, inverse_scales, quantize_rows, weight_bits
 
-    ref32 = load_reference(model)
-    ref64 = load_reference(model).double()
+    ref32 = load_reference(model, torch.float32)
+    ref64 = load_reference(model)
     inputs: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(ref64.model.layers):

@@ -31,9 +31,10 @@ import torch
 
 from ..comm import Event, Recorder
 from ..config import ModelError
+from ..dense import LINEARS, ClearParams, decoder_layer, rope_tables
 from ..engine import EngineBase, EngineOptions, control_word
 from ..errors import UsageError
-from ..ops import apply_rope, causal_mask, inv_freq_tensor, rope_cos_sin
+from ..kernels import causal_mask, inv_freq_tensor, rms_norm
 from . import protocol as P
 from . import ring
 from .masks import make_stream, new_key
@@ -83,11 +84,6 @@ class Tally:
             rec.record(event)
 
 
-def _rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm, same operation order (fp32)."""
-    return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
 class MaskedEngine(EngineBase):
     """Client side of a masked job: the session, the masks, the KV cache, every nonlinear step."""
 
@@ -119,13 +115,8 @@ class MaskedEngine(EngineBase):
     def prepare(self, recorder: Recorder | None) -> Recorder:
         """The client's own weights (norms, biases: public, applied here only), the session state and
         the recorder that tallies bytes per group (and writes the masked audit log)."""
-        c, src = self.config, self.src
-        pre = [f"model.layers.{i}." for i in range(c.n_layers)]
-        self.g_attn = [src.read(p + "input_layernorm.weight") for p in pre]
-        self.g_mlp = [src.read(p + "post_attention_layernorm.weight") for p in pre]
-        self.qkv_bias = (
-            [torch.cat([src.read(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) for p in pre] if c.qkv_bias else None
-        )
+        c = self.config
+        self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.audit = None
         if self.opts.audit_dir:
@@ -253,7 +244,7 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, list[torch.Tensor]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(self.pos, self.pos + t))
+        cos, sin = rope_tables(self.inv_freq, torch.arange(self.pos, self.pos + t))
         mask = causal_mask(self.pos, t)
         for layer in range(c.n_layers):
             x_TH = self._layer(layer, x_TH, cos, sin, mask)
@@ -264,7 +255,7 @@ class MaskedEngine(EngineBase):
         self.step += 1
         if not all_logits:
             x_TH = x_TH[-1:]
-        logits = _rms_norm(x_TH, self.final_norm, c.rms_eps) @ self.lm_head.T  # (T, V)
+        logits = rms_norm(x_TH, self.final_norm, c.rms_eps) @ self.lm_head.T  # (T, V)
         self.costs.append({
             "tokens": t, "wall_s": time.perf_counter() - wall0, "client_cpu_s": time.process_time() - cpu0,
             **{k: v - bytes0[k] for k, v in self.tally.bytes.items()},
@@ -272,33 +263,19 @@ class MaskedEngine(EngineBase):
         return logits if all_logits else logits[0]
 
     def _layer(self, i: int, x_TH: torch.Tensor, cos, sin, mask) -> torch.Tensor:
-        c, t = self.config, x_TH.shape[0]
-        d, n_h, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
-        h = _rms_norm(x_TH, self.g_attn[i], c.rms_eps)
-        qkv_TN = self.masked_linear(i, 0, h)
-        if self.qkv_bias is not None:
-            qkv_TN = qkv_TN + self.qkv_bias[i]
-        qkv_NT = qkv_TN.T
-        q = apply_rope(qkv_NT[: n_h * d].reshape(n_h, d, t), cos, sin)  # (n_h, d, T)
-        k = apply_rope(qkv_NT[n_h * d : (n_h + n_kv) * d].reshape(n_kv, d, t), cos, sin)  # (n_kv, d, T)
-        v = qkv_NT[(n_h + n_kv) * d :].reshape(n_kv, d, t)
+        """dense.decoder_layer with every linear a masked product (batch of one sequence)."""
+        pos, t = self.pos, x_TH.shape[0]
         k_cache, v_cache = self._kv[0][i], self._kv[1][i]  # (n_kv, S_max, d)
-        k_cache[:, self.pos : self.pos + t] = k.transpose(1, 2)
-        v_cache[:, self.pos : self.pos + t] = v.transpose(1, 2)
-        s_len = self.pos + t
-        gs = c.group_size
-        q_g = q.view(n_kv, gs, d, t).permute(0, 1, 3, 2).reshape(n_kv, gs * t, d)  # (n_kv, gs*T, d)
-        scores = (q_g @ k_cache[:, :s_len].transpose(1, 2)) * d**-0.5  # (n_kv, gs*T, S)
-        if mask is not None:
-            scores = scores.view(n_kv, gs, t, s_len).masked_fill(mask, float("-inf")).view(n_kv, gs * t, s_len)
-        o = torch.softmax(scores, dim=-1) @ v_cache[:, :s_len]  # (n_kv, gs*T, d)
-        o_TN = o.view(n_kv, gs, t, d).permute(2, 0, 1, 3).reshape(t, n_h * d)  # (T, n_h d), head-major
-        x_TH = x_TH + self.masked_linear(i, 1, o_TN)
-        h = _rms_norm(x_TH, self.g_mlp[i], c.rms_eps)
-        gu = self.masked_linear(i, 2, h)
-        inter = c.intermediate
-        a = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        return x_TH + self.masked_linear(i, 3, a)
+
+        def kv(k, v):
+            k_cache[:, pos : pos + t] = k[0]
+            v_cache[:, pos : pos + t] = v[0]
+            return k_cache[None, :, : pos + t], v_cache[None, :, : pos + t]
+
+        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+            return self.masked_linear(i, LINEARS.index(name), x[0])[None]
+
+        return decoder_layer(self.config, self.clear[i], x_TH[None], linear, kv, cos, sin, mask)[0]
 
     def masked_linear(self, layer: int, op: int, x_TK: torch.Tensor) -> torch.Tensor:
         """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ..config import ModelConfig
-from ..plan import PlanError, _ranges, apportion
+from ..plan import PlanError, apportion, contiguous_ranges
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 GROUPS = ("A", "B")
@@ -138,7 +138,7 @@ def make_masked_plan(config: ModelConfig, n_a: int, n_b: int, limb_bits: int) ->
     shapes = linear_shapes(config)
     rows = []
     for g, n in (("A", n_a), ("B", n_b)):
-        per_op = [_ranges(apportion(s.rows, (1.0,) * n, f"group {g}: {s.name} rows")) for s in shapes]
+        per_op = [contiguous_ranges(apportion(s.rows, (1.0,) * n, f"group {g}: {s.name} rows")) for s in shapes]
         rows.append(tuple(tuple(per_op[op][m] for op in range(len(shapes))) for m in range(n)))
     return MaskedPlan(config=config, n_a=n_a, n_b=n_b, limb_bits=limb_bits, rows=tuple(rows))
 

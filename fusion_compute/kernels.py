@@ -1,0 +1,59 @@
+"""The math every decoder layer shares, whoever runs it (dense.py in the clear, ops.py on shards):
+RMSNorm, rotary tables, the causal mask and the attention core. Each computes exactly what
+transformers computes, in the same operation order, so fp32 results differ only by reassociation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .config import RopeConfig
+
+
+def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, transformers' order: g * (x * rsqrt(mean(x²) + ε))."""
+    return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def inv_freq_tensor(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies (d/2,), computed in fp32 exactly as transformers does."""
+    base = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "default":
+        return base
+    return torch.tensor(rope.inv_freq(head_dim), dtype=torch.float32)
+
+
+def causal_mask(pos: int, t: int) -> torch.Tensor | None:
+    """(T, pos+T) True where query i (at pos+i) must not see key j (j > pos+i). None for T=1."""
+    if t == 1:
+        return None
+    q = torch.arange(pos, pos + t)[:, None]
+    k = torch.arange(pos + t)[None, :]
+    return k > q
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    gs: int,
+    t: int,
+    scale: float,
+    reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale, causal) · v for grouped-query attention.
+
+    q (..., G, gs*T, dq): the gs query heads of each of G KV groups, token-minor; k, v (..., G, S, dq).
+    `reduce_scores` completes partial scores first (a group's head dims split across workers: each
+    owner holds q·k over its own dims, ops.py). Returns (..., G, gs*T, dv)."""
+    scores = q @ k.transpose(-1, -2)  # (..., G, gs*T, S)
+    if reduce_scores is not None:
+        scores = reduce_scores(scores)
+    scores = scores * scale
+    if mask is not None:
+        shape = scores.shape
+        scores = scores.view(*shape[:-2], gs, t, shape[-1]).masked_fill(mask, float("-inf")).view(shape)
+    return torch.softmax(scores, dim=-1) @ v
