@@ -1,6 +1,6 @@
-"""GGUF weight source: llama.cpp's single-file format, read through `gguf.GGUFReader` (memory-mapped).
+"""GGUF weight source: llama.cpp's single-file format, read through `gguf_index.GGUFIndex`.
 
-Implements the `WeightSource` protocol of `weights.py`: tensors come out fp32, under HF names, in HF
+Implements the `WeightSource` protocol of `source.py`: tensors come out fp32, under HF names, in HF
 layout (out_features, in_features). Three things differ from a safetensors directory:
 
 - names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight` (table below);
@@ -9,8 +9,10 @@ layout (out_features, in_features). Three things differ from a safetensors direc
   a caller asks for are ever dequantized: a worker pays for its shard, not for the whole tensor;
 - llama.cpp's Q/K row permutation (see `_unpermute_rows`), undone as a row index map.
 
-Opening a file costs a few seconds (GGUFReader parses every metadata array element, ~100k tokens and
-merges); `GGUFWeights.reader` is exposed so the tokenizer can reuse the parsed file.
+Opening reads the header, the scalar metadata and the tensor table only (`GGUFIndex`; the
+tokenizer's arrays stay unread), and bytes are read with positioned reads in bounded chunks, so a
+worker's memory is its share plus small transients. `GGUFWeights.index` is exposed so the client's
+tokenizer reads its arrays from the same index without parsing the file again.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .config import SUPPORTED_ARCHS, ModelConfig, ModelError, RopeConfig
+from .gguf_index import GGUFIndex, TensorInfo
 from .source import Ranges
 
 # GGUF per-layer tensor stem -> HF module path under `model.layers.N.`.
@@ -48,6 +51,23 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _MISSING = object()
 
+# ggml types stored as plain numbers: read as typed little-endian arrays, converted with astype (as
+# GGUFReader's typed views were). Every other type goes through `gguf.quants.dequantize`.
+_PLAIN = {
+    GGMLQuantizationType.F32: np.dtype("<f4"),
+    GGMLQuantizationType.F16: np.dtype("<f2"),
+    GGMLQuantizationType.F64: np.dtype("<f8"),
+    GGMLQuantizationType.I8: np.dtype("i1"),
+    GGMLQuantizationType.I16: np.dtype("<i2"),
+    GGMLQuantizationType.I32: np.dtype("<i4"),
+    GGMLQuantizationType.I64: np.dtype("<i8"),
+}
+# Bounds on one step of a sliced read: the file bytes read at once, and the elements dequantized at
+# once (gguf's dequantize holds its output about twice over while it works). They bound a worker's
+# transients to ~20 MB whatever the tensor's size (a 128k x 4096 embedding is 2 GB in fp32).
+READ_CHUNK_BYTES = 4 << 20
+DEQUANT_CHUNK_ELEMENTS = 1 << 20
+
 
 def hf_name(gguf_name: str) -> str | None:
     """HF name of a GGUF tensor, or None for tensors the runtime does not use (e.g. rope_freqs)."""
@@ -59,83 +79,74 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    """One GGUF metadata value (scalar, string or list); ModelError naming the key if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ModelError(f"{reader.data.filename}: GGUF metadata key {key!r} missing")
-        return default
-    return field.contents()
-
-
-def _array_len(reader: GGUFReader, key: str) -> int | None:
-    field = reader.fields.get(key)
-    return None if field is None else len(field.data)
-
-
-def open_reader(path: str | Path) -> GGUFReader:
-    try:
-        return GGUFReader(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def read_config(reader: GGUFReader, path: str | Path = "") -> ModelConfig:
-    """ModelConfig from llama.cpp metadata keys (`{arch}.embedding_length`, ...)."""
-    arch = metadata(reader, "general.architecture")
+def read_config(index: GGUFIndex, path: str | Path = "") -> ModelConfig:
+    """ModelConfig from llama.cpp metadata keys (`{arch}.embedding_length`, ...); reads no array."""
+    path = path or index.path
+    arch = index.scalar("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
-    def key(name: str, default: Any = _MISSING) -> Any:
-        return metadata(reader, f"{arch}.{name}", default)
+    def num(key: str, kind: type, default: Any = _MISSING) -> Any:
+        value = index.scalar(key) if default is _MISSING else index.scalar(key, default)
+        try:
+            return None if value is None else kind(value)
+        except (TypeError, ValueError):
+            raise ModelError(f"{path}: GGUF metadata key {key!r} must be a number, got {value!r}") from None
 
-    names = {t.name for t in reader.tensors}
-    hidden = int(key("embedding_length"))
-    n_heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // n_heads)
-    vocab = key("vocab_size", None) or _array_len(reader, "tokenizer.ggml.tokens")
+    def key(name: str, kind: type = int, default: Any = _MISSING) -> Any:
+        return num(f"{arch}.{name}", kind, default)
+
+    names = set(index.tensors)
+    hidden = key("embedding_length")
+    n_heads = key("attention.head_count")
+    if hidden <= 0 or n_heads <= 0:
+        raise ModelError(f"{path}: GGUF embedding_length {hidden} and head_count {n_heads} must be positive")
+    head_dim = key("attention.key_length", int, 0) or key("rope.dimension_count", int, 0) or hidden // n_heads
+    vocab = key("vocab_size", int, None) or index.array_length("tokenizer.ggml.tokens")
     if vocab is None:
         raise ModelError(f"{path}: GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    eos = metadata(reader, "tokenizer.ggml.eos_token_id", None)
-    eot = metadata(reader, "tokenizer.ggml.eot_token_id", None)
-    eos_ids = tuple(dict.fromkeys(int(e) for e in (eos, eot) if e is not None))
-    bos = metadata(reader, "tokenizer.ggml.bos_token_id", None)
-    theta = float(key("rope.freq_base", 10000.0))
+    eos = num("tokenizer.ggml.eos_token_id", int, None)
+    eot = num("tokenizer.ggml.eot_token_id", int, None)
+    eos_ids = tuple(dict.fromkeys(e for e in (eos, eot) if e is not None))
+    bos = num("tokenizer.ggml.bos_token_id", int, None)
+    theta = key("rope.freq_base", float, 10000.0)
     return ModelConfig(
         arch=arch,
         hidden=hidden,
-        intermediate=int(key("feed_forward_length")),
-        n_layers=int(key("block_count")),
+        intermediate=key("feed_forward_length"),
+        n_layers=key("block_count"),
         n_heads=n_heads,
-        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        n_kv_heads=key("attention.head_count_kv", int, n_heads),
         head_dim=head_dim,
-        vocab=int(vocab),
-        max_positions=int(key("context_length", 2048)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope=_rope_config(reader, arch, theta, head_dim, path),
+        vocab=vocab,
+        max_positions=key("context_length", int, 2048),
+        rms_eps=key("attention.layer_norm_rms_epsilon", float, 1e-6),
+        rope=_rope_config(index, arch, theta, head_dim, path),
         qkv_bias="blk.0.attn_q.bias" in names,
         # llama.cpp writes no `output.weight` when the LM head is the embedding table.
         tie_embeddings="output.weight" not in names,
-        bos_id=None if bos is None else int(bos),
+        bos_id=bos,
         eos_ids=eos_ids,
     )
 
 
-def _rope_config(reader: GGUFReader, arch: str, theta: float, head_dim: int, path: str | Path) -> RopeConfig:
-    kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
+def _rope_config(index: GGUFIndex, arch: str, theta: float, head_dim: int, path: str | Path) -> RopeConfig:
+    kind = index.scalar(f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        return RopeConfig(theta=theta, kind="linear", factor=float(metadata(reader, f"{arch}.rope.scaling.factor")))
+        factor = index.scalar(f"{arch}.rope.scaling.factor")
+        if not isinstance(factor, (int, float)):
+            raise ModelError(f"{path}: GGUF {arch}.rope.scaling.factor must be a number, got {factor!r}")
+        return RopeConfig(theta=theta, kind="linear", factor=float(factor))
     if kind not in ("none", ""):
         raise ModelError(f"{path}: unsupported GGUF rope scaling {kind!r} (supported: none, linear)")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = index.tensors.get("rope_freqs.weight")
     if freqs is None:
         return RopeConfig(theta=theta)
     # Llama 3.x: llama.cpp stores the per-pair divisors base_freq / scaled_freq instead of the llama3
     # rope parameters. Recover them by matching the published setting (low 1, high 4, original 8192)
     # with the largest divisor as the factor; refuse anything else rather than run with wrong RoPE.
-    divisors = np.asarray(freqs.data, dtype=np.float64)
-    rope = RopeConfig(theta=theta, kind="llama3", factor=float(divisors.max()))
+    divisors = _decode(index.tensor_bytes(freqs), freqs.qtype).astype(np.float64)
+    rope = RopeConfig(theta=theta, kind="llama3", factor=float(divisors.max()) if divisors.size else 0.0)
     base = RopeConfig(theta=theta).inv_freq(head_dim)
     expect = np.array([b / s for b, s in zip(base, rope.inv_freq(head_dim), strict=True)])
     if expect.shape != divisors.shape or not np.allclose(expect, divisors, rtol=1e-4):
@@ -159,11 +170,12 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 class GGUFWeights:
     """A .gguf model file as a WeightSource."""
 
-    def __init__(self, path: str | Path, reader: GGUFReader | None = None):
+    def __init__(self, path: str | Path, index: GGUFIndex | None = None):
         self.path = Path(path)
-        self.reader = reader if reader is not None else open_reader(self.path)
-        self.config = read_config(self.reader, self.path)
-        self._tensors = {n: t for t in self.reader.tensors if (n := hf_name(t.name)) is not None}
+        self.index = index if index is not None else GGUFIndex.open(self.path)
+        self.config = read_config(self.index, self.path)
+        self._tensors = {n: t for t in self.index.tensors.values() if (n := hf_name(t.name)) is not None}
+        _check_dequantizable(self.path, list(self._tensors.values()))
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -173,38 +185,70 @@ class GGUFWeights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """HF shape (out, in) of a tensor, without reading it."""
-        return tuple(int(n) for n in reversed(self._tensor(name).shape.tolist()))
+        return self._tensor(name).shape
 
     def read(self, name: str, rows: torch.Tensor | None = None, cols: Ranges | None = None) -> torch.Tensor:
-        """fp32 `W[rows][:, cols]` in HF layout, dequantizing only the selected rows and column blocks."""
+        """fp32 `W[rows][:, cols]` in HF layout, reading and dequantizing only the selected rows'
+        quant blocks that cover `cols`, a bounded chunk at a time."""
         t = self._tensor(name)
-        qtype = GGMLQuantizationType(t.tensor_type)
-        data = t.data  # memmap: (out, in) elements, or (out, bytes per row) for quantized/BF16 types
-        shape = self.shape(name)
+        shape = t.shape
+        if rows is not None:
+            rows = rows.to(torch.long)
+            if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < shape[0]):
+                raise ModelError(f"{self.path}: row index out of bounds for {name} with {shape[0]} rows")
         n_head = self._permuted_heads(name)
         if n_head is not None:  # q/k weights, and q/k biases (permuted the same way by the converter)
             perm = _unpermute_rows(shape[0], n_head)
             rows = perm if rows is None else perm[rows]
-        if data.ndim == 1:
-            # 1-D quantized data is a flat run of blocks: dequantize it all (norms and biases are tiny).
-            out = _to_tensor(_dequantize(data, qtype))
-            return out if rows is None else out.index_select(0, rows.to(torch.long))
-        if rows is not None:
-            # Gathering whole rows of quant bytes is exact: no block straddles two rows.
-            data = data[rows.to(torch.long).numpy()]
+        if len(shape) != 2:
+            # Norms and biases (1-D) are tiny: read and dequantize them whole.
+            if len(shape) != 1 and (rows is not None or cols is not None):
+                raise ModelError(f"{self.path}: {name} has shape {list(shape)}: only 1-D and 2-D tensors can be sliced")
+            out = torch.from_numpy(_decode(self.index.tensor_bytes(t), t.qtype).reshape(shape))
+            return out if rows is None else out.index_select(0, rows)
         n_cols = shape[1]
-        if cols is None or list(cols) == [(0, n_cols)]:
-            return _to_tensor(_dequantize(data, qtype))
-        out = np.empty((data.shape[0], sum(b - a for a, b in cols)), dtype=np.float32)
-        at = 0
-        for a, b in cols:
+        ranges = [(0, n_cols)] if cols is None else [(int(a), int(b)) for a, b in cols]
+        for a, b in ranges:
             if not 0 <= a < b <= n_cols:
                 raise ModelError(f"{self.path}: column range [{a}, {b}) out of bounds for {name} with {n_cols} columns")
-            out[:, at : at + b - a] = _dequantize_cols(data, qtype, a, b)
-            at += b - a
-        return torch.from_numpy(out)
+        return torch.from_numpy(self._read_2d(t, None if rows is None else rows.numpy(), ranges))
 
-    def _tensor(self, name: str) -> Any:
+    def _read_2d(self, t: TensorInfo, sel: np.ndarray | None, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """Rows `sel` (None: all, in order) of a 2-D tensor, columns `ranges` concatenated, fp32.
+
+        Rows are visited in file order, a run of them per positioned read, and their bytes narrowed
+        to the quant blocks that cover `ranges` before dequantizing. Exact: a block never straddles
+        two rows, and `dequantize` maps each block on its own, so the values equal those of
+        dequantizing the whole tensor."""
+        n_rows = t.shape[0]
+        block, block_bytes = GGML_QUANT_SIZES[t.qtype]
+        row_bytes = t.row_bytes
+        blocks = [(a // block, math.ceil(b / block)) for a, b in ranges]  # covering quant blocks per range
+        lo = min(f for f, _ in blocks) * block_bytes  # one byte span of a row covers every range
+        hi = max(e for _, e in blocks) * block_bytes
+        out = np.empty((n_rows if sel is None else sel.size, sum(b - a for a, b in ranges)), dtype=np.float32)
+        order = None if sel is None else np.argsort(sel, kind="stable")
+        wanted = np.arange(n_rows) if sel is None else sel[order]  # rows in file order
+        span_rows = max(1, READ_CHUNK_BYTES // max(1, row_bytes))
+        step_rows = max(1, DEQUANT_CHUNK_ELEMENTS // max(1, (hi - lo) // block_bytes * block))
+        i = 0
+        while i < wanted.size:
+            first = int(wanted[i])
+            j = min(int(np.searchsorted(wanted, first + span_rows)), i + step_rows)
+            last = int(wanted[j - 1])
+            raw = self.index.read_bytes(t.offset + first * row_bytes, (last - first + 1) * row_bytes)
+            part = raw.reshape(last - first + 1, row_bytes)
+            part = part[:, lo:hi] if sel is None else part[wanted[i:j] - first, lo:hi]
+            dest = slice(i, j) if order is None else order[i:j]
+            at = 0
+            for (a, b), (f, e) in zip(ranges, blocks, strict=True):
+                q = np.ascontiguousarray(part[:, f * block_bytes - lo : e * block_bytes - lo])
+                out[dest, at : at + b - a] = _decode(q, t.qtype)[:, a - f * block : b - f * block]
+                at += b - a
+            i = j
+        return out
+
+    def _tensor(self, name: str) -> TensorInfo:
         t = self._tensors.get(name)
         if t is None:
             raise ModelError(f"{self.path}: tensor {name} missing")
@@ -220,28 +264,25 @@ class GGUFWeights:
         return None
 
 
-def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    if data.dtype != np.uint8:
-        # F32/F16/F64/I8..I64 come typed from the reader; astype copies out of the read-only mmap.
-        return data.astype(np.float32)
+def _decode(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """fp32 values of contiguous tensor bytes (last axis: whole blocks of one row), a fresh array."""
+    plain = _PLAIN.get(qtype)
+    if plain is not None:
+        return raw.view(plain).astype(np.float32)
     try:
-        return dequantize(data, qtype)
+        return dequantize(raw, qtype)
     except NotImplementedError:
-        raise ModelError(
-            f"unsupported GGUF tensor type {qtype.name} (gguf {qtype.name} dequantization missing)"
-        ) from None
+        raise ModelError(f"unsupported GGUF tensor type {qtype.name} (the gguf package cannot dequantize it)") from None
 
 
-def _dequantize_cols(data: np.ndarray, qtype: GGMLQuantizationType, a: int, b: int) -> np.ndarray:
-    """Columns [a, b) of every row, dequantizing only the quant blocks that cover them."""
-    if data.dtype != np.uint8:
-        return data[:, a:b].astype(np.float32)
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
-    first, last = a // block, math.ceil(b / block)
-    blocks = np.ascontiguousarray(data[:, first * block_bytes : last * block_bytes])
-    return _dequantize(blocks, qtype)[:, a - first * block : b - first * block]
-
-
-def _to_tensor(x: np.ndarray) -> torch.Tensor:
-    # Copy only if x still views the read-only mmap (F32 via dequantize): torch needs writable memory.
-    return torch.from_numpy(np.require(x, dtype=np.float32, requirements=["C", "W"]))
+def _check_dequantizable(path: Path, tensors: list[TensorInfo]) -> None:
+    """Refuse at open, before any worker starts, a tensor type the gguf package cannot dequantize:
+    dequantize one zero block of each type in use."""
+    for qtype in sorted({t.qtype for t in tensors} - set(_PLAIN)):
+        try:
+            _decode(np.zeros(GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+        except ModelError:
+            name = next(t.name for t in tensors if t.qtype == qtype)
+            raise ModelError(
+                f"{path}: tensor {name} has type {qtype.name}, which the gguf package cannot dequantize"
+            ) from None

@@ -29,7 +29,7 @@ from tokenizers.models import BPE
 from .config import ModelError
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from .gguf_index import GGUFIndex
 
 # llama.cpp `tokenizer.ggml.token_type` values.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -163,19 +163,20 @@ class Tokenizer:
         return Tokenizer(backend, _hf_chat_template(path, cfg), specials, extra)
 
     @staticmethod
-    def from_gguf(source: str | Path | GGUFReader) -> Tokenizer:
-        """From llama.cpp's tokenizer metadata; pass a `GGUFReader` to reuse an already parsed file."""
-        from .gguf import metadata, open_reader
+    def from_gguf(source: str | Path | GGUFIndex) -> Tokenizer:
+        """From llama.cpp's tokenizer metadata; pass a `GGUFIndex` (e.g. `GGUFWeights.index`) to reuse
+        an opened file: its arrays (tokens, merges, ...) are read from the file here, once each."""
+        from .gguf_index import GGUFIndex
 
-        reader = open_reader(source) if isinstance(source, (str, Path)) else source
+        index = GGUFIndex.open(source) if isinstance(source, (str, Path)) else source
 
         def meta(key: str, default: Any = None) -> Any:
-            return metadata(reader, f"tokenizer.{key}", default)
+            return index.get(f"tokenizer.{key}", default)
 
         model = meta("ggml.model")
         tokens: list[str] = meta("ggml.tokens")
         if model is None or tokens is None:
-            raise ModelError(f"{source}: GGUF has no tokenizer (tokenizer.ggml.model / tokens missing)")
+            raise ModelError(f"{index.path}: GGUF has no tokenizer (tokenizer.ggml.model / tokens missing)")
         types: list[int] = meta("ggml.token_type") or [_NORMAL] * len(tokens)
         if model == "gpt2":
             merges = [tuple(m.split(" ", 1)) for m in meta("ggml.merges", [])]

@@ -1,7 +1,9 @@
-"""GGUFWeights: config and every layer-0 weight vs transformers' own GGUF loader; slicing; synthetic files."""
+"""GGUFWeights: config and every layer-0 weight vs transformers' own GGUF loader; every tensor bit-identical
+to dequantizing `gguf.GGUFReader`'s parse; slicing; bounded read transients; synthetic and broken files."""
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import gguf
@@ -9,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
+import fusion_compute.gguf as gguf_source
 from fusion_compute.config import ModelError, RopeConfig
-from fusion_compute.gguf import GGUFWeights
+from fusion_compute.gguf import GGUFWeights, hf_name
+from fusion_compute.gguf_index import ArrayRef
 from fusion_compute.weights import default_model_path
 
 # transformers dequantizes with its own kernels; both are fp32 reconstructions of the same blocks.
@@ -21,6 +26,12 @@ DEQUANT_ATOL = 1e-6
 @pytest.fixture(scope="module")
 def weights() -> GGUFWeights:
     return GGUFWeights(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def reference() -> gguf.GGUFReader:
+    """The gguf package's own parse of the bundled file (what gguf.py read through before GGUFIndex)."""
+    return gguf.GGUFReader(default_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +85,86 @@ def test_read_rows_cols_equals_slicing(weights, name):
     assert torch.equal(weights.read(name, cols=cols), torch.cat([full[:, a:b] for a, b in cols], dim=1))
 
 
+def _llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # inverse of convert_hf_to_gguf.py's LlamaModel.permute (`_llama_permute` below)
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)  # bitwise comparison: -0.0 != 0.0, NaN == same NaN
+
+
+def test_index_equals_gguf_reader(weights, reference):
+    index = weights.index
+    fields = {k: f for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert list(index.values) == list(fields)
+    assert isinstance(index.values["tokenizer.ggml.merges"], ArrayRef)  # not read by opening
+    for key, field in fields.items():
+        assert index.get(key) == field.contents(), key
+    ours = [(t.name, list(t.dims), t.qtype, t.offset, t.n_bytes) for t in index.tensors.values()]
+    assert ours == [(t.name, t.shape.tolist(), t.tensor_type, t.data_offset, t.n_bytes) for t in reference.tensors]
+
+
+def test_every_tensor_bit_identical_to_gguf_reader(weights, reference):
+    """Every tensor of the bundled model, whole and sliced, equals gguf's dequantization of GGUFReader's
+    memory map bit for bit (llama q/k rows un-permuted): the reader changed, the numbers did not."""
+    c = weights.config
+    g = torch.Generator().manual_seed(0)
+    covered = set()
+    for t in reference.tensors:
+        name = hf_name(t.name)
+        assert name is not None, t.name
+        data = np.asarray(t.data)
+        want = dequantize(data, t.tensor_type) if data.dtype == np.uint8 else data.astype(np.float32)
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            want = _llama_unpermute(want, c.n_heads if ".q_proj." in name else c.n_kv_heads)
+        want = torch.from_numpy(np.ascontiguousarray(want))
+        got = weights.read(name)
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        assert torch.equal(_bits(got), _bits(want)), name
+        covered.add(t.tensor_type)
+        if want.dim() == 2:
+            out, inp = want.shape
+            rows = torch.cat([torch.randperm(out, generator=g)[: out // 3], torch.tensor([0, out - 1, 0])])
+            cols = [(3, 77), (100, 101), (inp - 40, inp)]  # unaligned, one column, to the end
+            expect = torch.cat([want[:, a:b] for a, b in cols], dim=1)[rows]
+            assert torch.equal(_bits(weights.read(name, rows=rows, cols=cols)), _bits(expect)), name
+    assert covered == {Q.Q4_1, Q.Q8_0, Q.F32} == {t.tensor_type for t in reference.tensors}
+
+
+def _read_peak(src: GGUFWeights, name: str) -> tuple[int, int]:
+    """(output bytes, peak bytes traced while reading) of one whole-tensor read."""
+    tracemalloc.start()
+    try:
+        out = src.read(name)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out.numel() * 4, peak
+
+
+def test_read_transients_are_bounded(weights, monkeypatch):
+    # The embedding is 108 MiB in fp32. Read in bounded chunks, a read holds little beyond its output;
+    # dequantized in one go (the chunk bounds lifted), gguf's dequantize holds about two more copies.
+    size, peak = _read_peak(weights, "model.embed_tokens.weight")
+    assert size == 49152 * 576 * 4 and peak - size < 32 << 20, f"{(peak - size) / 2**20:.0f} MiB over the output"
+    monkeypatch.setattr(gguf_source, "READ_CHUNK_BYTES", 1 << 40)
+    monkeypatch.setattr(gguf_source, "DEQUANT_CHUNK_ELEMENTS", 1 << 40)
+    size, peak = _read_peak(weights, "model.embed_tokens.weight")
+    assert peak - size > 100 << 20  # the measurement sees the transients it bounds
+
+
+def test_open_reads_no_arrays():
+    # GGUFReader allocates ~160 MB opening this file (its token and merge arrays as Python objects).
+    tracemalloc.start()
+    try:
+        src = GGUFWeights(default_model_path())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert src.config.vocab == 49152 and peak < 4 << 20, f"opening allocated {peak / 2**20:.1f} MiB"
+
+
 def test_read_1d_rows(weights):
     norm = weights.read("model.layers.0.input_layernorm.weight")
     rows = torch.tensor([7, 0, 575])
@@ -82,11 +173,17 @@ def test_read_1d_rows(weights):
     )
 
 
-def test_missing_tensor_and_bad_cols(weights):
+def test_missing_tensor_and_bad_slices(weights):
     with pytest.raises(ModelError, match="missing"):
         weights.read("lm_head.weight")
     with pytest.raises(ModelError, match="out of bounds"):
         weights.read("model.layers.0.mlp.up_proj.weight", cols=[(500, 600)])
+    with pytest.raises(ModelError, match="row index out of bounds"):
+        weights.read("model.layers.0.mlp.up_proj.weight", rows=torch.tensor([0, 1536]))
+    with pytest.raises(ModelError, match="row index out of bounds"):
+        weights.read("model.layers.0.self_attn.q_proj.weight", rows=torch.tensor([-1]))  # permuted rows
+    with pytest.raises(ModelError, match="row index out of bounds"):
+        weights.read("model.layers.0.input_layernorm.weight", rows=torch.tensor([576]))
 
 
 # --- synthetic files -------------------------------------------------------------------------------
@@ -137,6 +234,28 @@ def test_unsupported_arch(tmp_path):
     path = _write(tmp_path / "g.gguf", "gemma", META, {"token_embd.weight": (_rand(32, H), Q.F32)})
     with pytest.raises(ModelError, match="unsupported GGUF architecture 'gemma'"):
         GGUFWeights(path)
+
+
+def test_unsupported_quantization_and_bad_metadata(tmp_path):
+    # Q8_1 is a ggml type the gguf package cannot dequantize: refused at open, before any worker starts.
+    w = gguf.GGUFWriter(tmp_path / "q81.gguf", "llama")
+    for key, value in META.items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key.format(arch="llama"), value)
+    w.add_tensor("token_embd.weight", np.zeros((32, H // 32 * 40), np.uint8), raw_shape=(32, H // 32 * 40),
+                 raw_dtype=Q.Q8_1)  # fmt: skip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="token_embd.weight has type Q8_1, which the gguf package cannot dequantize"):
+        GGUFWeights(tmp_path / "q81.gguf")
+    tensors = {"token_embd.weight": (_rand(32, H), Q.F32)}
+    bad = _write(tmp_path / "s.gguf", "llama", {**META, "{arch}.embedding_length": "wide"}, tensors)
+    with pytest.raises(ModelError, match="'llama.embedding_length' must be a number, got 'wide'"):
+        GGUFWeights(bad)
+    no_hidden = {k: v for k, v in META.items() if k != "{arch}.embedding_length"}
+    with pytest.raises(ModelError, match="'llama.embedding_length' missing"):
+        GGUFWeights(_write(tmp_path / "m.gguf", "llama", no_hidden, tensors))
 
 
 def test_qwen2_types_roundtrip(tmp_path):

@@ -10,6 +10,9 @@ import pytest
 import transformers  # noqa: E402  (a test dependency: missing must fail, not skip)
 
 from fusion_compute.config import ModelError
+from fusion_compute.gguf import GGUFWeights
+from fusion_compute.gguf_index import GGUFIndex
+from fusion_compute.options import tokenizer_for
 from fusion_compute.tokenizer import Tokenizer, load_tokenizer
 from fusion_compute.weights import default_model_path
 
@@ -89,6 +92,22 @@ def test_chat_matches_transformers(ours, hf):
     assert ours.chat_ids(CHAT) == hf.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)["input_ids"]
     no_prompt = ours.render_chat(CHAT, add_generation_prompt=False)
     assert no_prompt == hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
+
+
+def test_client_tokenizer_reuses_the_weights_index(ours, monkeypatch):
+    # The client opens the GGUF once: the tokenizer reads its arrays through the weight source's index.
+    path = default_model_path()
+    src = GGUFWeights(path)
+
+    def reopen(_: object) -> GGUFIndex:
+        raise AssertionError("the GGUF file was parsed a second time")
+
+    monkeypatch.setattr(GGUFIndex, "open", staticmethod(reopen))
+    tok = tokenizer_for(path, src, needed=True)
+    assert (tok.vocab_size, tok.eos_ids, tok.chat_template) == (ours.vocab_size, ours.eos_ids, ours.chat_template)
+    for text in TEXTS:
+        assert tok.encode(text) == ours.encode(text)
+    assert tok.chat_ids(CHAT) == ours.chat_ids(CHAT)
 
 
 def test_stream_decoder_never_splits_characters(ours):
