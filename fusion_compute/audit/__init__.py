@@ -4,7 +4,7 @@ schema.py    the log format: records, hash chain, coordinate spaces, wire model
 recorder.py  comm events + per-step holdings -> one hash-chained JSONL log per rank
 inject.py    negative controls: hidden AllGather (recorded / silent), gloo's reduce_scatter
 netcount.py  OS-level byte accounting from the kernel's per-socket counters (ss)
-verify.py    the independent verifier: reads schema + dimensions only (`fusion audit verify`)
+verify/      the independent verifier: reads schema + dimensions only (`fusion audit verify`)
 runner.py    the experiment: N workers, cold starts, forced continuation (`fusion audit run`)
 report.py    summary.json -> report.md
 exposure.py  rank of what a party observes; least-squares reconstruction (`fusion audit exposure`)

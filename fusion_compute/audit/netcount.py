@@ -31,9 +31,10 @@ def available() -> bool:
     return shutil.which("ss") is not None
 
 
-def parse_ss(text: str, pids: set[int]) -> Sample:
+def parse_ss(text: str, pids: set[int], exclude_local: frozenset[str] = frozenset()) -> Sample:
     """Parse `ss -tinpH` output: a socket line (state, queues, local, peer, users) followed by
-    indented tcp_info lines. Sockets owned by several pids count for each."""
+    indented tcp_info lines. Sockets owned by several pids count for each; sockets whose local
+    address is in `exclude_local` (HOST:PORT) are left out."""
     out: Sample = {p: {} for p in pids}
     owners: list[int] = []
     key = ""
@@ -44,6 +45,8 @@ def parse_ss(text: str, pids: set[int]) -> Sample:
             cols = line.split()
             key = " ".join(cols[3:5]) if len(cols) >= 5 else line
             owners = [int(p) for p in _PID.findall(line) if int(p) in pids]
+            if len(cols) >= 5 and cols[3] in exclude_local:
+                owners = []
             continue
         if owners:
             found = dict((k, int(v)) for k, v in _COUNTER.findall(line))
@@ -59,13 +62,13 @@ def parse_ss(text: str, pids: set[int]) -> Sample:
     return out
 
 
-def sample(pids: list[int]) -> Sample:
+def sample(pids: list[int], exclude_local: frozenset[str] = frozenset()) -> Sample:
     if not available():
         raise NetcountUnavailable("`ss` (iproute2) not found: OS-level byte accounting unavailable")
     res = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30)
     if res.returncode != 0:
         raise NetcountUnavailable(f"ss failed: {res.stderr.strip()[:200]}")
-    return parse_ss(res.stdout, set(pids))
+    return parse_ss(res.stdout, set(pids), exclude_local)
 
 
 def delta(before: Sample, after: Sample) -> dict[int, dict[str, int]]:

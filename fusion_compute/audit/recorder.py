@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from .schema import GENESIS, SCHEMA_VERSION, canonical, log_name, parse_op, to_runs
+from .schema import GENESIS, SCHEMA_VERSION, LogEvent, canonical, log_name, parse_op, to_runs
 
 
 def model_dims(config) -> dict:
@@ -47,8 +47,8 @@ class AuditRecorder:
         self._set_ids: dict[int, int] = {}  # id(index map) -> set id
         self._set_refs: list[object] = []  # keep interned maps alive so their ids stay unique
         self._new_sets: dict[str, list[list[int]]] = {}
-        self._control: list[list] = []
-        self._events: list[list] | None = None  # inside a step
+        self._control: list[LogEvent] = []
+        self._events: list[LogEvent] | None = None  # inside a step
         self._holds: list[list] = []
         self._last_holds: list[list] | None = None
         self._step_meta: dict = {}
@@ -65,7 +65,7 @@ class AuditRecorder:
         meta = self._ops.get(event.op)
         if meta is None:
             meta = self._ops[event.op] = parse_op(event.op)
-        row = [meta[0], event.op, event.kind, meta[1], event.sent, event.received, event.itemsize]
+        row = LogEvent(meta[0], event.op, event.kind, meta[1], event.sent, event.received, event.itemsize)
         (self._events if self._events is not None else self._control).append(row)
         self.busy_s += time.perf_counter() - t0
 
@@ -97,7 +97,7 @@ class AuditRecorder:
         self._prev = h
         return h
 
-    def _take_control(self) -> list[list]:
+    def _take_control(self) -> list[LogEvent]:
         ctl, self._control = self._control, []
         return ctl
 
@@ -175,8 +175,4 @@ class AuditRecorder:
             }
         )
         self._f.close()
-        return self._prev
-
-    @property
-    def final_hash(self) -> str:
         return self._prev

@@ -16,7 +16,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import netcount
@@ -48,7 +48,6 @@ class RunConfig:
     timeout_s: float = 120.0
     netcount: bool = True
     exposure: bool = True  # add the exposure ranks and the layer-0 vocabulary attack to the report
-    extra: dict = field(default_factory=dict)
 
 
 def resolve_prompt(cfg: RunConfig, model_path: Path, vocab: int) -> tuple[list[int], str]:
@@ -179,7 +178,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         measure = cfg.netcount and bool(pids) and netcount.available()
         if measure:
             netcount.settle()
-            before = netcount.sample(pids)
+            before = netcount.sample(pids, engine.watch.endpoints())
         engine.reset()
         rec0.new_session()
         t1 = time.perf_counter()
@@ -197,11 +196,12 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         decode_s = time.perf_counter() - t2
         if measure:
             netcount.settle()
-            after = netcount.sample(pids)
+            after = netcount.sample(pids, engine.watch.endpoints())
             moved = netcount.delta(before, after)
             net = {
                 "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
                 "interval": "after the HELLO handshake, before SHUTDOWN: the session and all its steps",
+                "excluded": "each worker's pulse connection (heartbeats: no state; their count depends on time)",
                 "ranks": {str(r + 1): {"pid": pid, **moved[pid]} for r, pid in enumerate(pids)},
             }
     finally:

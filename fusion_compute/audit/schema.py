@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 SCHEMA_VERSION = 2  # 2: the manifest names its wire engine (TLS / TCP links replaced gloo)
 GENESIS = "0" * 64
@@ -39,23 +40,24 @@ def log_name(rank: int) -> str:
 
 # ---- events: one transfer as the comm layer saw it ----
 
-# An event is a JSON array in this field order (compact: a step has ~5 events per layer).
-EVENT_FIELDS = ("layer", "op", "kind", "role", "to", "from", "itemsize")
-#   layer    int, -1 outside the layers (ingress, egress, control)
-#   op       operator name, "L3.qkv"
-#   kind     one of KINDS
-#   role     tensor role the transfer carries (see OP_ROLES)
-#   to/from  [elements per world rank]: sent to / received from each rank (index = rank)
-#   itemsize bytes per element
+
+class LogEvent(NamedTuple):
+    """One transfer in a log: a JSON array in this field order (compact: a step has ~5 per layer)."""
+
+    layer: int  # -1 outside the layers (ingress, egress, control)
+    op: str  # operator name, "L3.qkv"
+    kind: str  # one of the kinds below, or a baseline's / leak's "gather" or "all_reduce"
+    role: str  # tensor role the transfer carries (see OP_ROLES)
+    sent: Sequence[int]  # elements sent to each world rank (index = rank)
+    received: Sequence[int]  # elements received from each world rank
+    itemsize: int  # bytes per element
+
 
 REDUCE_SCATTER = "reduce_scatter"
 SCORE_SUM = "score_sum"
 INGRESS = "ingress"
 EGRESS = "egress"
 CONTROL = "control"
-GATHER = "gather"
-ALL_REDUCE = "all_reduce"
-KINDS = (REDUCE_SCATTER, SCORE_SUM, INGRESS, EGRESS, CONTROL, GATHER, ALL_REDUCE)
 # Inside the protected interval (between ingress and egress) only these may touch protected data:
 # reduce-scatters of partials (with the fused Σx² scalars) and declared score sums.
 ALLOWED_IN_INTERVAL = (REDUCE_SCATTER, SCORE_SUM)
@@ -88,7 +90,6 @@ def parse_op(op: str) -> tuple[int, str]:
 # `name` had n_rows rows standing for the coordinate set `set_id` (defined once, in a `sets` map
 # {set_id: [[start, stop), ...]} of the header or a step record) of the space named below.
 # A step's `holds` is the list of holds, or the string "same": identical to the previous step's.
-HOLD_FIELDS = ("layer", "name", "set", "rows")
 HOLD_NAMES = ("resid.in", "qkv", "kv", "attn", "resid.mid", "gate_up", "h", "resid.out")
 
 
@@ -108,26 +109,9 @@ def spaces(dims: dict) -> dict[str, int]:
     }
 
 
-# Protected roles, each a (hold name, part) of a space: the verifier checks partition and "no full
-# holder" on every one of them, every step, every layer.
-PROTECTED_ROLES = (
-    "resid.in",
-    "q",
-    "k",
-    "v",
-    "kcache",
-    "vcache",
-    "attn",
-    "resid.mid",
-    "gate",
-    "up",
-    "h",
-    "resid.out",
-)
-
-
 def role_parts(dims: dict) -> dict[str, tuple[str, int, int]]:
-    """role -> (hold name, start, stop): the part of the hold's space the role occupies."""
+    """The protected roles: role -> (hold name, start, stop), the part of the hold's space the role
+    occupies. The verifier checks partition and "no full holder" on every role, step and layer."""
     i, d = dims["intermediate"], dims["head_dim"]
     q, kv = dims["heads"] * d, dims["kv_heads"] * d
     return {

@@ -1,0 +1,174 @@
+"""Reading an audit directory: the manifest, each rank's hash chain, and the records' order.
+
+Part of the independent verifier: imports only audit/schema.py and the standard library. The
+checks here are the run-level ones on the logs themselves (`chain`: hashes, `prev`, `seq`, the
+manifest's final hashes; `structure`: header / sessions / steps / end, consecutive steps, positions
+advancing by the tokens run, the same steps on every rank); what the records claim is checked in
+checks.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from .. import schema as S
+from .result import Result, Violation
+
+
+class AuditFormatError(ValueError):
+    """The directory is not an audit directory (missing or unreadable manifest)."""
+
+
+def load_manifest(d: Path) -> dict:
+    mpath = d / S.MANIFEST
+    if not d.is_dir():
+        raise AuditFormatError(f"{d}: not a directory")
+    if not mpath.is_file():
+        raise AuditFormatError(f"{d}: no {S.MANIFEST} (not an audit directory)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        int(manifest["workers"]), int(manifest["model"]["dims"]["layers"]), dict(manifest["chains"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise AuditFormatError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+    if manifest.get("schema") != S.SCHEMA_VERSION:
+        raise AuditFormatError(f"{mpath}: schema {manifest.get('schema')} (this verifier reads {S.SCHEMA_VERSION})")
+    return manifest
+
+
+class RankLog(NamedTuple):
+    """One rank's records, split by type (empty when the log is missing or has no header)."""
+
+    header: dict
+    body: list[dict]  # session and step records, in order
+    steps: list[dict]  # the step records
+    end: dict | None  # None when missing
+
+
+def read_rank_log(path: Path, rank: int, final: str | None, res: Result) -> RankLog:
+    """A rank's log, its chain checked against the manifest's final hash and its records' order."""
+    records = read_chain(path, rank, final, res)
+    log = split_records(records, rank, res) if records else RankLog({}, [], [], None)
+    check_order(log.body, rank, res)
+    return log
+
+
+def read_chain(path: Path, rank: int, final: str | None, res: Result) -> list[dict]:
+    """The records up to the first one that breaks the hash chain."""
+    if not path.is_file():
+        res.violations.append(Violation("chain", f"log {path.name} missing", rank=rank))
+        return []
+    records, prev = [], S.GENESIS
+    for i, line in enumerate(path.read_text().splitlines()):
+        res.checks["chain"] += 1
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            res.violations.append(Violation("chain", f"line {i + 1} is not JSON", rank=rank))
+            return records
+        if rec.get("seq") != i or rec.get("prev") != prev or S.chain_hash(prev, rec) != rec.get("hash"):
+            msg = f"record {i} breaks the hash chain (seq {rec.get('seq')}, prev/hash mismatch)"
+            res.violations.append(Violation("chain", msg, rank=rank))
+            return records
+        prev = rec["hash"]
+        records.append(rec)
+    if final is None:
+        res.violations.append(Violation("chain", "manifest records no final hash for this log", rank=rank))
+    elif prev != final:
+        res.violations.append(Violation("chain", f"chain ends at {prev[:12]}, manifest says {final[:12]}", rank=rank))
+    return records
+
+
+def split_records(records: list[dict], rank: int, res: Result) -> RankLog:
+    if not records or records[0].get("type") != "header":
+        res.violations.append(Violation("structure", "log does not start with a header", rank=rank))
+        return RankLog({}, [], [], None)
+    end = records[-1] if records[-1].get("type") == "end" else None
+    if end is None:
+        res.violations.append(Violation("structure", "log has no end record (worker died or log truncated)", rank=rank))
+    body = records[1:-1] if end else records[1:]
+    steps = [r for r in body if r.get("type") == "step"]
+    for r in body:
+        if r.get("type") not in ("session", "step"):
+            res.violations.append(Violation("structure", f"unexpected record type {r.get('type')!r}", rank=rank))
+    return RankLog(records[0], body, steps, end)
+
+
+def check_order(body: list[dict], rank: int, res: Result) -> None:
+    """Sessions numbered 1, 2, ...; in each, steps 0, 1, ... at positions advancing by T."""
+    session, step, pos = 0, 0, 0
+    for r in body:
+        res.checks["structure"] += 1
+        if r.get("type") == "session":
+            if r.get("session") != session + 1:
+                msg = f"session {r.get('session')} follows session {session}"
+                res.violations.append(Violation("structure", msg, rank=rank))
+            session, step, pos = r.get("session", session + 1), 0, 0
+            continue
+        s, k, t, p = r.get("session"), r.get("step"), r.get("t"), r.get("pos")
+        if (s, k) != (session, step):
+            msg = f"step record (session {s}, step {k}) where (session {session}, step {step}) was due"
+            res.violations.append(Violation("structure", msg, rank=rank, session=s, step=k))
+        if p != pos:
+            msg = f"position {p}, expected {pos} (steps out of order?)"
+            res.violations.append(Violation("structure", msg, rank=rank, session=s, step=k))
+        phase = "decode" if t == 1 and p and p > 0 else "prefill"
+        if r.get("phase") != phase:
+            res.violations.append(Violation("structure", f"phase {r.get('phase')!r}, expected {phase}", rank=rank))
+        step += 1
+        pos = (p or 0) + (t or 0)
+
+
+class StepKey(NamedTuple):
+    """A step as every rank must have run it."""
+
+    session: int | None
+    step: int | None
+    t: int | None  # tokens
+    pos: int | None  # position of the first token
+
+    @property
+    def decode(self) -> bool:
+        return self.t == 1 and (self.pos or 0) > 0
+
+
+def step_key(record: dict) -> StepKey:
+    return StepKey(record.get("session"), record.get("step"), record.get("t"), record.get("pos"))
+
+
+def check_same_steps(logs: dict[int, RankLog], n: int, res: Result) -> list[StepKey]:
+    """Every worker ran the same steps as the client; returns the client's steps."""
+    step_keys = [step_key(r) for r in logs[0].steps]
+    for rank in range(1, n + 1):
+        keys = [step_key(r) for r in logs[rank].steps]
+        if keys != step_keys:
+            differ = len(set(step_keys) ^ set(keys))
+            msg = f"{len(keys)} steps vs the client's {len(step_keys)} ({differ} differ)"
+            res.violations.append(Violation("structure", msg, rank=rank))
+    res.steps = len(step_keys)
+    res.decode_steps = sum(1 for k in step_keys if k.decode)
+    res.prefill_steps = res.steps - res.decode_steps
+    return step_keys
+
+
+def read_event(raw) -> S.LogEvent:
+    """A log's event array -> LogEvent; fields after the known ones are ignored. TypeError when it
+    is not an array of at least that many fields (the caller reports the record as malformed)."""
+    n = len(S.LogEvent._fields)
+    if not isinstance(raw, list) or len(raw) < n:
+        raise TypeError(f"an event is an array of {n} fields, got {raw!r:.60}")
+    return S.LogEvent(*raw[:n])
+
+
+_RECEIVED = S.LogEvent._fields.index("received")
+
+
+def control_words_received(record: dict) -> int:
+    """Control words a rank received since the previous record (they travel outside any step)."""
+    return sum(1 for e in record.get("control") or [] if len(e) > _RECEIVED and any(e[_RECEIVED]))
+
+
+def coordinate_map(header: dict, key: str) -> dict[int, frozenset[int]]:
+    """The client header's ingress / egress map: worker rank -> the residual coordinates it gets."""
+    return {int(k): frozenset(S.from_runs(v)) for k, v in (header.get(key) or {}).items()}
