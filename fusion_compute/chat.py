@@ -24,6 +24,10 @@ HELP = """commands:
   /system TEXT    set the system prompt (and start over)
   /history        show the conversation so far
   /set KEY VALUE  max_tokens, temperature, top_p, top_k or seed for the next turns
+  /workers        who holds the conversation: every worker, its rank, group and state
+  /revoke ID      remove worker ID now (it wipes and leaves; a standby takes its place, if any)
+  /add [KEY [HOST]] [A|B]
+                  enroll a standby: local runs spawn one; otherwise name its public key (and host)
   /exit, /quit    leave (Ctrl-D too)
 Ctrl-C stops a reply."""
 
@@ -37,7 +41,8 @@ class ChatError(Exception):
 
 
 class LocalBackend:
-    """Generation in this process, through the same request checks and loop as `fusion serve`."""
+    """Generation in this process, through the same request checks and loop as `fusion serve`
+    (gateway.py), without HTTP."""
 
     def __init__(self, gateway: Any):
         self.gateway = gateway
@@ -45,15 +50,36 @@ class LocalBackend:
         self.workers = gateway.n_workers
 
     def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:
-        from .serve import ApiError, parse_chat
+        from pydantic import ValidationError
+
+        from .gateway import ApiError, chat_request
+        from .openai_protocol import ChatCompletionRequest, describe_validation_error
 
         try:
-            req = parse_chat({**body, "model": self.model}, self.gateway.card)
+            req = chat_request(ChatCompletionRequest.model_validate({**body, "model": self.model}), self.gateway.card)
+        except ValidationError as e:
+            raise ChatError(describe_validation_error(e.errors(include_url=False))[0]) from None
         except ApiError as e:
             raise ChatError(e.message, context_full=e.code == "context_length_exceeded") from None
         out = self.gateway.run(req, emit, cancelled)
         return {"finish_reason": out.finish_reason, "usage": out.usage(), "fusion": self.gateway.protection(out),
                 "timing": out.timing}  # fmt: skip
+
+    def membership(self, action: str, **kw: Any) -> dict:
+        """workers | revoke(pid) | add(key, host, group) on the engine in this process."""
+        from .comm import CommError, IdentityError, PublicId
+        from .errors import UsageError
+
+        engine = self.gateway.engine
+        try:
+            if action == "revoke":
+                engine.revoke(kw["pid"])
+            elif action == "add":
+                key = PublicId.parse(kw["key"], "key") if kw.get("key") else None
+                engine.add_standby(key, kw.get("host"), kw.get("group"))
+        except (CommError, IdentityError, UsageError) as e:
+            raise ChatError(str(e)) from None
+        return {"epoch": engine.epoch, "workers": engine.workers()}
 
     def close(self) -> None:
         self.gateway.engine.close()
@@ -109,6 +135,29 @@ class HttpBackend:
             conn.close()
         if resp.status != 200:
             raise ChatError(f"GET {path}: HTTP {resp.status}: {_error_message(data)}")
+        return json.loads(data)
+
+    def membership(self, action: str, **kw: Any) -> dict:
+        """The server's /admin endpoints (it must run with --api-key)."""
+        root = self.base.removesuffix("/v1")
+        if action == "workers":
+            method, path, body = "GET", "/admin/workers", None
+        elif action == "revoke":
+            method, path, body = "POST", f"/admin/workers/{kw['pid']}/revoke", b""
+        else:
+            body = json.dumps({k: v for k, v in kw.items() if v is not None}).encode()
+            method, path = "POST", "/admin/workers"
+        conn = self._connection()
+        try:
+            conn.request(method, root + path, body=body, headers=self._headers())
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as e:
+            raise ChatError(f"cannot reach {self.host}:{self.port}: {e}") from None
+        finally:
+            conn.close()
+        if resp.status not in (200, 201):
+            raise ChatError(f"HTTP {resp.status}: {_error_message(data)}")
         return json.loads(data)
 
     def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:
@@ -235,6 +284,8 @@ def chat_loop(
                 stdout.write(f"(system prompt {'set' if system else 'cleared'}; new conversation)\n")
             elif cmd == "/set":
                 stdout.write(_set_param(params, arg) + "\n")
+            elif cmd in ("/workers", "/revoke", "/add"):
+                stdout.write(_membership(backend, cmd, arg) + "\n")
             elif cmd == "/history":
                 if system:
                     stdout.write(f"[system] {system}\n")
@@ -252,6 +303,32 @@ def chat_loop(
             history.pop()  # the turn failed: forget the question too
         else:
             history.append({"role": "assistant", "content": reply})
+
+
+def _membership(backend: Any, cmd: str, arg: str) -> str:
+    """/workers, /revoke ID, /add [KEY [HOST]] [A|B]: the answer to print (errors included)."""
+    words = arg.split()
+    try:
+        if cmd == "/workers":
+            state = backend.membership("workers")
+        elif cmd == "/revoke":
+            if len(words) != 1 or not words[0].isdigit():
+                return "/revoke takes a worker id (/workers lists them)"
+            state = backend.membership("revoke", pid=int(words[0]))
+        else:
+            group = words.pop() if words and words[-1] in ("A", "B") else None
+            if len(words) > 2:
+                return "/add takes [KEY [HOST]] [A|B]"
+            key, host = (words + [None, None])[:2]
+            state = backend.membership("add", key=key, host=host, group=group)
+    except ChatError as e:
+        return f"({e})"
+    rows = [f"epoch {state['epoch']}:"]
+    for w in state["workers"]:
+        rank = f"rank {w['rank']}" if w["rank"] else "-"
+        group = f" group {w['group']}" if w.get("group") else ""
+        rows.append(f"  worker {w['id']:<3} {rank:<8}{group} {w['state']}  {w.get('where') or ''}".rstrip())
+    return "\n".join(rows)
 
 
 _PARAMS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
@@ -347,7 +424,7 @@ def cmd_chat(a: Any) -> int:
         if a.url:
             backend: Any = HttpBackend(a.url, a.api_key)
         else:
-            from .serve import open_gateway
+            from .gateway import open_gateway
 
             gateway, _ = open_gateway(a, always_log=False)
             backend = LocalBackend(gateway)

@@ -83,6 +83,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "model": str(engine.model_path),
                 "plan": engine.plan.fingerprint(),
                 "engine": opts.engine,
+                "recoveries": res.recoveries,
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }
             if masked:
@@ -115,7 +116,12 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from .worker import run
 
     run(O.worker_options(a))
-    return 0
+    # The job is over and everything is wiped: leave now, without the interpreter's teardown, which
+    # can abort ("terminate called without an active exception") while daemon threads still sit in
+    # the links' system calls (seen about once in ten plaintext runs).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- keys ----

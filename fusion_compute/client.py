@@ -23,8 +23,8 @@ class Engine(EngineBase):
 
     mode = "structural"
 
-    def make_plan(self) -> Plan:
-        return make_plan(self.config, self.opts.n_workers, self.opts.capacities)
+    def plan_for(self, order: list[int]) -> Plan:
+        return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
 
     def welcome(self) -> dict:
         return {"capacities": [s.capacity for s in self.plan.workers]}
@@ -75,20 +75,26 @@ class Engine(EngineBase):
         return [{"rank": s.rank, "median_us": int(r[0]) / 1000, "min_us": int(r[1]) / 1000, "max_us": int(r[2]) / 1000}
                 for s, r in zip(self.plan.workers, self._replies("bench", wait), strict=True)]  # fmt: skip
 
-    def reset(self) -> None:
-        """Start a new session: workers drop and re-zero their KV shards."""
+    def kv_probe(self) -> list[float]:
+        """Per worker, the largest |value| left in its KV shards (0 after a wipe): hygiene tests."""
+        self._control(Op.PROBE)
+        return [int(r[1]) / 1e6 for r in self._replies("probe")]
+
+    def _reset(self) -> None:
+        """Start a new session: workers zero their KV shards."""
         self._control(Op.RESET, arg=self.context)
         self.pos = 0
+
+    def _wipe(self) -> None:
+        self._control(Op.WIPE)
 
     def shutdown(self) -> None:
         self._control(Op.SHUTDOWN)
 
-    def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run tokens `ids` at the session's current position; returns logits (V,) of the last
         token, or (T, V) with all_logits. Ingress: x[:, R_w] to worker w; egress: shards back."""
         t = len(ids)
-        if t == 0:
-            raise ValueError("no tokens to run")
         if self.pos + t > self.context:
             raise ValueError(f"{self.pos + t} tokens exceed the context window of {self.context}")
         x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, T), full: fine, this is the client

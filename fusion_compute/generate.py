@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .client import Engine
+from .engine import EngineBase
 from .errors import FusionError
 from .sampling import Sampler, SamplingParams
 
@@ -25,6 +25,7 @@ class GenerationResult:
     steps: int  # sharded forward passes run (1 prefill + decode steps)
     text: str = ""
     timing: dict = field(default_factory=dict)
+    recoveries: list[dict] = field(default_factory=list)  # epochs opened during this request (a lost worker)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -45,7 +46,7 @@ def check_prompt(prompt_ids: list[int], vocab: int, context: int, max_new_tokens
 
 
 def generate(
-    engine: Engine,
+    engine: EngineBase,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
@@ -59,28 +60,32 @@ def generate(
     stop = set(stop_ids)
     budget = min(max_new_tokens, engine.context - len(prompt_ids))
     sampler = Sampler(sampling)
+    recovered_before = len(engine.recoveries)
     engine.reset()
     t0 = time.perf_counter()
-    logits = engine.forward(prompt_ids)
     out: list[int] = []
     finish = "length"
     t_first = t0
     steps = 1
-    while True:
-        tok = sampler(logits)
-        out.append(tok)
-        if len(out) == 1:
-            t_first = time.perf_counter()
-        if tok in stop:
-            finish = "stop"
-            break
-        if on_token is not None and on_token(tok):
-            finish = "stop"
-            break
-        if len(out) >= budget:
-            break
-        logits = engine.forward([tok])
-        steps += 1
+    try:
+        logits = engine.forward(prompt_ids)
+        while True:
+            tok = sampler(logits)
+            out.append(tok)
+            if len(out) == 1:
+                t_first = time.perf_counter()
+            if tok in stop:
+                finish = "stop"
+                break
+            if on_token is not None and on_token(tok):
+                finish = "stop"
+                break
+            if len(out) >= budget:
+                break
+            logits = engine.forward([tok])
+            steps += 1
+    finally:
+        engine.end_session()  # hygiene: the session's KV shards are zeroed now, not at the next request
     t_end = time.perf_counter()
     return GenerationResult(
         token_ids=out,
@@ -89,4 +94,5 @@ def generate(
         ttft_s=t_first - t0,
         decode_s=t_end - t_first,
         steps=steps,
+        recoveries=engine.recoveries[recovered_before:],
     )

@@ -40,27 +40,34 @@ class WorkerProcs:
         self.closing = False
         self.failures: list[tuple[int, str]] = []
         self.quiet = True  # during start-up the client's own error says it; afterwards the watchdog does
-        child_env = {**os.environ, **(env or {})}
+        self.retired: set[int] = set()  # ranks told to leave (revoked): their exit is expected
+        self._args, self._stdin = args_for_rank, stdin_for_rank
+        self._env = {**os.environ, **(env or {})}
         for rank in range(1, n_workers + 1):
-            log = tempfile.TemporaryFile(mode="w+b")
-            cmd = [sys.executable, "-m", "fusion_compute", "worker", *args_for_rank(rank)]
-            # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
-            # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
-            p = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE if stdin_for_rank else subprocess.DEVNULL, stdout=log, stderr=log,
-                env=child_env, preexec_fn=_die_with_parent, start_new_session=True,
-            )  # fmt: skip
-            if stdin_for_rank is not None:
-                try:
-                    p.stdin.write(stdin_for_rank(rank))
-                    p.stdin.close()
-                except OSError:
-                    pass  # it died at once; the watchdog reports its last words
-            self.procs.append(p)
-            self.logs.append(log)
+            self.spawn(rank)
         atexit.register(self.stop)
         self._watch = threading.Thread(target=self._watchdog, daemon=True)
         self._watch.start()
+
+    def spawn(self, rank: int) -> subprocess.Popen:
+        """Start the worker process for participant `rank` (ranks are consecutive from 1)."""
+        log = tempfile.TemporaryFile(mode="w+b")
+        cmd = [sys.executable, "-m", "fusion_compute", "worker", *self._args(rank)]
+        # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
+        # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
+        p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE if self._stdin else subprocess.DEVNULL, stdout=log, stderr=log,
+            env=self._env, preexec_fn=_die_with_parent, start_new_session=True,
+        )  # fmt: skip
+        if self._stdin is not None:
+            try:
+                p.stdin.write(self._stdin(rank))
+                p.stdin.close()
+            except OSError:
+                pass  # it died at once; the watchdog reports its last words
+        self.procs.append(p)
+        self.logs.append(log)
+        return p
 
     @property
     def pids(self) -> list[int]:
@@ -80,7 +87,7 @@ class WorkerProcs:
         reported: set[int] = set()
         while not self.closing:
             for i, p in enumerate(self.procs):
-                if i not in reported and p.poll() is not None and not self.closing:
+                if i not in reported and p.poll() is not None and not self.closing and i + 1 not in self.retired:
                     reported.add(i)
                     self.failures.append((i + 1, self.last_error(i)))
                     if not self.quiet:

@@ -97,6 +97,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join-timeout", type=float, default=120.0,
                    help="bound on start-up (workers joining and loading), seconds (default 120)")  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
+    p.add_argument("--standby", type=int, default=0,
+                   help="local spare workers that replace a lost one (masked mode: per group); default 0")  # fmt: skip
+    p.add_argument("--min-workers", type=int, default=2,
+                   help="never continue with fewer workers than this after a loss (default 2)")  # fmt: skip
+    p.add_argument("--liveness", type=float, default=5.0,
+                   help="a worker silent this long (no heartbeat) has failed, seconds (default 5)")  # fmt: skip
+    p.add_argument("--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering")
 
 
 def _engine_name(a: argparse.Namespace) -> str:
@@ -133,6 +140,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     common: dict[str, Any] = dict(
         topology=topo, key=load_key(a.key), insecure=a.insecure, master=None, engine=_engine_name(a),
         context=a.context, threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device,
+        standby=a.standby, min_workers=a.min_workers, liveness_s=a.liveness, recover=not a.no_recover,
     )  # fmt: skip
     if a.master is not None:
         host_port(a.master)
@@ -169,7 +177,9 @@ def tokenizer_for(path: Path, src: Any, needed: bool) -> Any:
     from .tokenizer import Tokenizer, load_tokenizer
 
     if path.is_file():
-        return Tokenizer.from_gguf(src.reader)  # reuse the parsed GGUF (parsing takes seconds)
+        # Reuse the opened index (header and tensor table already parsed); the tokenizer reads its arrays.
+        index = getattr(src, "index", None)
+        return Tokenizer.from_gguf(path if index is None else index)
     if not (path / "tokenizer.json").is_file():
         if needed:
             raise UsageError(f"{path}: no tokenizer.json, so --prompt TEXT cannot be used; pass --prompt-ids")
@@ -198,6 +208,7 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
     w.add_argument("--inject-leak", help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce "
                                          "(masked: a-to-b)")  # fmt: skip
+    w.add_argument("--inject-fault", help="tests only: close-mid-message@STEP (faults.py)")
     w.add_argument("--variant", choices=("sharded", "megatron"), default="sharded",
                    help="megatron: replicated-residual baseline (benchmark / negative control)")  # fmt: skip
 
@@ -249,5 +260,5 @@ def worker_options(a: argparse.Namespace) -> Any:
     return WorkerOptions(
         master=master, key=key, client_key=client_key, model=model, listen_host=listen_host, rank=rank, group=group,
         threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device, progress=a.progress,
-        audit_dir=a.audit_dir, inject_leak=a.inject_leak, variant=a.variant,
+        audit_dir=a.audit_dir, inject_leak=a.inject_leak, inject_fault=a.inject_fault, variant=a.variant,
     )  # fmt: skip

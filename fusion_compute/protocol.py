@@ -21,6 +21,8 @@ class Op(IntEnum):
     STATS = 6  # [STATS, ...] -> [collectives, peer_bytes_sent, client_bytes, rss_kb] (benchmark)
     BENCH_RS = 7  # [BENCH_RS, rows, iters, 0]: time `iters` reduce-scatters of `rows` per peer among the
     #              workers (random data, not state) -> [median ns, min ns, max ns, 0] (benchmark)
+    WIPE = 8  # [WIPE, ...]: the session is over: zero the KV shards now (hygiene)
+    PROBE = 9  # [PROBE, ...] -> [max |KV| * 1e6 as int, 0, 0, rss_kb]: hygiene tests read the buffers
 
 
 def fingerprint_int(plan: Plan) -> int:

@@ -99,10 +99,31 @@ class ShardedModel:
             layer.audit = audit
 
     def reset(self, max_seq: int) -> None:
-        """Fresh, zeroed KV shards for a new session (the old ones are dropped)."""
-        self.max_seq = max_seq
+        """Zeroed KV shards for a new session: the old ones are zeroed in place (and replaced only
+        when the size changes), so no earlier session's keys or values stay in memory."""
+        self.wipe()
+        if max_seq != self.max_seq:
+            self.max_seq = max_seq
+            for layer in self.layers:
+                layer.alloc_cache(max_seq, torch.float32, self.comm.device)
+
+    def wipe(self) -> None:
+        """Zero every KV shard in place (session end, revocation, shutdown)."""
         for layer in self.layers:
-            layer.alloc_cache(max_seq, torch.float32, self.comm.device)
+            for cache in layer.caches:
+                cache.k.zero_()
+                cache.v.zero_()
+
+    def kv_abs_max(self) -> float:
+        """Largest |value| left in the KV shards (0 after a wipe): hygiene tests read it."""
+        return max((float(t.abs().max()) for layer in self.layers for c in layer.caches for t in (c.k, c.v) if t.numel()),
+                   default=0.0)  # fmt: skip
+
+    def rebind(self, comm: Comm) -> None:
+        """Use another epoch's links with the same plan and rank (the weights stay loaded)."""
+        self.comm = comm
+        for layer in self.layers:
+            layer.comm = comm
 
     def _step(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """RoPE tables and causal mask for T tokens at `pos`, after checking the KV capacity."""

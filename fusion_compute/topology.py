@@ -21,6 +21,10 @@ which public key. The user decides who holds their conversation by listing keys 
 Masked mode: give every worker `group = "A"` or `group = "B"`; group A members take ranks 1..n_A in
 file order, then group B (`fusion generate --mode masked --topology FILE`).
 
+Standbys: `role = "standby"` on a [[worker]] makes it a spare (ranked after every worker): it joins
+at start, beats, and computes only after replacing a lost or revoked worker (in masked mode, one of
+its own group). docs/resilience.md.
+
 Every link is TLS 1.3 with the keys of this file pinned on both ends (comm/links.py); a worker
 started with a key that is not listed, or listed for another rank or group, is refused before it
 receives anything. A participant refuses to start on a machine that does not hold its declared
@@ -40,7 +44,8 @@ from .errors import UsageError
 
 _TOP_KEYS = {"model", "client", "worker"}
 _CLIENT_KEYS = {"address", "model", "name", "key"}
-_WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group"}
+_WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group", "role"}
+ROLES = ("worker", "standby")
 GROUPS = ("A", "B")
 
 
@@ -57,10 +62,11 @@ class Participant:
     name: str | None = None
     model: str | None = None
     group: str | None = None  # "A" / "B": masked mode
+    standby: bool = False  # a spare: joins at start, computes only after replacing a lost worker
 
     @property
     def label(self) -> str:
-        role = "client" if self.rank == 0 else f"worker {self.rank}"
+        role = "client" if self.rank == 0 else f"{'standby' if self.standby else 'worker'} {self.rank}"
         if self.group:
             role += f" (group {self.group})"
         return f"{role} ({self.name})" if self.name else role
@@ -71,8 +77,13 @@ class Topology:
     path: Path
     client: Participant
     port: int
-    workers: tuple[Participant, ...]  # by rank
+    workers: tuple[Participant, ...]  # the first epoch's workers, by rank
     model: str | None = None
+    standbys: tuple[Participant, ...] = ()  # ranks after the workers'
+
+    @property
+    def all_workers(self) -> tuple[Participant, ...]:
+        return self.workers + self.standbys
 
     @property
     def n_workers(self) -> int:
@@ -99,23 +110,24 @@ class Topology:
     def participant(self, rank: int) -> Participant:
         if rank == 0:
             return self.client
-        if not 1 <= rank <= self.n_workers:
-            raise TopologyError(f"{self.path}: rank {rank} is not in the file (workers are ranks 1..{self.n_workers})")
-        return self.workers[rank - 1]
+        everyone = self.all_workers
+        if not 1 <= rank <= len(everyone):
+            raise TopologyError(f"{self.path}: rank {rank} is not in the file (workers are ranks 1..{len(everyone)})")
+        return everyone[rank - 1]
 
     def model_for(self, rank: int) -> str | None:
         """The model path participant `rank` should open: its own `model`, else the file's."""
         return self.participant(rank).model or self.model
 
     def by_key(self, key: PublicId) -> Participant | None:
-        for p in (self.client, *self.workers):
+        for p in (self.client, *self.all_workers):
             if p.key is not None and p.key.cert_der == key.cert_der:
                 return p
         return None
 
     def require_keys(self) -> None:
         """Every participant must be named by its key for the secure engine."""
-        for p in (self.client, *self.workers):
+        for p in (self.client, *self.all_workers):
             if p.key is None:
                 raise TopologyError(
                     f"{self.path}: {p.label} has no key: add key = \"fc1....\" (`fusion keys new FILE` prints one), "
@@ -186,7 +198,10 @@ class Topology:
             if group is not None and group not in GROUPS:
                 raise fail(f"{where}: group must be \"A\" or \"B\" (masked mode), got {group!r}")
             key = _key(w, where, fail, keys)
-            entries.append((addr, key, float(cap), name, wmodel, group))
+            role = w.get("role", "worker")
+            if role not in ROLES:
+                raise fail(f"{where}: role must be \"worker\" or \"standby\", got {role!r}")
+            entries.append((addr, key, float(cap), name, wmodel, group, role == "standby"))
         grouped = [e[5] is not None for e in entries]
         if any(grouped):
             if not all(grouped):
@@ -196,7 +211,10 @@ class Topology:
             if any(e[2] != 1.0 for e in entries):
                 raise fail("capacity is not supported in masked mode (each group splits its rows evenly)")
             entries = [e for e in entries if e[5] == "A"] + [e for e in entries if e[5] == "B"]
-        workers = tuple(Participant(r, *e) for r, e in enumerate(entries, start=1))
+        entries = [e for e in entries if not e[6]] + [e for e in entries if e[6]]  # standbys rank last
+        if all(e[6] for e in entries):
+            raise fail("every worker is a standby: at least one needs role = \"worker\"")
+        everyone = tuple(Participant(r, *e) for r, e in enumerate(entries, start=1))
         cname = client.get("name")
         cmodel = client.get("model")
         if cmodel is not None and not isinstance(cmodel, str):
@@ -205,8 +223,9 @@ class Topology:
             path=path,
             client=Participant(0, host, client_key, 1.0, cname if isinstance(cname, str) else None, cmodel),
             port=port,
-            workers=workers,
+            workers=tuple(p for p in everyone if not p.standby),
             model=model,
+            standbys=tuple(p for p in everyone if p.standby),
         )
 
 

@@ -10,15 +10,20 @@ keys, unless the user asked for --insecure.
 from __future__ import annotations
 
 import math
+import os
+import queue
 import resource
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .comm import Comm, Identity, PublicId, join
+from .comm import Comm, CommError, Credentials, Identity, PublicId, Pulse, join_epoch, open_pulse
+from .faults import parse_fault
 from .plan import Plan, make_plan
 from .progress import CountingSource, WorkerReporter, worker_elements
 from .protocol import CONTROL_LEN, Op, fingerprint_int
@@ -42,12 +47,117 @@ class WorkerOptions:
     progress: str = "auto"
     audit_dir: str | None = None
     inject_leak: str | None = None
+    inject_fault: str | None = None  # tests only: faults.py
     variant: str = "sharded"
     log: Callable[[str], None] = lambda line: sys.stderr.write(f"fusion worker: {line}\n")
 
 
+class Worker:
+    """One worker process for the life of the job: its weights, its pulse, and one epoch at a time
+    (docs/resilience.md). Between epochs it waits for the client's word on the pulse link."""
+
+    def __init__(self, o: WorkerOptions, src: WeightSource, report: WorkerReporter):
+        self.o, self.src, self.report = o, src, report
+        self.model: ShardedModel | None = None
+        self.model_key: tuple | None = None  # (plan fingerprint, rank, variant) the weights were cut for
+        self.links: dict = {}
+        self.words: queue.Queue[dict] = queue.Queue()
+        self._links_lock = threading.Lock()
+        self.fault = parse_fault(o.inject_fault) if o.inject_fault else None
+        self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
+
+    # ---- words from the client (the pulse thread) ----
+
+    def on_word(self, word: dict) -> None:
+        if "abort" in word or "stop" in word or "revoke" in word:
+            self._cut()  # a wait on a peer that will never answer ends now
+        if "revoke" in word:
+            self.wipe()
+        self.words.put(word)
+
+    def on_client_gone(self) -> None:
+        """The client's pulse link closed: the job is over for this worker, whatever it was doing."""
+        self.wipe()
+        os._exit(0)
+
+    def _cut(self) -> None:
+        with self._links_lock:
+            links = list(self.links.values())
+        for link in links:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def wipe(self) -> None:
+        if self.model is not None:
+            self.model.wipe()
+
+    # ---- epochs ----
+
+    def serve_epoch(self, welcome: dict, links: dict) -> bool:
+        """Serve one epoch; True when the client ended the job (SHUTDOWN)."""
+        o, rank, n = self.o, int(welcome["rank"]), int(welcome["n_workers"])
+        with self._links_lock:
+            self.links = links
+        try:
+            if welcome.get("mode") == "masked":
+                from .masked.worker import run_member
+
+                run_member(self.src, welcome, rank, links, o)
+                return True
+            plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
+            audit = None
+            if o.audit_dir:
+                from .audit.recorder import AuditRecorder
+
+                audit = AuditRecorder(o.audit_dir, rank)
+            fabric = None
+            if welcome.get("fabric"):
+                from .comm.torch_fabric import TorchFabric
+
+                f = welcome["fabric"]
+                fabric = TorchFabric(f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s,
+                                     score_groups=plan.group_owners)  # fmt: skip
+            engine = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
+            comm = Comm(rank, n, links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
+                        fabric=fabric, device=fabric.device if fabric else None, engine=engine)  # fmt: skip
+            try:
+                serve(self, plan, rank - 1, comm, audit=audit)
+                return True
+            finally:
+                comm.close()
+                if audit is not None:
+                    audit.close()
+        finally:
+            with self._links_lock:
+                self.links = {}
+
+    def model_for(self, plan: Plan, w: int, comm: Comm, variant: str) -> ShardedModel:
+        """This epoch's model: the loaded one when plan and rank are unchanged (a replaced peer, a
+        new session), else its new slices read from the weights file."""
+        key = (plan.fingerprint(), w, variant)
+        if self.model is not None and self.model_key == key:
+            self.model.rebind(comm)
+            return self.model
+        if self.model is not None:
+            self.model.wipe()
+        self.model = self.model_key = None
+        src = CountingSource(self.src, worker_elements(plan, w),
+                             lambda done, total: self.report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
+        if variant == "megatron":
+            from .megatron import MegatronModel
+
+            model = MegatronModel(src, plan, w, comm)
+        else:
+            model = ShardedModel(src, plan, w, comm)
+        release_freed_memory()  # the load's transient copies (measured ~25 MiB per worker) go back now
+        self.model, self.model_key = model, key
+        return model
+
+
 def run(o: WorkerOptions) -> None:
-    """Open the model, join, serve until SHUTDOWN (or until the client goes away)."""
+    """Open the model, join, serve epoch after epoch until the client ends the job."""
     if o.threads:
         torch.set_num_threads(o.threads)
     report = WorkerReporter(o.progress, label="fusion worker")
@@ -58,51 +168,41 @@ def run(o: WorkerOptions) -> None:
 
         parse_leak(o.inject_leak, src.config.n_layers)  # a bad spec fails before joining
     report.phase("join")
-    deadline = time.monotonic() + o.join_timeout_s
-    joined = join(o.key, o.client_key, o.master, listen_host=o.listen_host, claim_rank=o.rank,
-                  claim_group=o.group, deadline=deadline, log=o.log)  # fmt: skip
-    welcome, rank = joined.welcome, joined.rank
-    n = int(welcome["n_workers"])
-    if welcome.get("mode") == "masked":
-        from .masked.worker import run_member
-
-        run_member(src, welcome, rank, joined.links, o)
-        return
-    plan = make_plan(src.config, n, tuple(float(x) for x in welcome["capacities"]))
-    # Count the elements of this worker's slices as they are read: the load progress.
-    src = CountingSource(src, worker_elements(plan, rank - 1),
-                         lambda done, total: report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
-    audit = None
-    if o.audit_dir:
-        from .audit.recorder import AuditRecorder
-
-        audit = AuditRecorder(o.audit_dir, rank)
-    fabric = None
-    if welcome.get("fabric"):
-        from .comm.torch_fabric import TorchFabric
-
-        f = welcome["fabric"]
-        fabric = TorchFabric(f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners)
-    comm = Comm(rank, n, joined.links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
-                fabric=fabric, device=fabric.device if fabric else None,
-                engine=fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp"))  # fmt: skip
+    cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
+    welcome, links = join_epoch(cred, None, time.monotonic() + o.join_timeout_s, o.log)
+    me = Worker(o, src, report)
+    pulse = Pulse(open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s), me.on_word,
+                  me.on_client_gone)  # fmt: skip
     try:
-        serve(src, plan, rank - 1, comm, audit=audit, leak=o.inject_leak, variant=o.variant)
+        while True:
+            if not welcome.get("standby"):
+                try:
+                    if me.serve_epoch(welcome, links):
+                        return
+                except CommError as e:  # a peer died or the client aborted the epoch: wait for its word
+                    o.log(f"epoch {welcome.get('epoch')} ended: {e}")
+                finally:
+                    for link in links.values():
+                        link.close()
+            word = me.words.get()
+            while "abort" in word:  # already acted on (links cut); the next word says what comes next
+                word = me.words.get()
+            if "join" not in word:  # stop, or revoke: the job is over for this worker
+                return
+            welcome, links = join_epoch(cred, int(word["join"]), time.monotonic() + o.join_timeout_s, o.log)
     finally:
-        comm.close()
-        if audit is not None:
-            audit.close()
+        me.wipe()
+        pulse.close()
 
 
-def serve(
-    src: WeightSource, plan: Plan, w: int, comm: Comm, *, audit=None, leak: str | None = None, variant: str = "sharded"
-) -> None:
-    """The structural command loop: HELLO (handshake + KV allocation), FORWARD, RESET, SHUTDOWN.
+def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
+    """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD,
+    RESET, WIPE, SHUTDOWN.
 
     audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
-    per step; leak: a negative-control spec (`audit.inject`); variant: "sharded" or "megatron"
-    (the replicated-residual baseline of megatron.py, same protocol)."""
-    rank = w + 1
+    per step; the worker's options name the negative control (`--inject-leak`, audit/inject.py) and
+    the variant: "sharded" or "megatron" (the replicated-residual baseline, same protocol)."""
+    rank, leak, variant = w + 1, me.o.inject_leak, me.o.variant
     ctrl = torch.zeros(CONTROL_LEN, dtype=torch.int64)
     comm.recv(ctrl, 0, "control", "hello")
     op, context, fp, _ = (int(v) for v in ctrl)
@@ -112,12 +212,7 @@ def serve(
         comm.flush()
         raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model file?")
     t0 = time.perf_counter()
-    if variant == "megatron":
-        from .megatron import MegatronModel
-
-        model = MegatronModel(src, plan, w, comm)
-    else:
-        model = ShardedModel(src, plan, w, comm)
+    model = me.model_for(plan, w, comm, variant)
     model.reset(context)
     if leak:
         from .audit.inject import install_leak
@@ -137,6 +232,10 @@ def serve(
                 audit.begin_step(t, pos)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
             x_dT = model.forward(x_dT.to(comm.device), pos)
+            me.forwards += 1
+            if me.fault is not None and me.forwards == me.fault.step:  # FAULT INJECTION (tests only)
+                comm.send_truncated(x_dT, 0, 0.5)
+                os._exit(3)
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()
@@ -144,6 +243,10 @@ def serve(
             model.reset(arg or model.max_seq)
             if audit is not None:
                 audit.new_session()
+        elif op == Op.WIPE:
+            model.wipe()
+        elif op == Op.PROBE:
+            comm.send(torch.tensor([1, int(model.kv_abs_max() * 1e6), 0, rss_kb()]), 0, "control", "probe")
         elif op == Op.PING:
             comm.send(torch.tensor([1, rank, 0, rss_kb()]), 0, "control", "pong")
         elif op == Op.BENCH_RS:
@@ -152,6 +255,7 @@ def serve(
             k = comm.counters
             comm.send(torch.tensor([k.collectives, k.peer_bytes_sent, k.client_bytes, rss_kb()]), 0, "control", "stats")
         elif op == Op.SHUTDOWN:
+            model.wipe()
             if audit is not None:
                 audit.close()
             return
@@ -171,6 +275,17 @@ def bench_reduce_scatter(comm: Comm, n: int, rows: int, iters: int) -> torch.Ten
             times.append(time.perf_counter_ns() - t0)
     times.sort()
     return torch.tensor([times[len(times) // 2], times[0], times[-1], 0], dtype=torch.int64)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere), so peak RSS
+    reflects what the worker holds, not the transients of cutting its slices."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def rss_kb() -> int:

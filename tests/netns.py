@@ -158,6 +158,10 @@ class Hosts:
         self.procs.append(p)
         return p
 
+    def link_down(self, addr: str) -> None:
+        """Cut a host off the bridge: its interface goes down, its TCP connections hang (no RST)."""
+        _ip("link", "set", "eth0", "down", ns=self.ns[addr])
+
     def capture(self, limit_s: float = 600) -> Capture:
         return Capture(self, limit_s)
 

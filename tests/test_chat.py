@@ -155,3 +155,30 @@ def test_history_trimmed_to_fit_the_context():
     assert "top_k takes an integer" in out.getvalue() and "(seed = 3)" in out.getvalue()
     assert "[system] sys\n[user] b\n[assistant] re:b\n[user] c\n[assistant] re:c\n" in out.getvalue()
     assert err.getvalue().count("dropped the oldest turn") == 1
+
+
+def test_local_backend_reports_bad_values_and_a_full_context(tmp_path):
+    """The local backend checks a turn as `fusion serve` checks a request (same models, same
+    gateway), and says which parameter is wrong; a conversation too long for the window is
+    reported as such, which is what lets the loop drop old turns."""
+    from test_serve import FlakyEngine
+
+    from fusion_compute.chat import ChatError, LocalBackend
+    from fusion_compute.gateway import Gateway, ModelCard
+    from fusion_compute.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(build_chat_model(tmp_path / "m"))
+    card = ModelCard(id="tiny", tokenizer=tok, context=64, vocab=tok.vocab_size, eos_ids=tok.eos_ids)
+    backend = LocalBackend(Gateway(FlakyEngine(card), card))
+    hello = [{"role": "user", "content": "hello"}]
+    pieces: list[str] = []
+    info = backend.reply({"messages": hello, "max_tokens": 3}, pieces.append, lambda: False)
+    assert info["usage"]["completion_tokens"] == 3 and info["fusion"]["workers"] == 2
+    for params, needle in [({"temperature": 5.0}, "temperature"), ({"seed": 2**64}, "seed"),
+                           ({"max_tokens": 0}, "max_tokens"), ({"top_k": -1}, "top_k")]:  # fmt: skip
+        with pytest.raises(ChatError) as e:
+            backend.reply({"messages": hello, **params}, pieces.append, lambda: False)
+        assert needle in str(e.value) and not e.value.context_full, str(e.value)
+    with pytest.raises(ChatError) as e:
+        backend.reply({"messages": [{"role": "user", "content": "hello world " * 40}]}, pieces.append, lambda: False)
+    assert e.value.context_full

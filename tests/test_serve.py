@@ -1,6 +1,7 @@
 """`fusion serve`: the OpenAI-compatible gateway, driven by the official `openai` client against a
 live server on 127.0.0.1 (a tiny random Qwen2 with a small ChatML tokenizer, and the bundled
-SmolLM2 for one real end-to-end check), plus the request checks and stop matching on their own.
+SmolLM2 for one real end-to-end check), plus the request checks, stop matching and the queue's
+error isolation on their own. Malformed HTTP, limits and schema fuzzing: test_serve_fuzz.py.
 
 Every server is started as a separate process and stopped by PID; the workers it spawned are
 checked gone afterwards. Every wait is bounded."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -20,8 +22,18 @@ from pathlib import Path
 
 import openai  # a test dependency: missing must fail, not skip
 import pytest
+from pydantic import ValidationError
 
-from fusion_compute.serve import ApiError, ModelCard, StopMatcher, parse_chat, parse_completion
+from fusion_compute.gateway import (
+    TEMPERATURE_FLOOR,
+    ApiError,
+    ModelCard,
+    StopMatcher,
+    chat_request,
+    completion_request,
+    longest_token_bytes,
+)
+from fusion_compute.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
 FUSION = [sys.executable, "-m", "fusion_compute.cli"]
 API_KEY = "test-key"
@@ -247,16 +259,42 @@ INVALID = [
     ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
     ("two prompts", "/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, None),
     ("unknown route", "/v1/embeddings", {"model": "tiny", "input": "x"}, 404, "not_found"),
+    # strict types and bounds (issue 10): no bool-as-int, no NaN/Infinity, 64-bit seeds, valid Unicode
+    ("max_tokens true", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": True}, 400, None),
+    ("stream 1", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stream": 1}, 400, None),
+    ("temperature NaN", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": CHAT, "temperature": math.nan}),
+     400, None),
+    ("top_p Infinity", "/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400, None),
+    ("temperature 1e400", "/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": 1e400}', 400, None),
+    ("seed 2**64", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": 2**64}, 400, None),
+    ("seed -2**63-1", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": -(2**63) - 1}, 400, None),
+    ("lone surrogate prompt", "/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', 400, None),
+    ("lone surrogate message", "/v1/chat/completions",
+     '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
+    ("5000-digit integer", "/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
+     400, None),
+    ("JSON nested 100000 deep", "/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None),
+    ("body not UTF-8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff"}', 400, None),
+    ("stream_options without stream", "/v1/completions",
+     {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+    ("8 MB prompt", "/v1/completions", {"model": "tiny", "prompt": "hello " * (8_000_000 // 6)}, 400,
+     "context_length_exceeded"),
+    ("more messages than the context", "/v1/chat/completions",
+     {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 300}, 400, "context_length_exceeded"),
 ]  # fmt: skip
+PARAMS = {"max_tokens true": "max_tokens", "seed 2**64": "seed", "lone surrogate prompt": "prompt",
+          "lone surrogate message": "messages[0].content", "stop not strings": "stop[0]", "bad role": "messages[0].role",
+          "8 MB prompt": "prompt", "n 2": "n", "temperature 2.5": "temperature", "temperature NaN": "temperature"}  # fmt: skip
 
 
 def test_invalid_requests_get_4xx_and_server_keeps_serving(tiny_server):
     for name, path, body, status, code in INVALID:
-        raw = body if isinstance(body, str) else json.dumps(body)
+        raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
         got, data = tiny_server.raw("POST", path, raw)
         err = json.loads(data)["error"]
         assert got == status, (name, got, err)
         assert err["message"] and err["type"] and "param" in err and err["code"] == code, (name, err)
+        assert err["param"] == PARAMS.get(name, err["param"]), (name, err)
     assert tiny_server.raw("GET", "/v1/chat/completions")[0] == 405
     assert tiny_server.raw("POST", "/v1/chat/completions", "{}", {"Authorization": "Bearer wrong"})[0] == 401
     with pytest.raises(openai.BadRequestError):  # the same through the official client
@@ -267,6 +305,23 @@ def test_invalid_requests_get_4xx_and_server_keeps_serving(tiny_server):
     r = tiny_server.client().chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
     assert r.usage.completion_tokens >= 1
     assert tiny_server.proc.poll() is None
+    assert "Traceback" not in tiny_server.log.read_text()
+
+
+def test_values_that_once_broke_the_engine(tiny_server):
+    """Issue 11: `seed: 2**64` and `temperature: 1e-300` used to fail inside the engine thread and
+    mark the engine broken (503 for every later request). Now the seed is refused up front and a
+    tiny temperature samples at the stated floor; either way the server keeps serving."""
+    c = tiny_server.client()
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="the quick", max_tokens=3, seed=2**64)
+    r = c.completions.create(model="tiny", prompt="the quick", max_tokens=3, temperature=1e-300, seed=1)
+    floor = c.completions.create(model="tiny", prompt="the quick", max_tokens=3, temperature=TEMPERATURE_FLOOR, seed=1)
+    assert r.choices[0].text == floor.choices[0].text and r.usage.completion_tokens >= 1
+    r = c.completions.create(model="tiny", prompt="the quick", max_tokens=3, seed=2**63 - 1, temperature=1.0)
+    assert r.usage.completion_tokens >= 1
+    status, body = tiny_server.raw("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
 
 
 def test_concurrent_requests_queue_and_match_sequential(tiny_server):
@@ -305,16 +360,188 @@ def card(chat_model):
     return ModelCard(id="tiny", tokenizer=tok, context=256, vocab=tok.vocab_size, eos_ids=tok.eos_ids)
 
 
+def chat(body: dict, card):
+    return chat_request(ChatCompletionRequest.model_validate(body), card)
+
+
+def completion(body: dict, card):
+    return completion_request(CompletionRequest.model_validate(body), card)
+
+
 def test_parse_defaults_and_aliases(card):
-    req = parse_chat({"model": "tiny", "messages": [{"role": "developer", "content": [{"type": "text", "text": "x"}]},
-                                                     {"role": "user", "content": "hi"}]}, card)  # fmt: skip
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "x"}]}, {"role": "user", "content": "hi"}]
+    req = chat({"model": "tiny", "messages": messages}, card)
     assert req.sampling.temperature == 0.0 and req.max_tokens > 0 and not req.stream and req.stop == ()
     assert card.tokenizer.decode(req.prompt_ids).startswith("<|im_start|>system\nx<|im_end|>")
-    req = parse_completion({"model": "tiny", "prompt": ["hello"], "max_completion_tokens": 5, "stop": "x"}, card)
-    assert req.max_tokens == 5 and req.stop == ("x",)
+    # the same ids as the tokenizer's own chat_ids (the gateway tokenizes through encode_batch)
+    assert req.prompt_ids == card.tokenizer.chat_ids([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
+    req = completion({"model": "tiny", "prompt": ["hello"], "max_completion_tokens": 5, "stop": "x"}, card)
+    assert req.max_tokens == 5 and req.stop == ("x",) and req.prompt_ids == card.tokenizer.encode("hello")
+    assert completion({"model": "tiny", "prompt": [[5, 6]]}, card).prompt_ids == [5, 6]
     with pytest.raises(ApiError) as e:
-        parse_completion({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, card)
-    assert e.value.status == 400 and e.value.param == "stream_options"
+        completion({"model": "tiny", "prompt": [[5], [6]]}, card)
+    assert e.value.status == 400 and e.value.param == "prompt"
+    with pytest.raises(ValidationError) as v:
+        completion({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, card)
+    assert describe_validation_error(v.value.errors()) == ("stream_options needs stream = true", "stream_options")
+
+
+def test_tiny_temperatures_sample_at_the_floor(card):
+    for t, want in [(0, 0.0), (1e-300, TEMPERATURE_FLOOR), (5e-324, TEMPERATURE_FLOOR), (0.5, 0.5), (2, 2.0)]:
+        assert completion({"model": "tiny", "prompt": "x", "temperature": t}, card).sampling.temperature == want
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(card):
+    """Every token covers at most `max_token_bytes` bytes, so longer text cannot fit: refused
+    without tokenizing (a tokenizer that would be called raises here)."""
+    from dataclasses import replace
+
+    class NoTokenizing:
+        vocab_size = card.tokenizer.vocab_size
+
+        def __getattr__(self, name):
+            raise AssertionError(f"tokenizer.{name} used")
+
+    limited = replace(card, tokenizer=NoTokenizing(), max_token_bytes=4)
+    limit = limited.context * 4
+    for body in ({"model": "tiny", "prompt": "a" * (limit + 1)},
+                 {"model": "tiny", "prompt": ["é" * (limit // 2 + 1)]}):  # fmt: skip
+        with pytest.raises(ApiError) as e:
+            completion(body, limited)
+        assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    with pytest.raises(ApiError) as e:
+        chat({"model": "tiny", "messages": [{"role": "user", "content": "a" * limit}, {"role": "user", "content": "b"}]},
+             limited)  # fmt: skip
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    with pytest.raises(ApiError) as e:
+        chat({"model": "tiny", "messages": [{"role": "user", "content": ""}] * card.context}, limited)
+    assert e.value.code == "context_length_exceeded"
+    assert longest_token_bytes(card.tokenizer) == max(
+        len(card.tokenizer.decode([i]).encode()) for i in range(card.tokenizer.vocab_size)
+    )
+
+
+def test_tokenizing_lets_other_threads_run(card):
+    """A long prompt is tokenized off the serving loop, and without holding the GIL (tokenizers'
+    `encode` holds it: the loop, writing other streams, would stall all the while). Control: the
+    same text through `encode`, which holds it."""
+    import threading
+
+    text = "the quick brown fox jumps over the lazy dog. " * 8000  # 360 kB, ~0.3 s to tokenize here
+
+    def ticks_during(fn) -> int:
+        ticks, stop = [0], threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+
+        t = threading.Thread(target=tick)
+        t.start()
+        time.sleep(0.05)
+        ticks[0] = 0
+        try:
+            fn()
+        finally:
+            stop.set()
+            t.join(timeout=10)
+        return ticks[0]
+
+    from dataclasses import replace
+
+    roomy = replace(card, context=1_000_000)  # and max_token_bytes 0: no size limit before tokenizing
+    body = {"model": "tiny", "prompt": text}
+    held = ticks_during(lambda: card.tokenizer.encode(text))
+    released = ticks_during(lambda: completion(body, roomy))
+    assert released > 10 * held + 20, (released, held)
+    assert completion(body, roomy).prompt_ids == card.tokenizer.encode(text)
+
+
+class FlakyEngine:
+    """A stand-in for the workers: logits that favour token 7, and a failure on demand (the
+    scheduler's handling of it is what is under test)."""
+
+    class Plan:
+        n = 2
+
+        def fingerprint(self) -> str:
+            return "test"
+
+    def __init__(self, card):
+        from types import SimpleNamespace
+
+        self.plan = self.Plan()
+        self.config = SimpleNamespace(vocab=card.vocab)
+        self.context = card.context
+        self.fail: Exception | None = None
+        self.recoveries: list[dict] = []
+        self.order = [1, 2]
+        self.watch = SimpleNamespace(failed=dict)  # the liveness watch: nobody failed
+
+    def reset(self) -> None:
+        pass
+
+    def end_session(self) -> None:
+        pass
+
+    def forward(self, ids):
+        import torch
+
+        if self.fail is not None:
+            raise self.fail
+        logits = torch.zeros(self.config.vocab)
+        logits[7] = 1.0
+        return logits
+
+
+def run_job(scheduler, req, timeout_s: float = 30.0):
+    """Submit and wait (bounded) for the job's last event."""
+    import queue
+
+    events: queue.Queue = queue.Queue()
+    scheduler.submit(req, events.put)
+    while True:
+        kind, value = events.get(timeout=timeout_s)
+        if kind in ("done", "error"):
+            return kind, value
+
+
+def test_a_failing_request_fails_alone(card):
+    """Issue 11: an error while serving one request fails that request (500, or 400 for a bad
+    value) and the next one runs. A lost worker the engine could not replace (CommError) fails its
+    request with 503 and marks the engine degraded; the gateway stays up, and the next request that
+    runs clears it."""
+    from fusion_compute.comm import CommError
+    from fusion_compute.gateway import Gateway
+    from fusion_compute.sampling import SamplingError
+    from fusion_compute.scheduler import Scheduler
+
+    engine = FlakyEngine(card)
+    logged: list[str] = []
+    scheduler = Scheduler(Gateway(engine, card), log=logged.append)
+    try:
+        req = completion({"model": "tiny", "prompt": [1, 2], "max_tokens": 3}, card)
+        assert run_job(scheduler, req)[0] == "done"
+        for failure, status in [(RuntimeError("probabilities contain nan"), 500), (SamplingError("bad top-p"), 400)]:
+            engine.fail = failure
+            kind, error = run_job(scheduler, req)
+            assert (kind, error.status) == ("error", status) and str(failure) in error.message
+            assert scheduler.health() == ("ok", None)
+            engine.fail = None
+            kind, out = run_job(scheduler, req)
+            assert kind == "done" and out.completion_tokens == 3
+        assert any("probabilities contain nan" in line for line in logged)
+        engine.fail = CommError("worker 2 vanished")
+        kind, error = run_job(scheduler, req)
+        assert (kind, error.status) == ("error", 503) and "vanished" in error.message
+        status, why = scheduler.health()
+        assert status == "degraded" and "vanished" in why
+        engine.fail = None  # e.g. a standby joined: the engine can recover now
+        kind, out = run_job(scheduler, req)
+        assert kind == "done" and scheduler.health() == ("ok", None)
+    finally:
+        scheduler.close(wait_s=10)
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,8 @@ def test_ingress_bytes_on_the_wire(tiny_qwen2, tmp_path, secure):
     needles = ingress_needles(tiny_qwen2, PROMPT)
     with Hosts([CLIENT, W1, W2]) as hosts, hosts.capture() as cap:
         results = structural_run(hosts, tiny_qwen2, tmp_path, secure)
-    for rc, _, err in results:
-        assert rc == 0, err
+    for i, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"process {i} (0 = client): {err}"
     assert len(json.loads(results[0][1])["token_ids"]) == 6
     assert cap.drops == 0 and cap.bytes > 0, (cap.drops, cap.bytes)
     found = cap.find(needles)

@@ -121,14 +121,14 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
         sockets = netcount.available() and pids
         if sockets:
             netcount.settle(0.1)
-            s0 = netcount.sample(pids)
+            s0 = netcount.sample(pids, eng.watch.endpoints())
         t = time.perf_counter()
         for _ in range(a.decode_tokens):
             tok = int(eng.forward([tok]).argmax())
         out["decode_s"] = time.perf_counter() - t
         if sockets:  # kernel-counted bytes each worker put on its sockets per decode token (all peers)
             netcount.settle(0.1)
-            moved = netcount.delta(s0, netcount.sample(pids))
+            moved = netcount.delta(s0, netcount.sample(pids, eng.watch.endpoints()))
             out["wire_bytes_per_token"] = max(m["sent"] for m in moved.values()) / a.decode_tokens
         after = eng.stats()
         if a.workers > 1:  # the reduce-scatter verb alone: 300 fp32 rows per peer, as in the figures

@@ -3,7 +3,8 @@ engine (ssl sockets here, torch.distributed in torch_fabric.py); a test enforces
 
   identity.py      participant key pairs and the one-line public keys the topology pins
   links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext
-  rendezvous.py    admission against the roster, then wiring every pair of workers
+  rendezvous.py    admission against the roster, epochs, then wiring every pair of workers
+  liveness.py      heartbeats: a worker that dies or freezes is named within seconds
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
   events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
   torch_fabric.py  torch.distributed among workers: NCCL on GPUs, gloo for comparison
@@ -19,12 +20,13 @@ from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
 from .links import wire_bytes
-from .rendezvous import Admission, Joined, Member, join
+from .liveness import Pulse, Watch
+from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
 __all__ = [
-    "Admission", "Comm", "CommError", "Counters", "Event", "Identity", "IdentityError", "Joined", "Member",
-    "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Recorder", "WORKER_COLLECTIVES",
-    "free_port", "join", "wire_bytes",
+    "Admission", "Comm", "CommError", "Counters", "Credentials", "Event", "Identity", "IdentityError", "Joined",
+    "Member", "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Pulse", "Recorder",
+    "WORKER_COLLECTIVES", "Watch", "free_port", "join_epoch", "open_pulse", "wire_bytes",
 ]  # fmt: skip
 
 

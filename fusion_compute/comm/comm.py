@@ -245,6 +245,10 @@ class Comm:
         self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
         return handle
 
+    def send_truncated(self, tensor: torch.Tensor, dst: int, keep: float) -> None:
+        """FAULT INJECTION ONLY (faults.py): part of a message, then the connection closes."""
+        self._link(dst).send_truncated(_bytes(tensor.contiguous()), keep)
+
     # ---- baselines and negative controls ----
 
     def all_gather_workers(self, shard: torch.Tensor, sizes: Sequence[int], op: str) -> torch.Tensor:

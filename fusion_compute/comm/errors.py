@@ -11,11 +11,13 @@ class CommError(FusionError, RuntimeError):
 
 
 class PeerError(CommError):
-    """Something went wrong with one identified peer (`rank`)."""
+    """Something went wrong with one identified peer: `rank` on a link, or, when `watched` (the
+    liveness watch saw it), the worker's participant id."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, watched: bool = False):
         super().__init__(message)
         self.rank = rank
+        self.watched = watched
 
 
 class PeerLost(PeerError):

@@ -33,7 +33,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .identity import Identity, PublicId
@@ -41,7 +41,7 @@ from .identity import Identity, PublicId
 HEADER = struct.Struct("<Q")
 TLS_RECORD = 16384  # largest plaintext per TLS record
 TLS_OVERHEAD = 22  # bytes per TLS 1.3 record on the wire: 5 header + 1 content type + 16 AEAD tag
-TICK_S = 1.0  # a blocking receive wakes up this often to check its deadline
+TICK_S = 0.25  # a blocking receive wakes up this often to check its deadline and the liveness watch
 RAW_CHUNK = 1 << 18
 MAX_MESSAGE = 1 << 34  # a length above this is a corrupt or hostile header, not a tensor
 
@@ -117,6 +117,9 @@ class Link:
         self._error: BaseException | None = None
         self._closing = False
         self.closed = False
+        # Called at every receive tick: raises when the job must stop waiting (a peer found dead by
+        # the liveness watch, or an abort), whoever this link's own peer is.
+        self.check: Callable[[], None] | None = None
         _tune(sock)
 
     # ---- sending ----
@@ -140,6 +143,16 @@ class Link:
                 self._queue.extend(memoryview(bytes(p)) if self.tls is None else p for p in parts)
                 self._start_writer()
                 self._wake.notify()
+
+    def send_truncated(self, payload: memoryview, keep: float) -> None:
+        """FAULT INJECTION ONLY (faults.py): announce the whole message, deliver `keep` of it, then
+        close the connection, as a worker dying mid-message would."""
+        head = memoryview(HEADER.pack(len(payload)) + payload[: int(len(payload) * keep)])
+        if self.tls is not None:
+            self.tls.write(head)
+            head = memoryview(self._out.read())
+        self.sock.sendall(head)
+        self.close()
 
     def _send_now(self, parts: list[memoryview]) -> list[memoryview]:
         try:
@@ -194,15 +207,24 @@ class Link:
                 if left <= 0:
                     raise PeerTimeout(self.rank, f"{self.label} stopped reading: could not deliver within the deadline")
                 self._wake.wait(min(left, TICK_S))
+                if self.check is not None:
+                    self.check()
             self._raise_writer_error()
 
     # ---- receiving ----
+
+    def has_buffered(self) -> bool:
+        """Received bytes not handed out yet (TLS keeps a record's plaintext, or ciphertext, in memory):
+        a reader that selects on the socket must look here first."""
+        return self.tls is not None and (self.tls.pending() > 0 or self._inc.pending > 0)
 
     def _read_raw(self, view: memoryview, deadline: float) -> int:
         while True:
             try:
                 n = self.sock.recv_into(view)
             except BlockingIOError:  # SO_RCVTIMEO tick
+                if self.check is not None:
+                    self.check()
                 if time.monotonic() >= deadline:
                     raise PeerTimeout(self.rank, f"{self.label} did not answer within the deadline") from None
                 continue

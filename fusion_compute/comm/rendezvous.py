@@ -1,24 +1,28 @@
-"""Admission and wiring: who may join, and the links between everyone who did.
+"""Admission and wiring: who may join, in which epoch, and the links between everyone who did.
 
-The user's roster (from the topology, or made up by the client for local workers it spawns) lists
-every worker by rank, public key, host and group. Nobody else gets a byte of state:
+The user's roster (from the topology, or made up by the client for the local workers it spawns)
+lists every participant by id, public key, host, group, and whether it is a standby. Nobody else
+gets a byte of state:
 
-  1. The client listens on its address. A worker connects; TLS 1.3 mutual authentication admits
-     only certificates of the roster (an unlisted key fails the handshake: "unknown ca").
-  2. The worker sends JOIN {rank?, group?, port}. The client looks its certificate up in the
-     roster; a claim that does not match the roster (another rank or group), a second connection
-     with an already admitted key, or a malformed JOIN is refused with REFUSED {reason} and a log
-     line naming the key. The slot stays open for the real worker until the join deadline.
-  3. When every rank is admitted, the client sends each worker WELCOME {rank, peers, ...}: every
-     worker's host, listening port and key (plus what the caller adds: plan parameters).
-  4. Workers link up pairwise, the higher rank connecting to the lower one's listener; each side
-     pins the other's certificate and the connector sends LINK {rank}. Then READY to the client.
+  1. The client listens on its address for the whole job. A participant connects; TLS 1.3 mutual
+     authentication admits only certificates of the roster (an unlisted key fails the handshake:
+     "unknown ca").
+  2. It sends JOIN {kind, rank?, group?, epoch?, host, port}. The client looks its certificate up in
+     the roster: a claim that does not match the roster (another participant or group), a second
+     connection with an admitted key, a participant the current epoch does not expect, or a
+     malformed JOIN is refused with REFUSED {reason} and a log line naming the key.
+  3. kind "pulse": the participant's liveness connection (liveness.py), handed to the watch.
+     kind "data" from a standby (not in the epoch): WELCOME {standby}; it then beats and waits for
+     the client's word to join a later epoch.
+  4. When every participant the epoch expects has joined, the client sends each WELCOME {epoch,
+     rank, peers, ...}: every active worker's host, listening port and key (plus what the caller
+     adds: plan parameters). Workers link up pairwise (the higher rank connects to the lower one's
+     listener; each side pins the other's key), then say READY.
 
-Only then does anything else travel (the plan handshake, then state). On the insecure engine the
-same messages go over plain TCP and claims are believed: anyone who reaches the port can join,
-which is why it must be asked for by name.
-
-Messages of this phase are small JSON objects over the same framed links as everything else.
+A new epoch (a worker lost, revoked or added: docs/resilience.md) repeats 4 with fresh data links;
+ranks are positions in the epoch, participant ids are for life. On the insecure engine the same
+messages go over plain TCP and claims are believed: anyone who reaches the port can join, which is
+why it must be asked for by name. Messages of this phase are small JSON objects on the links.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CommError
 from .identity import Identity, PublicId
 from .links import Link, handshake, peer_certificate, tls_context
 
-VERSION = 1
+VERSION = 2
 CONTROL_LIMIT = 1 << 20  # bytes of one rendezvous message
 PER_CONNECTION_S = 10.0  # a connection must finish its handshake and JOIN in this time
 RETRY_S = 0.2
@@ -44,25 +48,27 @@ RETRY_S = 0.2
 
 @dataclass(frozen=True)
 class Member:
-    """One expected worker."""
+    """One participant of the roster. `pid` is its id for life (rank in the first epoch, for
+    active workers; standbys come after them)."""
 
-    rank: int
+    pid: int
     host: str  # where it listens for its peers (its topology address; 127.0.0.1 locally)
     key: PublicId | None  # None on the insecure engine
     group: str | None = None  # "A" / "B" in masked mode
     name: str | None = None
+    standby: bool = False
 
     def label(self, address: str | None = None) -> str:
-        role = f"worker {self.rank}" + (f" ({self.name})" if self.name else "")
+        role = ("standby " if self.standby else "worker ") + str(self.pid) + (f" ({self.name})" if self.name else "")
         bits = [address or self.host] + ([f"key {self.key.fingerprint}"] if self.key else [])
         return f"{role} [{', '.join(bits)}]"
 
 
-def _send_json(link: Link, obj: dict) -> None:
+def send_json(link: Link, obj: dict) -> None:
     link.send(memoryview(json.dumps(obj).encode()))
 
 
-def _recv_json(link: Link, deadline: float) -> dict:
+def recv_json(link: Link, deadline: float) -> dict:
     raw = link.recv_bytes(deadline, CONTROL_LIMIT)
     try:
         obj = json.loads(raw)
@@ -90,12 +96,23 @@ def _fmt_addr(addr: Any) -> str:
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
 
 
+@dataclass
+class Joined:
+    """One data connection admitted for an epoch: the link, the member and what it announced."""
+
+    link: Link
+    member: Member
+    host: str  # where it listens for peers
+    port: int
+
+
 # ---- client side ----
 
 
 class Admission:
-    """The client's listener and roster. Create it first (its port is known at once, so local
-    workers can be told where to join), then `admit()`."""
+    """The client's listener and roster, for the whole job. Its own thread greets every connection,
+    refuses strangers, routes pulse links to `on_pulse` and answers standbys; the engine collects
+    the data links an epoch expects with `collect()` and wires them with `welcome()`."""
 
     def __init__(
         self,
@@ -104,29 +121,61 @@ class Admission:
         host: str,
         port: int = 0,
         log: Callable[[str], None] = lambda line: None,
+        on_pulse: Callable[[Member, Link], None] | None = None,
+        first_epoch: list[int] | None = None,
     ):
+        """`first_epoch`: the pids epoch 0 expects (default: every non-standby member)."""
         self.me = me
-        self.roster = {m.rank: m for m in roster}
+        self.roster = {m.pid: m for m in roster}
         self.by_cert = {m.key.cert_der: m for m in roster if m.key is not None}
         if me is not None and len(self.by_cert) != len(roster):
             raise CommError("the secure engine needs every worker's public key")
         self.log = log
+        self.on_pulse = on_pulse
         self.sock = _listen(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
         self.ctx = tls_context(me, [m.key for m in roster], server=True) if me is not None else None
         self.refused: list[str] = []  # log lines of refused connections (tests read them)
+        self._lock = threading.Lock()
+        first = first_epoch if first_epoch is not None else [m.pid for m in roster if not m.standby]
+        self._expect: tuple[int, set[int]] = (0, set(first))  # (epoch, pids) whose data JOIN is wanted now
+        self._gone: set[int] = set()  # revoked or failed for good: refused from now on
+        self._arrived: queue.Queue[Joined] = queue.Queue()
+        self._stop = threading.Event()
+        self.sock.settimeout(0.25)  # the accept loop checks `_stop` this often
+        self._thread = threading.Thread(target=self._accept_loop, name="fusion-admission", daemon=True)
+        self._thread.start()
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _refuse(self, line: str) -> None:
+    def _refuse(self, line: str, link: Link | None = None) -> None:
         self.refused.append(line)
         self.log(f"refused: {line}")
+        if link is not None:
+            try:
+                send_json(link, {"refused": line})
+                link.flush(time.monotonic() + 1)
+            except CommError:
+                pass
+            link.close()
 
-    def _greet(self, conn: socket.socket, addr: Any, out: queue.Queue) -> None:
-        """Handshake + JOIN of one connection, in its own thread; the verdict goes to `out`."""
+    # ---- the admission thread ----
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(conn, addr), daemon=True).start()
+
+    def _greet(self, conn: socket.socket, addr: Any) -> None:
+        """Handshake, JOIN and verdict of one connection, in its own thread."""
         where = _fmt_addr(addr)
         deadline = time.monotonic() + PER_CONNECTION_S
         try:
@@ -134,119 +183,143 @@ class Admission:
         except Exception as e:  # ssl.SSLError, OSError, TimeoutError
             reason = getattr(e, "reason", None) or str(e) or type(e).__name__
             conn.close()
-            out.put(("refused", f"connection from {where}: TLS handshake failed ({reason}): key not in the roster?"))
+            self._refuse(f"connection from {where}: TLS handshake failed ({reason}): key not in the roster?")
             return
         member = None
         if tls is not None:
             member = self.by_cert.get(peer_certificate(tls))
             if member is None:  # chained to a listed certificate but not itself listed
                 conn.close()
-                out.put(("refused", f"connection from {where}: its certificate is not one of the roster's"))
+                self._refuse(f"connection from {where}: its certificate is not one of the roster's")
                 return
         link = Link(conn, tls, -1, f"connection from {where}")
         try:
-            join = _recv_json(link, deadline)
+            join = recv_json(link, deadline)
         except CommError as e:
-            link.close()
-            out.put(("refused", f"{where}: no valid JOIN ({e})"))
+            self._refuse(f"{where}: no valid JOIN ({e})", link)
             return
-        out.put(("join", (link, member, join, where)))
+        member, why = self._check(member, join, where)
+        if member is None:
+            self._refuse(why, link)
+            return
+        link.label = member.label(where)
+        if join.get("kind") == "pulse":
+            link.rank = member.pid
+            if self.on_pulse is not None:
+                self.on_pulse(member, link)
+            else:
+                link.close()
+            return
+        host = member.host or str(join.get("host") or where.rsplit(":", 1)[0])
+        with self._lock:
+            epoch, wanted = self._expect
+            expected = member.pid in wanted and join.get("epoch") in (None, epoch)
+        if expected:
+            self._arrived.put(Joined(link, member, host, int(join["port"])))
+        elif member.standby or join.get("epoch") is None:  # a standby, or an early or spare worker
+            try:
+                send_json(link, {"standby": True, "pid": member.pid, "group": member.group})
+                link.flush(time.monotonic() + 2)
+            except CommError:
+                pass
+            link.close()
+        else:
+            self._refuse(f"{member.label(where)} asked to join epoch {join.get('epoch')}, which does not expect it", link)
 
-    def _check(self, member: Member | None, join: dict, where: str, admitted: dict) -> tuple[Member | None, str]:
-        claim_rank, claim_group = join.get("rank"), join.get("group")
-        if join.get("v") != VERSION or not isinstance(join.get("port"), int):
+    def _check(self, member: Member | None, join: dict, where: str) -> tuple[Member | None, str]:
+        claim_pid, claim_group = join.get("rank"), join.get("group")
+        if join.get("v") != VERSION or join.get("kind") not in ("data", "pulse") or not isinstance(join.get("port"), int):
             return None, f"{where}: malformed JOIN {json.dumps(join)[:200]}"
         if member is None:  # insecure: the claim is all there is
-            if not isinstance(claim_rank, int) or claim_rank not in self.roster:
+            if not isinstance(claim_pid, int) or claim_pid not in self.roster:
                 return None, f"{where}: JOIN without a valid rank (insecure engine: workers must give --rank)"
-            member = self.roster[claim_rank]
+            member = self.roster[claim_pid]
         who = member.label(where)
-        if claim_rank is not None and claim_rank != member.rank:
-            return None, f"{who} presented itself as rank {claim_rank}, but the roster lists its key as rank {member.rank}"
+        if claim_pid is not None and claim_pid != member.pid:
+            return None, f"{who} presented itself as rank {claim_pid}, but the roster lists its key as rank {member.pid}"
         if claim_group is not None and claim_group != member.group:
             return None, f"{who} presented itself for group {claim_group}, but the roster lists it in group {member.group}"
-        if member.rank in admitted:
-            return None, f"{who}: rank {member.rank} has already joined (a second connection with the same key)"
+        if member.pid in self._gone:
+            return None, f"{who} was removed from this job (revoked, or failed and replaced)"
         return member, ""
 
-    def admit(
-        self, deadline: float, welcome: Callable[[Member], dict], abort: Callable[[], str | None] = lambda: None
-    ) -> dict[int, Link]:
-        """Accept until every rank of the roster has joined, then wire them up. Returns the links to
-        every worker, by rank. Raises CommError naming the missing workers when the deadline passes,
-        or at once when `abort()` returns a reason (a spawned worker died)."""
-        verdicts: queue.Queue = queue.Queue()
-        stop = threading.Event()
+    def enroll(self, member: Member) -> None:
+        """Add a participant to the roster while the job runs (the user adding a worker); it is
+        trusted from now on and joins as a standby."""
+        with self._lock:
+            if member.pid in self.roster or (member.key is not None and member.key.cert_der in self.by_cert):
+                raise CommError(f"{member.label()} is already in the roster")
+            self.roster[member.pid] = member
+            if member.key is not None:
+                self.by_cert[member.key.cert_der] = member
+                self.ctx.load_verify_locations(cadata=member.key.pem())
 
-        self.sock.settimeout(0.25)  # the accept loop checks `stop` this often
+    # ---- epochs (the engine's thread) ----
 
-        def accept_loop() -> None:
-            while not stop.is_set():
-                try:
-                    conn, addr = self.sock.accept()
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                if stop.is_set():
-                    conn.close()
-                    return
-                threading.Thread(target=self._greet, args=(conn, addr, verdicts), daemon=True).start()
+    def expect(self, epoch: int, pids: list[int]) -> None:
+        """From now on, data JOINs of `pids` for `epoch` are collected (others get standby answers)."""
+        with self._lock:
+            self._expect = (epoch, set(pids))
+        while True:  # drop arrivals of an abandoned epoch
+            try:
+                self._arrived.get_nowait().link.close()
+            except queue.Empty:
+                break
 
-        acceptor = threading.Thread(target=accept_loop, name="fusion-admission", daemon=True)
-        acceptor.start()
-        admitted: dict[int, tuple[Link, dict, str]] = {}
+    def remove(self, pid: int) -> None:
+        """`pid` may never join again (revoked, or failed and replaced)."""
+        with self._lock:
+            self._gone.add(pid)
+
+    def collect(self, pids: list[int], deadline: float, abort: Callable[[], str | None] = lambda: None) -> dict[int, Joined]:
+        """Wait until every pid of the epoch has its data link here. Raises CommError naming the
+        missing ones at the deadline, or at once when `abort()` gives a reason."""
+        got: dict[int, Joined] = {}
         try:
-            while len(admitted) < len(self.roster):
+            while len(got) < len(pids):
                 reason = abort()
                 if reason:
                     raise CommError(reason)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = [self.roster[r].label() for r in sorted(self.roster) if r not in admitted]
+                    missing = [self.roster[p].label() for p in pids if p not in got]
                     raise CommError(
-                        f"rendezvous at {self.address}: {len(missing)} of {len(self.roster)} workers did not join in "
-                        f"time: {'; '.join(missing)}" + (f" (refused: {len(self.refused)})" if self.refused else "")
+                        f"rendezvous at {self.address}: {len(missing)} of {len(pids)} workers did not join in time: "
+                        f"{'; '.join(missing)}" + (f" (refused: {len(self.refused)})" if self.refused else "")
                     )
                 try:
-                    kind, value = verdicts.get(timeout=min(left, 0.5))
+                    j = self._arrived.get(timeout=min(left, 0.25))
                 except queue.Empty:
                     continue
-                if kind == "refused":
-                    self._refuse(value)
+                if j.member.pid in got:  # a second connection with an admitted key
+                    self._refuse(f"{j.link.label}: rank {j.member.pid} has already joined (a second connection with "
+                                 "the same key)", j.link)  # fmt: skip
                     continue
-                link, member, join, where = value
-                member, why = self._check(member, join, where, admitted)
-                if member is None:
-                    self._refuse(why)
-                    try:
-                        _send_json(link, {"refused": why})
-                        link.flush(time.monotonic() + 1)
-                    except CommError:
-                        pass
-                    link.close()
-                    continue
-                link.rank, link.label = member.rank, member.label(where)
-                admitted[member.rank] = (link, join, where)
+                got[j.member.pid] = j
         except BaseException:
-            for link, _, _ in admitted.values():
-                link.close()
+            for j in got.values():
+                j.link.close()
             raise
-        finally:
-            stop.set()
-            self.close()
-        links = {r: admitted[r][0] for r in sorted(admitted)}
-        # Where each worker listens: the roster's host, else (insecure, no topology) what it announced.
+        return got
+
+    def welcome(
+        self, epoch: int, order: list[int], joined: dict[int, Joined], deadline: float, extra: Callable[[Member], dict]
+    ) -> dict[int, Link]:
+        """WELCOME the epoch's workers (rank = 1 + position in `order`), wait for their READY.
+        Returns the data links by rank."""
+        links = {r: joined[pid].link for r, pid in enumerate(order, start=1)}
         peers = {
-            str(r): {"host": self.roster[r].host or str(admitted[r][1].get("host") or admitted[r][2].rsplit(":", 1)[0]),
-                     "port": admitted[r][1]["port"], "key": self.roster[r].key.line() if self.roster[r].key else None}
-            for r in links
+            str(r): {"host": joined[pid].host, "port": joined[pid].port,
+                     "key": self.roster[pid].key.line() if self.roster[pid].key else None}
+            for r, pid in enumerate(order, start=1)
         }  # fmt: skip
         try:
-            for r, link in links.items():
-                _send_json(link, {"rank": r, "group": self.roster[r].group, "peers": peers, **welcome(self.roster[r])})
+            for r, pid in enumerate(order, start=1):
+                links[r].rank = r
+                m = self.roster[pid]
+                send_json(links[r], {"epoch": epoch, "rank": r, "pid": pid, "group": m.group, "peers": peers, **extra(m)})
             for link in links.values():
-                ready = _recv_json(link, deadline)
+                ready = recv_json(link, deadline)
                 if ready.get("ready") is not True:
                     raise CommError(f"{link.label} could not link up with its peers: {ready.get('error', ready)}")
         except BaseException:
@@ -256,10 +329,13 @@ class Admission:
         return links
 
     def close(self) -> None:
+        self._stop.set()
         try:
             self.sock.close()
         except OSError:
             pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=1.0)
 
 
 # ---- worker side ----
@@ -281,77 +357,90 @@ def _connect(host: str, port: int, deadline: float, what: str) -> socket.socket:
 
 
 def _tls_refusal(e: BaseException) -> str:
-    reason = getattr(e, "reason", None) or str(e)
-    return str(reason)
+    return str(getattr(e, "reason", None) or e)
 
 
 @dataclass
-class Joined:
-    rank: int
-    group: str | None
-    welcome: dict
-    links: dict[int, Link]
+class Credentials:
+    """How a worker reaches and proves itself to the client."""
+
+    me: Identity | None
+    client_key: PublicId | None
+    master: tuple[str, int]
+    claim_pid: int | None = None
+    claim_group: str | None = None
+    listen_host: str | None = None
+    listen_ip: str = field(default="", init=False)  # learned from the first connection when not given
+
+    def __post_init__(self) -> None:
+        if (self.me is None) != (self.client_key is None):
+            raise CommError("a worker needs both its own key and the client's public key (or --insecure)")
 
 
-def join(
-    me: Identity | None,
-    client_key: PublicId | None,
-    master: tuple[str, int],
-    *,
-    listen_host: str | None,
-    claim_rank: int | None,
-    claim_group: str | None,
-    deadline: float,
-    log: Callable[[str], None] = lambda line: None,
-) -> Joined:
-    """A worker's side of the rendezvous. Returns its rank, the client's WELCOME and its links."""
-    if (me is None) != (client_key is None):
-        raise CommError("a worker needs both its own key and the client's public key (or --insecure)")
-    host, port = master
+def _client_link(cred: Credentials, deadline: float) -> Link:
+    host, port = cred.master
     sock = _connect(host, port, deadline, "the client")
-    # Listen for peers on the declared host, else on the address this machine reaches the client from.
+    if not cred.listen_ip:
+        cred.listen_ip = cred.listen_host or sock.getsockname()[0]
     try:
-        listener = _listen(listen_host or sock.getsockname()[0], 0)
-    except CommError:
+        ctx = tls_context(cred.me, [cred.client_key], server=False) if cred.me is not None else None
+        tls = handshake(sock, ctx, server=False, deadline=deadline)
+    except Exception as e:
         sock.close()
+        raise CommError(f"TLS handshake with the client at {host}:{port} failed ({_tls_refusal(e)}): "
+                        "is this the client's public key?") from None  # fmt: skip
+    if tls is not None and peer_certificate(tls) != cred.client_key.cert_der:
+        sock.close()
+        raise CommError(f"the client at {host}:{port} presented another key than the one pinned")
+    return Link(sock, tls, 0, f"the client [{host}:{port}]")
+
+
+def open_pulse(cred: Credentials, pid: int, deadline: float) -> Link:
+    """The worker's liveness connection to the client (liveness.Pulse runs on it)."""
+    link = _client_link(cred, deadline)
+    send_json(link, {"v": VERSION, "kind": "pulse", "rank": pid, "group": cred.claim_group, "port": 0})
+    return link
+
+
+def join_epoch(cred: Credentials, epoch: int | None, deadline: float, log: Callable[[str], None] = lambda s: None):
+    """A worker's side of one epoch's rendezvous. Returns (welcome, links by rank, 0 = the client),
+    or (welcome with "standby", {}) when the client keeps it in reserve."""
+    client = _client_link(cred, deadline)
+    try:
+        listener = _listen(cred.listen_ip, 0)
+    except CommError:
+        client.close()
         raise
     try:
-        try:
-            ctx = tls_context(me, [client_key], server=False) if me is not None else None
-            tls = handshake(sock, ctx, server=False, deadline=deadline)
-        except Exception as e:
-            sock.close()
-            raise CommError(f"TLS handshake with the client at {host}:{port} failed ({_tls_refusal(e)}): "
-                            "is this the client's public key?") from None  # fmt: skip
-        if tls is not None and peer_certificate(tls) != client_key.cert_der:
-            sock.close()
-            raise CommError(f"the client at {host}:{port} presented another key than the one pinned")
-        client = Link(sock, tls, 0, f"the client [{host}:{port}]")
         lhost, lport = listener.getsockname()[:2]
-        _send_json(client, {"v": VERSION, "rank": claim_rank, "group": claim_group, "host": lhost, "port": lport})
+        send_json(client, {"v": VERSION, "kind": "data", "rank": cred.claim_pid, "group": cred.claim_group,
+                           "epoch": epoch, "host": lhost, "port": lport})  # fmt: skip
         try:
-            welcome = _recv_json(client, deadline)
+            welcome = recv_json(client, deadline)
         except CommError as e:
             client.close()
-            raise CommError(f"the client at {host}:{port} did not admit this worker ({e}): is its key listed?") from None
+            where = f"{cred.master[0]}:{cred.master[1]}"
+            raise CommError(f"the client at {where} did not admit this worker ({e}): is its key listed?") from None
         if "refused" in welcome:
             client.close()
             raise CommError(f"the client refused this worker: {welcome['refused']}")
-        rank = welcome.get("rank")
-        peers = welcome.get("peers")
+        if welcome.get("standby"):
+            client.close()
+            return welcome, {}
+        rank, peers = welcome.get("rank"), welcome.get("peers")
         if not isinstance(rank, int) or not isinstance(peers, dict) or str(rank) not in peers:
             client.close()
             raise CommError("the client sent a malformed WELCOME")
         try:
-            links = _link_peers(me, rank, peers, listener, deadline, log)
+            links = _link_peers(cred.me, rank, peers, listener, deadline, log)
         except CommError as e:
-            _send_json(client, {"ready": False, "error": str(e)})
+            send_json(client, {"ready": False, "error": str(e)})
             client.flush(time.monotonic() + 1)
             client.close()
             raise
-        _send_json(client, {"ready": True})
+        send_json(client, {"ready": True})
         links[0] = client
-        return Joined(rank, welcome.get("group"), welcome, links)
+        return welcome, links
     finally:
         listener.close()
 
@@ -380,7 +469,7 @@ def _link_peers(
                 sock.close()
                 raise CommError(f"{label} presented another key than the one pinned")
             link = Link(sock, tls, q, label)
-            _send_json(link, {"link": rank})
+            send_json(link, {"link": rank})
             links[q] = link
         higher = {r: table[r] for r in table if r > rank}
         ctx = tls_context(me, [t[2] for t in higher.values()], server=True) if me is not None and higher else None
@@ -398,7 +487,7 @@ def _link_peers(
             try:
                 tls = handshake(conn, ctx, server=True, deadline=min(deadline, time.monotonic() + PER_CONNECTION_S))
                 link = Link(conn, tls, -1, f"connection from {where}")
-                hello = _recv_json(link, min(deadline, time.monotonic() + PER_CONNECTION_S))
+                hello = recv_json(link, min(deadline, time.monotonic() + PER_CONNECTION_S))
             except Exception as e:
                 conn.close()
                 log(f"refused: connection from {where} to worker {rank}: {_tls_refusal(e)}")

@@ -56,13 +56,13 @@ class MaskedOptions(EngineOptions):
         self.n_workers = self.n_a + self.n_b
 
     def check(self) -> None:
-        super().check()
         if self.masks not in MASK_KINDS:
             raise UsageError(f"unknown mask source {self.masks!r} ({', '.join(MASK_KINDS)})")
         if self.capacities:
             raise UsageError("--capacity is not supported with --mode masked (groups split rows evenly)")
         if self.engine not in ("tls", "tcp") or self.device != "cpu":
             raise UsageError("--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)")
+        super().check()
 
 
 class Tally:
@@ -90,14 +90,21 @@ class MaskedEngine(EngineBase):
     mode = "masked"
     opts: MaskedOptions
 
-    def make_plan(self) -> MaskedPlan:
-        return make_masked_plan(self.config, self.opts.n_a, self.opts.n_b, self.opts.limb_bits)
+    def plan_for(self, order: list[int]) -> MaskedPlan:
+        groups = [self.seats[p].group for p in order]
+        n_a = groups.count("A")
+        if groups != ["A"] * n_a + ["B"] * (len(groups) - n_a):
+            raise ModelError(f"masked epoch order must list group A before group B, got {groups}")
+        return make_masked_plan(self.config, n_a, len(groups) - n_a, self.opts.limb_bits)
 
-    def group_of(self, rank: int) -> str:
-        return self.plan.group_of(rank)[0]
+    def initial_group(self, pid: int) -> str:
+        return "A" if pid <= self.opts.n_a else "B"
+
+    def spare_groups(self) -> list[str | None]:
+        return ["A", "B"]  # --standby K: K spares for each group
 
     def welcome(self) -> dict:
-        return {"groups": [self.opts.n_a, self.opts.n_b]}
+        return {"groups": [self.plan.n_a, self.plan.n_b]}
 
     def worker_args(self) -> list[str]:
         out = list(self.opts.extra_worker_args)
@@ -186,9 +193,16 @@ class MaskedEngine(EngineBase):
             work.wait()
         self._pending.clear()
 
-    def reset(self) -> None:
-        """A new session: a fresh mask key (to B only), a fresh step counter, an empty KV cache."""
+    def _wipe(self) -> None:
+        """The session is over: the client's own KV cache (the only clear state) is zeroed now."""
+        if self._kv is not None:
+            self._kv[0].zero_()
+            self._kv[1].zero_()
+
+    def _reset(self) -> None:
+        """A new session: a fresh mask key (to B only), a fresh step counter, a zeroed KV cache."""
         self._drain()
+        self._wipe()
         self.session += 1
         self.step = self.pos = 0
         key = new_key()
@@ -203,15 +217,17 @@ class MaskedEngine(EngineBase):
             shape = (c.n_layers, c.n_kv_heads, self.context, c.head_dim)
             self._kv = (torch.zeros(shape), torch.zeros(shape))
 
+    def kv_abs_max(self) -> float:
+        """The largest |value| left in the client's KV cache (0 after a wipe): hygiene tests."""
+        return 0.0 if self._kv is None else max(float(self._kv[0].abs().max()), float(self._kv[1].abs().max()))
+
     # ---- one forward ----
 
-    def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run tokens `ids` at the session's position; logits (V,) of the last token, or (T, V)."""
         t = len(ids)
-        if t == 0:
-            raise ValueError("no tokens to run")
         if self.stream is None:
-            self.reset()
+            self._reset()
         if self.pos + t > self.context:
             raise ValueError(f"{self.pos + t} tokens exceed the context window of {self.context}")
         threads = torch.get_num_threads()
@@ -219,11 +235,11 @@ class MaskedEngine(EngineBase):
         # CPU per SmolLM2 token 0.4-0.8 s with 2 threads, 0.15-0.25 s with 1). Restored on return.
         torch.set_num_threads(1)
         try:
-            return self._forward(ids, all_logits)
+            return self._masked_step(ids, all_logits)
         finally:
             torch.set_num_threads(threads)
 
-    def _forward(self, ids: list[int], all_logits: bool) -> torch.Tensor:
+    def _masked_step(self, ids: list[int], all_logits: bool) -> torch.Tensor:
         t = len(ids)
         wall0, cpu0, bytes0 = time.perf_counter(), time.process_time(), dict(self.tally.bytes)
         plan, c = self.plan, self.config

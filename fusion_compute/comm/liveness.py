@@ -1,0 +1,218 @@
+"""Liveness: every worker beats on a connection of its own to the client; the client notices a worker
+that stops (dead, frozen, cut off) within a deadline, names it, and tells the others what to do.
+
+  worker  `Pulse`: a thread that sends a beat every `interval_s` on the pulse link and obeys the
+          client's words on it: `abort` (give up the current epoch: every data link is shut down at
+          once, so a wait on a vanished peer ends now), `stop` (the job is over), `revoke` (wipe and
+          leave). A client that goes away closes the pulse link: the worker leaves at once.
+  client  `Watch`: a thread that reads every worker's pulse link. A worker has failed when its
+          pulse link closes (its process died: seen at once) or when no beat came for `deadline_s`
+          (frozen, or its network cut). `check()` raises the failure as a `PeerError` naming the
+          worker; the client's data links call it at every receive tick, so a wait on anyone ends.
+
+Why a separate connection: a data link belongs to one thread (its TLS state is not shared between
+threads) and a worker's main thread may compute for seconds between messages; a beat must wait for
+neither. A frozen process sends no beats at all (every thread stops); a computing one keeps beating.
+Cost on the data path: none (measured in docs/resilience.md).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import threading
+import time
+from collections.abc import Callable
+
+from .errors import CommError, PeerLost, PeerTimeout
+from .links import Link
+
+BEAT_S = 0.5  # a worker's beat interval
+DEADLINE_S = 5.0  # no beat for this long: the worker has failed (configurable per job)
+
+
+def _send(link: Link, obj: dict) -> None:
+    link.send(memoryview(json.dumps(obj).encode()))
+
+
+def _recv(link: Link, wait_s: float) -> dict:
+    return json.loads(link.recv_bytes(time.monotonic() + wait_s, 1 << 16))
+
+
+class Pulse:
+    """A worker's beat, and its ear for the client's words about epochs."""
+
+    def __init__(
+        self,
+        link: Link,
+        on_word: Callable[[dict], None],
+        on_client_gone: Callable[[], None],
+        interval_s: float = BEAT_S,
+    ):
+        self.link, self.on_word, self.on_client_gone, self.interval_s = link, on_word, on_client_gone, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fusion-pulse", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        beat = 0
+        try:
+            while not self._stop.is_set():
+                _send(self.link, {"beat": beat})
+                beat += 1
+                deadline = time.monotonic() + self.interval_s
+                while not self._stop.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    if not self.link.has_buffered():
+                        ready, _, _ = select.select([self.link.sock], [], [], left)
+                        if not ready:
+                            break
+                    self.on_word(_recv(self.link, 5.0))
+        except (CommError, OSError, ValueError):
+            if not self._stop.is_set():
+                self.on_client_gone()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.link.close()
+
+
+class Watch:
+    """The client's view of every worker's pulse."""
+
+    def __init__(self, deadline_s: float = DEADLINE_S):
+        self.deadline_s = deadline_s
+        self._links: dict[int, Link] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._seen: dict[int, float] = {}
+        self._failed: dict[int, str] = {}
+        self._ignored: set[int] = set()
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fusion-watch", daemon=True)
+        self._thread.start()
+
+    # ---- membership ----
+
+    def add(self, rank: int, link: Link) -> None:
+        """Watch `rank`'s pulse on `link` (a rejoining worker's new link replaces its old one)."""
+        with self._guard:
+            old = self._links.get(rank)
+            self._links[rank] = link
+            self._locks[rank] = threading.Lock()
+            self._seen[rank] = time.monotonic()
+            self._failed.pop(rank, None)
+            self._ignored.discard(rank)
+        if old is not None and old is not link:
+            old.close()
+
+    def forget(self, rank: int) -> None:
+        """Stop watching `rank` (revoked, or its failure is handled): its silence is no news."""
+        with self._guard:
+            link = self._links.pop(rank, None)
+            self._ignored.add(rank)
+            self._failed.pop(rank, None)
+        if link is not None:
+            link.close()
+
+    def endpoints(self) -> frozenset[str]:
+        """The workers' ends of their pulse connections, as HOST:PORT (byte counts leave them out:
+        heartbeats carry no state and their number depends on time, not on the computation)."""
+        out = set()
+        with self._guard:
+            links = list(self._links.values())
+        for link in links:
+            try:
+                host, port = link.sock.getpeername()[:2]
+                out.add(f"{host}:{port}")
+            except OSError:
+                pass
+        return frozenset(out)
+
+    @property
+    def ranks(self) -> list[int]:
+        with self._guard:
+            return sorted(self._links)
+
+    # ---- failures ----
+
+    def failure(self) -> tuple[int, str] | None:
+        with self._guard:
+            for rank in sorted(self._failed):
+                return rank, self._failed[rank]
+        return None
+
+    def failed(self) -> dict[int, str]:
+        with self._guard:
+            return dict(self._failed)
+
+    def check(self, only: set[int] | None = None) -> None:
+        """Raise the first recorded failure among `only` (default: any) as a PeerError whose rank is
+        the failed worker's id (the data links call this at every receive tick)."""
+        for pid, why in sorted(self.failed().items()):
+            if only is None or pid in only:
+                raise (PeerLost if "exited" in why else PeerTimeout)(pid, why, watched=True)
+
+    def _fail(self, rank: int, why: str) -> None:
+        with self._guard:
+            if rank in self._links and rank not in self._ignored and rank not in self._failed:
+                self._failed[rank] = why
+
+    # ---- words to a worker ----
+
+    def tell(self, rank: int, word: dict) -> bool:
+        """Send `word` on `rank`'s pulse link; False when it cannot be delivered (gone)."""
+        with self._guard:
+            link, lock = self._links.get(rank), self._locks.get(rank)
+        if link is None or lock is None:
+            return False
+        try:
+            with lock:
+                _send(link, word)
+                link.flush(time.monotonic() + 2.0)
+            return True
+        except CommError:
+            return False
+
+    # ---- the thread ----
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._guard:
+                links = dict(self._links)
+            by_sock = {link.sock: (rank, link) for rank, link in links.items() if not link.closed}
+            ready = [by_sock[s] for s in by_sock if by_sock[s][1].has_buffered()]
+            if not ready and by_sock:
+                try:
+                    socks, _, _ = select.select(list(by_sock), [], [], 0.1)
+                except (OSError, ValueError):  # a link closed under us: look again
+                    continue
+                ready = [by_sock[s] for s in socks]
+            elif not by_sock:
+                self._stop.wait(0.1)
+            now = time.monotonic()
+            for rank, link in ready:
+                lock = self._locks.get(rank)
+                if lock is None:
+                    continue
+                try:
+                    with lock:
+                        _recv(link, 2.0)
+                    self._seen[rank] = now
+                except (CommError, OSError, ValueError) as e:
+                    self._fail(rank, f"{link.label} exited: its connection closed ({e})")
+            for rank, link in links.items():
+                silent = now - self._seen.get(rank, now)
+                if silent > self.deadline_s:
+                    self._fail(rank, f"{link.label} sent no heartbeat for {silent:.1f} s: frozen or cut off")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        with self._guard:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()

@@ -1,0 +1,390 @@
+"""The gateway's core, without HTTP: a checked request in, generated text out, one request at a time.
+
+The gateway *is* the client role (DESIGN.md §2): tokenizer, chat template, embedding, LM head and
+sampling run in this process; the workers see embedding shards only, exactly as with
+`fusion generate`. `fusion serve` (api_server.py) puts HTTP in front of it; `fusion chat` calls it
+directly.
+
+    validated body (openai_protocol) --chat_request / completion_request--> Request
+    Request --Scheduler.submit (scheduler.py)--> the one engine thread --Gateway.run--> delta ... done | error
+
+One engine runs one session at a time (the workers hold one KV cache), so requests wait in a FIFO
+served by a single engine thread. An error while serving one request fails that request only; only
+a lost worker the engine could not replace (comm.CommError) fails it with 503, and the gateway stays up:
+the next request tries again (scheduler.py).
+
+Every answer carries a `fusion` object (Gateway.protection): workers, steps run, plan fingerprint,
+and `audit`, which says `checked: false` and why.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .openai_protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+    from .sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by the context window)
+DEFAULT_MAX_QUEUE = 64  # waiting requests before 429
+# 0 < temperature < this samples at this (vLLM's rule): the scaled logits stay finite in float32.
+TEMPERATURE_FLOOR = 0.01
+# Per-request audit status. The audit (fusion_compute/audit/) verifies the hash-chained logs of a
+# finished run (`fusion audit run` / `verify`): its verifier needs every log closed with an end
+# record, so it cannot certify one request of a live server. We say so instead of claiming it.
+AUDIT_UNCHECKED = {
+    "checked": False,
+    "reason": "not verified per request: the audit verifier (fusion audit verify) checks the closed logs of a "
+    "finished run, not one session of a live server; `split` states the plan's layout, not an observed result",
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, kind="server_error")
+
+
+# ---- requests ----
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the gateway serves: the name callers use and the limits requests are checked against.
+    `max_token_bytes`: the longest token's text in UTF-8 bytes (0: unknown), which bounds the text
+    that could possibly fit the context window."""
+
+    id: str
+    tokenizer: Any
+    context: int
+    vocab: int
+    eos_ids: tuple[int, ...]
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_token_bytes: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_text_bytes(self) -> int | None:
+        """Text longer than this tokenizes to more tokens than the context holds, whatever it says:
+        every token covers at most `max_token_bytes` bytes."""
+        return self.context * self.max_token_bytes if self.max_token_bytes else None
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The longest token's text in UTF-8 bytes (special tokens included: their text is matched too)."""
+    return max(len(tokenizer.decode([i]).encode()) for i in range(tokenizer.vocab_size))
+
+
+@dataclass
+class Request:
+    kind: str  # "chat" | "completion"
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+def check_model(name: str, card: ModelCard) -> None:
+    if name != card.id:
+        raise ApiError(404, f"The model `{name}` does not exist (this server serves `{card.id}`)", "model",
+                       "model_not_found")  # fmt: skip
+
+
+def _too_long(what: str, card: ModelCard, param: str) -> ApiError:
+    return ApiError(400, f"{what} cannot fit the context window of {card.context} tokens", param,
+                    "context_length_exceeded")  # fmt: skip
+
+
+def _check_text_size(texts: list[str], card: ModelCard, param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit: tokenizing megabytes takes seconds."""
+    limit = card.max_text_bytes
+    if limit is not None:
+        n = sum(len(t.encode()) for t in texts)
+        if n > limit:
+            raise _too_long(f"a prompt of {n} bytes (over {card.max_token_bytes} bytes per token)", card, param)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`, as tokenizer.Tokenizer computes them, but through the backend's
+    `encode_batch`, which releases the GIL (`encode` holds it, so tokenizing a long prompt would
+    stall every stream the server is writing meanwhile)."""
+    return tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def chat_request(body: ChatCompletionRequest, card: ModelCard) -> Request:
+    """A validated /v1/chat/completions body -> Request (chat template, tokenizing), or ApiError.
+    Takes up to a few hundred ms for a long conversation: run it off the serving loop."""
+    check_model(body.model, card)
+    if len(body.messages) >= card.context:  # every message costs at least one token of template
+        raise _too_long(f"{len(body.messages)} messages", card, "messages")
+    chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    _check_text_size([m["content"] for m in chat], card, "messages")
+    tok = card.tokenizer
+    try:
+        text = tok.render_chat(chat)
+    except Exception as e:  # the template is the model's code: it may refuse roles or orders
+        raise ApiError(400, f"the model's chat template rejected the messages: {e}", "messages") from None
+    _check_text_size([text], card, "messages")
+    # No post-processor BOS: templates write their own (as Tokenizer.chat_ids does).
+    return _request(body, card, "chat", _encode(tok, text, add_special_tokens=False))
+
+
+def completion_request(body: CompletionRequest, card: ModelCard) -> Request:
+    """A validated /v1/completions body -> Request. prompt: text or token ids, one prompt only."""
+    check_model(body.model, card)
+    try:
+        prompt = body.single_prompt()
+    except ValueError as e:
+        raise ApiError(400, str(e), "prompt") from None
+    if not prompt:
+        raise ApiError(400, "empty prompt", "prompt")
+    if isinstance(prompt, str):
+        _check_text_size([prompt], card, "prompt")
+        ids = _encode(card.tokenizer, prompt, add_special_tokens=True)
+    else:
+        ids = list(prompt)
+    return _request(body, card, "completion", ids)
+
+
+def _request(body: GenerationRequest, card: ModelCard, kind: str, prompt_ids: list[int]) -> Request:
+    from .generate import InputError, check_prompt
+    from .sampling import SamplingError, SamplingParams
+
+    t = body.temperature or 0.0
+    try:
+        sampling = SamplingParams(
+            temperature=max(t, TEMPERATURE_FLOOR) if t > 0 else 0.0, top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+        )  # fmt: skip
+    except SamplingError as e:
+        raise ApiError(400, str(e)) from None
+    key, requested = body.max_tokens_param()
+    n_prompt = len(prompt_ids)
+    try:
+        check_prompt(prompt_ids, card.vocab, card.context, 1)
+    except InputError as e:
+        code = "context_length_exceeded" if "context window" in str(e) else None
+        raise ApiError(400, str(e), "messages" if kind == "chat" else "prompt", code) from None
+    room = card.context - n_prompt
+    if requested is not None and requested > room:
+        raise ApiError(
+            400, f"this model's context window is {card.context} tokens; the prompt has {n_prompt} and "
+            f"{key} = {requested} asks for more than the {room} left", key, "context_length_exceeded",
+        )  # fmt: skip
+    max_tokens = requested if requested is not None else min(card.default_max_tokens, room)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Request(kind, prompt_ids, max_tokens, sampling, body.stops(), bool(body.stream), include_usage)
+
+
+# ---- generation ----
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop sequence. Streaming-safe: text that could be the
+    start of a stop sequence is held back until it is known not to be one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """New text in; the text now safe to emit out. After a match, `stopped` is True."""
+        if self.stopped or not delta:
+            return ""
+        if not self.stops:
+            return delta
+        text = self.pending + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self.pending = ""
+            return text[: min(hits)]
+        hold = 0  # longest suffix of text that is a proper prefix of a stop sequence
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+
+@dataclass
+class Outcome:
+    text: str
+    finish_reason: str  # stop | length | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    timing: dict
+    recoveries: list[dict] = field(default_factory=list)  # epochs opened while it ran (a worker lost)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+class Gateway:
+    """The client role behind the API: one engine, its tokenizer, one request at a time."""
+
+    def __init__(self, engine: Any, card: ModelCard):
+        self.engine = engine
+        self.card = card
+        self.n_workers = engine.plan.n
+        self.fingerprint = engine.plan.fingerprint()
+        self.masked = getattr(engine.plan, "n_a", None) is not None  # masked.plan.MaskedPlan
+
+    def run(self, req: Request, emit: Callable[[str], None], cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+        """Generate for `req` in a fresh session; `emit(text)` gets each new piece of the answer."""
+        from .generate import generate
+
+        eos = set(self.card.eos_ids)
+        stream = self.card.tokenizer.stream(skip_special=True)
+        matcher = StopMatcher(req.stop)
+        parts: list[str] = []
+        state = {"cancelled": False}
+
+        def out(text: str) -> None:
+            if text:
+                parts.append(text)
+                emit(text)
+
+        def on_token(tok: int) -> bool:
+            if tok not in eos:
+                out(matcher.push(stream.push(tok)))
+            if cancelled():
+                state["cancelled"] = True
+                return True
+            return matcher.stopped
+
+        t0 = time.perf_counter()
+        res = generate(
+            self.engine, req.prompt_ids, max_new_tokens=req.max_tokens, sampling=req.sampling,
+            stop_ids=eos, on_token=on_token,
+        )  # fmt: skip
+        if not matcher.stopped:
+            out(matcher.push(stream.flush()))
+            out(matcher.flush())
+        finish = "cancelled" if state["cancelled"] else ("stop" if matcher.stopped else res.finish_reason)
+        return Outcome(
+            text="".join(parts),
+            finish_reason=finish,
+            prompt_tokens=res.prompt_tokens,
+            completion_tokens=len(res.token_ids),
+            steps=res.steps,
+            timing={
+                "run_s": round(time.perf_counter() - t0, 4),
+                "ttft_s": round(res.ttft_s, 4),
+                "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+            },
+            recoveries=res.recoveries,
+        )
+
+    def protection(self, outcome: Outcome | None) -> dict:
+        """The `fusion` extension object: what was protected for this request."""
+        n = self.engine.plan.n  # the current epoch's (a recovery may have changed it)
+        common = {"workers": n, "steps": outcome.steps if outcome else 0, "plan": self.engine.plan.fingerprint(),
+                  "protected": ["residual", "qkv", "mlp_activations", "kv_cache"]}  # fmt: skip
+        if outcome is not None and outcome.recoveries:
+            common["recovered"] = [
+                {k: r.get(k) for k in ("epoch", "lost", "order", "reason", "epoch_s", "replay_s")} for r in outcome.recoveries
+            ]
+        if self.masked:
+            p = self.engine.plan
+            return {
+                "mode": "masked", **common, "groups": [p.n_a, p.n_b],
+                "split": (
+                    "by the protocol, group A receives only one-time-pad-masked ring elements, group B only "
+                    "the mask key; the client alone holds clear values (assumes A and B do not collude)"
+                ),
+                "audit": dict(AUDIT_UNCHECKED),
+            }  # fmt: skip
+        return {
+            "mode": "structural", **common,
+            "split": (
+                f"by the plan, each of the {n} workers holds only its own shard of these, at every layer, "
+                "for prefill and every decode step"
+                if n > 1
+                else "one worker holds everything (N = 1: nothing is split)"
+            ),
+            "audit": dict(AUDIT_UNCHECKED),
+        }  # fmt: skip
+
+
+# ---- from the command line ----
+
+
+def model_id(path: Any) -> str:
+    """The served model's name: the file (without .gguf) or directory name."""
+    name = path.name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[Gateway, Any]:
+    """Engine + tokenizer + card from `fusion serve|chat` arguments (spawns or admits workers).
+    Returns (gateway, topology or None). Bad arguments raise before any worker starts."""
+    from .engine import effective_context
+    from .errors import UsageError
+    from .options import engine_options, tokenizer_for
+    from .progress import is_tty, load_monitor, log_startup
+    from .weights import open_weights, resolve_model_path
+
+    stderr = stderr or sys.stderr
+    masked = getattr(a, "mode", "structural") == "masked"
+    opts = engine_options(a, masked=masked)
+    max_tokens = getattr(a, "max_tokens", None)
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    path = resolve_model_path(a.model)
+    src = open_weights(path)
+    tok = tokenizer_for(path, src, needed=True)
+    if tok is None:
+        raise UsageError(f"{path}: no tokenizer, which serving text needs")
+    context = effective_context(src.config.max_positions, a.context)
+    if masked:
+        from .masked.client import MaskedEngine
+
+        engine = MaskedEngine(path, opts, source=src)
+    else:
+        from .client import Engine
+
+        opts.progress = load_monitor(stderr)
+        engine = Engine(path, opts, source=src)
+        if always_log or is_tty(stderr):
+            log_startup(engine, stderr, opts.topology)
+    name = getattr(a, "served_model_name", None) or model_id(path)
+    card = ModelCard(
+        id=name, tokenizer=tok, context=context, vocab=src.config.vocab, eos_ids=tuple(tok.eos_ids),
+        default_max_tokens=max_tokens or DEFAULT_MAX_TOKENS, max_token_bytes=longest_token_bytes(tok),
+    )  # fmt: skip
+    return Gateway(engine, card), opts.topology

@@ -1,0 +1,267 @@
+"""What `fusion serve` refuses before a request reaches a route, every refusal in OpenAI's error
+format: malformed HTTP (400), headers or a body that take too long to arrive (408), a body over the
+limit (413), a missing or wrong API key (401), more open connections than allowed (503).
+
+    connection  ─ LimitedH11 (uvicorn's h11 protocol): connection cap, header timeout, JSON 400s
+    request     ─ AccessLog ─ ApiKey ─ BodyLimit ─ JsonBody ─ the FastAPI app (api_server.py)
+
+uvicorn's h11 protocol is used, not httptools: h11 is strict about framing (conflicting
+Content-Length, both Content-Length and chunked, bad chunk sizes are all refused and the
+connection closed, so a request can never be read as two). What it lacks for a port others can
+reach is added here by subclassing it: uvicorn answers malformed HTTP in plain text, has no
+timeout for headers that trickle in, and its connection limit answers in plain text too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import h11
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .gateway import ApiError
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+App = Callable[[Scope, Receive, Send], Any]
+
+LOG_NOTE = "fusion.log"  # scope key: a dict where routes leave `extra` (text) and `status` for AccessLog
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (CR, LF, NUL, ESC, lone surrogates, ...)
+    and the backslash written as an escape, so a caller cannot forge or break a log line."""
+    return "".join(c if c.isprintable() and c != "\\" else ascii(c)[1:-1] for c in text)
+
+
+def error_bytes(error: ApiError) -> bytes:
+    # ensure_ascii: a message may quote the caller's text, which is then escaped, never re-encoded.
+    return json.dumps(error.body(), ensure_ascii=True).encode()
+
+
+async def send_error(send: Send, error: ApiError, close: bool = False, headers: dict[str, str] | None = None) -> None:
+    """An error answer over ASGI, for the layers below FastAPI."""
+    body = error_bytes(error)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if close:
+        raw.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# ---- the connection ----
+
+
+class LimitedH11(H11Protocol):
+    """uvicorn's h11 protocol with a connection cap, a header timeout and JSON error bodies.
+    Set the class attributes on a subclass (`limited_protocol`); uvicorn makes one per connection."""
+
+    max_connections = 256
+    header_timeout_s = 30.0
+    log: Callable[[str], None] = staticmethod(lambda line: None)
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: Any = None
+        if len(self.connections) > self.max_connections:
+            self.app = _overloaded  # its request is read, answered 503, and the connection closed
+            self.log(f"fusion serve: connection from {self._peer()} over the limit of {self.max_connections}: 503")
+        self._arm_header_timer()
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the request line and headers are in (or were refused)
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # for the next request on this kept-alive connection
+
+    def send_400_response(self, msg: str) -> None:
+        self.log(f"fusion serve: malformed HTTP from {self._peer()}: 400")
+        self._answer_and_close(ApiError(400, "malformed HTTP request (not valid HTTP/1.1, or headers over the limit)"))
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:  # part of a request came, and not all of its headers
+            self.log(f"fusion serve: headers from {self._peer()} too slow: 408")
+            self._answer_and_close(ApiError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s"))
+        else:
+            self.transport.close()
+
+    def _answer_and_close(self, error: ApiError) -> None:
+        # Written directly: h11 will not send a response to a request it never saw whole.
+        body = error_bytes(error)
+        reason = {400: "Bad Request", 408: "Request Timeout"}.get(error.status, "Error")
+        head = (f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+def limited_protocol(max_connections: int, header_timeout_s: float, log: Callable[[str], None]) -> type[LimitedH11]:
+    limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s, "log": staticmethod(log)}
+    return type("GatewayH11", (LimitedH11,), limits)
+
+
+async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
+    error = ApiError(503, "too many open connections; retry later", code="too_many_connections", kind="server_error")
+    await send_error(send, error, close=True, headers={"Retry-After": "1"})
+
+
+# ---- the request ----
+
+
+class AccessLog:
+    """One line per request: method, path, status, duration, and what the route noted."""
+
+    def __init__(self, app: App, log: Callable[[str], None]):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        note: dict[str, Any] = {}
+        scope[LOG_NOTE] = note
+        status = 0
+
+        async def send_noting(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting)
+        finally:
+            path = scope.get("raw_path", b"").decode("latin-1") or scope.get("path", "")
+            if scope.get("query_string"):
+                path += "?" + scope["query_string"].decode("latin-1")
+            extra = f" {note['extra']}" if note.get("extra") else ""
+            self.log(f"fusion serve: {scope['method']} {path[:200]} {note.get('status', status or 500)} "
+                     f"{time.perf_counter() - t0:.2f}s{extra}")  # fmt: skip
+
+
+def note(scope: Scope, extra: str, status: int | None = None) -> None:
+    """Leave `extra` (and a status that overrides the one sent, e.g. 499) for the request's log line."""
+    slot = scope.get(LOG_NOTE)
+    if slot is not None:
+        slot["extra"] = extra[:160]
+        if status is not None:
+            slot["status"] = status
+
+
+class ApiKey:
+    """With --api-key, every /v1 and /admin path needs `Authorization: Bearer KEY`, checked before the
+    body is read, in constant time (hmac.compare_digest on bytes). /health and /openapi.json stay open."""
+
+    def __init__(self, app: App, key: str | None):
+        self.app = app
+        self.expected = None if key is None else b"Bearer " + key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.expected is not None and _under_v1(scope.get("path", "")):
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+                note(scope, error.message)
+                return await send_error(send, error)
+        await self.app(scope, receive, send)
+
+
+def _under_v1(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in ("/v1", "/admin"))
+
+
+class JsonBody:
+    """Every request body is read as JSON, whatever its Content-Type says: `curl -d` sends
+    form-encoded, and the API has no other kind of body."""
+
+    def __init__(self, app: App):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+            scope["headers"] = [*headers, (b"content-type", b"application/json")]
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """A body over `max_bytes` is refused with 413: by its declared Content-Length before a byte of
+    it is read, or as soon as a chunked one goes over. A body must also arrive within `timeout_s`
+    (408). Either way the connection is closed, since the rest of the body is not read."""
+
+    def __init__(self, app: App, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", ()))
+        if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.1: a smuggling attempt
+            error = ApiError(400, "Content-Length and Transfer-Encoding together are refused")
+            note(scope, error.message)
+            return await send_error(send, error, close=True)
+        declared = headers.get(b"content-length")
+        if declared is not None and (len(declared) > 18 or int(declared) > self.max_bytes):  # h11 checked: digits
+            error = self._too_large()
+            note(scope, error.message)
+            return await send_error(send, error, close=True)
+        deadline = time.monotonic() + self.timeout_s
+        size = 0
+        complete = False
+
+        async def receive_limited() -> dict[str, Any]:
+            nonlocal size, complete
+            if complete:  # after the body only a disconnect can come: wait for it as long as it takes
+                return await receive()
+            try:
+                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
+            except TimeoutError:
+                # An HTTPException passes through FastAPI's body parsing to the app's handler.
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                    headers={"Connection": "close"}) from None  # fmt: skip
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    raise HTTPException(413, self._too_large().message, headers={"Connection": "close"})
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        await self.app(scope, receive_limited, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is over the limit of {self.max_bytes} bytes")

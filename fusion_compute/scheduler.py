@@ -1,0 +1,182 @@
+"""The engine's queue: callers submit, one engine thread runs jobs in order (the workers hold one
+session at a time) and reports each job's events. Membership changes (the admin endpoint) run on the
+same thread, between requests, through `call`.
+
+Errors: a request that fails for its own reasons (a bad value that got past the checks: 400; anything
+else: 500) fails alone. A lost worker the engine could not replace (comm.CommError: too few workers
+left, no standby) fails the request with 503 and marks the engine *degraded*; the gateway stays up
+and the next request tries again (the engine recovers as soon as it can: a standby joined, a
+worker added). `/health` says `ok` or `degraded` (with the reason).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .gateway import DEFAULT_MAX_QUEUE, ApiError, Gateway, Request, unavailable
+
+JobEvent = tuple[str, Any]  # ("delta", str) | ("done", Outcome) | ("error", ApiError)
+
+
+@dataclass
+class Job:
+    req: Request | None
+    on_event: Callable[[JobEvent], None]  # called on the engine thread; must not block
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    t_enqueued: float = field(default_factory=time.perf_counter)
+    t_started: float | None = None
+    ahead: int = 0  # requests ahead of it when it arrived (waiting, plus the running one)
+    work: Callable[[], Any] | None = None  # an engine call instead of a request (Scheduler.call)
+
+
+def one_line(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
+
+
+class Scheduler:
+    """FIFO: callers submit, one engine thread runs jobs in order and reports each job's events."""
+
+    def __init__(self, gateway: Gateway, max_queue: int = DEFAULT_MAX_QUEUE, log: Callable[[str], None] = print):
+        self.gateway = gateway
+        self.max_queue = max_queue
+        self.log = log
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.running = False
+        self.degraded: str | None = None  # why the last request could not run (a lost worker not replaced)
+        self.stopping = False
+        self.served = 0
+        self._thread = threading.Thread(target=self._loop, name="fusion-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request, on_event: Callable[[JobEvent], None]) -> Job:
+        with self._lock:
+            if self.stopping:
+                raise unavailable("the engine is unavailable: shutting down")
+            if self.waiting >= self.max_queue:
+                raise ApiError(429, f"{self.waiting} requests are already waiting; retry later", code="queue_full",
+                               kind="rate_limit_error")  # fmt: skip
+            job = Job(req, on_event, ahead=self.waiting + int(self.running))
+            self.waiting += 1
+            self._q.put(job)
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            with self._lock:
+                self.waiting -= 1
+                self.running = True
+            try:
+                if self.stopping:
+                    self._send(job, ("error", unavailable("the server is shutting down")))
+                elif job.work is not None:  # an engine call (membership), between requests
+                    self._call(job)
+                elif not job.cancelled.is_set():  # a caller that hung up while waiting is skipped
+                    self._run(job)
+            finally:
+                with self._lock:
+                    self.running = False
+
+    def _send(self, job: Job, event: JobEvent) -> None:
+        try:
+            job.on_event(event)
+        except Exception:  # the caller's side is gone (e.g. its event loop closed): stop generating for it
+            job.cancelled.set()
+
+    def _run(self, job: Job) -> None:
+        from .comm import CommError
+        from .errors import UsageError
+        from .generate import InputError
+
+        job.t_started = time.perf_counter()
+        try:
+            out = self.gateway.run(
+                job.req, lambda text: self._send(job, ("delta", text)), lambda: job.cancelled.is_set() or self.stopping
+            )
+        except CommError as e:  # a lost worker the engine could not replace: this request fails, the gateway stays
+            self.degraded = one_line(e)
+            self.log(f"fusion serve: degraded: {self.degraded}")
+            self._send(job, ("error", unavailable(f"the engine lost a worker it could not replace: {self.degraded}")))
+            return
+        except (UsageError, InputError) as e:  # a bad value that got past the request checks
+            self._send(job, ("error", ApiError(400, str(e))))
+            return
+        except Exception as e:  # this request failed; the engine did not (the next one starts a new session)
+            self.log(f"fusion serve: request failed: {one_line(e)}")
+            self._send(job, ("error", ApiError(500, f"the request failed: {one_line(e)}", kind="server_error")))
+            return
+        self.degraded = None
+        out.timing = {"queued_behind": job.ahead, "queue_s": round(job.t_started - job.t_enqueued, 4), **out.timing}
+        for r in out.recoveries:
+            self.log(f"fusion serve: recovered: epoch {r['epoch']} without worker(s) {r['lost']} "
+                     f"({r['epoch_s']} s + replay {r.get('replay_s')} s): {r['reason']}")  # fmt: skip
+        if out.finish_reason == "cancelled":
+            why = "the server is stopping" if self.stopping else "its caller hung up"
+            self.log(f"fusion serve: request stopped after {out.completion_tokens} of {job.req.max_tokens} tokens: {why}")
+        self.served += 1
+        self._send(job, ("done", out))
+
+    def call(self, work: Callable[[], Any], timeout_s: float = 600.0) -> Any:
+        """Run `work()` on the engine thread between requests and return its result (or raise its
+        error). Membership changes go through here: the engine is not shared between threads."""
+        done: queue.Queue = queue.Queue()
+        with self._lock:
+            if self.stopping:
+                raise unavailable("the engine is unavailable: shutting down")
+            job = Job(None, done.put, ahead=self.waiting + int(self.running), work=work)
+            self.waiting += 1
+            self._q.put(job)
+        try:
+            kind, value = done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise unavailable(f"the engine did not get to it in {timeout_s:.0f} s") from None
+        if kind == "error":
+            raise value
+        return value
+
+    def _call(self, job: Job) -> None:
+        try:
+            result = job.work()
+        except BaseException as e:  # handed to the caller, who answers for it
+            self._send(job, ("error", e))
+            return
+        self._send(job, ("done", result))
+
+    def health(self) -> tuple[str, str | None]:
+        """("ok" | "degraded", why): degraded when the last request could not run, or when the
+        liveness watch reports an active worker failed (noticed while idle)."""
+        if self.degraded:
+            return "degraded", self.degraded
+        engine = self.gateway.engine
+        failed = {p: why for p, why in engine.watch.failed().items() if p in engine.order}
+        if failed:
+            return "degraded", "; ".join(failed.values())
+        return "ok", None
+
+    def stop(self) -> None:
+        """Begin stopping, without blocking: the running request ends at its next token, waiting
+        ones get 503, new ones are refused."""
+        self.stopping = True
+        self._q.put(None)
+
+    def close(self, wait_s: float = 30.0) -> None:
+        self.stop()
+        self._thread.join(timeout=wait_s)
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._send(job, ("error", unavailable("the server is shutting down")))
+
+
