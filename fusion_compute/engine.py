@@ -40,7 +40,7 @@ import torch
 from .comm import Admission, Comm, CommError, Identity, Member, PeerError, PublicId, Recorder, Watch, free_port
 from .comm.liveness import DEADLINE_S
 from .config import ModelError
-from .errors import UsageError
+from .errors import UsageError, WorkerMisbehaved
 from .launch import WorkerProcs
 from .topology import Topology, check_here
 from .weights import WeightSource, open_weights, resolve_model_path
@@ -93,6 +93,10 @@ class EngineOptions:
     # rendezvous, closed after the handshake. None = quiet.
     progress: Callable[..., Any] | None = None
     log: Callable[[str], None] = warn  # refused connections, recoveries and other notices
+    # TEST ONLY, the audit's negative control for revocation: "keep-revoked" makes `revoke` record the
+    # user's revocation but keep the worker in the next epoch (a client bug that lets a revoked worker
+    # keep receiving state). `fusion audit verify` must fail on it (docs/audit.md). None: no bug.
+    audit_negative_control: str | None = None
 
     def check(self) -> None:
         """Option combinations that cannot work; raises CommError naming the fix."""
@@ -175,6 +179,8 @@ class EngineBase:
         self.history: list[int] = []  # the session's tokens so far: what a replay runs again
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
+        self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
+        self.opening: list[int] = []  # the order of the epoch being opened (hello() sees it)
         self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
         self.procs: WorkerProcs | None = None
         self.comm: Comm | None = None
@@ -243,6 +249,10 @@ class EngineBase:
     def n_workers(self) -> int:
         return self.plan.n
 
+    def group_names(self) -> tuple[str, ...] | None:
+        """The groups every epoch must have a worker in (masked mode), or None."""
+        return None
+
     def group_of(self, rank: int) -> str | None:
         return self.seats[self.order[rank - 1]].group
 
@@ -280,6 +290,8 @@ class EngineBase:
             pass  # a lost worker's memory is its process's; the next request recovers
 
     def _with_recovery(self, step: Callable[[], Any], replay: Callable[[], Any] | None = None) -> Any:
+        if self.convicted & set(self.order):
+            self._replace_convicted()  # a liar that could not be replaced before: no work until it is
         if self.watch.failure() is not None and set(self.watch.failed()) & set(self.order):
             self.recover(None)  # noticed while idle
             if replay is not None:
@@ -289,7 +301,40 @@ class EngineBase:
                 return step() if attempt == 0 else (replay or step)()
             except PeerError as e:
                 self.recover(e)
+            except WorkerMisbehaved as e:
+                self._expel(e)
+                raise
         raise CommError("gave up after as many recoveries as there are workers")
+
+    def _expel(self, err: WorkerMisbehaved) -> None:
+        """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
+        and they leave the job now, replaced by standbys where there are any."""
+        self.history = []
+        self.opts.log(f"{err}: removing {'them' if len(err.pids) > 1 else 'it'} from the job")
+        self.convicted |= set(err.pids) & set(self.order)
+        try:
+            self._replace_convicted()
+        except TooFewWorkers as e:
+            raise TooFewWorkers(f"{err}; and {e}") from err
+
+    def _replace_convicted(self) -> None:
+        """End the epoch the liars were part of and open the next one without them (refused, with
+        the job waiting for a replacement, when that would leave too few)."""
+        gone = self.convicted & set(self.order)
+        t0, noticed = time.perf_counter(), time.time()
+        if self.comm is not None:  # the abandoned step's epoch is over, whatever comes next
+            self._retire(gone)
+        for pid in gone:
+            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+        order = self._next_order(gone, why="removing the worker that lied leaves")
+        self.epoch += 1
+        self.plan = self.plan_for(order)
+        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+        self.order = order
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
+                                "reason": "returned a wrong product (caught by the check)",
+                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
+                                "replayed_tokens": 0})  # fmt: skip
 
     def recover(self, err: PeerError | None) -> None:
         """Open the next epoch without the failed workers (replaced by standbys where there are
@@ -350,28 +395,37 @@ class EngineBase:
                         "where": member.label() if member else None})  # fmt: skip
         return out
 
-    def revoke(self, pid: int) -> None:
+    def revoke(self, pid: int, replay: bool = True) -> None:
         """Remove a participant now: it is told to wipe and leave, it may never rejoin, and the
         session (if one is open) is replayed on the next epoch, with a standby in its place when
-        there is one. Refused, session unharmed, when it would leave fewer than --min-workers."""
+        there is one. Refused, session unharmed, when it would leave fewer than --min-workers.
+        `replay=False`: open the next epoch only; the caller replays (the audit runner does, inside a
+        recorded step: `reset()` then `forward(history)`)."""
         if pid not in self.seats or pid in self.removed:
             live = [str(p) for p in self.seats if p not in self.removed]
             raise UnknownWorker(f"no worker {pid} to revoke (workers: {', '.join(live)})")
         if pid not in self.order:  # a standby: nothing to re-plan
             self._retire({pid}, epoch_over=False)
             return
-        self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
-        order = self._next_order({pid}, why="revoking it would leave")
+        keep = self.opts.audit_negative_control == "keep-revoked"
+        if self.opts.audit_negative_control not in (None, "keep-revoked"):
+            raise ValueError(f"unknown audit negative control {self.opts.audit_negative_control!r}")
+        if keep:  # NEGATIVE CONTROL (tests only): the revocation is recorded, the worker stays
+            self.opts.log(f"audit negative control keep-revoked: worker {pid} stays in epoch {self.epoch + 1}")
+            order = list(self.order)
+        else:
+            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+            order = self._next_order({pid}, why="revoking it would leave")
         t0, noticed = time.perf_counter(), time.time()
-        self._retire({pid})
+        self._retire(set() if keep else {pid})
         self.epoch += 1
         self.plan = self.plan_for(order)
         self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
         self.order = order
-        record = {"epoch": self.epoch, "lost": [pid], "order": order, "reason": f"worker {pid} revoked by the user",
-                  "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
-                  "replayed_tokens": len(self.history)}  # fmt: skip
-        if self.history:  # the open session moves to the new epoch now
+        record = {"epoch": self.epoch, "lost": [pid], "revoked": [pid], "order": order,
+                  "reason": f"worker {pid} revoked by the user", "noticed_unix": round(noticed, 3),
+                  "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": len(self.history)}  # fmt: skip
+        if self.history and replay:  # the open session moves to the new epoch now
             t1 = time.perf_counter()
             self._reset()
             self._forward(list(self.history), False)
@@ -384,9 +438,10 @@ class EngineBase:
         `fusion worker --master ... --client-key ... --key ...`. Migration = add, then revoke."""
         pid = max(self.seats) + 1
         capacity = min(s.capacity for s in self.seats.values())
-        if self.mode == "masked" and group not in ("A", "B"):
-            raise UnknownWorker("a masked job's standby needs its group: A or B")
-        if self.mode != "masked" and group is not None:
+        names = self.group_names()
+        if names is not None and group not in names:
+            raise UnknownWorker(f"a masked job's standby needs its group: {' or '.join(names)}")
+        if names is None and group is not None:
             raise UnknownWorker("groups are for masked jobs only")
         if self.opts.is_local:
             if key is not None:
@@ -436,9 +491,9 @@ class EngineBase:
             raise TooFewWorkers(f"{why} {len(order)} worker{'s' if len(order) != 1 else ''}: fewer than "
                             f"--min-workers {self.opts.min_workers} (no standby left to take its place; one worker "
                             "alone would hold the whole state)")  # fmt: skip
-        groups = {self.seats[p].group for p in order}
-        if self.mode == "masked" and groups != {"A", "B"}:
-            raise TooFewWorkers(f"{why} no worker in group {({'A', 'B'} - groups).pop()}: a masked epoch needs both groups")
+        missing = [g for g in self.group_names() or () if g not in {self.seats[p].group for p in order}]
+        if missing:
+            raise TooFewWorkers(f"{why} no worker in group {missing[0]}: a masked epoch needs every group")
         return order
 
     def _retire(self, gone: set[int], epoch_over: bool = True) -> None:
@@ -474,6 +529,7 @@ class EngineBase:
         active = set(order)
         for link in links.values():
             link.check = lambda: self.watch.check(only=active)
+        self.opening = list(order)  # hello() runs before `self.order` becomes this epoch's
         return self.hello(deadline)
 
     # ---- start-up ----

@@ -15,3 +15,12 @@ class UsageError(FusionError):
     """The command line (or a file it names) asks for something that cannot work."""
 
     exit_code = 2
+
+
+class WorkerMisbehaved(FusionError):
+    """A worker answered, but wrongly (a product that fails the client's check): `pids` names the
+    participants found at fault. The request fails; the engine removes them from the job."""
+
+    def __init__(self, message: str, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids

@@ -111,7 +111,8 @@ class Worker:
             if o.audit_dir:
                 from .audit.recorder import AuditRecorder
 
-                audit = AuditRecorder(o.audit_dir, rank)
+                audit = AuditRecorder.for_epoch(o.audit_dir, int(welcome.get("epoch") or 0), rank,
+                                                participant=int(welcome["pid"]))  # fmt: skip
             fabric = None
             if welcome.get("fabric"):
                 from .comm.torch_fabric import TorchFabric

@@ -9,6 +9,7 @@ the Megatron-style replicated residual, and tampered logs. Each must make the ve
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import shutil
 import subprocess
@@ -72,7 +73,7 @@ def test_clean_run_closes_every_step(good):
     assert res.ok and res.checks["partition"] > 0 and res.checks["closure"] > 0 and res.checks["accounting"] > 0
     assert res.summary_line() == f"closed: {STEPS}/{STEPS} decode steps (+1/1 prefill), 3 layers each, 0 violations"
     # split groups: the score sums are in the log (qwen2 tiny has 2 KV heads, so N = 3 splits them)
-    log = [json.loads(x) for x in (Path(good["dir"]) / "rank2.jsonl").read_text().splitlines()]
+    log = [json.loads(x) for x in (Path(good["dir"]) / "epoch0" / "rank2.jsonl").read_text().splitlines()]
     kinds = {e[2] for r in log if r["type"] == "step" for e in r["events"]}
     assert kinds == {"ingress", "reduce_scatter", "score_sum", "egress"}
 
@@ -104,7 +105,8 @@ def _records(path: Path) -> list[dict]:
 
 
 def _rechain(d: Path, rank: int, records: list[dict]) -> None:
-    """Rewrite a log with a valid chain and update the manifest: a forger who controls both."""
+    """Rewrite an epoch's log with a valid chain and update its manifest, and that manifest's digest
+    in the cold start's: a forger who controls them all."""
     prev, lines = S.GENESIS, []
     for i, r in enumerate(records):
         r = {k: v for k, v in r.items() if k != "hash"} | {"seq": i, "prev": prev}
@@ -114,6 +116,16 @@ def _rechain(d: Path, rank: int, records: list[dict]) -> None:
     m = json.loads((d / S.MANIFEST).read_text())
     m["chains"][str(rank)] = prev
     (d / S.MANIFEST).write_text(json.dumps(m))
+    redigest(d.parent, d.name, S.MANIFEST, lambda c, h: next(e for e in c["epochs"] if e["dir"] == d.name).update(
+        manifest_sha256=h))  # fmt: skip
+
+
+def redigest(cold: Path, sub: str, name: str, put) -> None:
+    """Record the new sha256 of cold/sub/name in the cold start's manifest with `put(manifest, digest)`."""
+    if (cold / S.MANIFEST).is_file():
+        c = json.loads((cold / S.MANIFEST).read_text())
+        put(c, hashlib.sha256((cold / sub / name).read_bytes()).hexdigest())
+        (cold / S.MANIFEST).write_text(json.dumps(c))
 
 
 def _steps(records: list[dict]) -> list[int]:
@@ -204,7 +216,7 @@ def test_tampered_log_fails(good, tmp_path, name, capsys):
     tamper, expect = TAMPERS[name]
     d = tmp_path / "audit"
     shutil.copytree(good["dir"], d)
-    tamper(d)
+    tamper(d / "epoch0")
     assert main(["audit", "verify", str(d)]) == 1
     capsys.readouterr()
     counts = verify_dir(d).counts()

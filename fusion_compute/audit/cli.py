@@ -79,6 +79,12 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise AuditCliError(f"--threads must be >= 1, got {a.threads}")
     if not (a.timeout > 0):
         raise AuditCliError(f"--timeout must be > 0, got {a.timeout}")
+    if a.revoke_at is not None and not (0 <= a.revoke_at < a.steps):
+        raise AuditCliError(f"--revoke-at must be in 0..{a.steps - 1} (a decode step), got {a.revoke_at}")
+    if a.standby is not None and a.standby < 0:
+        raise AuditCliError(f"--standby must be >= 0, got {a.standby}")
+    if a.negative_control is not None and a.revoke_at is None:
+        raise AuditCliError("--negative-control keep-revoked needs --revoke-at STEP")
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")
@@ -97,11 +103,17 @@ def cmd_run(a: argparse.Namespace) -> int:
         timeout_s=a.timeout,
         netcount=not a.no_netcount,
         exposure=not a.no_exposure,
+        revoke_at=a.revoke_at,
+        standby=a.standby,
+        negative_control=a.negative_control,
     )
     summary = run_audit(cfg, log=lambda s: print(s, file=sys.stderr))
+    epochs = (f" (2 epochs each: worker {cfg.revoke_worker} revoked before decode step {cfg.revoke_at})"
+              if cfg.revoke_at is not None else "")  # fmt: skip
     print(
         f"audit {'PASS' if summary['all_ok'] else 'FAIL'}: {summary['closed']} decode steps closed over "
-        f"{summary['cold_starts']} cold starts, {summary['workers']} workers; {out / 'summary.json'}, {out / 'report.md'}"
+        f"{summary['cold_starts']} cold starts{epochs}, {summary['workers']} workers; {out / 'summary.json'}, "
+        f"{out / 'report.md'}"
     )
     return 0 if summary["all_ok"] else EXIT_FAIL
 
@@ -242,6 +254,16 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--timeout", type=float, default=120.0)
     r.add_argument("--no-netcount", action="store_true", help="skip the OS socket byte accounting")
     r.add_argument("--no-exposure", action="store_true", help="skip the exposure ranks and attack in the report")
+    r.add_argument(
+        "--revoke-at",
+        type=int,
+        metavar="STEP",
+        help="revoke worker 1 before decode step STEP (0-based), as a user would: the session moves to "
+        "a second epoch by replay, and the audit checks both and that worker 1 receives nothing more",
+    )
+    r.add_argument("--standby", type=int, help="local standby workers (default: 1 with --revoke-at, else 0)")
+    r.add_argument("--negative-control", choices=["keep-revoked"],
+                   help="with --revoke-at: a client bug that keeps the revoked worker in the next epoch (must FAIL)")  # fmt: skip
     r.set_defaults(func=_guard("run", cmd_run))
 
     v = asub.add_parser("verify", help="independent verifier of an audit directory (exit 0 only if every check passes)")

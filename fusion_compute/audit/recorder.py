@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from .schema import GENESIS, SCHEMA_VERSION, LogEvent, canonical, log_name, parse_op, to_runs
+from .schema import GENESIS, SCHEMA_VERSION, LogEvent, canonical, epoch_dir, log_name, parse_op, to_runs
 
 
 def model_dims(config) -> dict:
@@ -34,12 +34,14 @@ def share_record(share) -> dict:
 class AuditRecorder:
     """One rank's audit log. Not thread-safe (a rank records from its main thread only)."""
 
-    def __init__(self, audit_dir: str | Path, rank: int, role: str = "worker"):
+    def __init__(self, audit_dir: str | Path, rank: int, role: str = "worker", header: dict | None = None):
+        """`header`: more fields for the header record (an epoch's recorder: `epoch`, `participant`)."""
         self.dir = Path(audit_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / log_name(rank)
         self.rank = rank
         self.role = role
+        self.header = dict(header or {})
         self._f = open(self.path, "w", buffering=1 << 20)
         self._seq = 0
         self._prev = GENESIS
@@ -57,6 +59,17 @@ class AuditRecorder:
         self.steps_total = 0
         self.busy_s = 0.0
         self.closed = False
+
+    @classmethod
+    def for_epoch(
+        cls, cold_dir: str | Path, epoch: int, rank: int, participant: int | None = None, role: str = "worker"
+    ) -> AuditRecorder:
+        """The log of `rank` in plan epoch `epoch` of a cold start: COLD/epoch{E}/rank{R}.jsonl, its
+        header naming the epoch and the participant (a worker's id for the life of the job)."""
+        extra = {"epoch": int(epoch)}
+        if participant is not None:
+            extra["participant"] = int(participant)
+        return cls(Path(cold_dir) / epoch_dir(epoch), rank, role=role, header=extra)
 
     # ---- hot path ----
 
@@ -115,6 +128,7 @@ class AuditRecorder:
             "share": share_record(share) if share is not None else None,
             "time": time.time(),
             "control": self._take_control(),
+            **self.header,
             **extra,
         }
         self._write(rec)

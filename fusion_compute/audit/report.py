@@ -12,6 +12,47 @@ def _fmt_bytes(per: dict) -> str:
     )
 
 
+def _rk(key: str) -> str:
+    """A per-rank key of summary.json as a label: "2" -> "r2"; "e1.2" (epoch 1, rank 2) -> "e1 r2"."""
+    epoch, dot, rank = key.partition(".")
+    return f"{epoch} r{rank}" if dot else f"r{key}"
+
+
+def _epochs_section(summary: dict) -> list[str]:
+    """Per cold start: its epochs, who left and what the kernel counted for them, the replay step."""
+    lines = ["## Epochs and membership", ""]
+    rv = summary.get("revoke") or {}
+    if rv:
+        lines += [
+            f"Worker {rv['worker']} is revoked before decode step {rv['before_decode_step']}, as a user would; the "
+            "session moves to the next epoch by replay (its first step). Checked across epochs: every rank's worker "
+            "is who the client's order says (each log header names its participant), a worker that left has no log "
+            "and is never addressed afterwards, and the kernel counted no byte to or from its process after it left.",
+            "",
+        ]
+    if summary.get("negative_control"):
+        lines += [f"**Negative control `{summary['negative_control']}`: this run must fail the membership check.**", ""]
+    lines += [
+        "| # | epochs (workers in rank order: verdict) | departures | replay | membership |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in summary["runs"]:
+        eps = "; ".join(f"{e['epoch']}: {e['order']} {'pass' if e['ok'] else 'FAIL'}" for e in r.get("epochs", []))
+        m = r.get("membership") or {}
+        deps = []
+        for d in m.get("departures", []):
+            k = d.get("kernel")
+            kern = f", kernel {k['received']:,} B in / {k['sent']:,} B out after" if k else ", kernel not measured"
+            deps.append(f"worker {d['participant']} {d['why']} before epoch {d['epoch']}"
+                        f"{'' if d['absent'] else ', TAKES PART after'}{kern}")  # fmt: skip
+        reps = "; ".join(f"epoch {x['epoch']} step {x['step']} ({x['tokens']} tokens): "
+                         f"{'closed' if x['closed'] else 'NOT closed'}" for x in m.get("replays", []))  # fmt: skip
+        verdict = f"{'pass' if m.get('ok') else 'FAIL'} ({m.get('checked', 0)} checks)"
+        lines.append(f"| {r['cold_start']} | {eps} | {'; '.join(deps) or 'none'} | {reps or 'none'} | {verdict} |")
+    lines.append("")
+    return lines
+
+
 def render(summary: dict) -> str:
     dims = summary["model"]["dims"]
     lines = [
@@ -27,6 +68,7 @@ def render(summary: dict) -> str:
         f"over {summary['cold_starts']} cold starts",
         f"- identical tokens across cold starts: {summary['identical_tokens_across_cold_starts']}",
         "",
+        *(_epochs_section(summary) if any(len(r.get("epochs", [])) > 1 for r in summary["runs"]) else []),
         "## Cold starts",
         "",
         "| # | verdict | decode closed | prefill closed | violations | bytes sent / decode step | OS bytes (sent, excess) | tok/s | recorder ms/step |",
@@ -34,12 +76,12 @@ def render(summary: dict) -> str:
     ]
     for r in summary["runs"]:
         viol = sum(r["violation_counts"].values())
-        dec = ", ".join(f"r{k} {v.get('decode', 0):,.0f}" for k, v in sorted(r["bytes_per_step"].items()))
+        dec = ", ".join(f"{_rk(k)} {v.get('decode', 0):,.0f}" for k, v in sorted(r["bytes_per_step"].items()))
         os_ = (
-            ", ".join(f"r{k} {o['measured_sent']:,} ({o['excess_sent']:+,})" for k, o in sorted(r["os"].items()))
+            ", ".join(f"{_rk(k)} {o['measured_sent']:,} ({o['excess_sent']:+,})" for k, o in sorted(r["os"].items()))
             or "not measured"
         )
-        rec = ", ".join(f"r{k} {v}" for k, v in sorted(r["recorder_ms_per_step"].items()))
+        rec = ", ".join(f"{_rk(k)} {v}" for k, v in sorted(r["recorder_ms_per_step"].items()))
         lines.append(
             f"| {r['cold_start']} | {'pass' if r['ok'] else 'FAIL'} | {r['closed_decode']}/{r['decode_steps']} | "
             f"{r['closed_prefill']}/{r['prefill_steps']} | {viol} | {dec} | {os_} | "

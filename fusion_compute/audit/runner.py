@@ -1,11 +1,15 @@
 """The experiment runner: `fusion audit run --workers N --steps 250 --cold-starts 5 --out DIR`.
 
-Each cold start is fresh processes: a client (this process, rank 0) and N spawned workers, each
-recording its own hash-chained log into OUT/coldK/. One session: a prefill of the prompt, then
-`steps` decode steps with greedy sampling and forced continuation (EOS does not stop it, so every
-decode step really runs). Before and after the steps the runner samples the kernel's per-socket
-byte counters of the worker processes (netcount.py). Then it writes the manifest, runs the
-independent verifier, and finally OUT/summary.json and OUT/report.md across all cold starts.
+Each cold start is fresh processes: a client (this process, rank 0) and N spawned workers (plus
+standbys), each recording its own hash-chained log of every plan epoch into OUT/coldK/epoch{E}/.
+One session: a prefill of the prompt, then `steps` decode steps with greedy sampling and forced
+continuation (EOS does not stop it, so every decode step really runs). With `revoke_at` the runner
+revokes a worker before that decode step, as a user would (`engine.revoke`): the session moves to
+epoch 1 (a standby in its seat), whose first step is the replay of the session's tokens, recorded
+like any step. Around each epoch's steps, and at the revocation, the runner samples the kernel's
+per-socket byte counters of the worker processes (netcount.py). Then it writes each epoch's
+manifest, the membership record and the cold start's manifest, runs the independent verifier, and
+finally OUT/summary.json and OUT/report.md across all cold starts.
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ class RunConfig:
     timeout_s: float = 120.0
     netcount: bool = True
     exposure: bool = True  # add the exposure ranks and the layer-0 vocabulary attack to the report
+    revoke_at: int | None = None  # revoke a worker before this decode step (0-based): two epochs
+    revoke_worker: int = 1  # the participant revoked
+    standby: int | None = None  # local spares (default: 1 with revoke_at, else 0)
+    negative_control: str | None = None  # "keep-revoked" (tests only): the client keeps the revoked worker
+
+    @property
+    def spares(self) -> int:
+        return self.standby if self.standby is not None else (1 if self.revoke_at is not None else 0)
 
 
 def resolve_prompt(cfg: RunConfig, model_path: Path, vocab: int) -> tuple[list[int], str]:
@@ -120,6 +132,20 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise AuditRunError(f"--cold-starts must be >= 1, got {cfg.cold_starts}")
     if cfg.variant not in ("sharded", "megatron"):
         raise AuditRunError(f"--variant must be sharded or megatron, got {cfg.variant!r}")
+    if cfg.spares < 0:
+        raise AuditRunError(f"--standby must be >= 0, got {cfg.spares}")
+    if cfg.negative_control not in (None, "keep-revoked"):
+        raise AuditRunError(f"--negative-control must be keep-revoked, got {cfg.negative_control!r}")
+    if cfg.negative_control and cfg.revoke_at is None:
+        raise AuditRunError("--negative-control keep-revoked needs --revoke-at STEP")
+    if cfg.revoke_at is not None:
+        if not (0 <= cfg.revoke_at < cfg.steps):
+            raise AuditRunError(f"--revoke-at must be in 0..{cfg.steps - 1} (a decode step), got {cfg.revoke_at}")
+        if not (1 <= cfg.revoke_worker <= cfg.workers):
+            raise AuditRunError(f"the revoked worker must be in 1..{cfg.workers}, got {cfg.revoke_worker}")
+        if cfg.workers - 1 + min(cfg.spares, 1) < 2 and not cfg.negative_control:
+            raise AuditRunError(f"revoking one of {cfg.workers} workers without a standby leaves fewer than 2: "
+                                "use --standby 1 or more workers")  # fmt: skip
     model_path = resolve_model_path(cfg.model)
     src = open_weights(model_path)
     config = src.config
@@ -138,6 +164,92 @@ def prepare(cfg: RunConfig) -> Prepared:
     return Prepared(model_path, config, src, prompt, prompt_src)
 
 
+class _Sockets:
+    """The kernel's socket counters of every local worker process (standbys included), sampled
+    between steps while the workers are idle. Pulse connections are left out: every one the watch
+    has had, so a departed worker's closed pulse is never counted as data."""
+
+    def __init__(self, engine, enabled: bool):
+        self.engine = engine
+        self.on = enabled
+        self.pulse: frozenset[str] = frozenset()
+        self.samples: list[netcount.Sample] = []
+
+    def take(self) -> int | None:
+        """Sample now; the sample's index (None when not measuring)."""
+        if not self.on:
+            return None
+        netcount.settle()
+        self.pulse |= self.engine.watch.endpoints()
+        self.samples.append(netcount.sample(self.engine.procs.pids, self.pulse))
+        return len(self.samples) - 1
+
+    def moved(self, i: int | None, j: int | None) -> dict[int, dict[str, int]]:
+        """Per process, the bytes between samples i and j (<= j - i consecutive deltas, so sockets
+        opened after i count from zero as long as they are alive at some sample up to j)."""
+        out: dict[int, dict[str, int]] = {}
+        if i is None or j is None:
+            return out
+        for a in range(i, j):
+            for pid, m in netcount.delta(self.samples[a], self.samples[a + 1]).items():
+                acc = out.setdefault(pid, {"sent": 0, "retrans": 0, "received": 0, "sockets": 0})
+                for k in ("sent", "retrans", "received"):
+                    acc[k] += m[k]
+                acc["sockets"] = m["sockets"]  # at the last sample
+        return out
+
+
+@dataclass
+class _Epoch:
+    """One plan epoch of a cold start, as the runner saw it."""
+
+    index: int
+    rec: AuditRecorder  # the client's log of the epoch
+    order: list[int]  # participants in rank order
+    plan: object
+    before: int | None = None  # sample indices (_Sockets)
+    after: int | None = None
+    left: list[dict] | None = None  # who left before it, and why
+    replayed_tokens: int = 0
+
+
+def _open_client_log(cfg: RunConfig, engine, ep: _Epoch) -> None:
+    """The header of the client's log of an epoch: the ingress / egress maps of its plan."""
+    ingress = {str(s.rank): S.to_runs(range(*s.residual)) for s in ep.plan.workers}
+    ep.rec.start(None, engine.config, variant=cfg.variant, leak=cfg.inject_leak, ingress=ingress, egress=ingress)
+
+
+def _revoke(cfg: RunConfig, engine, d: Path, ep: _Epoch, sockets: _Sockets) -> _Epoch:
+    """Revoke `cfg.revoke_worker` as a user would, between two steps; the next epoch is opened (a
+    standby in its seat) and its client log started. The caller replays the session inside a
+    recorded step."""
+    nxt = _Epoch(ep.index + 1, AuditRecorder.for_epoch(d, ep.index + 1, 0, role="client"), [], None)
+    engine.recorder = nxt.rec  # _open_epoch hands it to the new epoch's links
+    n_recoveries = len(engine.recoveries)
+    try:
+        engine.revoke(cfg.revoke_worker, replay=False)
+    except BaseException:
+        nxt.rec.close()
+        raise
+    ep.rec.close()
+    if engine.epoch != nxt.index or len(engine.recoveries) != n_recoveries + 1:
+        raise AuditRunError(f"revoking worker {cfg.revoke_worker} did not open epoch {nxt.index}")
+    change = engine.recoveries[-1]
+    why = S.REVOKED if change.get("revoked") else S.LOST
+    nxt.order, nxt.plan = list(engine.order), engine.plan
+    nxt.left = [{"participant": p, "why": why, "reason": change.get("reason")} for p in change["lost"]]
+    nxt.replayed_tokens = len(engine.history)
+    _open_client_log(cfg, engine, nxt)
+    nxt.before = sockets.take()
+    return nxt
+
+
+def _no_recovery(engine, epochs: list[_Epoch]) -> None:
+    if len(engine.recoveries) != len(epochs) - 1:
+        raise AuditRunError("a worker was lost during the audited run; the runner audits epochs opened by a "
+                            "revocation, not by recovery")  # fmt: skip
+
+
 def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> dict:
     import torch
 
@@ -147,7 +259,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
-    rec0 = AuditRecorder(d, 0, role="client")
+    rec0 = AuditRecorder.for_epoch(d, 0, 0, role="client")
     extra = ["--audit-dir", str(d.resolve())]
     if cfg.inject_leak:
         extra += ["--inject-leak", cfg.inject_leak]
@@ -162,70 +274,135 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         threads=cfg.threads,
         timeout_s=cfg.timeout_s,
         extra_worker_args=tuple(extra),
+        standby=cfg.spares,
+        audit_negative_control=cfg.negative_control,
     )
     prep = prep or prepare(cfg)
     model_path, prompt, prompt_src = prep.model_path, prep.prompt, prep.prompt_src
     opts.context = len(prompt) + cfg.steps + 1  # KV shards sized to the session, not the 4096 default
     engine = Engine(model_path, opts, recorder=rec0, source=prep.src)
     tokens: list[int] = []
-    net = None
+    ep = _Epoch(0, rec0, list(engine.order), engine.plan)
+    epochs = [ep]
+    sockets = _Sockets(engine, cfg.netcount and engine.procs is not None and netcount.available())
+    replay_ok = None
     try:
-        plan = engine.plan
-        ingress = {str(s.rank): S.to_runs(range(*s.residual)) for s in plan.workers}
-        rec0.start(None, engine.config, variant=cfg.variant, leak=cfg.inject_leak, ingress=ingress, egress=ingress)
+        _open_client_log(cfg, engine, ep)
         load_s = time.perf_counter() - t0
-        pids = engine.procs.pids if engine.procs is not None else []
-        measure = cfg.netcount and bool(pids) and netcount.available()
-        if measure:
-            netcount.settle()
-            before = netcount.sample(pids, engine.watch.endpoints())
+        ep.before = sockets.take()
         engine.reset()
-        rec0.new_session()
+        ep.rec.new_session()
         t1 = time.perf_counter()
-        rec0.begin_step(len(prompt), engine.pos)
+        ep.rec.begin_step(len(prompt), engine.pos)
         logits = engine.forward(prompt)
-        rec0.end_step()
+        ep.rec.end_step()
         ttft = time.perf_counter() - t1
         tokens.append(int(torch.argmax(logits)))
+        _no_recovery(engine, epochs)
         t2 = time.perf_counter()
-        for _ in range(cfg.steps):  # forced continuation: EOS does not stop an audit run
-            rec0.begin_step(1, engine.pos)
+        replay_s = 0.0
+        for i in range(cfg.steps):  # forced continuation: EOS does not stop an audit run
+            if i == cfg.revoke_at:
+                t3 = time.perf_counter()
+                ep.after = sockets.take()
+                if ep.after is None:
+                    netcount.settle()  # every worker has written its last step's record
+                ep = _revoke(cfg, engine, d, ep, sockets)
+                epochs.append(ep)
+                history = list(engine.history)
+                engine.reset()
+                ep.rec.new_session()
+                ep.rec.begin_step(len(history), engine.pos)  # the replay: the new epoch's first step
+                logits = engine.forward(history)
+                ep.rec.end_step()
+                replay_ok = int(torch.argmax(logits)) == tokens[-1]  # exact: the same next token
+                replay_s = time.perf_counter() - t3
+            ep.rec.begin_step(1, engine.pos)
             logits = engine.forward([tokens[-1]])
-            rec0.end_step()
+            ep.rec.end_step()
             tokens.append(int(torch.argmax(logits)))
-        decode_s = time.perf_counter() - t2
-        if measure:
-            netcount.settle()
-            after = netcount.sample(pids, engine.watch.endpoints())
-            moved = netcount.delta(before, after)
-            net = {
-                "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
-                "interval": "after the HELLO handshake, before SHUTDOWN: the session and all its steps",
-                "excluded": "each worker's pulse connection (heartbeats: no state; their count depends on time)",
-                "ranks": {str(r + 1): {"pid": pid, **moved[pid]} for r, pid in enumerate(pids)},
-            }
+            _no_recovery(engine, epochs)
+        decode_s = time.perf_counter() - t2 - replay_s
+        ep.after = sockets.take()
     finally:
         engine.close()
-        rec0.close()
+        for e in epochs:
+            e.rec.close()
     ended = time.time()
-    if net is not None:
-        (d / S.NETCOUNT).write_text(json.dumps(net, indent=2))
-    chains = {}
-    for rank in range(cfg.workers + 1):
-        p = d / S.log_name(rank)
-        chains[str(rank)] = _final_hash(p) if p.is_file() else None
+    pid_of = {p + 1: pid for p, pid in enumerate(engine.procs.pids)} if engine.procs is not None else {}
+    entries = []
+    for e in epochs:
+        sub = d / S.epoch_dir(e.index)
+        net = None
+        if sockets.on:
+            moved = sockets.moved(e.before, e.after)
+            net = {
+                "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
+                "interval": "after the epoch's HELLO handshake, until its last step: the session and its steps",
+                "excluded": "each worker's pulse connection (heartbeats: no state; their count depends on time)",
+                "ranks": {str(r): {"pid": pid_of[p], "participant": p, **moved.get(pid_of[p], {})}
+                          for r, p in enumerate(e.order, 1)},
+            }  # fmt: skip
+            (sub / S.NETCOUNT).write_text(json.dumps(net, indent=2))
+        chains = {}
+        for rank in range(len(e.order) + 1):
+            p = sub / S.log_name(rank)
+            chains[str(rank)] = _final_hash(p) if p.is_file() else None
+        manifest = {
+            "schema": S.SCHEMA_VERSION,
+            "epoch": e.index,
+            "order": e.order,
+            "model": {"path": str(model_path), "dims": model_dims(engine.config)},
+            "workers": len(e.order),
+            "capacities": [engine.seats[p].capacity for p in e.order],
+            "variant": cfg.variant,
+            "inject_leak": cfg.inject_leak,
+            "plan": e.plan.to_dict(),
+            "plan_fingerprint": e.plan.fingerprint(),
+            "wire": engine.opts.engine,  # the verifier's wire model for the socket byte check
+            "chains": chains,
+            "netcount_sha256": hashlib.sha256((sub / S.NETCOUNT).read_bytes()).hexdigest() if net else None,
+        }
+        (sub / S.MANIFEST).write_text(json.dumps(manifest, indent=2))
+        entries.append({"epoch": e.index, "dir": S.epoch_dir(e.index),
+                        "manifest_sha256": hashlib.sha256((sub / S.MANIFEST).read_bytes()).hexdigest()})  # fmt: skip
+    membership = {
+        "by": "the client (this runner): each epoch's participants in rank order, who left before it and why",
+        "epochs": [{"epoch": e.index, "order": e.order, "left": e.left or [], "replayed_tokens": e.replayed_tokens}
+                   for e in epochs],
+    }  # fmt: skip
+    (d / S.MEMBERSHIP).write_text(json.dumps(membership, indent=2))
+    run_net = None
+    if sockets.on and len(epochs) > 1:
+        departed = {}
+        for e in epochs[1:]:
+            for x in e.left or []:
+                pid = pid_of[x["participant"]]
+                moved = sockets.moved(epochs[e.index - 1].after, epochs[-1].after).get(pid, {})
+                departed[str(x["participant"])] = {"os_pid": pid, **moved}
+        run_net = {
+            "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
+            "interval": "from the sample just before the worker left (revocation) to the last step, summed over "
+                        "every sample in between; a process that exited has no sockets and counts 0",
+            "excluded": "every pulse connection the client has watched",
+            "departed": departed,
+        }  # fmt: skip
+        (d / S.NETCOUNT).write_text(json.dumps(run_net, indent=2))
     manifest = {
         "schema": S.SCHEMA_VERSION,
+        "kind": "cold start",
         "model": {"path": str(model_path), "dims": model_dims(engine.config)},
         "workers": cfg.workers,
+        "standby": cfg.spares,
         "capacities": list(cfg.capacities) if cfg.capacities else None,
         "variant": cfg.variant,
         "inject_leak": cfg.inject_leak,
-        "plan": engine.plan.to_dict(),
-        "plan_fingerprint": engine.plan.fingerprint(),
-        "wire": engine.opts.engine,  # the verifier's wire model for the socket byte check
+        "negative_control": cfg.negative_control,
         "prompt": {"tokens": len(prompt), "source": prompt_src},
-        "steps": {"prefill": 1, "decode": cfg.steps},
+        "steps": {"prefill": 1, "decode": cfg.steps, "replays": len(epochs) - 1},
+        "revoke": {"worker": cfg.revoke_worker, "before_decode_step": cfg.revoke_at}
+        if cfg.revoke_at is not None
+        else None,
         "versions": {
             "fusion_compute": _package_version(),
             "torch": torch.__version__,
@@ -234,16 +411,19 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         },
         "started": started,
         "ended": ended,
-        "chains": chains,
-        "netcount_sha256": hashlib.sha256((d / S.NETCOUNT).read_bytes()).hexdigest() if net is not None else None,
+        "epochs": entries,
+        "membership_sha256": hashlib.sha256((d / S.MEMBERSHIP).read_bytes()).hexdigest(),
+        "netcount_sha256": hashlib.sha256((d / S.NETCOUNT).read_bytes()).hexdigest() if run_net else None,
     }
     (d / S.MANIFEST).write_text(json.dumps(manifest, indent=2))
     result = verify_dir(d)
     busy = {}
-    for rank in range(cfg.workers + 1):
-        end = _end_record(d / S.log_name(rank))
-        if end and end.get("steps"):
-            busy[str(rank)] = round(1000 * end["recorder_busy_s"] / end["steps"], 4)
+    for e in epochs:
+        for rank in range(len(e.order) + 1):
+            end = _end_record(d / S.epoch_dir(e.index) / S.log_name(rank))
+            if end and end.get("steps"):
+                key = str(rank) if len(epochs) == 1 else f"e{e.index}.{rank}"
+                busy[key] = round(1000 * end["recorder_busy_s"] / end["steps"], 4)
     return {
         "cold_start": index,
         "dir": str(d),
@@ -261,11 +441,32 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "coalition": result.coalition,
         "bytes_per_step": result.bytes_per_step,
         "os": result.os,
+        "epochs": [
+            {
+                "epoch": e.index,
+                "order": e.order,
+                "ok": r.ok,
+                "summary": r.summary_line(),
+                "violation_counts": r.counts(),
+                "os": r.os,
+                "notes": r.notes,
+            }
+            for e, r in zip(epochs, result.epochs, strict=False)
+        ],  # fmt: skip
+        "membership": {
+            "ok": not result.counts()["membership"],
+            "checked": result.checks["membership"],
+            "departures": result.departures,
+            "replays": result.replays,
+            "notes": result.notes,
+        },
+        "replay_same_next_token": replay_ok,
         "timing": {
             "load_s": round(load_s, 3),
             "ttft_s": round(ttft, 4),
             "decode_s": round(decode_s, 3),
             "decode_tokens_per_s": round(cfg.steps / decode_s, 3) if decode_s > 0 else None,
+            "revocation_and_replay_s": round(replay_s, 3) if len(epochs) > 1 else None,
             "wall_s": round(ended - started, 3),
         },
         "recorder_ms_per_step": busy,
@@ -316,6 +517,11 @@ def run_audit(cfg: RunConfig, log=print) -> dict:
         "inject_leak": cfg.inject_leak,
         "steps": cfg.steps,
         "cold_starts": cfg.cold_starts,
+        "standby": cfg.spares,
+        "revoke": {"worker": cfg.revoke_worker, "before_decode_step": cfg.revoke_at}
+        if cfg.revoke_at is not None
+        else None,
+        "negative_control": cfg.negative_control,
         "all_ok": all(r["ok"] for r in runs),
         "closed": f"{sum(r['closed_decode'] for r in runs)}/{sum(r['decode_steps'] for r in runs)}",
         "identical_tokens_across_cold_starts": len({r["generated_sha256"] for r in runs}) == 1,

@@ -3,17 +3,29 @@
 Pure Python (no torch, no runtime imports): the recorder writes it, the independent verifier
 reads it. Everything the verifier needs to interpret a log is defined here or in the log itself.
 
-An audit directory (one cold start) holds:
-  manifest.json   model dimensions, the plan (for humans), workers, versions, start/end, and the
-                  final hash of every rank's chain (plus the sha256 of netcount.json)
-  rank{R}.jsonl   one hash-chained log per rank (0 = client, 1..N = workers)
-  netcount.json   OS-level socket byte counters per process, sampled by the runner (optional)
+A cold start's directory holds one subdirectory per plan epoch (docs/resilience.md: a revoked or
+lost worker ends an epoch; the next one runs over the survivors plus a standby, with new ranks):
+  manifest.json   the cold start's manifest: model dimensions, versions, start/end, and the list of
+                  epochs with the sha256 of each epoch's manifest.json, of membership.json and of the
+                  run-level netcount.json
+  membership.json the client's record of the epochs: each epoch's participants in rank order, and
+                  who left before it and why (revoked by the user / lost)
+  netcount.json   kernel socket counters of every departed participant's process, from its
+                  departure to the last step (optional: needs local workers and `ss`)
+  epoch{E}/       one epoch's audit directory:
+    manifest.json   the epoch, its participants in rank order, the plan (for humans), workers, and
+                    the final hash of every rank's chain (plus the sha256 of its netcount.json)
+    rank{R}.jsonl   one hash-chained log per rank of the epoch (0 = client, 1..N = workers)
+    netcount.json   OS-level socket byte counters per worker process over the epoch's steps
+A participant ("pid" in the runtime, `participant` here) is a worker's id for the life of the job;
+its rank is its position in the epoch's order (+1), and changes from epoch to epoch.
 
 Each log line is one JSON record with `seq` (0, 1, ...), `prev` (hash of the previous record,
 GENESIS for the first) and `hash` = sha256(prev + canonical JSON of the record without `hash`).
 Record types, in order:
-  header   rank, role (client|worker), dims, share (worker: declared residual / attention blocks /
-           MLP ranges), variant, leak, pid; `control`: events before it (the HELLO handshake)
+  header   rank, role (client|worker), epoch, participant (workers), dims, share (worker: declared
+           residual / attention blocks / MLP ranges), variant, leak, pid (the OS process id);
+           `control`: events before it (the HELLO handshake)
   session  a RESET: fresh KV shards; `control`: the events since the previous record
   step     one forward: session, step, phase, t (tokens), pos; `events` (transfers inside the step),
            `holds` (coordinates held per protected tensor, per layer), `sets` (new coordinate sets),
@@ -28,14 +40,25 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-SCHEMA_VERSION = 2  # 2: the manifest names its wire engine (TLS / TCP links replaced gloo)
+SCHEMA_VERSION = 3  # 3: one directory per plan epoch, the client's membership record, headers name their participant
 GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 NETCOUNT = "netcount.json"
+MEMBERSHIP = "membership.json"
+# Why a participant left before an epoch (membership.json): the user revoked it, or it was lost
+# (died, froze, cut off). Either way it may receive nothing more.
+REVOKED = "revoked"
+LOST = "lost"
+DEPARTURES = (REVOKED, LOST)
 
 
 def log_name(rank: int) -> str:
     return f"rank{rank}.jsonl"
+
+
+def epoch_dir(epoch: int) -> str:
+    """An epoch's audit directory, inside the cold start's."""
+    return f"epoch{epoch}"
 
 
 # ---- events: one transfer as the comm layer saw it ----

@@ -23,13 +23,26 @@ transfer it should make, then checks each step (DESIGN.md §5):
   os_bytes        kernel socket counters per worker process (netcount.json) equal the predicted
                   bytes plus the wire model's protocol overhead
 
+A cold start has one audit directory per plan epoch (a revoked or lost worker ends an epoch; the
+next one runs over the survivors plus a standby and replays the session as its first step). Each
+epoch is checked as above, the replay included: its no_full_holder check is "during the replay no
+worker holds every coordinate of any protected role". Across epochs (membership.py):
+
+  chain           each epoch's manifest, the membership record and the run-level socket counts
+                  match the digests in the cold start's manifest
+  membership      every epoch's workers are who the client says (each worker's log header names its
+                  participant id); a worker that left (revoked by the user, or lost) has no log in
+                  any later epoch, the client never addresses it again, and the kernel counted no
+                  byte to or from its process after it left; no one leaves without a recorded reason
+
 Exit status 0 only when every check passed. The package, by responsibility:
 
   logs.py         the manifest, each rank's hash chain, record order, the same steps on every rank
   expectation.py  what the dimensions and declared shares imply: coordinate sets, transfers, bytes
   checks.py       what each rank's records claim, per step, and the cross-rank checks on them
   os_bytes.py     the kernel's socket counters vs the predicted wire bytes
-  result.py       Violation and Result: counts, JSON, the printed report
+  membership.py   the checks across epochs: who took part when, and what a departed worker received
+  result.py       Violation, Result (one epoch) and RunResult (a cold start): counts, JSON, report
 """
 
 from __future__ import annotations
@@ -45,17 +58,63 @@ from .checks import (
     check_partition,
     check_worker,
 )
-from .logs import AuditFormatError, check_same_steps, coordinate_map, load_manifest, read_rank_log
+from .logs import (
+    AuditFormatError,
+    RankLog,
+    check_same_steps,
+    coordinate_map,
+    load_manifest,
+    read_manifest,
+    read_rank_log,
+)
+from .membership import EpochView, check_membership, epoch_entries, read_record, replay_steps
 from .os_bytes import check_os_bytes
-from .result import Result, Violation
+from .result import Result, RunResult, Violation
 
-__all__ = ["AuditFormatError", "Result", "Violation", "verify_dir"]
+__all__ = ["AuditFormatError", "Result", "RunResult", "Violation", "verify_dir", "verify_epoch"]
 
 
-def verify_dir(path: str | Path) -> Result:
-    """Check one audit directory (one cold start). Raises AuditFormatError when it is not one."""
+def verify_dir(path: str | Path) -> Result | RunResult:
+    """Check an audit directory: a cold start (every epoch, and across them: a RunResult) or one
+    epoch's directory (a Result). Raises AuditFormatError when it is neither."""
     d = Path(path)
-    manifest = load_manifest(d)
+    manifest = read_manifest(d)
+    if "epochs" in manifest:
+        return verify_cold_start(d, manifest)
+    return verify_epoch(d, manifest)
+
+
+def verify_cold_start(d: Path, manifest: dict) -> RunResult:
+    """Every epoch with the per-epoch checks, then the checks across epochs (membership.py)."""
+    run = RunResult(dir=str(d))
+    record = read_record(d, manifest, run)
+    views = []
+    for e, sub in epoch_entries(d, manifest, run):
+        try:
+            em = load_manifest(sub)
+        except AuditFormatError as exc:
+            run.run_violations.append(Violation("structure", str(exc), epoch=e))
+            continue
+        departing = record.departing(e, em.get("order")) if record else {}
+        res, logs = _verify_epoch(sub, em, departing)
+        for v in res.violations:
+            v.epoch = e
+        run.epochs.append(res)
+        run.orders.append(list(em.get("order") or []))
+        views.append(EpochView(e, sub, em, logs))
+    check_membership(run, views, record, d, manifest)
+    replay_steps(run, views, record)
+    return run
+
+
+def verify_epoch(path: str | Path, manifest: dict | None = None) -> Result:
+    """Check one epoch's audit directory on its own (without the membership record)."""
+    d = Path(path)
+    return _verify_epoch(d, manifest or load_manifest(d), {})[0]
+
+
+def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[Result, dict[int, RankLog]]:
+    """`departing`: rank -> why its worker left during this epoch (its log may lack an end record)."""
     dims, n = manifest["model"]["dims"], int(manifest["workers"])
     res = Result(dir=str(d), workers=n, layers=int(dims["layers"]), variant=manifest.get("variant", "sharded"))
     ctx = Verification(res, dims, n, res.layers, wire=str(manifest.get("wire")))
@@ -65,7 +124,8 @@ def verify_dir(path: str | Path) -> Result:
 
     logs = {}
     for rank in range(n + 1):
-        logs[rank] = read_rank_log(d / S.log_name(rank), rank, manifest["chains"].get(str(rank)), res)
+        final = manifest["chains"].get(str(rank))
+        logs[rank] = read_rank_log(d / S.log_name(rank), rank, final, res, departing.get(rank))
     ctx.declare_shares(logs)
     step_keys = check_same_steps(logs, n, res)
     ingress, egress = coordinate_map(logs[0].header, "ingress"), coordinate_map(logs[0].header, "egress")
@@ -77,4 +137,4 @@ def verify_dir(path: str | Path) -> Result:
     check_partition(ctx)
     check_os_bytes(res, ctx.predicted_wire, d, manifest)
     ctx.verdicts(step_keys)
-    return res
+    return res, logs

@@ -77,6 +77,7 @@ class Verification:
         run_level = any(v.invariant in RUN_LEVEL for v in res.violations)
         decode_steps = {(k.session, k.step) for k in step_keys if k.decode}
         res.layer_closed = [0] * self.n_layers
+        res.unclosed = [(k.session, k.step) for k in step_keys] if run_level else []
         for k in step_keys if not run_level else ():
             key = (k.session, k.step)
             for layer in range(self.n_layers):
@@ -85,6 +86,8 @@ class Verification:
             if key not in self.bad_steps:
                 res.closed_steps += 1
                 res.closed_decode += key in decode_steps
+            else:
+                res.unclosed.append(key)
         res.bytes_per_step = {
             str(rank): {ph: sum(v) / len(v) for ph, v in per.items() if v} for rank, per in self.sent_by_phase.items()
         }

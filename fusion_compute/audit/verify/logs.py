@@ -21,7 +21,8 @@ class AuditFormatError(ValueError):
     """The directory is not an audit directory (missing or unreadable manifest)."""
 
 
-def load_manifest(d: Path) -> dict:
+def read_manifest(d: Path) -> dict:
+    """A directory's manifest: a cold start's (it lists `epochs`) or one epoch's (it lists `chains`)."""
     mpath = d / S.MANIFEST
     if not d.is_dir():
         raise AuditFormatError(f"{d}: not a directory")
@@ -29,11 +30,27 @@ def load_manifest(d: Path) -> dict:
         raise AuditFormatError(f"{d}: no {S.MANIFEST} (not an audit directory)")
     try:
         manifest = json.loads(mpath.read_text())
-        int(manifest["workers"]), int(manifest["model"]["dims"]["layers"]), dict(manifest["chains"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        if not isinstance(manifest, dict):
+            raise TypeError("not an object")
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise AuditFormatError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
     if manifest.get("schema") != S.SCHEMA_VERSION:
         raise AuditFormatError(f"{mpath}: schema {manifest.get('schema')} (this verifier reads {S.SCHEMA_VERSION})")
+    try:
+        if "epochs" in manifest:  # a cold start
+            [(int(e["epoch"]), str(e["dir"]), str(e["manifest_sha256"])) for e in manifest["epochs"]]
+        else:
+            int(manifest["workers"]), int(manifest["model"]["dims"]["layers"]), dict(manifest["chains"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise AuditFormatError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def load_manifest(d: Path) -> dict:
+    """One epoch's manifest (AuditFormatError when `d` is not an epoch's audit directory)."""
+    manifest = read_manifest(d)
+    if "epochs" in manifest:
+        raise AuditFormatError(f"{d / S.MANIFEST}: a cold start's manifest, not an epoch's")
     return manifest
 
 
@@ -46,10 +63,12 @@ class RankLog(NamedTuple):
     end: dict | None  # None when missing
 
 
-def read_rank_log(path: Path, rank: int, final: str | None, res: Result) -> RankLog:
-    """A rank's log, its chain checked against the manifest's final hash and its records' order."""
+def read_rank_log(path: Path, rank: int, final: str | None, res: Result, left: str | None = None) -> RankLog:
+    """A rank's log, its chain checked against the manifest's final hash and its records' order.
+    `left`: this rank's worker left the job during the epoch (the membership record says why), so
+    its log may end without an end record."""
     records = read_chain(path, rank, final, res)
-    log = split_records(records, rank, res) if records else RankLog({}, [], [], None)
+    log = split_records(records, rank, res, left) if records else RankLog({}, [], [], None)
     check_order(log.body, rank, res)
     return log
 
@@ -80,12 +99,16 @@ def read_chain(path: Path, rank: int, final: str | None, res: Result) -> list[di
     return records
 
 
-def split_records(records: list[dict], rank: int, res: Result) -> RankLog:
+def split_records(records: list[dict], rank: int, res: Result, left: str | None = None) -> RankLog:
     if not records or records[0].get("type") != "header":
         res.violations.append(Violation("structure", "log does not start with a header", rank=rank))
         return RankLog({}, [], [], None)
     end = records[-1] if records[-1].get("type") == "end" else None
-    if end is None:
+    if end is None and left:
+        # A revoked worker is told to wipe and leave at once, and its process may exit before the
+        # end record is written; a lost one died. Its steps must still be the client's (check_same_steps).
+        res.notes.append(f"rank {rank}'s log has no end record: its worker left the job ({left}) during the epoch")
+    elif end is None:
         res.violations.append(Violation("structure", "log has no end record (worker died or log truncated)", rank=rank))
     body = records[1:-1] if end else records[1:]
     steps = [r for r in body if r.get("type") == "step"]

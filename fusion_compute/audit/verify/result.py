@@ -16,8 +16,9 @@ INVARIANTS = (
     "closure",
     "accounting",
     "os_bytes",
+    "membership",  # across epochs: a departed worker takes no part and receives nothing after it left
 )
-RUN_LEVEL = ("chain", "structure", "os_bytes")  # a failure here voids every step's certificate
+RUN_LEVEL = ("chain", "structure", "os_bytes", "membership")  # a failure here voids every step's certificate
 MAX_LISTED = 12  # violations printed by render(); to_dict() keeps 200
 
 
@@ -29,9 +30,12 @@ class Violation:
     session: int | None = None
     step: int | None = None
     layer: int | None = None
+    epoch: int | None = None  # the plan epoch (set when a cold start's epochs are verified together)
 
     def where(self) -> str:
         parts = []
+        if self.epoch is not None:
+            parts.append(f"epoch {self.epoch}")
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
         if self.step is not None:
@@ -58,6 +62,8 @@ class Result:
     coalition: dict[str, str] = field(default_factory=dict)  # role -> smallest covering coalition
     bytes_per_step: dict[str, dict[str, float]] = field(default_factory=dict)  # rank -> phase -> mean sent
     os: dict[str, dict] = field(default_factory=dict)
+    unclosed: list[tuple[int | None, int | None]] = field(default_factory=list)  # (session, step) not closed
+    notes: list[str] = field(default_factory=list)  # accepted exceptions, said out loud
 
     @property
     def ok(self) -> bool:
@@ -88,6 +94,8 @@ class Result:
         counts = self.counts()
         lines = [f"audit {self.dir}: {self.workers} workers, {self.layers} layers, variant {self.variant}"]
         for inv in INVARIANTS:
+            if inv == "membership" and not (self.checks.get(inv) or counts[inv]):
+                continue  # checked across a cold start's epochs (RunResult), not within one
             lines.append(f"  {inv:<15} {self.checks.get(inv, 0):>9} checked  {counts[inv]:>6} violations")
         if self.coalition:
             roles = ", ".join(f"{r} {c}" for r, c in self.coalition.items())
@@ -101,9 +109,178 @@ class Result:
                 f"({o['excess_sent']:+,} B), received {o['measured_received']:,} vs {o['predicted_received']:,} "
                 f"({o['excess_received']:+,} B) {'ok' if o['ok'] else 'MISMATCH'}"
             )
+        for note in self.notes:
+            lines.append(f"  note: {note}")
         for v in self.violations[:MAX_LISTED]:
             lines.append(f"  VIOLATION {v.invariant} [{v.where()}]: {v.message}")
         if len(self.violations) > MAX_LISTED:
             lines.append(f"  ... {len(self.violations) - MAX_LISTED} more")
+        lines.append(self.summary_line())
+        return "\n".join(lines)
+
+
+@dataclass
+class RunResult:
+    """A cold start: every plan epoch's Result, plus the run-level checks across epochs (the manifest
+    and membership record's digests, who took part in which epoch, what a departed worker received).
+    It answers the same questions as a Result (ok, counts, checks, closed steps), summed over epochs;
+    a run-level violation voids every step's certificate."""
+
+    dir: str
+    epochs: list[Result] = field(default_factory=list)
+    run_violations: list[Violation] = field(default_factory=list)
+    run_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INVARIANTS, 0))
+    orders: list[list[int]] = field(default_factory=list)  # per epoch: participants in rank order
+    departures: list[dict] = field(default_factory=list)  # participant, epoch, why, findings, kernel counts
+    replays: list[dict] = field(default_factory=list)  # per epoch after the first: the replay step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.run_violations and all(e.ok for e in self.epochs) and bool(self.epochs)
+
+    @property
+    def violations(self) -> list[Violation]:
+        return self.run_violations + [v for e in self.epochs for v in e.violations]
+
+    def counts(self) -> dict[str, int]:
+        c = dict.fromkeys(INVARIANTS, 0)
+        for v in self.violations:
+            c[v.invariant] += 1
+        return c
+
+    @property
+    def checks(self) -> dict[str, int]:
+        c = dict(self.run_checks)
+        for e in self.epochs:
+            for k, v in e.checks.items():
+                c[k] = c.get(k, 0) + v
+        return c
+
+    @property
+    def _void(self) -> bool:
+        return any(v.invariant in RUN_LEVEL for v in self.run_violations)
+
+    def _sum(self, name: str) -> int:
+        return sum(getattr(e, name) for e in self.epochs)
+
+    @property
+    def workers(self) -> int:
+        return self.epochs[0].workers if self.epochs else 0
+
+    @property
+    def layers(self) -> int:
+        return self.epochs[0].layers if self.epochs else 0
+
+    @property
+    def variant(self) -> str:
+        return self.epochs[0].variant if self.epochs else "?"
+
+    @property
+    def steps(self) -> int:
+        return self._sum("steps")
+
+    @property
+    def decode_steps(self) -> int:
+        return self._sum("decode_steps")
+
+    @property
+    def prefill_steps(self) -> int:
+        return self._sum("prefill_steps")
+
+    @property
+    def closed_steps(self) -> int:
+        return 0 if self._void else self._sum("closed_steps")
+
+    @property
+    def closed_decode(self) -> int:
+        return 0 if self._void else self._sum("closed_decode")
+
+    @property
+    def layer_closed(self) -> list[int]:
+        out = [0] * self.layers
+        for e in self.epochs if not self._void else ():
+            for i, v in enumerate(e.layer_closed[: len(out)]):
+                out[i] += v
+        return out
+
+    @property
+    def coalition(self) -> dict[str, str]:
+        """Per role, the smallest covering coalition over every epoch ("k/N" of that epoch)."""
+        best: dict[str, tuple[int, str]] = {}
+        for e in self.epochs:
+            for role, c in e.coalition.items():
+                k = int(c.split("/")[0]) if c[:1].isdigit() else 1 << 30
+                if role not in best or k < best[role][0]:
+                    best[role] = (k, c)
+        return {role: c for role, (_, c) in best.items()}
+
+    def _per_epoch(self, name: str) -> dict:
+        """A per-rank map of every epoch; keys "e{E}.{rank}" once there is more than one epoch."""
+        if len(self.epochs) == 1:
+            return dict(getattr(self.epochs[0], name))
+        return {f"e{i}.{k}": v for i, e in enumerate(self.epochs) for k, v in getattr(e, name).items()}
+
+    @property
+    def bytes_per_step(self) -> dict[str, dict[str, float]]:
+        return self._per_epoch("bytes_per_step")
+
+    @property
+    def os(self) -> dict[str, dict]:
+        return self._per_epoch("os")
+
+    def to_dict(self) -> dict:
+        return {
+            "dir": self.dir,
+            "ok": self.ok,
+            "epochs": [e.to_dict() for e in self.epochs],
+            "orders": self.orders,
+            "departures": self.departures,
+            "replays": self.replays,
+            "notes": self.notes,
+            "checks": self.checks,
+            "violation_counts": self.counts(),
+            "run_violations": [asdict(v) for v in self.run_violations[:200]],
+            "violations_total": len(self.violations),
+            "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "closed_decode": self.closed_decode,
+            "prefill_steps": self.prefill_steps,
+            "closed_steps": self.closed_steps,
+        }
+
+    def summary_line(self) -> str:
+        over = f" in {len(self.epochs)} epochs" if len(self.epochs) != 1 else ""
+        return (
+            f"closed: {self.closed_decode}/{self.decode_steps} decode steps "
+            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill){over}, "
+            f"{self.layers} layers each, {len(self.violations)} violations"
+        )
+
+    def render(self) -> str:
+        lines = [f"cold start {self.dir}: {len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}"]
+        for i, e in enumerate(self.epochs):
+            order = self.orders[i] if i < len(self.orders) else []
+            lines.append(f"epoch {i}: workers (participants in rank order) {order}")
+            lines += ["  " + line for line in e.render().splitlines()]
+        lines.append(f"membership: {self.run_checks.get('membership', 0)} checked, "
+                     f"{self.counts()['membership']} violations")  # fmt: skip
+        for d in self.departures:
+            k = d.get("kernel")
+            kernel = (f"its process (pid {k['os_pid']}) sent {k['sent']:,} B and received {k['received']:,} B "
+                      f"after it left (kernel, pulse excluded)" if k else "kernel bytes not measured")  # fmt: skip
+            lines.append(f"  worker {d['participant']} {d['why']} before epoch {d['epoch']}: "
+                         f"{'takes no part after' if d['absent'] else 'TAKES PART after'}, {kernel}")  # fmt: skip
+        for r in self.replays:
+            state = ("closed by its epoch's checks (no worker held every coordinate of any protected role)"
+                     if r["closed"] else f"NOT closed ({r['violations']} violations)")  # fmt: skip
+            lines.append(f"  replay in epoch {r['epoch']}: session {r['session']} step {r['step']}, "
+                         f"{r['tokens']} tokens: {state}")  # fmt: skip
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        for v in self.run_violations[:MAX_LISTED]:
+            lines.append(f"  VIOLATION {v.invariant} [{v.where()}]: {v.message}")
+        if len(self.run_violations) > MAX_LISTED:
+            lines.append(f"  ... {len(self.run_violations) - MAX_LISTED} more")
         lines.append(self.summary_line())
         return "\n".join(lines)
