@@ -13,7 +13,7 @@ requests (scheduler.call), so a revocation never cuts a token in half.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -23,13 +23,14 @@ from .comm import CommError, IdentityError, PublicId
 from .engine import TooFewWorkers, UnknownWorker
 from .gateway import ApiError, Gateway
 from .scheduler import Scheduler
+from .topology import GROUP_NAME
 
 
 class AddWorker(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     key: str | None = Field(default=None, description="the new worker's public key line (fc1...); none for a local run")
     host: str | None = Field(default=None, max_length=253, description="where it listens for its peers")
-    group: Literal["A", "B"] | None = Field(default=None, description="its group (masked mode)")
+    group: str | None = Field(default=None, pattern=GROUP_NAME.pattern, description="its group (masked mode): A, B or B1..Bk")
 
 
 def _listing(engine: Any) -> dict:

@@ -306,7 +306,9 @@ def chat_loop(
 
 
 def _membership(backend: Any, cmd: str, arg: str) -> str:
-    """/workers, /revoke ID, /add [KEY [HOST]] [A|B]: the answer to print (errors included)."""
+    """/workers, /revoke ID, /add [KEY [HOST]] [GROUP]: the answer to print (errors included)."""
+    from .topology import GROUP_NAME
+
     words = arg.split()
     try:
         if cmd == "/workers":
@@ -316,9 +318,9 @@ def _membership(backend: Any, cmd: str, arg: str) -> str:
                 return "/revoke takes a worker id (/workers lists them)"
             state = backend.membership("revoke", pid=int(words[0]))
         else:
-            group = words.pop() if words and words[-1] in ("A", "B") else None
+            group = words.pop() if words and GROUP_NAME.match(words[-1]) else None
             if len(words) > 2:
-                return "/add takes [KEY [HOST]] [A|B]"
+                return "/add takes [KEY [HOST]] [GROUP: A, B or B1..Bk]"
             key, host = (words + [None, None])[:2]
             state = backend.membership("add", key=key, host=host, group=group)
     except ChatError as e:

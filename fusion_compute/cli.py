@@ -87,7 +87,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }
             if masked:
-                out |= {"mode": "masked", "groups": [opts.n_a, opts.n_b]}
+                v = engine.verifier
+                out |= {"mode": "masked", "groups": list(engine.plan.sizes),
+                        "verified": {"token_checks": v.checks, "failed": v.failures} if v else None}  # fmt: skip
             print(json.dumps(out))
         else:
             sys.stdout.write((stream.flush() if stream else " ".join(map(str, res.token_ids))) + "\n")

@@ -4,6 +4,14 @@
                            sends the client the header and half of its egress shard, closes its
                            connections and exits: a process dying in the middle of a message.
 
+Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
+
+  lie-one@STEP      one element of the step's last linear is off by one (the smallest lie there is)
+  lie-bias@STEP     every element of every linear of the step is off by one (a small, systematic bias)
+  lie-stale@STEP    every linear returns the previous step's result for it (a lazy or replaying worker)
+  lie-zeros@STEP    every linear returns zeros
+  lie-shape@STEP    the step's first linear comes back one row short (a malformed answer)
+
 The other faults the suite injects come from outside the process (kill -9, SIGSTOP, a network link
 set down in a namespace): tests/test_faults.py.
 """
@@ -14,7 +22,8 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-KINDS = ("close-mid-message",)
+LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
+KINDS = ("close-mid-message", *LIES)
 
 
 @dataclass(frozen=True)
@@ -22,9 +31,13 @@ class Fault:
     kind: str
     step: int
 
+    @property
+    def lie(self) -> bool:
+        return self.kind in LIES
+
 
 def parse_fault(spec: str) -> Fault:
     kind, sep, step = spec.strip().partition("@")
     if kind not in KINDS or not sep or not step.isdigit() or int(step) < 1:
-        raise UsageError(f"--inject-fault {spec!r}: expected close-mid-message@STEP (STEP >= 1)")
+        raise UsageError(f"--inject-fault {spec!r}: expected KIND@STEP (STEP >= 1), KIND one of {', '.join(KINDS)}")
     return Fault(kind, int(step))

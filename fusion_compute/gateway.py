@@ -322,10 +322,16 @@ class Gateway:
         if self.masked:
             p = self.engine.plan
             return {
-                "mode": "masked", **common, "groups": [p.n_a, p.n_b],
+                "mode": "masked", **common, "groups": list(p.sizes),
                 "split": (
-                    "by the protocol, group A receives only one-time-pad-masked ring elements, group B only "
-                    "the mask key; the client alone holds clear values (assumes A and B do not collude)"
+                    "by the protocol, group A receives only one-time-pad-masked ring elements, each mask group "
+                    "only its own mask key; the client alone holds clear values (assumes A does not collude with "
+                    f"a member of every mask group: {len(p.mask_groups)} here)"
+                ),
+                "verified": (
+                    "every product the workers returned passed the client's check (Freivalds over the integers; "
+                    "a wrong one escapes with probability <= 2^-40 per linear and token)" if self.engine.verifier
+                    else "products not checked (verification off)"
                 ),
                 "audit": dict(AUDIT_UNCHECKED),
             }  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 from .comm import Identity, PublicId
 from .engine import ENGINES, EngineOptions
 from .errors import UsageError
-from .topology import Topology, check_here
+from .topology import GROUP_NAME, Topology, check_here
 
 # ---- values ----
 
@@ -46,14 +46,20 @@ def host_port(text: str | None, flag: str = "--master") -> tuple[str, int] | Non
     return host.strip("[]"), int(port)
 
 
-def workers_arg(text: str) -> int | tuple[int, int]:
-    """--workers: N, or A+B group sizes for --mode masked (e.g. 2+2)."""
-    a, plus, b = text.partition("+")
-    if plus and a.strip().isdigit() and b.strip().isdigit():
-        return int(a), int(b)
-    if not plus and text.strip().lstrip("-").isdigit():
+def workers_arg(text: str) -> int | tuple[int, ...]:
+    """--workers: N, or group sizes A+B (A+B1+...+Bk: k mask groups) for --mode masked (e.g. 2+2)."""
+    parts = text.split("+")
+    if len(parts) >= 2 and all(p.strip().isdigit() for p in parts):
+        return tuple(int(p) for p in parts)
+    if len(parts) == 1 and text.strip().lstrip("-").isdigit():
         return int(text)
-    raise argparse.ArgumentTypeError(f"expected N or A+B (masked mode), got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected N or A+B (masked mode: A+B1+...+Bk), got {text!r}")
+
+
+def group_arg(text: str) -> str:
+    if not GROUP_NAME.match(text):
+        raise argparse.ArgumentTypeError(f"expected a group name A, B or B1..Bk, got {text!r}")
+    return text
 
 
 def positive(value: float | int | None, flag: str, minimum: float = 0, strict: bool = True) -> None:
@@ -157,7 +163,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         else:
             n = 2 if a.workers is None else a.workers
             if isinstance(n, tuple):
-                raise UsageError(f"--workers {n[0]}+{n[1]} (two groups) needs --mode masked")
+                raise UsageError(f"--workers {'+'.join(map(str, n))} (groups) needs --mode masked")
             if n < 1:
                 raise UsageError(f"--workers must be >= 1, got {n}")
             caps = capacities(a.capacity)
@@ -198,7 +204,7 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--client-key", help="the client's public key line (without a topology)")
     w.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
     w.add_argument("--rank", type=int, help="claim this rank (checked by the client; required with --insecure)")
-    w.add_argument("--group", choices=("A", "B"), help="masked mode: claim this group (checked by the client)")
+    w.add_argument("--group", type=group_arg, help="masked mode: claim this group, A, B or B1..Bk (checked by the client)")
     w.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
                    help="load progress on stderr: auto = a bar on a terminal, else nothing")  # fmt: skip
     w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")

@@ -34,6 +34,7 @@ address. Keys may be left out only for a plaintext run the user asks for by name
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ _TOP_KEYS = {"model", "client", "worker"}
 _CLIENT_KEYS = {"address", "model", "name", "key"}
 _WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group", "role"}
 ROLES = ("worker", "standby")
-GROUPS = ("A", "B")
+GROUP_NAME = re.compile(r"^(A|B|B[1-9][0-9]*)$")  # A, and the mask groups: B, or B1..Bk
 
 
 class TopologyError(UsageError, ValueError):
@@ -103,9 +104,15 @@ class Topology:
         return any(w.group for w in self.workers)
 
     @property
-    def groups(self) -> tuple[int, int]:
-        """(n_A, n_B) of a masked topology."""
-        return sum(w.group == "A" for w in self.workers), sum(w.group == "B" for w in self.workers)
+    def group_names(self) -> tuple[str, ...]:
+        """"A" then the mask groups ("B", or "B1".."Bk") of a masked topology."""
+        masks = sorted({w.group for w in self.all_workers if w.group and w.group != "A"}, key=lambda g: int(g[1:] or 0))
+        return ("A", *masks)
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Sizes of group A and of each mask group, in order (the first epoch's workers)."""
+        return tuple(sum(w.group == g for w in self.workers) for g in self.group_names)
 
     def participant(self, rank: int) -> Participant:
         if rank == 0:
@@ -195,8 +202,8 @@ class Topology:
             if wmodel is not None and not isinstance(wmodel, str):
                 raise fail(f"{where}: model must be a string path")
             group = w.get("group")
-            if group is not None and group not in GROUPS:
-                raise fail(f"{where}: group must be \"A\" or \"B\" (masked mode), got {group!r}")
+            if group is not None and (not isinstance(group, str) or not GROUP_NAME.match(group)):
+                raise fail(f"{where}: group must be \"A\", \"B\" or \"B1\"..\"Bk\" (masked mode), got {group!r}")
             key = _key(w, where, fail, keys)
             role = w.get("role", "worker")
             if role not in ROLES:
@@ -206,11 +213,19 @@ class Topology:
         if any(grouped):
             if not all(grouped):
                 raise fail("either every worker has a group (masked mode) or none does")
-            if {e[5] for e in entries} != set(GROUPS):
-                raise fail("a masked topology needs at least one worker in group A and one in group B")
+            names = {e[5] for e in entries}
+            masks = sorted(names - {"A"}, key=lambda g: int(g[1:] or 0))
+            k = len(masks)
+            want = ["B"] if k == 1 else [f"B{i}" for i in range(1, k + 1)]
+            if "A" not in names or not masks or masks != want:
+                raise fail("a masked topology needs group A and one mask group B, or mask groups B1..Bk "
+                           f"(got {sorted(names)})")  # fmt: skip
+            active = {e[5] for e in entries if not e[6]}
+            if active != names:
+                raise fail(f"group {sorted(names - active)[0]} has only standbys: every group needs a worker")
             if any(e[2] != 1.0 for e in entries):
                 raise fail("capacity is not supported in masked mode (each group splits its rows evenly)")
-            entries = [e for e in entries if e[5] == "A"] + [e for e in entries if e[5] == "B"]
+            entries = [e for g in ("A", *masks) for e in entries if e[5] == g]
         entries = [e for e in entries if not e[6]] + [e for e in entries if e[6]]  # standbys rank last
         if all(e[6] for e in entries):
             raise fail("every worker is a standby: at least one needs role = \"worker\"")

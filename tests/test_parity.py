@@ -3,7 +3,7 @@
 Per engine: prefill logits vs the reference, incremental decode == full forward, and greedy tokens
 identical for 32 new tokens. Structural N = 1..4 covers whole KV groups (N <= 2) and split groups by
 RoPE pairs (N = 3, 4 with 2 KV heads on Qwen2), hidden 72 / intermediate 100 split unevenly and by
-capacity; masked group sizes 1..3 each.
+capacity; masked group sizes 1..3 each, with one mask group (A+B) and with k = 2, 3 (A+B1+...+Bk).
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ CASES = [
     ("masked", "qwen2", (3, 2), None),
     ("masked", "llama", (2, 2), None),
     ("masked", "llama", (1, 3), None),
+    ("masked", "qwen2", (2, 1, 2), None),  # k = 2 mask groups
+    ("masked", "llama", (1, 1, 1, 1), None),  # k = 3
 ]
 
 
 def case_id(mode, arch, n, caps) -> str:
-    size = f"{n[0]}+{n[1]}" if isinstance(n, tuple) else f"N{n}"
+    size = "+".join(map(str, n)) if isinstance(n, tuple) else f"N{n}"
     return f"{mode}-{arch}-{size}{'-cap' if caps else ''}"
 
 
@@ -60,7 +62,7 @@ def refs(tiny_qwen2, tiny_llama):
 
 def engine(mode: str, path, n, caps):
     if mode == "masked":
-        return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1], timeout_s=60, context=128))
+        return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
     return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128))
 
 
@@ -92,9 +94,13 @@ def test_matches_transformers(refs, mode, arch, n, caps):
         )
         assert res.steps == NEW_TOKENS
         if mode == "masked":
-            # B worked ahead: every decode step found its masks' products ready, and the client's
-            # traffic is what the plan predicts (8-byte ring elements, nothing to B but control words).
+            # The mask groups worked ahead: every decode step found its masks' products ready, and
+            # the client's traffic is what the plan predicts (8-byte ring elements, nothing to a mask
+            # group but control words). Every product was checked, none failed.
             cost, per = eng.costs[-1], eng.plan.bytes_per_token()
             assert cost["to_A"] == per["client_to_A"] + 32 * n[0]  # + one control word per member
             assert cost["from_A"] == per["A_to_client"] and cost["from_B"] == per["B_to_client"]
-            assert cost["to_B"] == 32 * n[1]
+            assert cost["to_B"] == 32 * sum(n[1:])
+            linears = 4 * eng.config.n_layers
+            assert eng.verifier.failures == 0
+            assert eng.verifier.checks == linears * (2 * len(PROMPT) + len(PROMPT) + NEW_TOKENS - 1)

@@ -82,10 +82,12 @@ BAD = [
     ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = 'fc1.AAAA'\n", "not a certificate"),
     (f"[client]\naddress = '127.0.0.1:1'\nkey = '{A_KEY}'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY}'\n", "duplicate key"),
     (f"[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY[:-8]}'\n", "not a certificate"),
-    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'C'\n", 'group must be "A" or "B"'),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'C'\n", 'group must be "A", "B"'),
     ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n",
      "either every worker has a group"),  # fmt: skip
-    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n", "one in group B"),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n", "one mask group B"),
+    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n"
+     "group = 'B2'\n", "mask groups B1..Bk"),  # fmt: skip
 ]
 
 

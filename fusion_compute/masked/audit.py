@@ -1,26 +1,36 @@
 """The masked mode's audit: per-rank logs of every transfer, a tap of what group A received, and an
 independent verifier with an exposure report (what each party saw).
 
-Log files in the audit directory (one per rank, JSON lines):
-  masked-rank{R}.jsonl   header {rank, role, group, n_a, n_b}; event {kind, op, to, from, itemsize}
-                         (every comm verb, as comm.py reported it); session {index, key_id} and
-                         mask {session, step, layer, op} (client: every mask drawn); step; end
+Log files in the audit directory (one per rank and epoch, JSON lines; epochs after the first:
+masked-epoch{E}-rank{R}.*; the client keeps one log for the whole job, and records each epoch's
+group sizes in it):
+  masked-rank{R}.jsonl   header {rank, role, group, groups: [n_A, n_B1, ...], verify}; event {kind,
+                         op, to, from, itemsize} (every comm verb, as comm.py reported it); client
+                         only: epoch {epoch, groups, order}, session {index, key_ids: one per mask group}, mask {session, step,
+                         layer, op} (every mask drawn), check {session, step, layer, op, tokens, ok}
+                         (every product verified) and detection {..., blamed: [[group, member,
+                         rank, participant]]} (a product that failed); step; end
   masked-rank{R}.tap     group A: the raw int64 payload of every "masked" message it received, in
                          order; each tap is indexed by a record {op, shape, offset} in the log
 
 Rules the verifier checks (`verify`), reading only the logs and the group sizes in their headers:
   1. no worker-to-worker transfer: every worker event has the client (rank 0) as its only peer;
-  2. group A receives only control words and "masked" ring elements; group B receives only control
-     words and session keys; the client's own log agrees (what it sent to A and B, by kind);
+  2. group A receives only control words and "masked" ring elements; a mask group (B, B1..Bk)
+     receives only control words and session keys; the client's own log agrees (what it sent to
+     each group, by kind);
   3. workers send the client only "control", "meta" (public weight metadata) and "ring_out";
      no transfer of any other kind (clear state: ingress, egress, gather, ...) exists anywhere;
   4. masks are fresh: no (session, step, layer, op) label drawn twice, no session key reused;
+  6. with verification on (the header says so), every product the client drew a mask for was
+     checked: a check record for every mask label. Failed checks are reported as detections
+     (who was blamed), not as violations: the client refused the product.
   5. A's tap looks uniform: every bit position is set with frequency 1/2 (6σ), and masked vectors
      are fresh (pairs of elements, within and across steps, differ by less than 2^56 no more often
      than the 2^-7 of independent uniform words, 6σ). A clear or reused-mask view fails both.
 
 The logs are not hash-chained (the structural audit's are); the rules above are what the masked
-mode adds. Negative controls (tests): masks "zero" fails rule 5, leak "a-to-b" fails rules 1-2.
+mode adds. Negative controls (tests): masks "zero" fails rule 5, leak "a-to-b" fails rules 1-2, a
+client log with its check records removed fails rule 6.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .plan import LINEARS, mask_group_names
+
 A_IN = {"control", "masked"}
 B_IN = {"control", "key"}
 WORKER_OUT = {"control", "meta", "ring_out"}
@@ -39,25 +51,28 @@ FRESH_BITS = 56  # |a - b| < 2^56 happens with probability 2^-7 for independent 
 SIGMAS = 6.0
 
 
-def log_path(d: str | Path, rank: int) -> Path:
-    return Path(d) / f"masked-rank{rank}.jsonl"
+def log_path(d: str | Path, rank: int, epoch: int = 0) -> Path:
+    """A rank's log of one epoch (the client keeps one log for the job: rank 0, epoch 0)."""
+    return Path(d) / (f"masked-rank{rank}.jsonl" if epoch == 0 else f"masked-epoch{epoch}-rank{rank}.jsonl")
 
 
-def tap_path(d: str | Path, rank: int) -> Path:
-    return Path(d) / f"masked-rank{rank}.tap"
+def tap_path(d: str | Path, rank: int, epoch: int = 0) -> Path:
+    return log_path(d, rank, epoch).with_suffix(".tap")
 
 
 class AuditLog:
     """One rank's masked audit log; also comm's `Recorder`."""
 
-    def __init__(self, audit_dir: str | Path, rank: int, role: str, group: str | None, n_a: int, n_b: int):
+    def __init__(self, audit_dir: str | Path, rank: int, role: str, group: str | None, sizes: tuple[int, ...],
+                 verify: bool | None = None, epoch: int = 0):  # fmt: skip
         d = Path(audit_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self._f = open(log_path(d, rank), "w", buffering=1 << 20)
-        self._tap = open(tap_path(d, rank), "wb") if group == "A" else None
+        self._f = open(log_path(d, rank, epoch), "w", buffering=1 << 20)
+        self._tap = open(tap_path(d, rank, epoch), "wb") if group == "A" else None
         self._tap_at = 0
-        self._write({"type": "header", "rank": rank, "role": role, "group": group, "n_a": n_a, "n_b": n_b})
+        self._write({"type": "header", "rank": rank, "role": role, "group": group, "groups": list(sizes),
+                     "verify": verify})  # fmt: skip
 
     def _write(self, rec: dict) -> None:
         self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
@@ -77,11 +92,24 @@ class AuditLog:
         self._write({"type": "tap", "op": op, "shape": list(tensor.shape), "offset": self._tap_at})
         self._tap_at += len(data)
 
-    def session(self, index: int, key_id: str) -> None:
-        self._write({"type": "session", "index": index, "key_id": key_id})
+    def epoch(self, epoch: int, sizes: tuple[int, ...], order: list[int]) -> None:
+        """The client opened an epoch: its group sizes (ranks follow them) and participants."""
+        self._write({"type": "epoch", "epoch": epoch, "groups": list(sizes), "order": order})
+
+    def session(self, index: int, key_ids: list[str]) -> None:
+        self._write({"type": "session", "index": index, "key_ids": key_ids})
 
     def mask(self, session: int, step: int, layer: int, op: int) -> None:
         self._write({"type": "mask", "session": session, "step": step, "layer": layer, "op": op})
+
+    def check(self, session: int, step: int, layer: int, op: int, tokens: int, ok: bool) -> None:
+        self._write({"type": "check", "session": session, "step": step, "layer": layer, "op": op, "tokens": tokens,
+                     "ok": ok})  # fmt: skip
+
+    def detection(self, session: int, step: int, layer: int, op: int, blamed: list[list]) -> None:
+        self._write({"type": "detection", "session": session, "step": step, "layer": layer, "op": op,
+                     "blamed": blamed})  # fmt: skip
+        self._f.flush()  # the job may end here: what was caught must reach the disk
 
     def end_step(self) -> None:
         self._write({"type": "step"})
@@ -98,15 +126,15 @@ class AuditLog:
 # ---- reading ----
 
 
-def read_log(d: str | Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in log_path(d, rank).read_text().splitlines() if line]
+def read_log(d: str | Path, rank: int, epoch: int = 0) -> list[dict]:
+    return [json.loads(line) for line in log_path(d, rank, epoch).read_text().splitlines() if line]
 
 
-def read_tap(d: str | Path, rank: int) -> list[tuple[str, np.ndarray]]:
+def read_tap(d: str | Path, rank: int, epoch: int = 0) -> list[tuple[str, np.ndarray]]:
     """Group A's received masked messages, in order: (op name, int64 array (K, T))."""
-    raw = tap_path(d, rank).read_bytes()
+    raw = tap_path(d, rank, epoch).read_bytes()
     out = []
-    for rec in read_log(d, rank):
+    for rec in read_log(d, rank, epoch):
         if rec["type"] == "tap":
             k, t = rec["shape"]
             out.append((rec["op"], np.frombuffer(raw, dtype="<i8", count=k * t, offset=rec["offset"]).reshape(k, t)))
@@ -189,75 +217,111 @@ def _peers(rec: dict) -> set[int]:
     return {int(r) for r in rec["to"]} | {int(r) for r in rec["from"]}
 
 
+def _tally(events: list[dict], field: str) -> dict:
+    out: dict[str, dict] = {}
+    for e in events:
+        for r, n in e[field].items():
+            key = f"{e['kind']}@{r}"
+            slot = out.setdefault(key, {"messages": 0, "bytes": 0})
+            slot["messages"] += 1
+            slot["bytes"] += n * e["itemsize"]
+    return out
+
+
+def groups_by_rank(sizes: list[int]) -> dict[int, str]:
+    """{rank: group} of an epoch whose group sizes are `sizes` (A first, then the mask groups)."""
+    out, first = {}, 1
+    for g, n in zip(("A", *mask_group_names(len(sizes) - 1)), sizes, strict=True):
+        out.update({r: g for r in range(first, first + n)})
+        first += n
+    return out
+
+
+def _verify_worker(d: Path, epoch: int, rank: int, group: str, spec: str, violations: list[str]) -> dict:
+    """Rules 1-3 and 5 on one worker's log of one epoch; returns its party entry."""
+    who = f"rank {rank} ({group})" if epoch == 0 else f"epoch {epoch} rank {rank} ({group})"
+    if not log_path(d, rank, epoch).is_file():
+        violations.append(f"{who}: no log")
+        return {"group": group}
+    recs = read_log(d, rank, epoch)
+    if recs[0].get("group") != group:
+        violations.append(f"{who}: log says group {recs[0].get('group')}, sizes {spec} say {group}")
+    events = [r for r in recs if r["type"] == "event"]
+    allowed_in = A_IN if group == "A" else B_IN
+    for e in events:
+        if _peers(e) - {0}:
+            violations.append(f"{who}: {e['kind']} {e['op']} with worker(s) {sorted(_peers(e) - {0})}")
+        if e["from"] and e["kind"] not in allowed_in:
+            violations.append(f"{who} received {e['kind']} {e['op']} (allowed: {sorted(allowed_in)})")
+        if e["to"] and e["kind"] not in WORKER_OUT:
+            violations.append(f"{who} sent {e['kind']} {e['op']} (allowed: {sorted(WORKER_OUT)})")
+    party = {"group": group, "received": _tally(events, "from"), "sent": _tally(events, "to"),
+             "steps": sum(r["type"] == "step" for r in recs)}  # fmt: skip
+    if group == "A":
+        tapped = read_tap(d, rank, epoch)
+        if tapped:
+            words = np.concatenate([m.ravel() for _, m in tapped])
+            party["uniformity"] = uni = uniformity(words)
+            party["freshness"] = fresh = freshness(tapped)
+            if not uni["ok"]:
+                violations.append(f"{who}: received data is not uniform ({uni})")
+            for name, f in fresh.items():
+                if not f["ok"]:
+                    violations.append(f"{who}: masks not fresh {name} ({f})")
+        party["saw"] = "ring elements x_fx + r (uniform); control words with T"
+    else:
+        party["saw"] = "its group's session keys and step numbers: its masks, never data"
+    return party
+
+
 def verify(audit_dir: str | Path) -> dict:
-    """Check the rules of the module docstring; returns {"ok", "violations", "parties"}."""
+    """Check the rules of the module docstring, epoch by epoch (the client's log says which group
+    sizes each epoch had); returns {"ok", "violations", "parties", "epochs", "verification"}."""
     d = Path(audit_dir)
     client = read_log(d, 0)
     head = client[0]
-    n_a, n_b = head["n_a"], head["n_b"]
-    a_ranks, b_ranks = set(range(1, n_a + 1)), set(range(n_a + 1, n_a + n_b + 1))
     violations: list[str] = []
     parties: dict[str, dict] = {}
+    epochs = [r for r in client if r["type"] == "epoch"] or [{"epoch": 0, "groups": head["groups"]}]
+    for ep in epochs:
+        group_of, spec = groups_by_rank(ep["groups"]), "+".join(map(str, ep["groups"]))
+        for rank, group in sorted(group_of.items()):
+            key = f"rank{rank}" if ep["epoch"] == 0 else f"epoch{ep['epoch']}.rank{rank}"
+            parties[key] = _verify_worker(d, ep["epoch"], rank, group, spec, violations)
 
-    def tally(events: list[dict], field: str) -> dict:
-        out: dict[str, dict] = {}
-        for e in events:
-            for r, n in e[field].items():
-                key = f"{e['kind']}@{r}"
-                slot = out.setdefault(key, {"messages": 0, "bytes": 0})
-                slot["messages"] += 1
-                slot["bytes"] += n * e["itemsize"]
-        return out
-
-    for rank in sorted(a_ranks | b_ranks):
-        recs = read_log(d, rank)
-        group = "A" if rank in a_ranks else "B"
-        if recs[0].get("group") != group:
-            violations.append(f"rank {rank}: log says group {recs[0].get('group')}, sizes {n_a}+{n_b} say {group}")
-        events = [r for r in recs if r["type"] == "event"]
-        allowed_in = A_IN if group == "A" else B_IN
-        for e in events:
-            if _peers(e) - {0}:
-                violations.append(
-                    f"rank {rank} ({group}): {e['kind']} {e['op']} with worker(s) {sorted(_peers(e) - {0})}"
-                )
-            if e["from"] and e["kind"] not in allowed_in:
-                violations.append(
-                    f"rank {rank} ({group}) received {e['kind']} {e['op']} (allowed: {sorted(allowed_in)})"
-                )
-            if e["to"] and e["kind"] not in WORKER_OUT:
-                violations.append(f"rank {rank} ({group}) sent {e['kind']} {e['op']} (allowed: {sorted(WORKER_OUT)})")
-        party = {"group": group, "received": tally(events, "from"), "sent": tally(events, "to"),
-                 "steps": sum(r["type"] == "step" for r in recs)}  # fmt: skip
-        if group == "A":
-            tapped = read_tap(d, rank)
-            if tapped:
-                words = np.concatenate([m.ravel() for _, m in tapped])
-                party["uniformity"] = uni = uniformity(words)
-                party["freshness"] = fresh = freshness(tapped)
-                if not uni["ok"]:
-                    violations.append(f"rank {rank} (A): received data is not uniform ({uni})")
-                for name, f in fresh.items():
-                    if not f["ok"]:
-                        violations.append(f"rank {rank} (A): masks not fresh {name} ({f})")
-            party["saw"] = "ring elements x_fx + r (uniform); control words with T"
-        else:
-            party["saw"] = "session keys and step numbers: the masks, never data"
-        parties[f"rank{rank}"] = party
-
-    events = [r for r in client if r["type"] == "event"]
-    for e in events:
-        for r in map(int, e["to"]):
-            ok = A_IN if r in a_ranks else B_IN
-            if e["kind"] not in ok:
-                violations.append(f"client sent {e['kind']} {e['op']} to rank {r} (allowed: {sorted(ok)})")
+    group_of = groups_by_rank(head["groups"])
+    events = []
+    for rec in client:  # the client's side of rule 2, with each epoch's groups
+        if rec["type"] == "epoch":
+            group_of = groups_by_rank(rec["groups"])
+        elif rec["type"] == "event":
+            events.append(rec)
+            for r in map(int, rec["to"]):
+                ok = A_IN if group_of.get(r) == "A" else B_IN
+                if rec["kind"] not in ok:
+                    violations.append(f"client sent {rec['kind']} {rec['op']} to rank {r} (allowed: {sorted(ok)})")
     labels = [(r["session"], r["step"], r["layer"], r["op"]) for r in client if r["type"] == "mask"]
     if len(set(labels)) != len(labels):
         violations.append(f"mask labels reused: {len(labels) - len(set(labels))} of {len(labels)}")
-    keys = [r["key_id"] for r in client if r["type"] == "session"]
+    sessions = [r["key_ids"] for r in client if r["type"] == "session"]
+    keys = [k for ids in sessions for k in ids]
     if len(set(keys)) != len(keys):
         violations.append("a session key was reused")
-    parties["rank0"] = {"group": None, "received": tally(events, "from"), "sent": tally(events, "to"),
-                        "sessions": len(keys), "masks_drawn": len(labels),
+    checks = [r for r in client if r["type"] == "check"]
+    detections = [r for r in client if r["type"] == "detection"]
+    if head.get("verify"):
+        unchecked = set(labels) - {(r["session"], r["step"], r["layer"], r["op"]) for r in checks}
+        if unchecked:
+            violations.append(f"{len(unchecked)} of {len(labels)} products were never checked (verification on)")
+    parties["rank0"] = {"group": None, "received": _tally(events, "from"), "sent": _tally(events, "to"),
+                        "sessions": len(sessions), "masks_drawn": len(labels),
                         "saw": "everything, in the clear: tokens, residual, q/k/v, KV cache, activations, logits"}  # fmt: skip
-    return {"ok": not violations, "violations": violations, "parties": parties}
+    verification = {
+        "on": bool(head.get("verify")), "products_checked": len(checks),
+        "token_checks": sum(r["tokens"] for r in checks), "failed": sum(not r["ok"] for r in checks),
+        "detections": [{"session": r["session"], "step": r["step"], "op": f"L{r['layer']}.{LINEARS[r['op']]}",
+                        "blamed": [{"group": g, "member": m, "rank": rk, "participant": p} for g, m, rk, p in r["blamed"]]}
+                       for r in detections],
+    }  # fmt: skip
+    return {"ok": not violations, "violations": violations, "parties": parties, "verification": verification,
+            "epochs": [{"epoch": e["epoch"], "groups": e["groups"], "order": e.get("order")} for e in epochs]}  # fmt: skip

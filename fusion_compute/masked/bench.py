@@ -53,7 +53,7 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups) -> d
 
     rec = _Bytes()
     if mode == "masked":
-        eng = MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=groups[1], context=512), recorder=rec)
+        eng = MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=tuple(groups[1:]), context=512), recorder=rec)
     else:
         eng = Engine(model, EngineOptions(n_workers=n, context=512), recorder=rec)
     with eng:
@@ -71,7 +71,7 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups) -> d
         workers_cpu = _proc_cpu_s(pids) - w0
     return {
         "mode": mode,
-        "workers": f"{groups[0]}+{groups[1]}" if mode == "masked" else str(n),
+        "workers": "+".join(map(str, groups)) if mode == "masked" else str(n),
         "decode_tokens": steps,
         "decode_tokens_per_s": steps / wall,
         "client_to_workers_bytes_per_token": (rec.sent - s0) / steps,
@@ -167,7 +167,7 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
         eng.reset()
         errs["structural_N2"] = float((eng.forward(ids, all_logits=True).double() - logits64).abs().max())
     for b in limb_bits:
-        with MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=groups[1], context=512, limb_bits=b)) as eng:
+        with MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=tuple(groups[1:]), context=512, limb_bits=b)) as eng:
             eng.reset()
             errs[f"masked_b{b}"] = float((eng.forward(ids, all_logits=True).double() - logits64).abs().max())
     out["logits_scale_rms"] = float(logits64.pow(2).mean().sqrt())

@@ -12,10 +12,12 @@ Per layer, with x (T, H) the residual, which only the client ever holds:
   swiglu      client     a = silu(gate) · up
   down        A, B       x += masked_linear(a)
 
-masked_linear(x) = decode(W_fx (x_fx + r) - W_fx r): the client encodes x_fx (scale s_t its own),
-sends x_fx + r to every member of A (each returns its output rows), takes W_fx r from B's stream for
-this layer, subtracts in the ring and rescales (ring.py). r comes from the session's mask stream
-(masks.py), label (step, layer, op), never reused, never sent.
+masked_linear(x) = decode(W_fx (x_fx + r) - Σ_g W_fx r_g), r = Σ_g r_g: the client encodes x_fx
+(scale s_t its own), sends x_fx + r to every member of A (each returns its output rows), takes
+W_fx r_g from each mask group g's stream for this layer, subtracts in the ring, checks the result
+(verify.py: Freivalds over the integers; a wrong product never reaches a token) and rescales
+(ring.py). Each r_g comes from group g's session stream (masks.py), label (step, layer, op), never
+reused, never sent: A reads nothing unless it holds a member of every mask group.
 
 `MaskedEngine` has the structural `Engine`'s interface (config, context, reset, forward, ping,
 close), so `generate()` and the CLI drive it unchanged.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +41,8 @@ from ..kernels import causal_mask, inv_freq_tensor, rms_norm
 from . import protocol as P
 from . import ring
 from .masks import make_stream, new_key
-from .plan import MaskedPlan, make_masked_plan
+from .plan import MaskedPlan, make_masked_plan, mask_group_names
+from .verify import ProductCheck, ProductRejected
 
 MASK_KINDS = {"chacha20": P.MASK_CHACHA20, "zero": P.MASK_ZERO}
 
@@ -46,16 +50,24 @@ MASK_KINDS = {"chacha20": P.MASK_CHACHA20, "zero": P.MASK_ZERO}
 @dataclass
 class MaskedOptions(EngineOptions):
     n_a: int = 2
-    n_b: int = 2
+    n_b: int | tuple[int, ...] = 2  # members of the mask group, or of each of k mask groups
     limb_bits: int = ring.DEFAULT_LIMB_BITS
     masks: str = "chacha20"  # "zero" = NEGATIVE CONTROL (A receives x_fx in the clear)
+    verify: bool = True  # check every product the workers return (verify.py); off only to measure its cost
     audit_dir: str | None = None  # every rank writes its masked audit log (and A its tap) here
     leak: str | None = None  # worker-side negative control: "a-to-b"
 
     def __post_init__(self) -> None:
-        self.n_workers = self.n_a + self.n_b
+        self.b_sizes = (self.n_b,) if isinstance(self.n_b, int) else tuple(self.n_b)
+        self.n_workers = self.n_a + sum(self.b_sizes)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.n_a, *self.b_sizes)
 
     def check(self) -> None:
+        if not self.b_sizes or min(self.sizes) < 1:
+            raise UsageError(f"--mode masked needs at least one worker in each group, got {'+'.join(map(str, self.sizes))}")
         if self.masks not in MASK_KINDS:
             raise UsageError(f"unknown mask source {self.masks!r} ({', '.join(MASK_KINDS)})")
         if self.capacities:
@@ -66,20 +78,22 @@ class MaskedOptions(EngineOptions):
 
 
 class Tally:
-    """Comm recorder that counts bytes by (direction, group) and passes events on (audit)."""
+    """Comm recorder that counts bytes by (direction, group: A, or B for every mask group together)
+    and passes events on (audit)."""
 
-    def __init__(self, plan: MaskedPlan, inner: list[Recorder]):
-        self.group = {r: g for g in ("A", "B") for r in plan.ranks(g)}
+    def __init__(self, plan_now: Callable[[], MaskedPlan], inner: list[Recorder]):
+        self.plan_now = plan_now  # the current epoch's plan: ranks change with the epoch
         self.inner = inner
         self.bytes: dict[str, int] = {"to_A": 0, "from_A": 0, "to_B": 0, "from_B": 0}
 
     def record(self, event: Event) -> None:
+        plan = self.plan_now()
         for rank, n in enumerate(event.sent):
             if n:
-                self.bytes[f"to_{self.group[rank]}"] += n * event.itemsize
+                self.bytes["to_A" if plan.group_of(rank)[0] == "A" else "to_B"] += n * event.itemsize
         for rank, n in enumerate(event.received):
             if n:
-                self.bytes[f"from_{self.group[rank]}"] += n * event.itemsize
+                self.bytes["from_A" if plan.group_of(rank)[0] == "A" else "from_B"] += n * event.itemsize
         for rec in self.inner:
             rec.record(event)
 
@@ -90,21 +104,31 @@ class MaskedEngine(EngineBase):
     mode = "masked"
     opts: MaskedOptions
 
+    def group_names(self) -> tuple[str, ...]:
+        """A, then the job's mask groups (B, or B1..Bk)."""
+        return ("A", *mask_group_names(len(self.opts.b_sizes)))
+
     def plan_for(self, order: list[int]) -> MaskedPlan:
         groups = [self.seats[p].group for p in order]
-        n_a = groups.count("A")
-        if groups != ["A"] * n_a + ["B"] * (len(groups) - n_a):
-            raise ModelError(f"masked epoch order must list group A before group B, got {groups}")
-        return make_masked_plan(self.config, n_a, len(groups) - n_a, self.opts.limb_bits)
+        names = self.group_names()
+        sizes = tuple(groups.count(g) for g in names)
+        if groups != [g for g, n in zip(names, sizes, strict=True) for _ in range(n)]:
+            raise ModelError(f"masked epoch order must list the groups in the order {', '.join(names)}, got {groups}")
+        return make_masked_plan(self.config, sizes[0], sizes[1:], self.opts.limb_bits)
 
     def initial_group(self, pid: int) -> str:
-        return "A" if pid <= self.opts.n_a else "B"
+        bound = 0
+        for g, n in zip(self.group_names(), self.opts.sizes, strict=True):
+            bound += n
+            if pid <= bound:
+                return g
+        raise ModelError(f"participant {pid} is beyond the {'+'.join(map(str, self.opts.sizes))} groups")
 
     def spare_groups(self) -> list[str | None]:
-        return ["A", "B"]  # --standby K: K spares for each group
+        return list(self.group_names())  # --standby K: K spares for each group
 
     def welcome(self) -> dict:
-        return {"groups": [self.plan.n_a, self.plan.n_b]}
+        return {"groups": list(self.plan.sizes)}
 
     def worker_args(self) -> list[str]:
         out = list(self.opts.extra_worker_args)
@@ -129,19 +153,24 @@ class MaskedEngine(EngineBase):
         if self.opts.audit_dir:
             from .audit import AuditLog
 
-            self.audit = AuditLog(self.opts.audit_dir, 0, "client", None, self.opts.n_a, self.opts.n_b)
-        self.tally = Tally(self.plan, [r for r in (recorder, self.audit) if r is not None])
+            self.audit = AuditLog(self.opts.audit_dir, 0, "client", None, self.opts.sizes, verify=self.opts.verify)
+        self.tally = Tally(lambda: self.plan, [r for r in (recorder, self.audit) if r is not None])
+        # The check's secret vectors, computed from the client's own copy of the weights while the
+        # workers load theirs.
+        self.verifier = ProductCheck(self.plan, self.src) if self.opts.verify else None
         self.session, self.step, self.pos = -1, 0, 0
-        self.stream = None
+        self.streams: list | None = None  # one mask stream per mask group
         self._pending: list = []  # sends whose delivery is still to be waited for
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.costs: list[dict] = []  # per forward: tokens, wall_s, client_cpu_s, bytes by direction
         return self.tally
 
-    # ---- handshake: public quantization metadata from both groups ----
+    # ---- handshake: public quantization metadata from every group ----
 
     def hello(self, deadline: float) -> list[dict]:
         plan, c = self.plan, self.comm
+        if self.audit is not None:
+            self.audit.epoch(self.epoch, plan.sizes, list(self.opening))
         fp = P.fingerprint_int(plan)
         msg = control_word(P.Op.HELLO, plan.limb_bits, fp, MASK_KINDS[self.opts.masks])
         for r in range(1, plan.n + 1):
@@ -157,11 +186,12 @@ class MaskedEngine(EngineBase):
             rows = plan.rows_per_layer(g, m) * plan.config.n_layers
             meta[r] = c.recv(torch.empty(2, rows, dtype=torch.float64), r, P.KIND_META, "meta")
             info.append({"rank": r, "group": g, "load_s": load_ms / 1000, "peak_rss_mb": rss_kb / 1024})
-        per_group = {g: self._assemble(g, meta) for g in ("A", "B")}
-        # A and B must hold bit-identical fixed-point weights, or W(x + r) - W r is not W x.
-        for a, b in zip(per_group["A"], per_group["B"], strict=True):
-            if not torch.equal(a, b):
-                raise ModelError("groups A and B quantized the weights differently: same model file on every worker?")
+        per_group = {g: self._assemble(g, meta) for g in plan.groups}
+        # Every group must hold bit-identical fixed-point weights, or W(x + r) - Σ W r_g is not W x.
+        for g in plan.mask_groups:
+            for a, b in zip(per_group["A"], per_group[g], strict=True):
+                if not torch.equal(a, b):
+                    raise ModelError(f"groups A and {g} quantized the weights differently: same model file on every worker?")
         self.inv_w = [[ring.inverse_scales(e[0]) for e in layer] for layer in self._by_layer(per_group["A"])]
         self.w_norm_max = [
             [float(e[1].max()) if e.shape[1] else 0.0 for e in layer] for layer in self._by_layer(per_group["A"])
@@ -200,18 +230,22 @@ class MaskedEngine(EngineBase):
             self._kv[1].zero_()
 
     def _reset(self) -> None:
-        """A new session: a fresh mask key (to B only), a fresh step counter, a zeroed KV cache."""
+        """A new session: a fresh mask key per mask group (to that group only), fresh check
+        coefficients, a fresh step counter, a zeroed KV cache."""
         self._drain()
         self._wipe()
         self.session += 1
         self.step = self.pos = 0
-        key = new_key()
-        self.stream = make_stream(MASK_KINDS[self.opts.masks], key, guard=True)
-        for r in self.plan.ranks("B"):
-            self._isend(torch.tensor([int(P.Op.RESET), 0, 0, 0], dtype=torch.int64), r, P.KIND_CONTROL, "reset")
-            self._isend(torch.tensor(list(key), dtype=torch.uint8), r, P.KIND_KEY, "key")
+        keys = [new_key() for _ in self.plan.mask_groups]
+        self.streams = [make_stream(MASK_KINDS[self.opts.masks], key, guard=True) for key in keys]
+        for g, key in zip(self.plan.mask_groups, keys, strict=True):
+            for r in self.plan.ranks(g):
+                self._isend(torch.tensor([int(P.Op.RESET), 0, 0, 0], dtype=torch.int64), r, P.KIND_CONTROL, "reset")
+                self._isend(torch.tensor(list(key), dtype=torch.uint8), r, P.KIND_KEY, "key")
+        if self.verifier is not None:
+            self.verifier.new_session()
         if self.audit is not None:
-            self.audit.session(self.session, hashlib.sha256(key).hexdigest()[:16])
+            self.audit.session(self.session, [hashlib.sha256(key).hexdigest()[:16] for key in keys])
         if self._kv is None:
             c = self.config
             shape = (c.n_layers, c.n_kv_heads, self.context, c.head_dim)
@@ -226,7 +260,7 @@ class MaskedEngine(EngineBase):
     def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run tokens `ids` at the session's position; logits (V,) of the last token, or (T, V)."""
         t = len(ids)
-        if self.stream is None:
+        if self.streams is None:
             self._reset()
         if self.pos + t > self.context:
             raise ValueError(f"{self.pos + t} tokens exceed the context window of {self.context}")
@@ -243,21 +277,23 @@ class MaskedEngine(EngineBase):
         t = len(ids)
         wall0, cpu0, bytes0 = time.perf_counter(), time.process_time(), dict(self.tally.bytes)
         plan, c = self.plan, self.config
+        mask_ranks = [r for g in plan.mask_groups for r in plan.ranks(g)]
         for r in plan.ranks("A"):  # A learns T, nothing else
             self._isend(torch.tensor([int(P.Op.FORWARD), t, 0, 0], dtype=torch.int64), r, P.KIND_CONTROL, "forward")
-        for r in plan.ranks("B"):  # B learns T and the step (its mask labels)
+        for r in mask_ranks:  # a mask group learns T and the step (its mask labels)
             self._isend(
                 torch.tensor([int(P.Op.FORWARD), t, 0, self.step], dtype=torch.int64), r, P.KIND_CONTROL, "forward"
             )
-        # B streams W_fx r layer by layer: post every receive now, wait for each when it is needed.
+        # Mask groups stream W_fx r_g layer by layer: post every receive now, wait for each when needed.
         self._b_in = []
         for layer in range(c.n_layers):
-            bufs = []
-            for r in plan.ranks("B"):
-                buf = torch.empty(plan.rows_per_layer("B", plan.group_of(r)[1]), t, dtype=torch.int64)
-                bufs.append((self.comm.irecv(buf, r, P.KIND_OUT, P.op_name(layer, "mask")), buf))
+            bufs = {}
+            for r in mask_ranks:
+                g, m = plan.group_of(r)
+                buf = torch.empty(plan.rows_per_layer(g, m), t, dtype=torch.int64)
+                bufs[r] = (self.comm.irecv(buf, r, P.KIND_OUT, P.op_name(layer, "mask")), buf)
             self._b_in.append(bufs)
-        self._b_out: dict[int, list[torch.Tensor]] = {}
+        self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
         cos, sin = rope_tables(self.inv_freq, torch.arange(self.pos, self.pos + t))
@@ -294,44 +330,81 @@ class MaskedEngine(EngineBase):
         return decoder_layer(self.config, self.clear[i], x_TH[None], linear, kv, cos, sin, mask)[0]
 
     def masked_linear(self, layer: int, op: int, x_TK: torch.Tensor) -> torch.Tensor:
-        """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32."""
+        """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32. Raises
+        ProductRejected (naming the liars) when the product fails the check."""
         plan = self.plan
         shape = plan.shapes[op]
         t, name = x_TK.shape[0], P.op_name(layer, shape.name)
         x_fx, s = ring.encode(x_TK.T, self.w_norm_max[layer][op])  # (K, T) int64, (T,)
-        r = self.stream.draw(self.step, layer, op, shape.k * t).view(shape.k, t)
+        r_g = [st.draw(self.step, layer, op, shape.k * t).view(shape.k, t) for st in self.streams]
         if self.audit is not None:
             self.audit.mask(self.session, self.step, layer, op)
-        m_KT = (x_fx + r).contiguous()  # wraps mod 2^64: uniform, whatever x is
-        sends, outs = [], []
+        m_KT = x_fx.clone(memory_format=torch.contiguous_format)
+        for r in r_g:
+            m_KT += r  # wraps mod 2^64: uniform, whatever x is, unless every r_g is known
+        sends, outs = [], {}
         for rank in plan.ranks("A"):  # every member gets the whole masked input, returns its rows
             sends.append(self.comm.isend(m_KT, rank, P.KIND_MASKED, name))
             buf = torch.empty(plan.n_rows("A", plan.group_of(rank)[1], op), t, dtype=torch.int64)
-            outs.append((self.comm.irecv(buf, rank, P.KIND_OUT, name), buf))
-        y_b = self._b_rows(layer, op)  # usually already here: B works ahead
+            outs[rank] = (self.comm.irecv(buf, rank, P.KIND_OUT, name), buf)
+        y_mask = self._mask_rows(layer, op)  # {rank: its rows}: usually already here, mask groups work ahead
         for work in sends:
             work.wait()
-        for work, _ in outs:
+        for work, _ in outs.values():
             work.wait()
-        y_a = torch.cat([buf for _, buf in outs])  # (N, T): W_fx (x_fx + r)
-        y_fx = y_a - y_b  # W_fx x_fx exactly, |.| < 2^62 by the bound encode() checked
-        ring.check_result(y_fx, name)
+        y_fx = torch.cat([buf for _, buf in outs.values()])  # (N, T): W_fx (x_fx + r)
+        for g in plan.mask_groups:
+            y_fx -= torch.cat([y_mask[rank] for rank in plan.ranks(g)])  # W_fx x_fx once every W_fx r_g is off
+        if self.verifier is not None:
+            ok = self.verifier.check(layer, op, y_fx, x_fx)
+            if self.audit is not None:
+                self.audit.check(self.session, self.step, layer, op, t, ok)
+            if not ok:
+                self._reject(layer, op, {r: b for r, (_, b) in outs.items()}, y_mask, m_KT, r_g)
+        ring.check_result(y_fx, name)  # |.| < 2^62 by the bound encode() checked (always, once verified)
         y = ring.decode(y_fx, self.inv_w[layer][op], s)  # rescaled, float64
         return y.T.to(torch.float32)
 
-    def _b_rows(self, layer: int, op: int) -> torch.Tensor:
-        """W_fx r for (layer, op), all output rows, from B's stream (waits for the layer's message)."""
+    def _reject(self, layer: int, op: int, y_a: dict, y_mask: dict, m_KT: torch.Tensor, r_g: list) -> None:
+        """A product failed the check: find who lied (recomputing the linear from the client's own
+        weights), record it, and stop the step before any token comes of it."""
+        plan = self.plan
+        name = P.op_name(layer, plan.shapes[op].name)
+        blamed = self.verifier.blame(plan, layer, op, y_a, y_mask, m_KT, dict(zip(plan.mask_groups, r_g, strict=True)))
+        who = [f"group {g} member {m} (rank {r}, participant {self.order[r - 1]})" for g, m, r in blamed]
+        if self.audit is not None:
+            self.audit.detection(self.session, self.step, layer, op, [[g, m, r, self.order[r - 1]] for g, m, r in blamed])
+        self._drain_quietly()
+        where = f"{name}, session {self.session}, step {self.step}"
+        if not who:
+            raise ProductRejected(f"a product failed the check at {where}, yet every member's rows recompute "
+                                  "correctly: is the client's model file the workers' one?", [], [])  # fmt: skip
+        raise ProductRejected(f"wrong product from {', '.join(who)} at {where}", blamed,
+                              [self.order[r - 1] for _, _, r in blamed])  # fmt: skip
+
+    def _drain_quietly(self) -> None:
+        """The step is abandoned: the sends already queued may go or fail, it no longer matters."""
+        for work in self._pending:
+            try:
+                work.wait()
+            except Exception:
+                pass
+        self._pending.clear()
+        self.streams = None  # the session is over: the next request starts a new one (fresh keys)
+
+    def _mask_rows(self, layer: int, op: int) -> dict[int, torch.Tensor]:
+        """Each mask member's rows of W_fx r_g for (layer, op), from the groups' streams (waits for
+        the layer's messages): {rank: (rows, T)}."""
         plan = self.plan
         if layer not in self._b_out:
-            per_op: list[list[torch.Tensor]] = [[] for _ in plan.shapes]
-            for (work, buf), r in zip(self._b_in[layer], plan.ranks("B"), strict=True):
+            out: dict[int, list[torch.Tensor]] = {}
+            for r, (work, buf) in self._b_in[layer].items():
                 work.wait()
-                sizes = [plan.n_rows("B", plan.group_of(r)[1], s.op) for s in plan.shapes]
-                for i, part in enumerate(buf.split(sizes)):
-                    per_op[i].append(part)
-            self._b_out[layer] = [torch.cat(p) for p in per_op]
-            self._b_in[layer] = []
-        return self._b_out[layer][op]
+                g, m = plan.group_of(r)
+                out[r] = list(buf.split([plan.n_rows(g, m, s.op) for s in plan.shapes]))
+            self._b_out[layer] = out
+            self._b_in[layer] = {}
+        return {r: parts[op] for r, parts in self._b_out[layer].items()}
 
     # ---- the rest of Engine's interface ----
 

@@ -1,4 +1,4 @@
-"""`--mode masked` options: the group sizes A+B from --workers or from a topology's groups."""
+"""`--mode masked` options: the group sizes A+B (or A+B1+...+Bk) from --workers or a topology's groups."""
 
 from __future__ import annotations
 
@@ -9,24 +9,25 @@ from .client import MaskedOptions
 from .plan import parse_groups
 
 
-def groups_of(workers: Any) -> tuple[int, int]:
-    """--workers as parsed by options.workers_arg: "2+2" arrives as (2, 2); a plain N is not a masked layout."""
+def groups_of(workers: Any) -> tuple[int, tuple[int, ...]]:
+    """--workers as parsed by options.workers_arg: "2+2" arrives as (2, 2), "2+2+1" as (2, 2, 1);
+    returns (n_A, sizes of the mask groups). A plain N is not a masked layout."""
     if isinstance(workers, tuple):
-        n_a, n_b = workers
+        sizes = workers
     elif isinstance(workers, str):
-        n_a, n_b = parse_groups(workers)
+        sizes = parse_groups(workers)
     else:
         raise UsageError(f"--mode masked needs group sizes A+B, e.g. --workers 2+2 (got {workers})")
-    if n_a < 1 or n_b < 1:
-        raise UsageError(f"--mode masked needs at least one worker in each group, got {n_a}+{n_b}")
-    return n_a, n_b
+    if len(sizes) < 2 or any(n < 1 for n in sizes):
+        raise UsageError(f"--mode masked needs at least one worker in each group, got {'+'.join(map(str, sizes))}")
+    return sizes[0], tuple(sizes[1:])
 
 
 def masked_options(workers: Any, topology: Any, common: dict[str, Any]) -> MaskedOptions:
     if topology is not None:
         if not topology.masked:
             raise UsageError(f"{topology.path} names no groups: give every worker group = \"A\" or \"B\" for --mode masked")
-        n_a, n_b = topology.groups
+        n_a, b_sizes = topology.groups[0], topology.groups[1:]
     else:
-        n_a, n_b = groups_of(workers if workers is not None else (2, 2))
-    return MaskedOptions(n_a=n_a, n_b=n_b, **common)
+        n_a, b_sizes = groups_of(workers if workers is not None else (2, 2))
+    return MaskedOptions(n_a=n_a, n_b=b_sizes, **common)

@@ -1,7 +1,11 @@
-"""The masked plan: two groups, each splitting every linear's output rows among its members, as data.
+"""The masked plan: group A and k mask groups, each splitting every linear's output rows among its
+members, as data.
 
-Ranks: 0 client; group A = 1..n_A; group B = n_A+1..n_A+n_B. Per layer four linears, in this order
-(the client's dependency chain: each needs the nonlinear step after the previous one):
+Groups: A computes on masked inputs; the mask groups (named "B" when k = 1, else "B1".."Bk") each
+compute the products of their own mask stream. Ranks: 0 client; group A = 1..n_A; then each mask
+group in order. Reading the client's data takes A plus a member of every mask group. Per layer four
+linears, in this order (the client's dependency chain: each needs the nonlinear step after the
+previous one):
 
   op  name     W                       in (K)      out (rows)
   0   qkv      [q; k; v]_proj          H           n_h d + 2 n_kv d
@@ -28,8 +32,12 @@ from ..config import ModelConfig
 from ..plan import PlanError, apportion, contiguous_ranges
 
 LINEARS = ("qkv", "o", "gate_up", "down")
-GROUPS = ("A", "B")
 ELEMENT_BYTES = 8  # int64 ring elements on the wire
+
+
+def mask_group_names(k: int) -> tuple[str, ...]:
+    """"B" for one mask group (the original two-group protocol), else "B1".."Bk"."""
+    return ("B",) if k == 1 else tuple(f"B{i}" for i in range(1, k + 1))
 
 
 @dataclass(frozen=True)
@@ -54,39 +62,60 @@ def linear_shapes(c: ModelConfig) -> tuple[LinearShape, ...]:
 class MaskedPlan:
     config: ModelConfig
     n_a: int
-    n_b: int
+    b_sizes: tuple[int, ...]  # members of each mask group
     limb_bits: int
-    # rows[g][member][op] = (start, stop) of that linear's output rows
+    # rows[g][member][op] = (start, stop) of that linear's output rows; g indexes `groups`
     rows: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
 
     @property
+    def groups(self) -> tuple[str, ...]:
+        return ("A", *self.mask_groups)
+
+    @property
+    def mask_groups(self) -> tuple[str, ...]:
+        return mask_group_names(len(self.b_sizes))
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.n_a, *self.b_sizes)
+
+    @property
     def n(self) -> int:
-        return self.n_a + self.n_b
+        return sum(self.sizes)
+
+    @property
+    def spec(self) -> str:
+        """The group sizes as --workers writes them: 2+2, 2+2+1."""
+        return "+".join(map(str, self.sizes))
 
     @cached_property
     def shapes(self) -> tuple[LinearShape, ...]:
         return linear_shapes(self.config)
 
     def ranks(self, group: str) -> list[int]:
-        return list(range(1, self.n_a + 1)) if group == "A" else list(range(self.n_a + 1, self.n + 1))
+        g = self.groups.index(group)
+        first = 1 + sum(self.sizes[:g])
+        return list(range(first, first + self.sizes[g]))
 
     def group_of(self, rank: int) -> tuple[str, int]:
         """(group, member index) of a worker rank."""
-        if 1 <= rank <= self.n_a:
-            return "A", rank - 1
-        if self.n_a < rank <= self.n:
-            return "B", rank - self.n_a - 1
-        raise PlanError(f"rank {rank} is not a worker of a {self.n_a}+{self.n_b} masked job")
+        start = 1
+        for g, size in zip(self.groups, self.sizes, strict=True):
+            if start <= rank < start + size:
+                return g, rank - start
+            start += size
+        raise PlanError(f"rank {rank} is not a worker of a {self.spec} masked job")
 
     def member_rows(self, group: str, member: int, op: int) -> tuple[int, int]:
-        return self.rows[GROUPS.index(group)][member][op]
+        return self.rows[self.groups.index(group)][member][op]
 
     def n_rows(self, group: str, member: int, op: int) -> int:
         a, b = self.member_rows(group, member, op)
         return b - a
 
     def rows_per_layer(self, group: str, member: int) -> int:
-        """Rows of one layer's four linears owned by a member (the size of B's per-layer message)."""
+        """Rows of one layer's four linears owned by a member (the size of a mask member's per-layer
+        message)."""
         return sum(self.n_rows(group, member, s.op) for s in self.shapes)
 
     # ---- predictions (per token, whole model) ----
@@ -98,7 +127,7 @@ class MaskedPlan:
         return {
             "client_to_A": per * k_sum * self.n_a,  # every member of A gets the whole masked input
             "A_to_client": per * out_sum,
-            "B_to_client": per * out_sum,
+            "B_to_client": per * out_sum * len(self.b_sizes),  # every mask group returns every row
             "client_to_B": 0,  # a control word per step and a key per session only
             "between_workers": 0,
             "layers": c.n_layers,
@@ -113,14 +142,14 @@ class MaskedPlan:
             "mode": "masked",
             "model": {"arch": c.arch, "hidden": c.hidden, "intermediate": c.intermediate, "layers": c.n_layers,
                       "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab},
-            "groups": {"A": self.n_a, "B": self.n_b},
+            "groups": dict(zip(self.groups, self.sizes, strict=True)),
             "limb_bits": self.limb_bits,
             "linears": [{"op": s.op, "name": s.name, "rows": s.rows, "k": s.k} for s in self.shapes],
             "members": [
                 {"rank": r, "group": g, "member": m,
                  "rows": {s.name: list(self.member_rows(g, m, s.op)) for s in self.shapes},
                  "weight_bytes_float64": self.weight_elements(g, m) * 8}
-                for g in GROUPS for r in self.ranks(g) for m in [self.group_of(r)[1]]
+                for g in self.groups for r in self.ranks(g) for m in [self.group_of(r)[1]]
             ],
             "bytes_per_token": self.bytes_per_token(),
         }  # fmt: skip
@@ -132,20 +161,22 @@ class MaskedPlan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-def make_masked_plan(config: ModelConfig, n_a: int, n_b: int, limb_bits: int) -> MaskedPlan:
-    if n_a < 1 or n_b < 1:
-        raise PlanError(f"masked mode needs at least one worker in each group, got {n_a}+{n_b}")
+def make_masked_plan(config: ModelConfig, n_a: int, b_sizes: int | tuple[int, ...], limb_bits: int) -> MaskedPlan:
+    b_sizes = (b_sizes,) if isinstance(b_sizes, int) else tuple(b_sizes)
+    sizes = (n_a, *b_sizes)
+    if not b_sizes or any(n < 1 for n in sizes):
+        raise PlanError(f"masked mode needs at least one worker in each group, got {'+'.join(map(str, sizes))}")
     shapes = linear_shapes(config)
     rows = []
-    for g, n in (("A", n_a), ("B", n_b)):
+    for g, n in zip(("A", *mask_group_names(len(b_sizes))), sizes, strict=True):
         per_op = [contiguous_ranges(apportion(s.rows, (1.0,) * n, f"group {g}: {s.name} rows")) for s in shapes]
         rows.append(tuple(tuple(per_op[op][m] for op in range(len(shapes))) for m in range(n)))
-    return MaskedPlan(config=config, n_a=n_a, n_b=n_b, limb_bits=limb_bits, rows=tuple(rows))
+    return MaskedPlan(config=config, n_a=n_a, b_sizes=b_sizes, limb_bits=limb_bits, rows=tuple(rows))
 
 
-def parse_groups(text: str) -> tuple[int, int]:
-    """ "2+2" -> (2, 2)."""
-    a, sep, b = text.partition("+")
-    if not sep or not a.strip().isdigit() or not b.strip().isdigit():
-        raise PlanError(f"masked mode needs group sizes A+B, e.g. 2+2, got {text!r}")
-    return int(a), int(b)
+def parse_groups(text: str) -> tuple[int, ...]:
+    """ "2+2" -> (2, 2); "2+2+1" -> (2, 2, 1): group A, then each mask group."""
+    parts = text.split("+")
+    if len(parts) < 2 or not all(p.strip().isdigit() for p in parts):
+        raise PlanError(f"masked mode needs group sizes A+B (or A+B1+...+Bk), e.g. 2+2, got {text!r}")
+    return tuple(int(p) for p in parts)

@@ -1,11 +1,12 @@
-"""A masked worker. Group A multiplies masked inputs; group B multiplies the masks themselves.
+"""A masked worker. Group A multiplies masked inputs; a mask group (B, or B1..Bk) multiplies its own
+masks.
 
 Both hold the same public fixed-point weights: their member's output rows of every linear (plan.py),
 as float64 `RingMatrix`es. Neither holds any state of the conversation: no residual, no KV cache,
 no token, no position. A receives uniformly random ring elements and returns their products; B
 receives a session key and a step number, expands the masks from the key and returns W_fx r.
 
-B works ahead: its products do not depend on the data, so right after streaming step s it computes
+A mask group works ahead: its products do not depend on the data, so right after streaming step s it computes
 step s+1 for T = 1 (the next decode step) while the client and A are still busy; a decode step then
 finds its layers ready. A prefill (T > 1) is computed on demand, layer by layer, streamed as each
 layer is done so A and B run side by side.
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from ..errors import UsageError
+from ..faults import Fault, parse_fault
 from ..weights import WeightSource
 from . import protocol as P
 from .masks import make_stream
@@ -73,14 +76,16 @@ def load_member(src: WeightSource, plan: MaskedPlan, group: str, member: int) ->
 
 
 class MaskedWorker:
-    """The command loop of one member of group A or B."""
+    """The command loop of one member of group A or of a mask group."""
 
-    def __init__(
-        self, src: WeightSource, n_a: int, n_b: int, rank: int, comm: Comm, *, audit=None, leak: str | None = None
-    ):
-        self.src, self.n_a, self.n_b, self.rank, self.comm = src, n_a, n_b, rank, comm
+    def __init__(self, src: WeightSource, sizes: tuple[int, ...], rank: int, comm: Comm, *, audit=None,
+                 leak: str | None = None, fault: Fault | None = None):  # fmt: skip
+        self.src, self.sizes, self.rank, self.comm = src, tuple(sizes), rank, comm
         self.audit = audit  # masked.audit.AuditLog: taps what this worker received
         self.leak = leak  # "a-to-b": negative control, A's first member forwards an input to B
+        self.fault = fault  # tests only: a lie (faults.py) the client's product check must catch
+        self.forwards = 0  # FORWARD steps served (the fault's clock)
+        self._last: dict[str, torch.Tensor] = {}  # lie-stale: the previous step's result per linear
         self.plan: MaskedPlan | None = None
         self.weights: MemberWeights | None = None
 
@@ -89,7 +94,7 @@ class MaskedWorker:
         c = self.comm
         ctrl = c.recv(torch.zeros(P.CONTROL_LEN, dtype=torch.int64), 0, P.KIND_CONTROL, "hello")
         op, limb_bits, fp, mask_kind = (int(v) for v in ctrl)
-        self.plan = make_masked_plan(self.src.config, self.n_a, self.n_b, limb_bits)
+        self.plan = make_masked_plan(self.src.config, self.sizes[0], self.sizes[1:], limb_bits)
         self.group, self.member = self.plan.group_of(self.rank)
         mine = P.fingerprint_int(self.plan)
         if op != P.Op.HELLO or fp != mine:
@@ -111,16 +116,41 @@ class MaskedWorker:
         else:
             self._serve_b(mask_kind)
 
+    # ---- lies (tests only) ----
+
+    def _lie(self, name: str, y: torch.Tensor, first: bool, last: bool) -> torch.Tensor:
+        """FAULT INJECTION (tests only): what a dishonest member returns for linear `name` (rows, T)
+        at the step `--inject-fault` names; the honest `y` otherwise."""
+        f, honest = self.fault, y
+        if f is not None and f.lie and self.forwards == f.step and y.numel():
+            y = y.clone()
+            if f.kind == "lie-one" and last:
+                y[-1, -1] += 1
+            elif f.kind == "lie-bias":
+                y += 1
+            elif f.kind == "lie-stale":
+                prev = self._last.get(name)
+                y = prev[:, -y.shape[1] :] if prev is not None and prev.shape[1] >= y.shape[1] else y.zero_()
+            elif f.kind == "lie-zeros":
+                y.zero_()
+            elif f.kind == "lie-shape" and first:
+                y = y[:-1]
+        if f is not None and f.kind == "lie-stale":
+            self._last[name] = honest
+        return y
+
     # ---- group A: the hot path ----
 
     def _serve_a(self) -> None:
         c, plan, mats = self.comm, self.plan, self.weights.mats
         ctrl = torch.zeros(P.CONTROL_LEN, dtype=torch.int64)
         leak_to_b = self.leak == "a-to-b" and self.member == 0
+        n_layers, n_ops = len(mats), len(plan.shapes)
         while True:
             c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)  # idle between requests is normal
             op, t = int(ctrl[0]), int(ctrl[1])
             if op == P.Op.FORWARD:
+                self.forwards += 1
                 for layer, row in enumerate(mats):
                     for s, mat in zip(plan.shapes, row, strict=True):
                         name = P.op_name(layer, s.name)
@@ -128,14 +158,16 @@ class MaskedWorker:
                         if self.audit is not None:
                             self.audit.tap(name, m_KT)
                         if leak_to_b and layer == 0 and s.op == 0:
-                            c.send(m_KT, plan.ranks("B")[0], "leak", name)  # NEGATIVE CONTROL
-                        c.send(mat.matmul(m_KT), 0, P.KIND_OUT, name)
+                            c.send(m_KT, plan.ranks(plan.mask_groups[0])[0], "leak", name)  # NEGATIVE CONTROL
+                        y = self._lie(name, mat.matmul(m_KT), layer == 0 and s.op == 0,
+                                      layer == n_layers - 1 and s.op == n_ops - 1)  # fmt: skip
+                        c.send(y, 0, P.KIND_OUT, name)
                 if self.audit is not None:
                     self.audit.end_step()
             elif self._common(op):
                 return
 
-    # ---- group B: the masks' products, one step ahead ----
+    # ---- a mask group: the masks' products, one step ahead ----
 
     def _products(self, stream, step: int, layer: int, t: int) -> torch.Tensor:
         """W_fx r for one layer's four ops, stacked: (rows_per_layer, T) int64."""
@@ -150,7 +182,7 @@ class MaskedWorker:
         ctrl = torch.zeros(P.CONTROL_LEN, dtype=torch.int64)
         stream, expected = None, 0
         ahead: tuple[int, int, list[torch.Tensor]] | None = None  # (step, T, per-layer products)
-        leak_from_a = self.leak == "a-to-b" and self.member == 0
+        leak_from_a = self.leak == "a-to-b" and self.group == self.plan.mask_groups[0] and self.member == 0
         while True:
             c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)
             op, t, step = int(ctrl[0]), int(ctrl[1]), int(ctrl[3])
@@ -165,10 +197,12 @@ class MaskedWorker:
                     )
                 if leak_from_a:  # NEGATIVE CONTROL: receive what A's first member forwards
                     c.recv(torch.empty(self.plan.shapes[0].k, t, dtype=torch.int64), 1, "leak", "L0.qkv")
+                self.forwards += 1
                 ready = ahead[2] if ahead is not None and ahead[:2] == (step, t) else None
                 pending = []
                 for layer in range(n_layers):
                     y = ready[layer] if ready is not None else self._products(stream, step, layer, t)
+                    y = self._lie(P.op_name(layer, "mask"), y, layer == 0, layer == n_layers - 1)
                     pending.append((c.isend(y, 0, P.KIND_OUT, P.op_name(layer, "mask")), y))
                 expected = step + 1
                 # Work ahead while the client and group A run this step: the next decode step (T = 1).
@@ -200,26 +234,32 @@ def _rss_kb() -> int:
 
 
 def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any) -> None:
-    """A masked worker process after joining: `welcome` names the groups; `o` is worker.WorkerOptions."""
+    """A masked worker process after joining: `welcome` names the group sizes; `o` is
+    worker.WorkerOptions."""
     from .audit import AuditLog
     from .ring import limit_blas_threads
 
-    n_a, n_b = (int(x) for x in welcome["groups"])
+    sizes = tuple(int(x) for x in welcome["groups"])
+    fault = parse_fault(o.inject_fault) if o.inject_fault else None
+    if fault is not None and not fault.lie:
+        raise UsageError(f"--inject-fault {o.inject_fault}: a masked worker knows only the lie-* faults")
     limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
-    group = "A" if rank <= n_a else "B"
-    audit = AuditLog(o.audit_dir, rank, "worker", group, n_a, n_b) if o.audit_dir else None
-    comm = Comm(rank, n_a + n_b, links, timeout_s=o.timeout_s, recorder=audit, engine="tls" if o.key else "tcp")
+    group = make_masked_plan(src.config, sizes[0], sizes[1:], 8).group_of(rank)[0] if rank <= sum(sizes) else None
+    epoch = int(welcome.get("epoch") or 0)
+    audit = AuditLog(o.audit_dir, rank, "worker", group, sizes, epoch=epoch) if o.audit_dir else None
+    comm = Comm(rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, engine="tls" if o.key else "tcp")
     try:
-        run(src, n_a, n_b, rank, comm, audit=audit, leak=o.inject_leak)
+        run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)
     finally:
         if audit is not None:
             audit.close()
         comm.close()
 
 
-def run(src: WeightSource, n_a: int, n_b: int, rank: int, comm: Comm, *, audit=None, leak: str | None = None) -> None:
+def run(src: WeightSource, sizes: tuple[int, ...], rank: int, comm: Comm, *, audit=None, leak: str | None = None,
+        fault: Fault | None = None) -> None:  # fmt: skip
     if leak not in (None, "a-to-b"):
         raise ValueError(f"masked workers know one negative control, a-to-b (no-mask is the client's); got {leak!r}")
-    if rank < 1 or rank > n_a + n_b:
-        raise ValueError(f"rank {rank} is not a worker of a {n_a}+{n_b} job")
-    MaskedWorker(src, n_a, n_b, rank, comm, audit=audit, leak=leak).serve()
+    if rank < 1 or rank > sum(sizes):
+        raise ValueError(f"rank {rank} is not a worker of a {'+'.join(map(str, sizes))} job")
+    MaskedWorker(src, sizes, rank, comm, audit=audit, leak=leak, fault=fault).serve()
