@@ -629,6 +629,8 @@ class EngineBase:
 
     def close(self) -> None:
         """Wipe, shut every worker down (standbys too), stop what we started."""
+        if self.procs is not None:
+            self.procs.closing = True  # from here on a worker's exit is expected, not a failure to report
         if self.comm is not None:
             try:
                 self._wipe()

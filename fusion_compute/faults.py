@@ -7,7 +7,8 @@
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
   lie-one@STEP      one element of the step's last linear is off by one (the smallest lie there is)
-  lie-bias@STEP     every element of every linear of the step is off by one (a small, systematic bias)
+  lie-bias@STEP     every element of every linear of the step is off by 2^40: a systematic bias that
+                    moves the output yet stays far inside the ±2^62 bound the consistency check knows
   lie-stale@STEP    every linear returns the previous step's result for it (a lazy or replaying worker)
   lie-zeros@STEP    every linear returns zeros
   lie-shape@STEP    the step's first linear comes back one row short (a malformed answer)

@@ -3,7 +3,9 @@ session at a time) and reports each job's events. Membership changes (the admin 
 same thread, between requests, through `call`.
 
 Errors: a request that fails for its own reasons (a bad value that got past the checks: 400; anything
-else: 500) fails alone. A lost worker the engine could not replace (comm.CommError: too few workers
+else: 500) fails alone. A worker caught returning a wrong product (masked mode's check) fails the
+request with 502 before any token comes from it; the engine removes the worker (a standby takes its
+seat) and the next request runs without it. A lost worker the engine could not replace (comm.CommError: too few workers
 left, no standby) fails the request with 503 and marks the engine *degraded*; the gateway stays up
 and the next request tries again (the engine recovers as soon as it can: a standby joined, a
 worker added). `/health` says `ok` or `degraded` (with the reason).
@@ -94,7 +96,7 @@ class Scheduler:
 
     def _run(self, job: Job) -> None:
         from .comm import CommError
-        from .errors import UsageError
+        from .errors import UsageError, WorkerMisbehaved
         from .generate import InputError
 
         job.t_started = time.perf_counter()
@@ -106,6 +108,12 @@ class Scheduler:
             self.degraded = one_line(e)
             self.log(f"fusion serve: degraded: {self.degraded}")
             self._send(job, ("error", unavailable(f"the engine lost a worker it could not replace: {self.degraded}")))
+            return
+        except WorkerMisbehaved as e:  # caught lying and removed (replaced by a standby): retrying is safe
+            self.log(f"fusion serve: request failed: {one_line(e)}")
+            self._send(job, ("error", ApiError(502, f"a worker returned a wrong result and was removed from the job; "
+                                                    f"nothing was generated from it, retry: {one_line(e)}",
+                                               kind="server_error", code="worker_misbehaved")))  # fmt: skip
             return
         except (UsageError, InputError) as e:  # a bad value that got past the request checks
             self._send(job, ("error", ApiError(400, str(e))))

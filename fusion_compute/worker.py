@@ -65,6 +65,7 @@ class Worker:
         self._links_lock = threading.Lock()
         self.fault = parse_fault(o.inject_fault) if o.inject_fault else None
         self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
+        self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
 
     # ---- words from the client (the pulse thread) ----
 
@@ -78,6 +79,11 @@ class Worker:
     def on_client_gone(self) -> None:
         """The client's pulse link closed: the job is over for this worker, whatever it was doing."""
         self.wipe()
+        for log in self.audit_logs:  # what it recorded so far is the audit's (a revoked worker's too)
+            try:
+                log.flush()
+            except (OSError, ValueError):  # closed meanwhile by the main thread: already written
+                pass
         os._exit(0)
 
     def _cut(self) -> None:
@@ -104,7 +110,7 @@ class Worker:
             if welcome.get("mode") == "masked":
                 from .masked.worker import run_member
 
-                run_member(self.src, welcome, rank, links, o)
+                run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append)
                 return True
             plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
             audit = None
@@ -113,6 +119,7 @@ class Worker:
 
                 audit = AuditRecorder.for_epoch(o.audit_dir, int(welcome.get("epoch") or 0), rank,
                                                 participant=int(welcome["pid"]))  # fmt: skip
+                self.audit_logs.append(audit)
             fabric = None
             if welcome.get("fabric"):
                 from .comm.torch_fabric import TorchFabric

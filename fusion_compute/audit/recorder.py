@@ -174,6 +174,10 @@ class AuditRecorder:
         self.steps_total += 1
         self.busy_s += time.perf_counter() - t0
 
+    def flush(self) -> None:
+        """Write out what is buffered (the process is about to exit at once: no end record)."""
+        self._f.flush()
+
     def close(self) -> str:
         """The end record; returns the chain's final hash."""
         if self.closed:

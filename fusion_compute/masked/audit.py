@@ -114,6 +114,12 @@ class AuditLog:
     def end_step(self) -> None:
         self._write({"type": "step"})
 
+    def flush(self) -> None:
+        """Write out what is buffered (a process about to exit at once)."""
+        self._f.flush()
+        if self._tap is not None:
+            self._tap.flush()
+
     def close(self) -> None:
         if self._f.closed:
             return
@@ -244,6 +250,9 @@ def _verify_worker(d: Path, epoch: int, rank: int, group: str, spec: str, violat
         violations.append(f"{who}: no log")
         return {"group": group}
     recs = read_log(d, rank, epoch)
+    if not recs or recs[0].get("type") != "header":
+        violations.append(f"{who}: its log is empty or starts without a header")
+        return {"group": group}
     if recs[0].get("group") != group:
         violations.append(f"{who}: log says group {recs[0].get('group')}, sizes {spec} say {group}")
     events = [r for r in recs if r["type"] == "event"]

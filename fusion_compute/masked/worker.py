@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +128,7 @@ class MaskedWorker:
             if f.kind == "lie-one" and last:
                 y[-1, -1] += 1
             elif f.kind == "lie-bias":
-                y += 1
+                y += 1 << 40
             elif f.kind == "lie-stale":
                 prev = self._last.get(name)
                 y = prev[:, -y.shape[1] :] if prev is not None and prev.shape[1] >= y.shape[1] else y.zero_()
@@ -233,9 +234,10 @@ def _rss_kb() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
-def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any) -> None:
+def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any,
+               keep: Callable[[Any], None] = lambda log: None) -> None:  # fmt: skip
     """A masked worker process after joining: `welcome` names the group sizes; `o` is
-    worker.WorkerOptions."""
+    worker.WorkerOptions; `keep` is handed the audit log (the process flushes it if it must exit)."""
     from .audit import AuditLog
     from .ring import limit_blas_threads
 
@@ -247,6 +249,8 @@ def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any)
     group = make_masked_plan(src.config, sizes[0], sizes[1:], 8).group_of(rank)[0] if rank <= sum(sizes) else None
     epoch = int(welcome.get("epoch") or 0)
     audit = AuditLog(o.audit_dir, rank, "worker", group, sizes, epoch=epoch) if o.audit_dir else None
+    if audit is not None:
+        keep(audit)
     comm = Comm(rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, engine="tls" if o.key else "tcp")
     try:
         run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)
