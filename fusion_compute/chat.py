@@ -26,8 +26,9 @@ HELP = """commands:
   /set KEY VALUE  max_tokens, temperature, top_p, top_k or seed for the next turns
   /workers        who holds the conversation: every worker, its rank, group and state
   /revoke ID      remove worker ID now (it wipes and leaves; a standby takes its place, if any)
-  /add [KEY [HOST]] [A|B]
-                  enroll a standby: local runs spawn one; otherwise name its public key (and host)
+  /add [KEY [HOST]] [GROUP]
+                  enroll a standby: local runs spawn one; otherwise name its public key (and host);
+                  masked jobs name its group (A, B or B1..Bk)
   /exit, /quit    leave (Ctrl-D too)
 Ctrl-C stops a reply."""
 

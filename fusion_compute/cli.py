@@ -28,8 +28,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UsageError("--chat needs --prompt TEXT")
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     masked = a.mode == "masked"
+    if a.audit_dir is not None and not masked:
+        raise UsageError("--audit-dir is for --mode masked; the structural audit is `fusion audit run`")
     opts = O.engine_options(a, masked=masked)
-    if not masked:
+    if masked:
+        opts.audit_dir = a.audit_dir
+    else:
         opts.progress = load_monitor(sys.stderr)  # bars on a terminal only; stdout stays clean
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
@@ -162,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--mode", choices=("structural", "masked"), default="structural",
-                   help="masked: workers see only one-time-pad-masked data (--workers A+B; docs/masked.md)")  # fmt: skip
+                   help="masked: workers see only one-time-pad-masked data (--workers A+B or A+B1+...+Bk; docs/masked.md)")  # fmt: skip
+    g.add_argument("--audit-dir", metavar="DIR",
+                   help="masked mode: every rank logs its transfers, the client every product check, into DIR "
+                        "(then `fusion audit verify DIR`)")  # fmt: skip
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plan", help="print the sharding plan as JSON")

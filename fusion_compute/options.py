@@ -86,7 +86,7 @@ def load_key(path: str | None) -> Identity | None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--workers", type=workers_arg, help="number of workers N (default 2); A+B with --mode masked")
+    p.add_argument("--workers", type=workers_arg, help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked")
     p.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
     p.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
     p.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
@@ -115,8 +115,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_name(a: argparse.Namespace) -> str:
     if a.engine is not None:
         return a.engine
-    if a.device == "cuda":
-        return "nccl"
+    if a.device == "cuda" and not (getattr(a, "topology", None) or a.master):
+        return "nccl"  # among local workers; across machines the links stay TLS (or TCP with --insecure)
     return "tcp" if a.insecure else "tls"
 
 
@@ -214,7 +214,7 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
     w.add_argument("--inject-leak", help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce "
                                          "(masked: a-to-b)")  # fmt: skip
-    w.add_argument("--inject-fault", help="tests only: close-mid-message@STEP (faults.py)")
+    w.add_argument("--inject-fault", help="tests only: close-mid-message@STEP; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)")
     w.add_argument("--variant", choices=("sharded", "megatron"), default="sharded",
                    help="megatron: replicated-residual baseline (benchmark / negative control)")  # fmt: skip
 

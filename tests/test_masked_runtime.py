@@ -3,6 +3,8 @@ flags (its parity with transformers: test_parity.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -26,10 +28,11 @@ def test_sessions_are_isolated_and_masks_never_reused(tiny_qwen2):
             eng.forward([4])
 
 
-def _audited_run(path, tmp_path, **kw):
+def _audited_run(path, tmp_path, sizes=(2, 1), **kw):
     d = tmp_path / "audit"
     ids = [7, 7, 7, 7, 7, 7, 7, 7, 30, 31]  # repeated tokens: identical clear inputs, the worst case
-    with MaskedEngine(path, MaskedOptions(n_a=2, n_b=1, timeout_s=60, context=64, audit_dir=str(d), **kw)) as eng:
+    opts = MaskedOptions(n_a=sizes[0], n_b=tuple(sizes[1:]), timeout_s=60, context=64, audit_dir=str(d), **kw)
+    with MaskedEngine(path, opts) as eng:
         eng.reset()
         eng.forward(ids)
         for t in (3, 4, 5):
@@ -39,13 +42,19 @@ def _audited_run(path, tmp_path, **kw):
     return d, ids
 
 
-def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path):
-    d, ids = _audited_run(tiny_qwen2, tmp_path)
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 1, 1), (1, 1, 1, 1)], ids=["k=1", "k=2", "k=3"])
+def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path, sizes):
+    """k mask groups: A's view is uniform and fresh, every mask group sees keys only, the attack
+    recovers no more than chance; every product was checked."""
+    d, ids = _audited_run(tiny_qwen2, tmp_path, sizes)
     report = audit.verify(d)
     assert report["ok"], report["violations"]
     a1 = report["parties"]["rank1"]
     assert set(a1["received"]) == {"control@0", "masked@0"} and set(a1["sent"]) <= {"control@0", "meta@0", "ring_out@0"}
-    assert set(report["parties"]["rank3"]["received"]) == {"control@0", "key@0"}
+    for rank in range(sizes[0] + 1, sum(sizes) + 1):  # every member of every mask group: keys, never data
+        assert set(report["parties"][f"rank{rank}"]["received"]) == {"control@0", "key@0"}, rank
+    v = report["verification"]
+    assert v["on"] and v["failed"] == 0 and not v["detections"] and v["products_checked"] == 5 * 4 * 3  # 5 steps
     assert a1["uniformity"]["ok"] and a1["freshness"]["across_steps"]["pairs"] > 0
     # The attack on exactly what worker 1 received: its first message is layer 0's qkv input.
     op, first = audit.read_tap(d, 1)[0]
@@ -65,6 +74,23 @@ def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
     assert attack.recovered(guesses, ids) == len(ids)
 
 
+def test_audit_negative_control_unchecked_products(tiny_qwen2, tmp_path):
+    """The client's check records are the evidence that every product was verified: drop some and
+    the audit fails (rule 6); the CLI verifier says so with exit 1."""
+    from fusion_compute.cli import main
+
+    d, _ = _audited_run(tiny_qwen2, tmp_path, (1, 1, 1))
+    assert main(["audit", "verify", str(d)]) == 0
+    log = audit.log_path(d, 0)
+    lines = log.read_text().splitlines()
+    kept = [x for x in lines if not ('"type":"check"' in x and '"layer":1' in x)]
+    assert len(kept) < len(lines)
+    log.write_text("\n".join(kept) + "\n")
+    report = audit.verify(d)
+    assert not report["ok"] and any("never checked" in v for v in report["violations"]), report["violations"]
+    assert main(["audit", "verify", str(d)]) == 1
+
+
 def test_audit_negative_control_a_talks_to_b(tiny_qwen2, tmp_path):
     d, _ = _audited_run(tiny_qwen2, tmp_path, leak="a-to-b")
     report = audit.verify(d)
@@ -82,6 +108,18 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_cli_k_groups_audited_and_verified(tiny_qwen2, tmp_path, capsys):
+    d = tmp_path / "aud"
+    code, out, err = _cli(capsys, "generate", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", "1+1+1",
+                          "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json", "--audit-dir", str(d))  # fmt: skip
+    assert code == 0, err
+    j = json.loads(out)
+    assert j["groups"] == [1, 1, 1] and j["verified"]["failed"] == 0 and j["verified"]["token_checks"] == (3 + 2) * 12
+    code, out, err = _cli(capsys, "audit", "verify", str(d))
+    assert code == 0, err
+    assert "PASS" in out and "groups 1+1+1" in out and "60 token columns), 0 failed" in out
+
+
 def test_cli_flags(tiny_qwen2, capsys):
     code, out, err = _cli(capsys, "generate", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", "1+2",
                           "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json")  # fmt: skip
@@ -92,6 +130,8 @@ def test_cli_flags(tiny_qwen2, capsys):
         (("--mode", "masked", "--workers", "3"), "group sizes A+B"),
         (("--mode", "masked", "--workers", "0+2"), "at least one worker in each group"),
         (("--mode", "masked", "--workers", "2+2", "--capacity", "2,1"), "not supported with --mode masked"),
+        (("--mode", "masked", "--workers", "2+2+0"), "at least one worker in each group"),
+        (("--workers", "3", "--audit-dir", "x"), "--audit-dir is for --mode masked"),
     ]
     for flags, msg in bad:
         code, _, err = _cli(capsys, "generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", *flags)

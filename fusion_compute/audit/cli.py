@@ -121,12 +121,46 @@ def cmd_run(a: argparse.Namespace) -> int:
 # ---- verify ----
 
 
+def _masked_text(d: Path, r: dict) -> str:
+    v = r["verification"]
+    lines = [f"masked audit {d}: {'PASS' if r['ok'] else 'FAIL'}"]
+    for e in r["epochs"]:
+        lines.append(f"  epoch {e['epoch']}: groups {'+'.join(map(str, e['groups']))}, participants {e.get('order')}")
+    if v["on"]:
+        lines.append(f"  product checks: {v['products_checked']:,} products ({v['token_checks']:,} token columns), "
+                     f"{v['failed']} failed")  # fmt: skip
+    else:
+        lines.append("  product checks: off (the client did not verify what it unmasked)")
+    for det in v["detections"]:
+        who = ", ".join(f"group {b['group']} member {b['member']} (rank {b['rank']}, participant {b['participant']})"
+                        for b in det["blamed"]) or "nobody (no member's rows differed)"  # fmt: skip
+        lines.append(f"  DETECTION session {det['session']} step {det['step']} {det['op']}: wrong product from {who}")
+    lines += [f"  VIOLATION {m}" for m in r["violations"]]
+    return "\n".join(lines)
+
+
+def cmd_verify_masked(root: Path, as_json: bool) -> int:
+    """A masked run's audit directory (`fusion generate --mode masked --audit-dir DIR`)."""
+    from ..masked import audit as masked_audit
+
+    r = masked_audit.verify(root)
+    if as_json:
+        print(json.dumps({"ok": r["ok"], "violations": r["violations"], "verification": r["verification"],
+                          "epochs": r["epochs"]}, indent=2))  # fmt: skip
+    else:
+        print(_masked_text(root, r))
+    return 0 if r["ok"] else EXIT_FAIL
+
+
 def cmd_verify(a: argparse.Namespace) -> int:
-    """One cold-start directory, or a run's OUT directory (every cold*/ in it)."""
+    """One cold-start directory, or a run's OUT directory (every cold*/ in it), or a masked run's."""
+    from ..masked.audit import log_path
     from .schema import MANIFEST
     from .verify import verify_dir
 
     root = Path(a.dir)
+    if log_path(root, 0).is_file():
+        return cmd_verify_masked(root, a.json)
     dirs = [root]
     if root.is_dir() and not (root / MANIFEST).exists():
         dirs = sorted(p.parent for p in root.glob(f"cold*/{MANIFEST}")) or [root]

@@ -1,14 +1,16 @@
 """Participant identities: an Ed25519 key pair, carried by a self-signed X.509 certificate.
 
 Every participant (the client and each worker) has one. The *public part* is the certificate, which
-a user shares as one line of text (`fc1.` + base64url of its DER, ~285 characters) and pins in the
+a user shares as one line of text (`fc1.` + base64url of its DER, 354 characters) and pins in the
 topology file; the *secret part* (the private key) never leaves its file. TLS 1.3 (links.py) proves
 possession of the key during the handshake, and the links compare the certificate a peer presents
 with the pinned one byte for byte, so a participant is exactly "whoever holds the key of this line".
 
-The certificate is only a container for the public key: no names, no CA, no expiry that could
-strand a deployment (valid 2000..9999), no revocation list — the user revokes a key by removing
-its line from the topology.
+The certificate is only a container for the public key: no names (the subject is `fusion ` + a hash
+of the key, `subject_name`), no CA, no expiry that could strand a deployment (valid 2000..9999), no
+revocation list — the user revokes a key by removing its line from the topology, or, in a running
+job, with `/revoke ID` or the admin endpoint (docs/resilience.md), after which the job's admission
+refuses it.
 
     fusion keys new worker1.key        # writes the key file (mode 0600), prints the public line
     fusion keys show worker1.key       # prints the public line again

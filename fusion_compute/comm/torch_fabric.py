@@ -1,11 +1,14 @@
 """Collectives among the workers on torch.distributed: NCCL on GPUs (the trusted GPU fabric), or gloo
-(plaintext TCP; kept to compare with the links it replaced: `fusion bench --engine gloo`).
+(plaintext TCP; kept to compare with the links it replaced: `fusion bench --engines tls,gloo`, or
+`--engine gloo --insecure` on a local run).
 
 The client is not part of this group: it talks to the workers over its links (links.py), so its
 traffic is TLS whatever the fabric. The fabric's own traffic is NOT encrypted or authenticated
-(torch.distributed has neither), so it is for one machine or a network the user trusts, and is
-asked for by name. Rendezvous: worker 1 hosts a TCPStore at the address the client names in
-WELCOME; every worker joins it.
+(torch.distributed has neither), so it runs on one machine only: `EngineOptions.check` (engine.py)
+refuses `--engine gloo` / `nccl` for a `--topology` or `--master` run, with or without --insecure.
+gloo is asked for by name (`--insecure`); nccl is the default of a local `--device cuda` run.
+Rendezvous: worker 1 hosts a TCPStore at the address the client names in WELCOME; every worker
+joins it.
 
 The reduce-scatter is `all_to_all_single` with per-peer split sizes plus a local sum, never
 `reduce_scatter`: gloo implements that as an all-reduce followed by keeping one chunk, so every

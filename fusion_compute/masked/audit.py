@@ -132,8 +132,24 @@ class AuditLog:
 # ---- reading ----
 
 
+class MaskedAuditError(ValueError):
+    """A log that cannot be read at all (not JSON records): no verdict can be given."""
+
+
 def read_log(d: str | Path, rank: int, epoch: int = 0) -> list[dict]:
-    return [json.loads(line) for line in log_path(d, rank, epoch).read_text().splitlines() if line]
+    path = log_path(d, rank, epoch)
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MaskedAuditError(f"{path}: line {n} is not a JSON record ({e.msg})") from None
+        if not isinstance(rec, dict) or "type" not in rec:
+            raise MaskedAuditError(f"{path}: line {n} is not a log record")
+        out.append(rec)
+    return out
 
 
 def read_tap(d: str | Path, rank: int, epoch: int = 0) -> list[tuple[str, np.ndarray]]:

@@ -46,17 +46,21 @@ def _proc_cpu_s(pids: list[int]) -> float:
     return total / tick
 
 
-def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups) -> dict:
+def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, verify: bool = True) -> dict:
     from ..client import Engine, EngineOptions
     from ..sampling import Sampler, SamplingParams
     from .client import MaskedEngine, MaskedOptions
 
     rec = _Bytes()
+    t_load = time.perf_counter()
     if mode == "masked":
-        eng = MaskedEngine(model, MaskedOptions(n_a=groups[0], n_b=tuple(groups[1:]), context=512), recorder=rec)
+        opts = MaskedOptions(n_a=groups[0], n_b=tuple(groups[1:]), context=512, verify=verify)
+        eng = MaskedEngine(model, opts, recorder=rec)
     else:
         eng = Engine(model, EngineOptions(n_workers=n, context=512), recorder=rec)
+    load_s = time.perf_counter() - t_load
     with eng:
+        check = getattr(eng, "verifier", None)
         sampler = Sampler(SamplingParams())
         eng.reset()
         logits = eng.forward(ids)
@@ -64,14 +68,22 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups) -> d
         pids = eng.procs.pids if eng.procs is not None else []
         s0, r0, w0 = rec.sent, rec.received, _proc_cpu_s(pids)
         c0, t0 = time.process_time(), time.perf_counter()
+        k0 = check.check_s if check is not None else 0.0
         while len(out) < tokens:  # past an end-of-turn token too: a fixed number of decode steps
             out.append(sampler(eng.forward([out[-1]])))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         steps = len(out) - 1
         workers_cpu = _proc_cpu_s(pids) - w0
+        verified = {
+            "verify": check is not None,
+            "check_ms_per_token": 1000 * (check.check_s - k0) / steps if check is not None else 0.0,
+            "precompute_s": check.precompute_s if check is not None else None,
+            "load_s": load_s,  # engine start-up: workers spawned, joined, weights loaded (precompute overlaps)
+        }
     return {
         "mode": mode,
         "workers": "+".join(map(str, groups)) if mode == "masked" else str(n),
+        **verified,
         "decode_tokens": steps,
         "decode_tokens_per_s": steps / wall,
         "client_to_workers_bytes_per_token": (rec.sent - s0) / steps,
@@ -174,6 +186,33 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
     return out
 
 
+VERIFY_CONFIGS = (((1, 1), False), ((1, 1), True), ((1, 1, 1), True), ((1, 1, 1, 1), True))
+
+
+def verify_cost(model, ids: list[int], tokens: int, rounds: int) -> dict:
+    """Masked mode with the product check off and on (1+1), and with 2 and 3 mask groups (check on):
+    rounds alternate the configurations; each takes its best round (by decode speed)."""
+    runs: dict[str, list[dict]] = {}
+    for _ in range(rounds):
+        for groups, verify in VERIFY_CONFIGS:
+            r = run_mode("masked", model, ids, tokens, 0, groups, verify=verify)
+            r.pop("token_ids")
+            runs.setdefault(f"{'+'.join(map(str, groups))} verify {'on' if verify else 'off'}", []).append(r)
+            print(json.dumps(r), file=sys.stderr)
+    best = {k: max(v, key=lambda r: r["decode_tokens_per_s"]) for k, v in runs.items()}
+    off, on = best["1+1 verify off"], best["1+1 verify on"]
+    return {
+        "model": str(model),
+        "cpus": os.cpu_count(),
+        "runs": best,
+        "client_cpu_ratio_verify_on_over_off": on["client_cpu_ms_per_token"] / off["client_cpu_ms_per_token"],
+        "check_share_of_client_cpu": on["check_ms_per_token"] / on["client_cpu_ms_per_token"],
+        "decode_ms_per_token_by_mask_groups": {
+            k: 1000 / best[f"{s} verify on"]["decode_tokens_per_s"] for k, s in ((1, "1+1"), (2, "1+1+1"), (3, "1+1+1+1"))
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..tokenizer import load_tokenizer
     from ..weights import resolve_model_path
@@ -181,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m fusion_compute.masked.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model")
-    p.add_argument("--groups", default="2+2", help="masked group sizes A+B")
+    p.add_argument("--groups", default="2+2", help="masked group sizes A+B or A+B1+...+Bk")
     p.add_argument("--workers", type=int, default=2, help="structural N")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kernels", action="store_true", help="also time the ring-product kernels")
     p.add_argument("--exactness", action="store_true", help="only measure errors against float64 (no timing)")
+    p.add_argument("--verify-cost", action="store_true",
+                   help="the product check's cost (on vs off) and each extra mask group's, masked mode only")  # fmt: skip
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     path = resolve_model_path(a.model)
@@ -195,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
     if a.exactness:
         print(json.dumps(exactness(path, ids, groups=groups), indent=2))
+        return 0
+    if a.verify_cost:
+        print(json.dumps(verify_cost(path, ids, a.tokens, a.rounds), indent=None if a.json else 2))
         return 0
     runs = []
     for _ in range(a.rounds):

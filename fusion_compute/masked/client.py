@@ -242,8 +242,6 @@ class MaskedEngine(EngineBase):
             for r in self.plan.ranks(g):
                 self._isend(torch.tensor([int(P.Op.RESET), 0, 0, 0], dtype=torch.int64), r, P.KIND_CONTROL, "reset")
                 self._isend(torch.tensor(list(key), dtype=torch.uint8), r, P.KIND_KEY, "key")
-        if self.verifier is not None:
-            self.verifier.new_session()
         if self.audit is not None:
             self.audit.session(self.session, [hashlib.sha256(key).hexdigest()[:16] for key in keys])
         if self._kv is None:

@@ -17,7 +17,7 @@ def groups_of(workers: Any) -> tuple[int, tuple[int, ...]]:
     elif isinstance(workers, str):
         sizes = parse_groups(workers)
     else:
-        raise UsageError(f"--mode masked needs group sizes A+B, e.g. --workers 2+2 (got {workers})")
+        raise UsageError(f"--mode masked needs group sizes A+B or A+B1+...+Bk, e.g. --workers 2+2 (got {workers})")
     if len(sizes) < 2 or any(n < 1 for n in sizes):
         raise UsageError(f"--mode masked needs at least one worker in each group, got {'+'.join(map(str, sizes))}")
     return sizes[0], tuple(sizes[1:])
@@ -26,7 +26,7 @@ def groups_of(workers: Any) -> tuple[int, tuple[int, ...]]:
 def masked_options(workers: Any, topology: Any, common: dict[str, Any]) -> MaskedOptions:
     if topology is not None:
         if not topology.masked:
-            raise UsageError(f"{topology.path} names no groups: give every worker group = \"A\" or \"B\" for --mode masked")
+            raise UsageError(f"{topology.path} names no groups: give every worker a group (\"A\", and \"B\" or \"B1\"..\"Bk\") for --mode masked")
         n_a, b_sizes = topology.groups[0], topology.groups[1:]
     else:
         n_a, b_sizes = groups_of(workers if workers is not None else (2, 2))

@@ -1,27 +1,31 @@
 """Verified products: Freivalds' check of every linear the workers compute, at the client.
 
 The client holds each linear's input in the clear, as the fixed-point integers it encodes (x_fx,
-ring.py), and receives the claimed product y = y_A - Σ y_B (the integers W_fx · x_fx, |y| < 2^62,
-which `ring.check_result` has already bounded). It checks, for every linear of every step and every
-token column, that y is W_fx · x_fx over the integers, without the matrix:
+ring.py), and receives the claimed product y = y_A - Σ y_B (mod 2^64; honest, it is the integer
+W_fx · x_fx, |.| < 2^62). It checks, for every linear of every step and every token column, that y
+is W_fx · x_fx over the integers, without the matrix:
 
     job start (once)    U: D = 4 secret random rows per linear, entries uniform in [0, 2^16);
-                        V = U · W_fx, one streaming pass over the public weights (the client keeps
-                        the vectors U and V, never the matrices)
-    session start       C: 5 fresh random rows of coefficients in [0, 2^8)
-    every linear        C · (U · y)  ==  C · (V · x_fx)     exactly, as integers
+                        V = U · W_fx, one streaming pass over the public weights, in a background
+                        thread while the workers load (the client keeps U and V, never the matrices)
+    every linear        U · y  ==  V · x_fx      exactly, as integers, every row and token column
 
 Why over the integers and not in the ring: in Z/2^64 an error that is a multiple of 2^63 escapes a
-random check with probability 1/2. Both sides here are exact integers (limb arithmetic below), so a
-wrong y (e = y - W_fx x_fx ≠ 0) passes only if U e = 0, probability ≤ 2^-16 per row of U (the
-Schwartz–Zippel bound: fix every u_j but one coordinate where e_i ≠ 0), ≤ 2^-64 for the job's D = 4
-rows, or else if C (U e) = 0, ≤ (2^-8)^5 = 2^-40 for the session's 5 rows of C. Per linear and token:
-at most 2^-40 + 2^-64. U is never seen by a worker; C is fresh per session; a detected liar is
-removed from the job (engine.revoke), so it gets one try.
+random check with probability 1/2 (and one that is a multiple of 2^(64-j) with probability 2^-j).
+Over the integers a wrong y (e = y - W_fx x_fx ≠ 0, as int64 values) passes one row u only if
+u · e = 0: fix every entry of u but one where e_i ≠ 0; at most one of its 2^16 values solves the
+equation, so the row passes with probability ≤ 2^-16 (Schwartz–Zippel), and all D = 4 independent
+rows with probability ≤ 2^-64, per linear and token column, whatever the lie. The workers never see
+U or anything computed from it; the only thing a liar learns is whether it was caught, and the
+first detection removes it from the job (engine._expel). U is drawn once per job rather than per
+session: a fresh U needs a fresh pass over every weight (measured in docs/masked.md), and a per-job
+U already bounds every wrong product's chance of passing by 2^-64.
 
-Exactness of the arithmetic: every integer is split into 16-bit limbs (the top limb signed, as in
-ring.py), every limb product sum stays below 2^53 (exact in float64 GEMMs), and the sums are
-recombined with carries in int64 (`_equal`).
+Exactness of the arithmetic, without big integers in the hot path: y and x are offset by 2^63 (the
+sign bit flipped) so that their four 16-bit limbs are all unsigned (a free view of the int64 as
+uint16); U · limbs(y) and limbs(V) · limbs(x) are float64 GEMMs whose every partial sum is below
+2^16 · 2^16 · max(N, K) ≤ 2^53 for up to 2^21 rows or columns (exact); the few sums per row and
+column are recombined, offsets removed, in Python integers.
 
 On a mismatch the client finds who lied (`blame`): it reads that linear's rows from its own copy of
 the model, recomputes A's product W_fx (x_fx + Σ r) and each mask group's W_fx r_i in the ring, and
@@ -30,6 +34,7 @@ names the members whose rows differ.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -41,9 +46,13 @@ from .plan import MaskedPlan
 from .ring import RingMatrix, quantize_rows, weight_bits
 from .worker import read_rows
 
-BASIS_ROWS = 4  # D: rows of U per linear (U e = 0 for a nonzero e with probability <= 2^-16 each)
-CHECK_ROWS = 5  # rows of C per session (each passes a nonzero U e with probability <= 2^-8)
-U_BITS, C_BITS, LIMB = 16, 8, 16
+BASIS_ROWS = 4  # D: rows of U per linear (a wrong product passes each with probability <= 2^-16)
+U_BITS, LIMB, N_LIMBS = 16, 16, 4
+SIGN = -(1 << 63)  # x ^ SIGN, read as unsigned, is x + 2^63
+OFFSET = 1 << 63
+SHIFTS = [1 << (LIMB * p) for p in range(2 * N_LIMBS - 1)]  # 2^(16 p), limb positions 0..6
+POSITIONS = torch.tensor([[float(a + b == p) for p in range(2 * N_LIMBS - 1)] for a in range(N_LIMBS)
+                          for b in range(N_LIMBS)], dtype=torch.float64)  # (16, 7): limb pair (a, b) -> a + b  # fmt: skip
 
 
 class ProductRejected(WorkerMisbehaved):
@@ -55,40 +64,56 @@ class ProductRejected(WorkerMisbehaved):
         self.blamed = blamed
 
 
-def _limbs(x: torch.Tensor, n: int = 4) -> torch.Tensor:
-    """int64 (..., M) -> float64 (n, ..., M): x = Σ_j limb_j 2^(16 j), limbs 0..n-2 in [0, 2^16),
-    the top one signed (arithmetic shift), so the identity is exact for any int64."""
+def unsigned_limbs(x: torch.Tensor) -> torch.Tensor:
+    """int64 (M, T) -> float64 (M, 4 T): the limbs of x + 2^63, column 4 t + j = limb j of column t,
+    each in [0, 2^16), so that x + 2^63 = Σ_j limb_j 2^(16 j) exactly."""
+    m, t = x.shape
+    flat = x.contiguous().reshape(-1) ^ SIGN  # reshape: a (M, 1) column may carry any stride
+    return flat.view(torch.uint16).reshape(m, N_LIMBS * t).to(torch.float64)
+
+
+def signed_limbs(x: torch.Tensor) -> torch.Tensor:
+    """int64 (..., M) -> float64 (4, ..., M): x = Σ_j limb_j 2^(16 j), limbs 0..2 in [0, 2^16), the
+    top one signed (arithmetic shift), for any int64 (precompute only)."""
     low = (1 << LIMB) - 1
-    parts = [(x >> (LIMB * j)) & low for j in range(n - 1)] + [x >> (LIMB * (n - 1))]
+    parts = [(x >> (LIMB * j)) & low for j in range(N_LIMBS - 1)] + [x >> (LIMB * (N_LIMBS - 1))]
     return torch.stack(parts).to(torch.float64)
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
-    """Σ_p a_p 2^(16 p) == Σ_p b_p 2^(16 p), elementwise, for int64 tensors whose |values| < 2^61:
-    subtract position by position and carry (exact: every step stays inside int64)."""
-    carry = torch.zeros_like(a[0])
-    ok = torch.ones_like(a[0], dtype=torch.bool)
-    for p in range(max(len(a), len(b))):
-        t = (a[p] if p < len(a) else 0) - (b[p] if p < len(b) else 0) + carry
-        ok &= (t & ((1 << LIMB) - 1)) == 0
-        carry = t >> LIMB
-    return ok & (carry == 0)
+class _Linear:
+    """One linear's check state: U (D, N) float64; V's limbs (4 D, K), row a D + d = limb a of row d;
+    and, per row, 2^63 (Σ_n U[d, n] - Σ_k V[d, k]) as a Python integer (the offsets' difference)."""
+
+    __slots__ = ("u", "v_limbs", "target")
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor):
+        self.u = u.to(torch.float64)
+        limbs = signed_limbs(v)  # (4, D, K)
+        self.v_limbs = limbs.reshape(N_LIMBS * u.shape[0], -1).contiguous()
+        u_off = [OFFSET * int(r) for r in u.sum(1).tolist()]  # Σ u < 2^16 N: exact in int64
+        col = limbs.sum(2).to(torch.int64).tolist()  # (4, D): each < 2^16 K, exact
+        v_off = [OFFSET * sum(col[a][d] << (LIMB * a) for a in range(N_LIMBS)) for d in range(u.shape[0])]
+        # U (y + 2^63) - V (x + 2^63) = U y - V x + 2^63 (Σ U - Σ V): what it must equal, per row
+        self.target = [a - b for a, b in zip(u_off, v_off, strict=True)]
+
+
+if sys.byteorder != "little":  # unsigned_limbs reads an int64's 16-bit words in memory order
+    raise ImportError("masked/verify.py assumes a little-endian machine")
 
 
 class ProductCheck:
-    """The client's Freivalds state: U and V per (layer, op), C per session; counts its checks."""
+    """The client's Freivalds state: U and V per (layer, op), drawn once per job; counts its checks."""
 
     def __init__(self, plan: MaskedPlan, src: WeightSource, seed: int | None = None):
         """`plan`: any epoch's plan (the linears' shapes and the quantization are the job's)."""
         self.plan, self.src = plan, src
         self.gen = torch.Generator()
         self.gen.manual_seed(seed if seed is not None else int.from_bytes(_urandom(8), "little") >> 1)
-        self.U: dict[tuple[int, int], torch.Tensor] = {}  # (D, N) int64
-        self.V: dict[tuple[int, int], torch.Tensor] = {}  # (D, K) int64
-        self.C: torch.Tensor | None = None
+        self.lin: dict[tuple[int, int], _Linear] = {}
         self.checks = 0  # (linear, token) pairs verified
         self.failures = 0
         self.precompute_s = 0.0
+        self.check_s = 0.0  # CPU time of the calling thread inside check() (after the precompute)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._precompute, name="fusion-freivalds", daemon=True)
@@ -104,7 +129,7 @@ class ProductCheck:
                     # U · W_fx exactly: 8-bit halves of U keep every float64 sum below 2^53.
                     hi, lo = (u >> 8).to(torch.float64), (u & 255).to(torch.float64)
                     v = (hi @ w_fx).to(torch.int64) * 256 + (lo @ w_fx).to(torch.int64)  # |.| < 2^58
-                    self.U[(layer, s.op)], self.V[(layer, s.op)] = u, v
+                    self.lin[(layer, s.op)] = _Linear(u, v)
         except BaseException as e:  # surfaced by wait()
             self._error = e
         self.precompute_s = time.perf_counter() - t0
@@ -121,27 +146,21 @@ class ProductCheck:
         if self._error is not None:
             raise self._error
 
-    def new_session(self) -> None:
-        self.C = torch.randint(0, 1 << C_BITS, (CHECK_ROWS, BASIS_ROWS), generator=self.gen, dtype=torch.int64)
-
     def check(self, layer: int, op: int, y_NT: torch.Tensor, x_KT: torch.Tensor) -> bool:
-        """True when C·U·y == C·V·x for every token column (exact integers)."""
+        """True when U · y == V · x over the integers, for every row of U and token column."""
         self.wait()
-        u, v, c = self.U[(layer, op)], self.V[(layer, op)], self.C
-        t = y_NT.shape[1]
-        # U · y over y's 16-bit limbs: every float64 sum < 2^16 · 2^16 · N < 2^53, so exact.
-        uy = u.to(torch.float64) @ _limbs(y_NT).permute(1, 0, 2).reshape(y_NT.shape[0], 4 * t)  # (D, 4T)
-        uy = uy.to(torch.int64).view(BASIS_ROWS, 4, t).permute(1, 0, 2)  # (4 positions, D, T)
-        lhs = [c @ uy[p] for p in range(4)]  # int64 (CHECK, T), each < 2^8 · D · 2^47
-        # V · x over both limb sets: positions a + b = 0..6; every float64 sum < 2^16 · 2^16 · K.
-        vl = _limbs(v).reshape(4 * BASIS_ROWS, -1)  # (4D, K)
-        xl = _limbs(x_KT).permute(1, 0, 2).reshape(x_KT.shape[0], 4 * t)  # (K, 4T)
-        vx = (vl @ xl).to(torch.int64).view(4, BASIS_ROWS, 4, t)
-        rhs = [torch.zeros(CHECK_ROWS, t, dtype=torch.int64) for _ in range(7)]
-        for a in range(4):
-            for b in range(4):
-                rhs[a + b] += c @ vx[a, :, b]  # each < 2^8 · D · 2^46; at most 4 terms per position
-        ok = bool(_equal(lhs, rhs).all())
+        t0 = time.thread_time()
+        lin, t, d = self.lin[(layer, op)], y_NT.shape[1], BASIS_ROWS
+        uy = (lin.u @ unsigned_limbs(y_NT)).view(d, t, N_LIMBS)  # U (y + 2^63) by limb: exact, < 2^46
+        vx = (lin.v_limbs @ unsigned_limbs(x_KT)).view(N_LIMBS, d, t, N_LIMBS)  # by (limb of V, limb of x)
+        # Limb position p = a + b: sums of at most 4 terms < 2^48, and the difference < 2^49: exact.
+        diff = (-vx.permute(1, 2, 0, 3).reshape(d, t, N_LIMBS * N_LIMBS) @ POSITIONS)
+        diff[:, :, :N_LIMBS] += uy
+        ok = True
+        for want, rows in zip(lin.target, diff.tolist(), strict=True):
+            for col in rows:  # Σ_p diff_p 2^(16 p) = U y - V x + the offsets' difference
+                ok &= sum(int(v) * SHIFTS[p] for p, v in enumerate(col)) == want
+        self.check_s += time.thread_time() - t0
         self.checks += t
         self.failures += not ok
         return ok
