@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 from ..errors import WorkerMisbehaved
@@ -48,11 +49,11 @@ from .worker import read_rows
 
 BASIS_ROWS = 4  # D: rows of U per linear (a wrong product passes each with probability <= 2^-16)
 U_BITS, LIMB, N_LIMBS = 16, 16, 4
-SIGN = -(1 << 63)  # x ^ SIGN, read as unsigned, is x + 2^63
+SIGN = np.int64(-(1 << 63))  # x ^ SIGN, read as unsigned, is x + 2^63
 OFFSET = 1 << 63
 SHIFTS = [1 << (LIMB * p) for p in range(2 * N_LIMBS - 1)]  # 2^(16 p), limb positions 0..6
-POSITIONS = torch.tensor([[float(a + b == p) for p in range(2 * N_LIMBS - 1)] for a in range(N_LIMBS)
-                          for b in range(N_LIMBS)], dtype=torch.float64)  # (16, 7): limb pair (a, b) -> a + b  # fmt: skip
+POSITIONS = np.array([[float(a + b == p) for p in range(2 * N_LIMBS - 1)] for a in range(N_LIMBS)
+                      for b in range(N_LIMBS)])  # (16, 7) float64: limb pair (a, b) -> position a + b  # fmt: skip
 
 
 class ProductRejected(WorkerMisbehaved):
@@ -64,12 +65,13 @@ class ProductRejected(WorkerMisbehaved):
         self.blamed = blamed
 
 
-def unsigned_limbs(x: torch.Tensor) -> torch.Tensor:
+def unsigned_limbs(x: torch.Tensor) -> np.ndarray:
     """int64 (M, T) -> float64 (M, 4 T): the limbs of x + 2^63, column 4 t + j = limb j of column t,
-    each in [0, 2^16), so that x + 2^63 = Σ_j limb_j 2^(16 j) exactly."""
+    each in [0, 2^16), so that x + 2^63 = Σ_j limb_j 2^(16 j) exactly. numpy, not torch: a check
+    is a dozen tiny operations, and numpy's per-call overhead is a third of torch's (measured)."""
     m, t = x.shape
-    flat = x.contiguous().reshape(-1) ^ SIGN  # reshape: a (M, 1) column may carry any stride
-    return flat.view(torch.uint16).reshape(m, N_LIMBS * t).to(torch.float64)
+    flat = np.ascontiguousarray(x.numpy()).reshape(-1) ^ SIGN
+    return flat.view(np.uint16).reshape(m, N_LIMBS * t).astype(np.float64)
 
 
 def signed_limbs(x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +89,9 @@ class _Linear:
     __slots__ = ("u", "v_limbs", "target")
 
     def __init__(self, u: torch.Tensor, v: torch.Tensor):
-        self.u = u.to(torch.float64)
+        self.u = u.to(torch.float64).numpy()
         limbs = signed_limbs(v)  # (4, D, K)
-        self.v_limbs = limbs.reshape(N_LIMBS * u.shape[0], -1).contiguous()
+        self.v_limbs = np.ascontiguousarray(limbs.reshape(N_LIMBS * u.shape[0], -1).numpy())
         u_off = [OFFSET * int(r) for r in u.sum(1).tolist()]  # Σ u < 2^16 N: exact in int64
         col = limbs.sum(2).to(torch.int64).tolist()  # (4, D): each < 2^16 K, exact
         v_off = [OFFSET * sum(col[a][d] << (LIMB * a) for a in range(N_LIMBS)) for d in range(u.shape[0])]
@@ -151,10 +153,10 @@ class ProductCheck:
         self.wait()
         t0 = time.thread_time()
         lin, t, d = self.lin[(layer, op)], y_NT.shape[1], BASIS_ROWS
-        uy = (lin.u @ unsigned_limbs(y_NT)).view(d, t, N_LIMBS)  # U (y + 2^63) by limb: exact, < 2^46
-        vx = (lin.v_limbs @ unsigned_limbs(x_KT)).view(N_LIMBS, d, t, N_LIMBS)  # by (limb of V, limb of x)
+        uy = (lin.u @ unsigned_limbs(y_NT)).reshape(d, t, N_LIMBS)  # U (y + 2^63) by limb: exact, < 2^46
+        vx = (lin.v_limbs @ unsigned_limbs(x_KT)).reshape(N_LIMBS, d, t, N_LIMBS)  # by (limb of V, limb of x)
         # Limb position p = a + b: sums of at most 4 terms < 2^48, and the difference < 2^49: exact.
-        diff = (-vx.permute(1, 2, 0, 3).reshape(d, t, N_LIMBS * N_LIMBS) @ POSITIONS)
+        diff = -(vx.transpose(1, 2, 0, 3).reshape(d, t, N_LIMBS * N_LIMBS) @ POSITIONS)
         diff[:, :, :N_LIMBS] += uy
         ok = True
         for want, rows in zip(lin.target, diff.tolist(), strict=True):
