@@ -137,3 +137,25 @@ def test_cli_flags(tiny_qwen2, capsys):
         code, _, err = _cli(capsys, "generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", *flags)
         assert code != 0 and msg in err, (flags, err)
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_coalition_short_of_one_mask_group_learns_nothing(tiny_qwen2, tmp_path, monkeypatch):
+    """k = 2 (1+1+1): A colluding with B1 (its key) removes r_1 from what A received and still faces
+    x + r_2, uniform: the vocabulary attack recovers no more than chance. With B2's key as well, the
+    same attack reads every prompt token (the control that the attack and the keys are right)."""
+    from fusion_compute.masked import client as masked_client
+    from fusion_compute.masked.masks import MaskStream
+
+    keys: list[bytes] = []
+    real = masked_client.new_key
+    monkeypatch.setattr(masked_client, "new_key", lambda: keys.append(real()) or keys[-1])
+    d, ids = _audited_run(tiny_qwen2, tmp_path, (1, 1, 1))
+    op, first = audit.read_tap(d, 1)[0]  # session 1's prefill, layer 0's qkv input: x_fx + r_1 + r_2
+    assert op == "L0.qkv"
+    m = torch.from_numpy(first.copy())  # (K, T) int64: the ring's wrap-around is int64's
+    k1, k2 = keys[0], keys[1]  # the first session's keys of B1 and B2
+    r1, r2 = (MaskStream(k, guard=False).draw(0, 0, 0, m.numel()).view(m.shape) for k in (k1, k2))
+    table = attack.masked_table(open_weights(tiny_qwen2))
+    short = attack.recovered(attack.vocab_match((m - r1).T.contiguous(), table), ids)
+    whole = attack.recovered(attack.vocab_match((m - r1 - r2).T.contiguous(), table), ids)
+    assert short <= 2 and whole == len(ids), (short, whole)  # chance: 10/256 per prompt

@@ -1,8 +1,8 @@
 """OS-level byte accounting: what each process actually sent and received on its TCP sockets.
 
-The comm layer's own bookkeeping cannot catch a primitive that moves more than it reports (gloo's
-reduce_scatter is an all-reduce in disguise) or a transfer that bypasses the recorder. The kernel
-can: `ss -tinpH` lists every TCP socket with its owning pid and the kernel's per-socket counters
+The comm layer's own bookkeeping cannot catch a primitive that moves more than it reports (a
+reduce-scatter done as an all-reduce in disguise, as gloo's own is: `--inject-leak rs-allreduce`)
+or a transfer that bypasses the recorder. The kernel can: `ss -tinpH` lists every TCP socket with its owning pid and the kernel's per-socket counters
 `bytes_sent` / `bytes_received` (tcp_info, Linux >= 4.19). The runner samples them for the worker
 pids before and after the audited steps (workers idle, blocked on the next command) and writes
 the per-process differences to netcount.json; the verifier compares them with the bytes it
@@ -75,7 +75,9 @@ def delta(before: Sample, after: Sample) -> dict[int, dict[str, int]]:
     """Per pid: bytes between two samples, summed over its sockets. `sent` counts each payload byte
     once (the kernel's bytes_sent includes TCP retransmissions, reported apart as `retrans`:
     a loaded host's loopback does retransmit, e.g. tail-loss probes). A socket opened in between
-    counts from zero; one closed in between would be lost (gloo keeps its connections)."""
+    counts from zero; one closed in between is lost: an epoch's links stay open until its
+    last sample, but a departed worker's process that has exited shows no socket at all (its
+    absence from the client's log is the stronger evidence, docs/audit.md)."""
     out = {}
     for pid, socks in after.items():
         sent = retrans = recv = 0

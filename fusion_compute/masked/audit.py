@@ -6,8 +6,8 @@ masked-epoch{E}-rank{R}.*; the client keeps one log for the whole job, and recor
 group sizes in it):
   masked-rank{R}.jsonl   header {rank, role, group, groups: [n_A, n_B1, ...], verify}; event {kind,
                          op, to, from, itemsize} (every comm verb, as comm.py reported it); client
-                         only: epoch {epoch, groups, order}, session {index, key_ids: one per mask group}, mask {session, step,
-                         layer, op} (every mask drawn), check {session, step, layer, op, tokens, ok}
+                         only: epoch {epoch, groups, order}, session {index, key_ids: one per
+                         mask group}, mask {session, step, layer, op} (every mask drawn), check {session, step, layer, op, tokens, ok}
                          (every product verified) and detection {..., blamed: [[group, member,
                          rank, participant]]} (a product that failed); step; end
   masked-rank{R}.tap     group A: the raw int64 payload of every "masked" message it received, in
@@ -21,12 +21,12 @@ Rules the verifier checks (`verify`), reading only the logs and the group sizes 
   3. workers send the client only "control", "meta" (public weight metadata) and "ring_out";
      no transfer of any other kind (clear state: ingress, egress, gather, ...) exists anywhere;
   4. masks are fresh: no (session, step, layer, op) label drawn twice, no session key reused;
-  6. with verification on (the header says so), every product the client drew a mask for was
-     checked: a check record for every mask label. Failed checks are reported as detections
-     (who was blamed), not as violations: the client refused the product.
   5. A's tap looks uniform: every bit position is set with frequency 1/2 (6σ), and masked vectors
      are fresh (pairs of elements, within and across steps, differ by less than 2^56 no more often
      than the 2^-7 of independent uniform words, 6σ). A clear or reused-mask view fails both.
+  6. with verification on (the header says so), every product the client drew a mask for was
+     checked: a check record for every mask label. Failed checks are reported as detections
+     (who was blamed), not as violations: the client refused the product.
 
 The logs are not hash-chained (the structural audit's are); the rules above are what the masked
 mode adds. Negative controls (tests): masks "zero" fails rule 5, leak "a-to-b" fails rules 1-2, a

@@ -2,6 +2,8 @@
 
   python -m fusion_compute.masked.bench [--model M] [--groups 2+2] [--workers 2] [--tokens 32]
                                         [--rounds 2] [--kernels] [--json]
+  python -m fusion_compute.masked.bench --verify-cost   # the product check on vs off; 1, 2, 3 mask groups
+  python -m fusion_compute.masked.bench --check-only    # the product check alone (no workers)
 
 Per mode and round: greedy decode of the chat prompt for a fixed number of tokens (not stopping
 at end-of-turn, so every round times the same steps); decode tokens/s (tokens after the first over
@@ -10,6 +12,8 @@ received from the workers by the client (from comm's own events), client CPU per
 (process time, all threads), and worker CPU per decode token (utime + stime of the local worker
 processes, from /proc). Rounds alternate the modes so a noisy neighbour hurts both alike; the
 summary takes each mode's best round. `--kernels` times the ring product against its alternatives.
+`--verify-cost` runs the masked mode only: 1+1 with the product check off and on, then 1+1+1 and
+1+1+1+1 (check on), reporting the check's own CPU per token (`check_ms_per_token`) and precompute.
 """
 
 from __future__ import annotations
@@ -213,6 +217,45 @@ def verify_cost(model, ids: list[int], tokens: int, rounds: int) -> dict:
     }
 
 
+def check_only(model, tokens: int = 32) -> dict:
+    """The product check alone, in this process, on the model's real weights: the one-off precompute
+    (U and V for every linear) and the check of every linear of `tokens` decode steps (T = 1), on
+    inputs encoded as the client encodes them and their exact products. For models whose masked run
+    does not fit this machine (every member of a one-member group holds all rows as float64)."""
+    from ..weights import open_weights
+    from . import ring
+    from .plan import make_masked_plan
+    from .verify import ProductCheck
+
+    torch.set_num_threads(1)  # the client's own setting (masked/client.py)
+    src = open_weights(model)
+    t0 = time.perf_counter()
+    chk = ProductCheck(make_masked_plan(src.config, 1, (1,), ring.DEFAULT_LIMB_BITS), src)
+    chk.wait()
+    wall = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for layer in range(src.config.n_layers):
+        for s in chk.plan.shapes:
+            w = chk.weights(layer, s.op, (0, s.rows))
+            x_fx, _ = ring.encode(torch.randn(s.k, 1, dtype=torch.float64, generator=gen), float(w.norm(dim=1).max()))
+            cases.append((layer, s.op, ring.RingMatrix(w, chk.plan.limb_bits).matmul(x_fx), x_fx))
+    c0 = chk.check_s
+    for _ in range(tokens):
+        for layer, op, y, x_fx in cases:
+            if not chk.check(layer, op, y, x_fx):
+                raise AssertionError(f"an honest product failed the check at L{layer} op {op}")
+    return {
+        "model": str(model),
+        "linears_per_token": len(cases),
+        "precompute_s": round(chk.precompute_s, 3),
+        "precompute_wall_s": round(wall, 3),
+        "check_ms_per_token": round(1000 * (chk.check_s - c0) / tokens, 3),
+        "check_us_per_linear": round(1e6 * (chk.check_s - c0) / tokens / len(cases), 1),
+        "kept_mb": round(sum(lin.u.nbytes + lin.v_limbs.nbytes for lin in chk.lin.values()) / 2**20, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..tokenizer import load_tokenizer
     from ..weights import resolve_model_path
@@ -228,9 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exactness", action="store_true", help="only measure errors against float64 (no timing)")
     p.add_argument("--verify-cost", action="store_true",
                    help="the product check's cost (on vs off) and each extra mask group's, masked mode only")  # fmt: skip
+    p.add_argument("--check-only", action="store_true",
+                   help="the product check alone (precompute, CPU per decode token), no workers")  # fmt: skip
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     path = resolve_model_path(a.model)
+    if a.check_only:
+        print(json.dumps(check_only(path, a.tokens), indent=None if a.json else 2))
+        return 0
     groups = parse_groups(a.groups)
     tok = load_tokenizer(path)
     ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
