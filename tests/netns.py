@@ -6,8 +6,8 @@
             ...
         cap.payloads   # every TCP payload that crossed the bridge, one bytes object per frame
 
-Each host is a namespace with one veth whose other end sits on a bridge in a "switch" namespace, so
-nothing touches the machine's own network. The capture is an AF_PACKET socket in the switch
+The namespaces and the bridge are fusion_compute/bench/netns.py's (the RTT benchmark uses them too);
+this module adds the capture. The capture is an AF_PACKET socket in the switch
 namespace (every frame that crosses a bridge port), run as its own bounded process; it reports the
 kernel's drop count so a test can tell an empty search from a lossy capture. Needs root and
 iproute2; `available()` says why not otherwise.
@@ -15,7 +15,6 @@ iproute2; `available()` says why not otherwise.
 
 from __future__ import annotations
 
-import os
 import shutil
 import struct
 import subprocess
@@ -23,6 +22,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+from fusion_compute.bench.netns import Hosts as _Hosts
+from fusion_compute.bench.netns import available
+
+__all__ = ["Capture", "Hosts", "available"]
 
 CAPTURE = r"""
 import os, socket, struct, sys, time
@@ -50,27 +54,6 @@ with open(out, "wb") as f:
 packets, drops = struct.unpack("II", s.getsockopt(263, 6, 8))  # SOL_PACKET, PACKET_STATISTICS
 open(out + ".stats", "w").write(f"{n} {drops}")
 """
-
-
-def available() -> str | None:
-    """None when namespaces can be made here, else the reason they cannot."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (`ip`)"
-    name = f"fcprobe{uuid.uuid4().hex[:6]}"
-    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a network namespace: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-def _ip(*args: str, ns: str | None = None) -> None:
-    cmd = ["ip", "-n", ns, *args] if ns else ["ip", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
 class Capture:
@@ -121,54 +104,8 @@ class Capture:
         return sum(len(p) for p in self.payloads)
 
 
-class Hosts:
-    """One namespace per address on a /24, all on one bridge in a switch namespace."""
-
-    def __init__(self, addresses: list[str]):
-        tag = uuid.uuid4().hex[:6]
-        self.switch = f"fcsw{tag}"
-        self.ns = {a: f"fch{i}{tag}" for i, a in enumerate(addresses)}
-        self.procs: list[subprocess.Popen] = []
-        self._tag = tag
-
-    def __enter__(self) -> Hosts:
-        try:
-            _ip("netns", "add", self.switch)
-            _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
-            _ip("link", "set", "br0", "up", ns=self.switch)
-            for i, (addr, ns) in enumerate(self.ns.items()):
-                _ip("netns", "add", ns)
-                _ip("link", "set", "lo", "up", ns=ns)
-                port = f"p{i}{self._tag}"
-                _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
-                _ip("link", "set", port, "master", "br0", ns=self.switch)
-                _ip("link", "set", port, "up", ns=self.switch)
-                _ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
-                _ip("link", "set", "eth0", "up", ns=ns)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def popen(self, addr: str, argv: list[str], **kw) -> subprocess.Popen:
-        kw.setdefault("stdout", subprocess.PIPE)
-        kw.setdefault("stderr", subprocess.PIPE)
-        kw.setdefault("stdin", subprocess.DEVNULL)
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns[addr], *argv], text=True, **kw)  # exec: same pid
-        self.procs.append(p)
-        return p
-
-    def link_down(self, addr: str) -> None:
-        """Cut a host off the bridge: its interface goes down, its TCP connections hang (no RST)."""
-        _ip("link", "set", "eth0", "down", ns=self.ns[addr])
+class Hosts(_Hosts):
+    """The runtime's hosts (fusion_compute/bench/netns.py) plus a capture on the bridge."""
 
     def capture(self, limit_s: float = 600) -> Capture:
         return Capture(self, limit_s)
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for ns in [*self.ns.values(), self.switch]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -116,7 +116,7 @@ print("ok")
 def key_ids(audit_dir: Path) -> set[str]:
     from fusion_compute.masked import audit
 
-    return {r["key_id"] for r in audit.read_log(audit_dir, 0) if r["type"] == "session"}
+    return {k for r in audit.read_log(audit_dir, 0) if r["type"] == "session" for k in r["key_ids"]}
 
 
 def found_keys(payloads: list[bytes], wanted: set[str]) -> set[str]:

@@ -1,0 +1,105 @@
+"""Separate hosts on one machine: network namespaces joined by a bridge, optionally with a delay.
+
+    with Hosts(["10.0.0.1", "10.0.0.2", "10.0.0.3"], one_way_ms=0.5) as hosts:
+        p = hosts.popen("10.0.0.2", ["fusion", "worker", ...])
+
+Each host is a namespace with one veth (`eth0`) whose other end sits on a bridge in a "switch"
+namespace, so nothing touches the machine's own network. `one_way_ms` puts a `tc netem` delay on
+every host's eth0: a packet between two hosts waits once, at its sender, so the round trip between
+any two hosts is 2 × one_way_ms. Needs root, iproute2 (`ip`, `tc`) and the sch_netem module;
+`available()` says why not otherwise. Used by tests/test_wire.py and bench/rtt.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+
+def available(netem: bool = False) -> str | None:
+    """None when namespaces (and, with `netem`, delays) can be made here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (`ip`)"
+    if netem and shutil.which("tc") is None:
+        return "needs iproute2's `tc` (netem delays)"
+    name = f"fcprobe{uuid.uuid4().hex[:6]}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    try:
+        if netem:
+            r = subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                               capture_output=True, text=True)  # fmt: skip
+            if r.returncode != 0:
+                return f"cannot add a netem delay: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+def _run(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+def ip(*args: str, ns: str | None = None) -> None:
+    _run(["ip", "-n", ns, *args] if ns else ["ip", *args])
+
+
+class Hosts:
+    """One namespace per address on a /24, all on one bridge in a switch namespace."""
+
+    def __init__(self, addresses: list[str], one_way_ms: float = 0.0):
+        tag = uuid.uuid4().hex[:6]
+        self.switch = f"fcsw{tag}"
+        self.ns = {a: f"fch{i}{tag}" for i, a in enumerate(addresses)}
+        self.one_way_ms = one_way_ms
+        self.procs: list[subprocess.Popen] = []
+        self._tag = tag
+
+    def __enter__(self) -> Hosts:
+        try:
+            ip("netns", "add", self.switch)
+            ip("link", "add", "br0", "type", "bridge", ns=self.switch)
+            ip("link", "set", "br0", "up", ns=self.switch)
+            for i, (addr, ns) in enumerate(self.ns.items()):
+                ip("netns", "add", ns)
+                ip("link", "set", "lo", "up", ns=ns)
+                port = f"p{i}{self._tag}"
+                ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
+                ip("link", "set", port, "master", "br0", ns=self.switch)
+                ip("link", "set", port, "up", ns=self.switch)
+                ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
+                ip("link", "set", "eth0", "up", ns=ns)
+                if self.one_way_ms > 0:  # a limit well above the in-flight packets of a bulk transfer
+                    _run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay",
+                          f"{self.one_way_ms}ms", "limit", "100000"])  # fmt: skip
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def popen(self, addr: str, argv: list[str], **kw) -> subprocess.Popen:
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns[addr], *argv], text=True, **kw)  # exec: same pid
+        self.procs.append(p)
+        return p
+
+    def link_down(self, addr: str) -> None:
+        """Cut a host off the bridge: its interface goes down, its TCP connections hang (no RST)."""
+        ip("link", "set", "eth0", "down", ns=self.ns[addr])
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for ns in [*self.ns.values(), self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
