@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .comm import CommError, IdentityError, PublicId
-from .engine import TooFewWorkers, UnknownWorker
 from .gateway import ApiError, Gateway
+from .membership import TooFewWorkers, UnknownWorker
 from .scheduler import Scheduler
 from .topology import GROUP_NAME
 

@@ -15,8 +15,8 @@ import pytest
 from procs import fusion, reap, wait_gone
 
 from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.engine import TooFewWorkers, UnknownWorker
 from fusion_compute.generate import generate
+from fusion_compute.membership import TooFewWorkers, UnknownWorker
 from fusion_compute.sampling import SamplingParams
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]

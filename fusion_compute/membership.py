@@ -1,0 +1,291 @@
+"""Who takes part in which epoch: recovery from a lost worker, revocation, standbys, and the
+removal of a worker caught lying (docs/resilience.md).
+
+`Membership` is the part of the client's engine (`engine.EngineBase`, which inherits it) that changes
+the epoch's participants. It relies on the engine's state: `opts`, `seats` (every participant of the
+roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
+`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
+`_keys` (local workers' keys), `history` (the session's tokens, for replay), `recoveries`, `removed`,
+`convicted` and `opening`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
+`_reset`, `_welcome` and `_spawn_failure`.
+
+Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
+masked mode), never fewer than `--min-workers` (TooFewWorkers otherwise: the invariant is not traded
+for availability), fresh links, the plan handshake again, then the session's replay (a prefill over
+its tokens) when there is one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .comm import Comm, CommError, Identity, Member, PeerError, PublicId
+from .errors import UsageError, WorkerMisbehaved
+
+
+class TooFewWorkers(CommError):
+    """A new epoch would have fewer workers than --min-workers: refused, never traded for availability."""
+
+
+class UnknownWorker(UsageError):
+    """A membership change names a participant the job does not have."""
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A worker of the roster, for the life of the job."""
+
+    pid: int  # participant id: its rank in the first epoch (standbys come after the active workers)
+    capacity: float = 1.0
+    group: str | None = None  # "A" / "B" (masked mode)
+    standby: bool = False
+
+
+class Membership:
+    """Epoch changes of a job (see the module docstring for the state it relies on)."""
+
+    def _with_recovery(self, step: Callable[[], Any], replay: Callable[[], Any] | None = None) -> Any:
+        if self.convicted & set(self.order):
+            self._replace_convicted()  # a liar that could not be replaced before: no work until it is
+        if self.watch.failure() is not None and set(self.watch.failed()) & set(self.order):
+            self.recover(None)  # noticed while idle
+            if replay is not None:
+                return self._with_recovery(replay)
+        for attempt in range(len(self.seats) + 1):
+            try:
+                return step() if attempt == 0 else (replay or step)()
+            except PeerError as e:
+                self.recover(e)
+            except WorkerMisbehaved as e:
+                self._expel(e)
+                raise
+        raise CommError("gave up after as many recoveries as there are workers")
+
+    def _expel(self, err: WorkerMisbehaved) -> None:
+        """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
+        and they leave the job now, replaced by standbys where there are any."""
+        self.history = []
+        self.opts.log(f"{err}: removing {'them' if len(err.pids) > 1 else 'it'} from the job")
+        self.convicted |= set(err.pids) & set(self.order)
+        try:
+            self._replace_convicted()
+        except TooFewWorkers as e:
+            raise TooFewWorkers(f"{err}; and {e}") from err
+
+    def _replace_convicted(self) -> None:
+        """End the epoch the liars were part of and open the next one without them (refused, with
+        the job waiting for a replacement, when that would leave too few)."""
+        gone = self.convicted & set(self.order)
+        t0, noticed = time.perf_counter(), time.time()
+        if self.comm is not None:  # the abandoned step's epoch is over, whatever comes next
+            self._retire(gone)
+        for pid in gone:
+            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+        order = self._next_order(gone, why="removing the worker that lied leaves")
+        self.epoch += 1
+        self.plan = self.plan_for(order)
+        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+        self.order = order
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
+                                "reason": "returned a wrong product (caught by the check)",
+                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
+                                "replayed_tokens": 0})  # fmt: skip
+
+    def recover(self, err: PeerError | None) -> None:
+        """Open the next epoch without the failed workers (replaced by standbys where there are
+        any), or raise when that would leave too few. `err`: the failure a data link reported."""
+        if not self.opts.recover:
+            raise err or CommError("a worker failed")
+        t0, noticed = time.perf_counter(), time.time()
+        # Who failed is the watch's call: when one worker dies, its peers drop the epoch and close their
+        # links too, so a link error alone does not say whose fault it was. Wait for the watch to see a
+        # failure (a dead pulse is seen at once, a silent one after --liveness); a link error nobody's
+        # pulse explains by then counts against that link's worker.
+        deadline = time.monotonic() + self.opts.liveness_s + 1.0
+        failed = {p for p in self.watch.failed() if p in self.order}
+        while not failed and time.monotonic() < deadline and not (err is not None and err.watched):
+            time.sleep(0.05)
+            failed = {p for p in self.watch.failed() if p in self.order}
+        time.sleep(0.2)  # a second process that went down with the first one shows up now
+        failed |= {p for p in self.watch.failed() if p in self.order}
+        if err is not None and err.watched:
+            failed.add(err.rank)
+        elif not failed and err is not None and 1 <= err.rank <= len(self.order):
+            failed.add(self.order[err.rank - 1])
+        if not failed:
+            raise err or CommError("a worker failed")
+        seen = self.watch.failed()
+        reason = "; ".join(seen[p] for p in sorted(failed) if p in seen) or str(err)
+        order = self._next_order(failed)
+        self.opts.log(f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason}); "
+                      f"epoch {self.epoch + 1} over {order}")  # fmt: skip
+        self._retire(failed)
+        self.epoch += 1
+        self.plan = self.plan_for(order)
+        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+        self.order = order
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(failed), "order": order, "reason": reason,
+                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
+                                "replayed_tokens": len(self.history)})  # fmt: skip
+
+    # ---- membership, by the user ----
+
+    def workers(self) -> list[dict]:
+        """Every participant: id, rank in the current epoch (None for a spare), group, capacity, and
+        state: active, standby, failed (its pulse stopped) or removed (revoked or replaced)."""
+        failed, watched = self.watch.failed(), set(self.watch.ranks)
+        out = []
+        for pid, seat in sorted(self.seats.items()):
+            rank = self.order.index(pid) + 1 if pid in self.order else None
+            if pid in self.removed:
+                state = "removed"
+            elif pid in failed:
+                state = "failed"
+            elif rank is not None:
+                state = "active"
+            else:
+                state = "standby" if pid in watched else "standby (not joined)"
+            member = self._admission.roster.get(pid)
+            out.append({"id": pid, "rank": rank, "group": seat.group, "capacity": seat.capacity, "state": state,
+                        "where": member.label() if member else None})  # fmt: skip
+        return out
+
+    def revoke(self, pid: int, replay: bool = True) -> None:
+        """Remove a participant now: it is told to wipe and leave, it may never rejoin, and the
+        session (if one is open) is replayed on the next epoch, with a standby in its place when
+        there is one. Refused, session unharmed, when it would leave fewer than --min-workers.
+        `replay=False`: open the next epoch only; the caller replays (the audit runner does, inside a
+        recorded step: `reset()` then `forward(history)`)."""
+        if pid not in self.seats or pid in self.removed:
+            live = [str(p) for p in self.seats if p not in self.removed]
+            raise UnknownWorker(f"no worker {pid} to revoke (workers: {', '.join(live)})")
+        if pid not in self.order:  # a standby: nothing to re-plan
+            self._retire({pid}, epoch_over=False)
+            return
+        keep = self.opts.audit_negative_control == "keep-revoked"
+        if self.opts.audit_negative_control not in (None, "keep-revoked"):
+            raise ValueError(f"unknown audit negative control {self.opts.audit_negative_control!r}")
+        if keep:  # NEGATIVE CONTROL (tests only): the revocation is recorded, the worker stays
+            self.opts.log(f"audit negative control keep-revoked: worker {pid} stays in epoch {self.epoch + 1}")
+            order = list(self.order)
+        else:
+            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+            order = self._next_order({pid}, why="revoking it would leave")
+        t0, noticed = time.perf_counter(), time.time()
+        self._retire(set() if keep else {pid})
+        self.epoch += 1
+        self.plan = self.plan_for(order)
+        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+        self.order = order
+        record = {"epoch": self.epoch, "lost": [pid], "revoked": [pid], "order": order,
+                  "reason": f"worker {pid} revoked by the user", "noticed_unix": round(noticed, 3),
+                  "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": len(self.history)}  # fmt: skip
+        if self.history and replay:  # the open session moves to the new epoch now
+            t1 = time.perf_counter()
+            self._reset()
+            self._forward(list(self.history), False)
+            record["replay_s"] = round(time.perf_counter() - t1, 3)
+        self.recoveries.append(record)
+
+    def add_standby(self, key: PublicId | None = None, host: str | None = None, group: str | None = None) -> int:
+        """Enroll one more participant as a standby; returns its id. Local runs spawn it (a fresh
+        key); otherwise the user names its public key (and host), and starts it there with
+        `fusion worker --master ... --client-key ... --key ...`. Migration = add, then revoke."""
+        pid = max(self.seats) + 1
+        capacity = min(s.capacity for s in self.seats.values())
+        names = self.group_names()
+        if names is not None and group not in names:
+            raise UnknownWorker(f"a masked job's standby needs its group: {' or '.join(names)}")
+        if names is None and group is not None:
+            raise UnknownWorker("groups are for masked jobs only")
+        if self.opts.is_local:
+            if key is not None:
+                raise UnknownWorker("a local run spawns its own workers: add takes no key")
+            ident = Identity.new() if not self.opts.insecure else None
+            member = Member(pid, "127.0.0.1", ident.public if ident else None, group, None, True)
+            if ident is not None:
+                self._keys[pid] = ident
+        else:
+            if key is None and not self.opts.insecure:
+                raise UnknownWorker("name the new worker's public key (fc1....): the user decides who takes part")
+            member = Member(pid, host or "", key if not self.opts.insecure else None, group, None, True)
+        self._admission.enroll(member)
+        self.seats[pid] = Seat(pid, capacity, group, standby=True)
+        if self.opts.is_local:
+            self.procs.spawn(pid)
+        return pid
+
+    def _await_spare(self, group: str | None, deadline: float) -> None:
+        """When a standby of `group` was enrolled but has not joined yet (just added), wait for it."""
+        def pending() -> bool:
+            return any(s.standby and s.group == group and p not in self.order and p not in self.removed
+                       and p not in self.watch.ranks and p not in self.watch.failed() for p, s in self.seats.items())  # fmt: skip
+
+        def ready() -> bool:
+            return any(s.standby and s.group == group and p not in self.order and p in self.watch.ranks
+                       and p not in self.watch.failed() for p, s in self.seats.items())  # fmt: skip
+
+        while pending() and not ready() and time.monotonic() < deadline:
+            if self.procs is not None and self.procs.failure():
+                break  # a local spare that died before joining will not come
+            time.sleep(0.1)
+
+    def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
+        alive_spares = [p for p, s in self.seats.items() if s.standby and p not in self.order and p in self.watch.ranks
+                        and p not in self.watch.failed()]  # fmt: skip
+        order = []
+        for p in self.order:
+            if p not in failed:
+                order.append(p)
+                continue
+            spare = next((q for q in alive_spares if self.seats[q].group == self.seats[p].group), None)
+            if spare is not None:
+                alive_spares.remove(spare)
+                order.append(spare)
+        if len(order) < self.opts.min_workers:
+            raise TooFewWorkers(f"{why} {len(order)} worker{'s' if len(order) != 1 else ''}: fewer than "
+                            f"--min-workers {self.opts.min_workers} (no standby left to take its place; one worker "
+                            "alone would hold the whole state)")  # fmt: skip
+        missing = [g for g in self.group_names() or () if g not in {self.seats[p].group for p in order}]
+        if missing:
+            raise TooFewWorkers(f"{why} no worker in group {missing[0]}: a masked epoch needs every group")
+        return order
+
+    def _retire(self, gone: set[int], epoch_over: bool = True) -> None:
+        """The `gone` workers may never come back (told to wipe and leave); when the epoch is over,
+        the others drop its links."""
+        for p in gone:
+            self._admission.remove(p)
+            self.removed.add(p)
+            if self.procs is not None:
+                self.procs.retired.add(p)
+            self.watch.tell(p, {"revoke": self.epoch})
+            self.watch.forget(p)
+        if not epoch_over:
+            return
+        for p in self.order:
+            if p not in gone:
+                self.watch.tell(p, {"abort": self.epoch})
+        if self.comm is not None:
+            self.comm.close(grace_s=0)
+            self.comm = None
+
+    def _open_epoch(self, order: list[int], deadline: float) -> list[dict]:
+        """Admit, link and greet the epoch's workers; returns their HELLO info."""
+        adm = self._admission
+        adm.expect(self.epoch, order)
+        if self.epoch > 0:
+            for p in order:
+                self.watch.tell(p, {"join": self.epoch})
+        joined = adm.collect(order, deadline, abort=self._spawn_failure if self.epoch == 0 else lambda: None)
+        links = adm.welcome(self.epoch, order, joined, deadline, self._welcome)
+        self.comm = Comm(0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder,
+                         engine=self.opts.engine)  # fmt: skip
+        active = set(order)
+        for link in links.values():
+            link.check = lambda: self.watch.check(only=active)
+        self.opening = list(order)  # hello() runs before `self.order` becomes this epoch's
+        return self.hello(deadline)
