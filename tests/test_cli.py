@@ -178,3 +178,17 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     assert client.returncode not in (0, None)
     assert "Traceback" not in err
     assert "worker" in err and "error" in err, err
+
+
+def test_cuda_defaults_to_nccl_only_among_local_workers():
+    """NCCL is plaintext and local-only: with --device cuda a local run gets it, a run across hosts
+    keeps the links (tls, or tcp when --insecure is asked for)."""
+    from fusion_compute import options as O
+    from fusion_compute.cli import build_parser
+
+    def engine(*flags: str) -> str:
+        return O.engine_options(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])).engine
+
+    assert engine("--device", "cuda") == "nccl"
+    assert engine("--device", "cuda", "--master", "127.0.0.1:29500", "--insecure") == "tcp"
+    assert engine("--device", "cpu") == "tls"
