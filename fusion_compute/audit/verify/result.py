@@ -22,6 +22,15 @@ RUN_LEVEL = ("chain", "structure", "os_bytes", "membership")  # a failure here v
 MAX_LISTED = 12  # violations printed by render(); to_dict() keeps 200
 
 
+def _closing(notes: list[str], violations: list, summary: str) -> list[str]:
+    """A report's last lines: its notes, the first MAX_LISTED violations, the summary line."""
+    out = [f"  note: {note}" for note in notes]
+    out += [f"  VIOLATION {v.invariant} [{v.where()}]: {v.message}" for v in violations[:MAX_LISTED]]
+    if len(violations) > MAX_LISTED:
+        out.append(f"  ... {len(violations) - MAX_LISTED} more")
+    return [*out, summary]
+
+
 @dataclass
 class Violation:
     invariant: str
@@ -109,14 +118,7 @@ class Result:
                 f"({o['excess_sent']:+,} B), received {o['measured_received']:,} vs {o['predicted_received']:,} "
                 f"({o['excess_received']:+,} B) {'ok' if o['ok'] else 'MISMATCH'}"
             )
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        for v in self.violations[:MAX_LISTED]:
-            lines.append(f"  VIOLATION {v.invariant} [{v.where()}]: {v.message}")
-        if len(self.violations) > MAX_LISTED:
-            lines.append(f"  ... {len(self.violations) - MAX_LISTED} more")
-        lines.append(self.summary_line())
-        return "\n".join(lines)
+        return "\n".join(lines + _closing(self.notes, self.violations, self.summary_line()))
 
 
 @dataclass
@@ -276,11 +278,4 @@ class RunResult:
                      if r["closed"] else f"NOT closed ({r['violations']} violations)")  # fmt: skip
             lines.append(f"  replay in epoch {r['epoch']}: session {r['session']} step {r['step']}, "
                          f"{r['tokens']} tokens: {state}")  # fmt: skip
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        for v in self.run_violations[:MAX_LISTED]:
-            lines.append(f"  VIOLATION {v.invariant} [{v.where()}]: {v.message}")
-        if len(self.run_violations) > MAX_LISTED:
-            lines.append(f"  ... {len(self.run_violations) - MAX_LISTED} more")
-        lines.append(self.summary_line())
-        return "\n".join(lines)
+        return "\n".join(lines + _closing(self.notes, self.run_violations, self.summary_line()))
