@@ -47,8 +47,9 @@ from .topology import Topology, check_here
 from .weights import WeightSource, open_weights, resolve_model_path
 
 DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
-ENGINES = ("tls", "tcp", "gloo", "nccl")  # tls: the secure links; the others are plaintext somewhere
-FABRICS = ("gloo", "nccl")  # engines whose worker-to-worker collectives run on torch.distributed
+ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
+FABRICS = ("gloo", "nccl", "mpi")  # engines whose worker-to-worker collectives run on a fabric of their own
+LOCAL_FABRICS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
 
 
 def effective_context(model_window: int, requested: int | None) -> int:
@@ -95,7 +96,7 @@ class EngineOptions:
         """Option combinations that cannot work; raises CommError naming the fix."""
         if self.engine not in ENGINES:
             raise CommError(f"unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
-        if self.engine != "tls" and not self.insecure and not (self.engine == "nccl" and self.is_local):
+        if self.engine != "tls" and not self.insecure and not (self.engine in LOCAL_FABRICS and self.is_local):
             raise CommError(f"--engine {self.engine} is plaintext: add --insecure to ask for it by name")
         if self.engine in FABRICS and not self.is_local:
             raise CommError(f"--engine {self.engine} runs on one machine only (spawned workers)")
@@ -322,14 +323,20 @@ class EngineBase(Membership):
 
     def _welcome(self, member: Member) -> dict:
         out = {"mode": self.mode, "n_workers": self.n_workers, "timeout_s": self.opts.timeout_s, **self.welcome()}
-        if self.opts.engine in FABRICS:
+        if self.opts.engine == "mpi":  # one rendezvous directory per epoch (ports are not reused)
+            out["fabric"] = {"backend": "mpi", "store": os.path.join(self._store, f"epoch{self.epoch}")}
+        elif self.opts.engine in FABRICS:
             out["fabric"] = {"backend": self.opts.engine, "store": self._store}
         return out
 
     def _spawn(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerProcs:
         opts = self.opts
         threads = opts.threads or default_threads(self.n_workers)
-        if opts.engine in FABRICS:
+        if opts.engine == "mpi":  # the fabric's rendezvous: a directory only this user can enter
+            import tempfile
+
+            self._store = tempfile.mkdtemp(prefix="fusion-mpi-")
+        elif opts.engine in FABRICS:
             self._store = f"127.0.0.1:{free_port()}"
         args = [
             "--master", self._admission.address, "--model", str(self.model_path), "--threads", str(threads),

@@ -96,7 +96,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="plaintext links and unauthenticated workers: only on a network you trust")  # fmt: skip
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help="tls (default): authenticated, encrypted links; tcp: plaintext (--insecure); "
-                        "gloo / nccl: torch.distributed among local workers")  # fmt: skip
+                        "gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory "
+                        "among local workers (the [mpi] extra)")  # fmt: skip
     p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
     p.add_argument("--threads", type=int, help="torch threads per local worker")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a worker, seconds (default 120)")

@@ -100,7 +100,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
     extra = ("--variant", "megatron") if a.system == "megatron-tp" else ()
     ctx = max(max(a.prompts), a.decode_prompt + a.decode_tokens) + 8
     opts = EngineOptions(n_workers=a.workers, context=ctx, threads=a.threads, extra_worker_args=extra,
-                         engine=a.engine, insecure=a.engine != "tls", log=lambda line: None)  # fmt: skip
+                         engine=a.engine, insecure=a.engine in ("tcp", "gloo"), log=lambda line: None)  # fmt: skip
     out: dict = {"system": a.system, "workers": a.workers, "engine": a.engine}
     with Engine(model, opts) as eng:
         vocab = eng.config.vocab
@@ -155,7 +155,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--system", choices=("transformers", "fusion", "megatron-tp", "tcp-rtt"), required=True)
-    p.add_argument("--engine", default="tls", help="tls | tcp | gloo (fusion and megatron-tp)")
+    p.add_argument("--engine", default="tls", help="tls | tcp | gloo | mpi (fusion and megatron-tp)")
     p.add_argument("--model", required=True)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (transformers: its process)")

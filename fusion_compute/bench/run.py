@@ -196,9 +196,9 @@ def _ints(text: str) -> list[int]:
 
 def _engines(text: str) -> list[str]:
     vals = [x for x in text.split(",") if x]
-    bad = [x for x in vals if x not in ("tls", "tcp", "gloo")]
+    bad = [x for x in vals if x not in ("tls", "tcp", "gloo", "mpi")]
     if not vals or bad:
-        raise argparse.ArgumentTypeError(f"engines are tls, tcp, gloo; got {text!r}")
+        raise argparse.ArgumentTypeError(f"engines are tls, tcp, gloo, mpi; got {text!r}")
     return vals
 
 
@@ -208,7 +208,7 @@ def add_parser(sub) -> None:
     b.add_argument("--qwen-1.5b", dest="qwen_1_5b", action="store_true", help="use a Qwen2.5-1.5B-shaped random model (built once, cached)")
     b.add_argument("--workers", type=_ints, default=[2, 3], help="N for megatron-tp and fusion (default 2,3)")
     b.add_argument("--engines", type=_engines, default=["tls", "gloo"],
-                   help="engines side by side, comma-separated: tls, tcp, gloo (default tls,gloo)")  # fmt: skip
+                   help="engines side by side, comma-separated: tls, tcp, gloo, mpi (default tls,gloo)")  # fmt: skip
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--prompts", type=_ints, default=[128, 512], help="prefill prompt lengths (default 128,512)")
     b.add_argument("--decode-tokens", type=int, default=32)

@@ -1,0 +1,175 @@
+"""Collectives among the workers on MPI (mpi4py over the MPICH wheel): the trusted fabric for runs on
+one machine, where it moves a worker's chunks through shared memory instead of sockets.
+
+    fusion generate --workers 2 --engine mpi ...      (pip install 'fusion-compute[mpi]')
+
+Like torch_fabric.py, the fabric carries only worker-to-worker collectives; the client keeps its TLS
+links. Its traffic is neither encrypted nor authenticated (shared memory among processes of one
+user), so it runs on one machine only, among workers the client spawned (`EngineOptions.check`).
+
+Joining without mpiexec: the workers are ordinary processes (the client spawned them), each an MPI
+singleton. Worker 0 opens an MPI port and writes its name into the epoch's rendezvous directory (a
+0700 directory the client made); worker k connects after worker k-1 has joined (a marker file), and
+every member already in accepts it collectively, so the merged communicator's ranks are the workers'
+indices. (MPICH 5.0.x breaks connect/accept between singletons — pmodels/mpich#7805 — so the extra
+pins mpich 4.3.)
+
+Waiting: MPICH busy-polls inside a blocking call, and on an oversubscribed machine (more processes
+than cores, the usual local run) a waiting worker then steals the core a computing one needs. Every
+collective here is non-blocking (`Ialltoallv`, `Iallreduce`) and waited for by `wait`: it polls,
+calling `sched_yield` between polls so that any runnable process gets the core first, and after
+10 ms sleeps in growing steps (a long wait: a peer still computing a prefill). An abort (the epoch
+is over) or the timeout ends a wait. Measured (docs/performance.md, bench/busy_poll.py): three ranks
+waiting with MPI's blocking Wait slowed a computing process on the same 2 cores 2.25x; with `wait`,
+not at all.
+
+The reduce-scatter is an all-to-all with per-peer counts plus a local sum, never a reduce-scatter
+primitive (DESIGN.md §4), exactly as on the other engines.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .errors import CommError
+
+YIELD_S = 0.01  # poll (yielding the core between polls) this long before sleeping
+MAX_SLEEP_S = 1e-3
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise CommError("--engine mpi needs mpi4py and MPICH: pip install 'fusion-compute[mpi]'") from None
+    return MPI
+
+
+def _wait_file(path: Path, deadline: float, what: str) -> None:
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise CommError(f"mpi fabric: {what} did not appear within the timeout ({path})")
+        time.sleep(0.005)
+
+
+class MpiFabric:
+    def __init__(
+        self,
+        worker: int,
+        n_workers: int,
+        rendezvous: str,
+        *,
+        timeout_s: float,
+        score_groups: Sequence[Sequence[int]] = (),
+    ):
+        mpi = _mpi()
+        self.mpi, self.me, self.timeout_s = mpi, worker, timeout_s
+        self.device = torch.device("cpu")
+        self.aborted = threading.Event()
+        d = Path(rendezvous)
+        deadline = time.monotonic() + timeout_s
+        try:
+            if worker == 0:
+                d.mkdir(mode=0o700, exist_ok=True)
+                port = mpi.Open_port()
+                (d / "port.tmp").write_text(port)
+                os.replace(d / "port.tmp", d / "port")
+                (d / "joined0").touch()
+                comm = mpi.COMM_SELF
+            else:
+                _wait_file(d / f"joined{worker - 1}", deadline, f"worker {worker - 1}'s join")
+                port = (d / "port").read_text()
+                inter = mpi.COMM_SELF.Connect(port, root=0)
+                comm = inter.Merge(high=True)
+                inter.Free()
+                (d / f"joined{worker}").touch()
+            for _ in range(worker + 1, n_workers):  # everyone already in accepts each later worker
+                inter = comm.Accept(port, root=0)
+                merged = inter.Merge(high=False)
+                inter.Free()
+                if comm is not mpi.COMM_SELF:
+                    comm.Free()
+                comm = merged
+            if worker == 0 and n_workers > 1:
+                mpi.Close_port(port)
+            if comm.Get_size() != n_workers or comm.Get_rank() != worker:
+                raise CommError(f"mpi fabric: joined as {comm.Get_rank()} of {comm.Get_size()}, expected "
+                                f"{worker} of {n_workers}")  # fmt: skip
+            self.comm = comm
+            self.groups: dict[int, object] = {}
+            for g, owners in enumerate(score_groups):  # every member creates its groups in the same order
+                if len(owners) > 1 and worker in owners:
+                    self.groups[g] = comm.Create_group(comm.Get_group().Incl(list(owners)))
+        except mpi.Exception as e:
+            raise CommError(f"mpi fabric: {str(e).splitlines()[0]}") from None
+
+    def wait(self, req) -> None:
+        """Drive MPI's progress (it moves data only inside its calls) until `req` completes, giving the
+        core away between polls: `sched_yield` lets any runnable process (a computing worker, the
+        client) go first at no timer cost; after YIELD_S of waiting, it sleeps in growing steps."""
+        t0 = time.monotonic()
+        deadline, sleep = t0 + self.timeout_s, 5e-5
+        while not req.Test():
+            now = time.monotonic()
+            if now - t0 < YIELD_S:
+                os.sched_yield()
+                continue
+            if self.aborted.is_set():  # the request is abandoned with the epoch (MPI cannot cancel a collective)
+                raise CommError("mpi fabric: the epoch was aborted while waiting for a peer")
+            if now > deadline:
+                raise CommError(f"mpi fabric: no peer answered within {self.timeout_s:g} s")
+            time.sleep(sleep)
+            sleep = min(2 * sleep, MAX_SLEEP_S)
+
+    def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        n, me, t = len(sizes), self.me, send.shape[1]
+        send = send.contiguous()
+        recv = torch.empty((n * sizes[me], t), dtype=send.dtype)
+        counts_out = [s * t for s in sizes]
+        displs_out = [sum(counts_out[:i]) for i in range(n)]
+        counts_in = [sizes[me] * t] * n
+        displs_in = [i * sizes[me] * t for i in range(n)]
+        self.wait(self.comm.Ialltoallv([send.numpy(), (counts_out, displs_out)],
+                                        [recv.numpy(), (counts_in, displs_in)]))  # fmt: skip
+        return recv.view(n, sizes[me], t).sum(0)
+
+    def sum_among(self, tensor: torch.Tensor, group: int) -> None:
+        buf = tensor.numpy()  # the caller's tensor is contiguous (a score block it owns)
+        self.wait(self.groups[group].Iallreduce(self.mpi.IN_PLACE, buf))
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Megatron-style baseline only (a replicated sum)."""
+        self.wait(self.comm.Iallreduce(self.mpi.IN_PLACE, tensor.numpy()))
+
+    def all_gather(self, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Baseline and negative controls only: every worker's shard, concatenated in worker order."""
+        n, t = len(sizes), shard.shape[1]
+        shard = shard.contiguous()
+        recv = torch.empty((sum(sizes), t), dtype=shard.dtype)
+        counts = [s * t for s in sizes]
+        displs = [sum(counts[:i]) for i in range(n)]
+        self.wait(self.comm.Iallgatherv(shard.numpy(), [recv.numpy(), (counts, displs)]))
+        return recv
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            try:
+                g.Free()
+            except Exception:
+                pass
+        self.groups = {}
+        if getattr(self, "comm", None) is not None:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+            self.comm = None
