@@ -389,6 +389,10 @@ class EngineBase(Membership):
             self.watch.tell(p, {"stop": True})
         if self.procs is not None:
             self.procs.stop()
+        if self.opts.engine == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
+            import shutil
+
+            shutil.rmtree(self._store, ignore_errors=True)
         if self.comm is not None:
             self.comm.close()
         if self._admission is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,8 @@ def workload() -> float:
 
 
 def next_to_waiting(ranks: int, mode: str, sleep_s: float) -> float:
-    where = Path(tempfile.mkdtemp(prefix="fusion-busy-")) / "epoch0"
+    top = Path(tempfile.mkdtemp(prefix="fusion-busy-"))
+    where = top / "epoch0"
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(ranks), str(where), mode, str(sleep_s)])
              for r in range(ranks)]  # fmt: skip
     try:
@@ -65,6 +67,7 @@ def next_to_waiting(ranks: int, mode: str, sleep_s: float) -> float:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
