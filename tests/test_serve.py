@@ -532,6 +532,15 @@ def test_a_failing_request_fails_alone(card):
             kind, out = run_job(scheduler, req)
             assert kind == "done" and out.completion_tokens == 3
         assert any("probabilities contain nan" in line for line in logged)
+        # Masked mode's check caught a liar (removed, a standby in its seat): 502, the gateway stays ok.
+        from fusion_compute.errors import WorkerMisbehaved
+
+        engine.fail = WorkerMisbehaved("wrong product from group B member 0 (rank 2, participant 2) at L0.qkv", [2])
+        kind, error = run_job(scheduler, req)
+        assert (kind, error.status, error.code) == ("error", 502, "worker_misbehaved") and "L0.qkv" in error.message
+        assert error.body()["error"]["type"] == "server_error" and scheduler.health() == ("ok", None)
+        engine.fail = None
+        assert run_job(scheduler, req)[0] == "done"
         engine.fail = CommError("worker 2 vanished")
         kind, error = run_job(scheduler, req)
         assert (kind, error.status) == ("error", 503) and "vanished" in error.message
