@@ -40,7 +40,7 @@ class Engine(EngineBase):
         return [self.comm.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", op, wait_s)
                 for s in self.plan.workers]  # fmt: skip
 
-    def hello(self, deadline: float) -> list[dict]:
+    def hello(self, deadline: float, order: list[int]) -> list[dict]:
         fp = fingerprint_int(self.plan)
         self._control(Op.HELLO, self.context, fp)
         info = []

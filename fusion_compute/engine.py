@@ -29,7 +29,9 @@ which `EngineBase` inherits. A mode subclasses `EngineBase` with its plan (`plan
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,7 +166,6 @@ class EngineBase(Membership):
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
-        self.opening: list[int] = []  # the order of the epoch being opened (hello() sees it)
         self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
         self.procs: WorkerProcs | None = None
         self.comm: Comm | None = None
@@ -199,8 +200,10 @@ class EngineBase(Membership):
         """The plan of an epoch whose workers are the seats `order` (rank = position + 1)."""
         raise NotImplementedError
 
-    def hello(self, deadline: float) -> list[dict]:
-        """The plan handshake with every worker, after the links are up; returns per-worker info."""
+    def hello(self, deadline: float, order: list[int]) -> list[dict]:
+        """The plan handshake with every worker of the epoch being opened (`order`: its participants in
+        rank order; `self.order` is still the previous epoch's), after the links are up; returns
+        per-worker info."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -333,8 +336,6 @@ class EngineBase(Membership):
         opts = self.opts
         threads = opts.threads or default_threads(self.n_workers)
         if opts.engine == "mpi":  # the fabric's rendezvous: a directory only this user can enter
-            import tempfile
-
             self._store = tempfile.mkdtemp(prefix="fusion-mpi-")
         elif opts.engine in FABRICS:
             self._store = f"127.0.0.1:{free_port()}"
@@ -390,8 +391,6 @@ class EngineBase(Membership):
         if self.procs is not None:
             self.procs.stop()
         if self.opts.engine == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
-            import shutil
-
             shutil.rmtree(self._store, ignore_errors=True)
         if self.comm is not None:
             self.comm.close()

@@ -6,7 +6,7 @@ the epoch's participants. It relies on the engine's state: `opts`, `seats` (ever
 roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
 `_keys` (local workers' keys), `history` (the session's tokens, for replay), `recoveries`, `removed`,
-`convicted` and `opening`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
+and `convicted`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
 Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
@@ -287,5 +287,4 @@ class Membership:
         active = set(order)
         for link in links.values():
             link.check = lambda: self.watch.check(only=active)
-        self.opening = list(order)  # hello() runs before `self.order` becomes this epoch's
-        return self.hello(deadline)
+        return self.hello(deadline, order)

@@ -167,10 +167,10 @@ class MaskedEngine(EngineBase):
 
     # ---- handshake: public quantization metadata from every group ----
 
-    def hello(self, deadline: float) -> list[dict]:
+    def hello(self, deadline: float, order: list[int]) -> list[dict]:
         plan, c = self.plan, self.comm
         if self.audit is not None:
-            self.audit.epoch(self.epoch, plan.sizes, list(self.opening))
+            self.audit.epoch(self.epoch, plan.sizes, list(order))
         fp = P.fingerprint_int(plan)
         msg = control_word(P.Op.HELLO, plan.limb_bits, fp, MASK_KINDS[self.opts.masks])
         for r in range(1, plan.n + 1):
