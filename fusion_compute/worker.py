@@ -65,7 +65,7 @@ class Worker:
         self._links_lock = threading.Lock()
         self.fault = parse_fault(o.inject_fault) if o.inject_fault else None
         self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
-        self.fabric = None  # this epoch's worker fabric, when it can be told to stop waiting (mpi)
+        self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
         self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
 
     # ---- words from the client (the pulse thread) ----
@@ -89,7 +89,7 @@ class Worker:
 
     def _cut(self) -> None:
         fabric = self.fabric
-        if fabric is not None and hasattr(fabric, "abort"):
+        if fabric is not None:
             fabric.abort()
         with self._links_lock:
             links = list(self.links.values())
@@ -131,12 +131,12 @@ class Worker:
                     from .comm.mpi_fabric import MpiFabric
 
                     fabric = MpiFabric(rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners)
-                    self.fabric = fabric  # an abort word ends its waits
                 else:
                     from .comm.torch_fabric import TorchFabric
 
                     fabric = TorchFabric(f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s,
                                          score_groups=plan.group_owners)  # fmt: skip
+                self.fabric = fabric  # an abort word ends its waits
             engine = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
             comm = Comm(rank, n, links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
                         fabric=fabric, device=fabric.device if fabric else None, engine=engine)  # fmt: skip

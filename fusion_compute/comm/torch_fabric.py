@@ -80,6 +80,10 @@ class TorchFabric:
         dist.all_to_all_single(recv, send, output_split_sizes=list(sizes), input_split_sizes=[sizes[self.me]] * n)
         return recv
 
+    def abort(self) -> None:
+        """torch.distributed cannot interrupt a collective from another thread: its waits end at the
+        process group's timeout (the worker's --timeout)."""
+
     def close(self) -> None:
         if dist.is_initialized():
             try:
