@@ -124,18 +124,22 @@ class HttpBackend:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    def _get(self, path: str, root: bool = False) -> dict:
+    def _request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """One request on a fresh connection: (status, body); ChatError when the server is unreachable."""
         conn = self._connection()
         try:
-            conn.request("GET", (self.base.removesuffix("/v1") if root else self.base) + path, headers=self._headers())
+            conn.request(method, url, body=body, headers=self._headers())
             resp = conn.getresponse()
-            data = resp.read()
+            return resp.status, resp.read()
         except OSError as e:
             raise ChatError(f"cannot reach {self.host}:{self.port}: {e}") from None
         finally:
             conn.close()
-        if resp.status != 200:
-            raise ChatError(f"GET {path}: HTTP {resp.status}: {_error_message(data)}")
+
+    def _get(self, path: str, root: bool = False) -> dict:
+        status, data = self._request("GET", (self.base.removesuffix("/v1") if root else self.base) + path)
+        if status != 200:
+            raise ChatError(f"GET {path}: HTTP {status}: {_error_message(data)}")
         return json.loads(data)
 
     def membership(self, action: str, **kw: Any) -> dict:
@@ -148,17 +152,9 @@ class HttpBackend:
         else:
             body = json.dumps({k: v for k, v in kw.items() if v is not None}).encode()
             method, path = "POST", "/admin/workers"
-        conn = self._connection()
-        try:
-            conn.request(method, root + path, body=body, headers=self._headers())
-            resp = conn.getresponse()
-            data = resp.read()
-        except OSError as e:
-            raise ChatError(f"cannot reach {self.host}:{self.port}: {e}") from None
-        finally:
-            conn.close()
-        if resp.status not in (200, 201):
-            raise ChatError(f"HTTP {resp.status}: {_error_message(data)}")
+        status, data = self._request(method, root + path, body)
+        if status not in (200, 201):
+            raise ChatError(f"HTTP {status}: {_error_message(data)}")
         return json.loads(data)
 
     def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:

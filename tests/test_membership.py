@@ -95,18 +95,24 @@ def _admin(url: str, method: str, path: str, key: str | None, body: dict | None 
         return e.code, json.loads(e.read())
 
 
+def _serve(model, log, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`fusion serve` on 2 local workers; returns the process and its root URL once it listens (bounded)."""
+    proc = fusion("serve", "--model", str(model), "--workers", "2", "--port", "0", *extra,
+                  stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "listening on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if "listening on" not in log.read_text():
+        reap([proc], grace_s=30)
+        raise AssertionError(f"fusion serve did not come up:\n{log.read_text()[-2000:]}")
+    return proc, log.read_text().split("listening on ", 1)[1].split()[0].removesuffix("/v1")
+
+
 def test_serve_admin_endpoints(tmp_path):
     from test_serve import build_chat_model
 
-    model = build_chat_model(tmp_path / "m")
-    log = tmp_path / "serve.log"
-    proc = fusion("serve", "--model", str(model), "--workers", "2", "--port", "0", "--api-key", "k",
-                  stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # fmt: skip
+    proc, url = _serve(build_chat_model(tmp_path / "m"), tmp_path / "serve.log", "--api-key", "k")
     try:
-        deadline = time.monotonic() + 120
-        while "listening on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        url = log.read_text().split("listening on ", 1)[1].split()[0].removesuffix("/v1")
         assert _admin(url, "GET", "/admin/workers", None)[0] == 401  # the API key guards it
         status, body = _admin(url, "GET", "/admin/workers", "k")
         assert status == 200 and [w["state"] for w in body["workers"]] == ["active", "active"]
@@ -134,15 +140,8 @@ def test_serve_admin_endpoints(tmp_path):
 def test_admin_endpoints_need_an_api_key(tmp_path):
     from test_serve import build_chat_model
 
-    model = build_chat_model(tmp_path / "m")
-    log = tmp_path / "serve.log"
-    proc = fusion("serve", "--model", str(model), "--workers", "2", "--port", "0",
-                  stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # fmt: skip
+    proc, url = _serve(build_chat_model(tmp_path / "m"), tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 120
-        while "listening on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        url = log.read_text().split("listening on ", 1)[1].split()[0].removesuffix("/v1")
         status, body = _admin(url, "POST", "/admin/workers/1/revoke", None)
         assert status == 403 and body["error"]["code"] == "admin_disabled"
     finally:
