@@ -22,6 +22,7 @@ class Engine(EngineBase):
     """Client side of a structural job: the session's position and the sharded forward."""
 
     mode = "structural"
+    supports_batch = True
 
     def plan_for(self, order: list[int]) -> Plan:
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
@@ -51,6 +52,7 @@ class Engine(EngineBase):
                 raise ModelError(f"worker {s.rank} computed a different plan ({wfp:x} vs {fp:x}): same model and capacities?")
             info.append({"rank": s.rank, "load_s": load_ms / 1000, "peak_rss_mb": rss_kb / 1024})
         self.pos = 0
+        self.slot_pos: dict[int, int] = {}  # a batch's slots: the position of each one's next token
         return info
 
     def ping(self) -> list[dict]:
@@ -81,9 +83,14 @@ class Engine(EngineBase):
         return [int(r[1]) / 1e6 for r in self._replies("probe")]
 
     def _reset(self) -> None:
-        """Start a new session: workers zero their KV shards."""
-        self._control(Op.RESET, arg=self.context)
+        """Start a new session: workers zero their KV shards (every slot of a batch too)."""
+        self._control(Op.RESET, self.batch_slots, arg=self.context)
         self.pos = 0
+        self.slot_pos = {}
+
+    def _release(self, slot: int) -> None:
+        self._control(Op.RELEASE, slot)
+        self.slot_pos.pop(slot, None)
 
     def _wipe(self) -> None:
         self._control(Op.WIPE)
@@ -109,5 +116,37 @@ class Engine(EngineBase):
         x_TH = torch.cat(shards).T  # (T, H): reconstructed on the user side only
         if not all_logits:
             x_TH = x_TH[-1:]
-        logits = rms_norm(x_TH, self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
+        logits = self._head(x_TH)  # (T, V)
         return logits if all_logits else logits[0]
+
+    def _head(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x_TH, self.final_norm, self.config.rms_eps) @ self.lm_head.T
+
+    def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One step over several slots: their tokens as consecutive columns of one ingress, one
+        collective per operator for all of them (protocol.Op.FORWARD_BATCH)."""
+        slot_pos = self.slot_pos
+        spans = []
+        for slot, ids in items:
+            if not 0 <= slot < self.batch_slots:
+                raise ValueError(f"slot {slot} outside the batch's 0..{self.batch_slots - 1}")
+            pos = slot_pos.get(slot, 0)
+            if pos + len(ids) > self.context:
+                raise ValueError(f"{pos + len(ids)} tokens exceed the context window of {self.context}")
+            spans.append((slot, pos, len(ids)))
+        ids = [i for _, seq in items for i in seq]
+        total = len(ids)
+        x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, ΣT), full: fine, this is the client
+        self._control(Op.FORWARD_BATCH, len(spans), total)
+        span_words = torch.tensor(spans, dtype=torch.int64).reshape(-1)
+        for s in self.plan.workers:
+            a, b = s.residual
+            self.comm.send(span_words, s.rank, "control", "spans")
+            self.comm.send(x_HT[a:b], s.rank, "ingress", "embed")
+        shards = [
+            self.comm.recv(torch.empty(s.n_residual, total), s.rank, "egress", "final") for s in self.plan.workers
+        ]
+        self.slot_pos = {**slot_pos, **{slot: pos + t for slot, pos, t in spans}}
+        last = torch.tensor([sum(t for _, _, t in spans[: i + 1]) - 1 for i in range(len(spans))])
+        x_nH = torch.cat(shards).T[last]  # (n, H): each session's last token, on the user side only
+        return list(self._head(x_nH))

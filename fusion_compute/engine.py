@@ -163,6 +163,7 @@ class EngineBase(Membership):
         self.lm_head = self.embed if tied else self.src.read("lm_head.weight")
         self.recorder = self.prepare(recorder)
         self.history: list[int] = []  # the session's tokens so far: what a replay runs again
+        self.slot_history: dict[int, list[int]] = {}  # a batch's sessions (forward_batch): tokens per KV slot
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
@@ -267,6 +268,50 @@ class EngineBase(Membership):
         out = self._with_recovery(lambda: self._forward(list(ids), all_logits), replay)
         self.history += list(ids)
         return out
+
+    # ---- several sessions at once (continuous batching, batching.py) ----
+
+    supports_batch = False  # a mode that implements _forward_batch and _release sets it
+    batch_slots = 1  # KV slots the workers make at a session's start (BatchRunner sets its max batch)
+
+    def forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One step for several sessions, each in its own KV slot: `items` are (slot, ids), the ids run
+        at that slot's position (a new slot starts at 0: its prefill). Returns each item's last-token
+        logits (V,). A lost worker costs a new epoch and one batched replay of every open slot."""
+        if not self.supports_batch:
+            raise ValueError(f"the {self.mode} mode runs one session at a time")
+        if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
+            raise ValueError("a batch step needs distinct slots, each with tokens to run")
+
+        def replay() -> list[torch.Tensor]:
+            t0 = time.perf_counter()
+            self._reset()
+            new = dict(items)
+            full = [(slot, hist + new.pop(slot, [])) for slot, hist in self.slot_history.items()] + list(new.items())
+            logits = dict(zip([slot for slot, _ in full], self._forward_batch(full), strict=True))
+            if self.recoveries:
+                self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3),
+                                           replayed_tokens=sum(len(h) for h in self.slot_history.values()))  # fmt: skip
+            return [logits[slot] for slot, _ in items]
+
+        out = self._with_recovery(lambda: self._forward_batch(items), replay)
+        for slot, ids in items:
+            self.slot_history.setdefault(slot, []).extend(ids)
+        return out
+
+    def release(self, slot: int) -> None:
+        """One session of a batch is over: its KV slot is zeroed on every worker now."""
+        self.slot_history.pop(slot, None)
+        try:
+            self._release(slot)
+        except PeerError:
+            pass  # a lost worker's memory is its process's; the next step recovers
+
+    def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _release(self, slot: int) -> None:
+        raise NotImplementedError
 
     def end_session(self) -> None:
         """The session is over: wipe its state everywhere now (not at the next session's start)."""

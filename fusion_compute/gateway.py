@@ -1,4 +1,4 @@
-"""The gateway's core, without HTTP: a checked request in, generated text out, one request at a time.
+"""The gateway's core, without HTTP: a checked request in, generated text out.
 
 The gateway *is* the client role (DESIGN.md §2): tokenizer, chat template, embedding, LM head and
 sampling run in this process; the workers see embedding shards only, exactly as with
@@ -8,8 +8,10 @@ directly.
     validated body (openai_protocol) --chat_request / completion_request--> Request
     Request --Scheduler.submit (scheduler.py)--> the one engine thread --Gateway.run--> delta ... done | error
 
-One engine runs one session at a time (the workers hold one KV cache), so requests wait in a FIFO
-served by a single engine thread. An error while serving one request fails that request only; only
+Requests wait in a FIFO served by a single engine thread: one at a time by default, or up to
+`--max-batch` sessions decoding together, one sharded step for all of them (batching.py; each
+request's tokens are the ones it gets alone). An error while serving one request fails that request
+only (in a batch, a failed step fails the requests in it); only
 a lost worker the engine could not replace (comm.CommError) fails it with 503, and the gateway stays up:
 the next request tries again (scheduler.py).
 
@@ -254,8 +256,55 @@ class Outcome:
         }
 
 
+class Answer:
+    """One request's answer as its tokens arrive: `on_token(id)` (True: stop generating) streams
+    the text through `emit`; `outcome(result)` closes it."""
+
+    def __init__(self, card: ModelCard, req: Request, emit: Callable[[str], None], cancelled: Callable[[], bool]):
+        self.eos = set(card.eos_ids)
+        self.stream = card.tokenizer.stream(skip_special=True)
+        self.matcher = StopMatcher(req.stop)
+        self.emit, self.is_cancelled = emit, cancelled
+        self.parts: list[str] = []
+        self.cancelled = False
+        self.t0 = time.perf_counter()
+
+    def _out(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            self.emit(text)
+
+    def on_token(self, tok: int) -> bool:
+        if tok not in self.eos:
+            self._out(self.matcher.push(self.stream.push(tok)))
+        if self.is_cancelled():
+            self.cancelled = True
+            return True
+        return self.matcher.stopped
+
+    def outcome(self, res: Any) -> Outcome:
+        """`res`: the generate.GenerationResult of the session."""
+        if not self.matcher.stopped:
+            self._out(self.matcher.push(self.stream.flush()))
+            self._out(self.matcher.flush())
+        finish = "cancelled" if self.cancelled else ("stop" if self.matcher.stopped else res.finish_reason)
+        return Outcome(
+            text="".join(self.parts),
+            finish_reason=finish,
+            prompt_tokens=res.prompt_tokens,
+            completion_tokens=len(res.token_ids),
+            steps=res.steps,
+            timing={
+                "run_s": round(time.perf_counter() - self.t0, 4),
+                "ttft_s": round(res.ttft_s, 4),
+                "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
+            },
+            recoveries=res.recoveries,
+        )
+
+
 class Gateway:
-    """The client role behind the API: one engine, its tokenizer, one request at a time."""
+    """The client role behind the API: one engine and its tokenizer."""
 
     def __init__(self, engine: Any, card: ModelCard):
         self.engine = engine
@@ -268,47 +317,17 @@ class Gateway:
         """Generate for `req` in a fresh session; `emit(text)` gets each new piece of the answer."""
         from .generate import generate
 
-        eos = set(self.card.eos_ids)
-        stream = self.card.tokenizer.stream(skip_special=True)
-        matcher = StopMatcher(req.stop)
-        parts: list[str] = []
-        state = {"cancelled": False}
-
-        def out(text: str) -> None:
-            if text:
-                parts.append(text)
-                emit(text)
-
-        def on_token(tok: int) -> bool:
-            if tok not in eos:
-                out(matcher.push(stream.push(tok)))
-            if cancelled():
-                state["cancelled"] = True
-                return True
-            return matcher.stopped
-
-        t0 = time.perf_counter()
+        gen = self.begin(req, emit, cancelled)
         res = generate(
             self.engine, req.prompt_ids, max_new_tokens=req.max_tokens, sampling=req.sampling,
-            stop_ids=eos, on_token=on_token,
+            stop_ids=self.card.eos_ids, on_token=gen.on_token,
         )  # fmt: skip
-        if not matcher.stopped:
-            out(matcher.push(stream.flush()))
-            out(matcher.flush())
-        finish = "cancelled" if state["cancelled"] else ("stop" if matcher.stopped else res.finish_reason)
-        return Outcome(
-            text="".join(parts),
-            finish_reason=finish,
-            prompt_tokens=res.prompt_tokens,
-            completion_tokens=len(res.token_ids),
-            steps=res.steps,
-            timing={
-                "run_s": round(time.perf_counter() - t0, 4),
-                "ttft_s": round(res.ttft_s, 4),
-                "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
-            },
-            recoveries=res.recoveries,
-        )
+        return gen.outcome(res)
+
+    def begin(self, req: Request, emit: Callable[[str], None], cancelled: Callable[[], bool] = lambda: False) -> Answer:
+        """The text side of one request (detokenizing, stop strings, cancellation), fed token by
+        token: by `run`, or by the batch loop (scheduler.py) for a session of a batch."""
+        return Answer(self.card, req, emit, cancelled)
 
     def protection(self, outcome: Outcome | None) -> dict:
         """The `fusion` extension object: what was protected for this request."""

@@ -45,6 +45,20 @@ def check_prompt(prompt_ids: list[int], vocab: int, context: int, max_new_tokens
         raise InputError(f"max new tokens must be >= 1, got {max_new_tokens}")
 
 
+def next_finish(
+    tok: int, out: list[int], stop: set[int], on_token: Callable[[int], bool | None] | None, budget: int
+) -> str | None:
+    """After token `tok` (already appended to `out`): why generation ends here ("stop" at an end
+    token or when `on_token` says so, "length" at the budget), or None to go on."""
+    if tok in stop:
+        return "stop"
+    if on_token is not None and on_token(tok):
+        return "stop"
+    if len(out) >= budget:
+        return "length"
+    return None
+
+
 def generate(
     engine: EngineBase,
     prompt_ids: list[int],
@@ -74,13 +88,9 @@ def generate(
             out.append(tok)
             if len(out) == 1:
                 t_first = time.perf_counter()
-            if tok in stop:
-                finish = "stop"
-                break
-            if on_token is not None and on_token(tok):
-                finish = "stop"
-                break
-            if len(out) >= budget:
+            why = next_finish(tok, out, stop, on_token, budget)
+            if why is not None:
+                finish = why
                 break
             logits = engine.forward([tok])
             steps += 1

@@ -52,6 +52,15 @@ def attend(
     scores = q @ k.transpose(-1, -2)  # (..., G, gs*T, S)
     if reduce_scores is not None:
         scores = reduce_scores(scores)
+    return attend_scored(scores, v, mask, gs, t, scale)
+
+
+def attend_scored(
+    scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, gs: int, t: int, scale: float
+) -> torch.Tensor:
+    """The rest of `attend` once the scores q·kᵀ (..., G, gs*T, S) are complete: scale, causal mask,
+    softmax, times v. (A batch of sessions completes every session's partial scores in one exchange,
+    then finishes each here.)"""
     scores = scores * scale
     if mask is not None:
         shape = scores.shape

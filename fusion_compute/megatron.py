@@ -23,7 +23,7 @@ import torch
 
 from .comm import Comm
 from .kernels import inv_freq_tensor
-from .ops import LayerIndex, LayerShard, ShardedLayer
+from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step
 from .plan import Plan, runs
 from .sharded import ShardedModel
 from .weights import WeightSource
@@ -63,19 +63,19 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
 class MegatronLayer(ShardedLayer):
     """Same attention code as the sharded layer; the residual around it is replicated."""
 
-    def forward(self, x_HT: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, mask) -> torch.Tensor:
+    def forward(self, x_HT: torch.Tensor, step: Step) -> torch.Tensor:
         L, w, c, a = self.i, self.w, self.comm, self.audit
         h_HT = x_HT * torch.rsqrt(x_HT.pow(2).mean(0) + self.eps)  # full residual: norm is local
         qkv_aT = w.qkv_w @ h_HT
         if w.qkv_b is not None:
             qkv_aT = qkv_aT + w.qkv_b[:, None]
-        o_aT = self.attention(qkv_aT, pos, cos, sin, mask)
+        o_aT = self.attention(qkv_aT, step)
         y_HT = c.all_reduce_workers(w.o_w @ o_aT, f"L{L}.o")  # every worker gets the full sum
         if a is not None:
             ix = w.index
             a.hold(L, "resid.in", ix.resid_in, x_HT.shape[0])
             a.hold(L, "qkv", ix.qkv_out, qkv_aT.shape[0])
-            a.hold(L, "kv", ix.qkv_out, sum(2 * ch.k.shape[0] * ch.k.shape[2] for ch in self.caches))
+            a.hold(L, "kv", ix.qkv_out, sum(ch.rows for ch in self.caches))
             a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
             a.hold(L, "resid.mid", ix.resid_out, y_HT.shape[0])
         x_HT = x_HT + y_HT
@@ -119,12 +119,12 @@ class MegatronModel(ShardedModel):
             for i in range(c.n_layers)
         ]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
-        self.max_seq = 0
+        self.max_seq = self.n_slots = 0
 
-    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
-        cos, sin, mask = self._step(pos, x_dT.shape[1])
+    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        step = self._step(spans)
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
         for layer in self.layers:
-            x_HT = layer.forward(x_HT, pos, cos, sin, mask)
+            x_HT = layer.forward(x_HT, step)
         a = sum(self.res_sizes[: self.w])
         return x_HT[a : a + self.res_sizes[self.w]].contiguous()

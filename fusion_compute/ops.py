@@ -13,6 +13,10 @@ lowercase = this worker's shard, uppercase = full extent.
   swiglu          gu_mT (M)        h_mT   (M)        local
   down            h_mT  (M)        y_dT   (R)        S(M) -> P -> S(R)
   residual add    x_dT, y_dT       x_dT              local
+
+A step may carry several sessions (continuous batching, batching.py): their tokens are consecutive
+columns (`Step.spans`), every linear and collective runs once over all of them, and attention runs
+per session against that session's KV slot.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .kernels import attend
+from .kernels import attend_scored
 from .plan import AttnBlock
 
 
@@ -73,10 +77,45 @@ class LayerShard:
 
 @dataclass
 class BlockCache:
-    """KV cache of one attention block: (n_groups, S_max, dims), preallocated per session."""
+    """KV cache of one attention block: (slots, n_groups, S_max, dims), preallocated per job; a slot
+    per session of a batch (one for a single session)."""
 
     k: torch.Tensor
     v: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """k and v coordinates held per token position: 2 · n_groups · dims."""
+        return 2 * self.k.shape[1] * self.k.shape[3]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One session's tokens in a step: its KV slot, the position of its first token, how many."""
+
+    slot: int
+    pos: int
+    t: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer needs about one forward step: the sessions' spans, in column order (their
+    tokens are consecutive columns of the step's (rows, ΣT) tensors), RoPE tables for every column,
+    and each span's causal mask (None for a single token)."""
+
+    spans: tuple[Span, ...]
+    cos: torch.Tensor  # (d/2, ΣT)
+    sin: torch.Tensor
+    masks: tuple[torch.Tensor | None, ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for s in self.spans:
+            out.append(o)
+            o += s.t
+        return out
 
 
 def norm_linear_scatter(
@@ -136,45 +175,107 @@ class ShardedLayer:
         self.scale = head_dim**-0.5
         self.qkv_ss_rows = torch.tensor([sum(qkv_sizes_aug[: q + 1]) - 1 for q in range(len(qkv_sizes_aug))])
         self.gu_ss_rows = torch.tensor([sum(gu_sizes_aug[: q + 1]) - 1 for q in range(len(gu_sizes_aug))])
-        self.caches: list[BlockCache] = []
+        self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
 
-    def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device) -> None:
+    def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
         self.caches = [
-            BlockCache(
-                torch.zeros(b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
-                torch.zeros(b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
-            )
+            BlockCache(torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
+                       torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device))
             for b in self.blocks
-        ]
+        ]  # fmt: skip
 
-    def attention(
-        self, qkv_aT: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Local attention over the worker's KV shard; returns o_aT (a_r, T) in q-row order."""
-        t = qkv_aT.shape[1]
+    def attention(self, qkv_aT: torch.Tensor, step: Step) -> torch.Tensor:
+        """Local attention over the worker's KV shards, each span against its own slot; returns o_aT
+        (a_r, ΣT) in q-row order. A split group's partial scores are completed in one exchange for
+        every span of the step (one round per split block, whatever the batch). Single-token spans
+        (decodes) are computed together, padded to the longest and masked; prefill spans one by one."""
         outs, row = [], 0
-        for b, cache in zip(self.blocks, self.caches, strict=False):
+        spans, offsets = step.spans, step.offsets
+        decodes = [i for i, sp in enumerate(spans) if sp.t == 1] if len(spans) > 1 else []
+        singles = [i for i in range(len(spans)) if i not in decodes] if decodes else range(len(spans))
+        for b, cache in zip(self.blocks, self.caches, strict=True):
             ng, dl, gs = b.n_groups, b.dims, self.gs
             nq, nk = ng * gs * dl, ng * dl
-            q = qkv_aT[row : row + nq].view(ng, gs, dl, t)
-            k = qkv_aT[row + nq : row + nq + nk].view(ng, dl, t)
-            v = qkv_aT[row + nq + nk : row + nq + 2 * nk].view(ng, dl, t)
-            row += nq + 2 * nk
             p0, p1 = b.p0, b.p1
-            q = apply_rope(q, cos[p0:p1], sin[p0:p1])  # (ng, gs, dl, T)
-            k = apply_rope(k, cos[p0:p1], sin[p0:p1])  # (ng, dl, T)
-            cache.k[:, pos : pos + t] = k.transpose(1, 2)
-            cache.v[:, pos : pos + t] = v.transpose(1, 2)
-            s_len = pos + t
-            q_g = q.permute(0, 1, 3, 2).reshape(ng, gs * t, dl)  # (ng, gs*T, dl)
-            # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
-            reduce = (lambda sc, g=b.g0: self.comm.sum_scores(sc, g, f"L{self.i}.scores.g{g}")) if b.split else None
-            o = attend(q_g, cache.k[:, :s_len], cache.v[:, :s_len], mask, gs, t, self.scale, reduce)  # (ng, gs*T, dl)
-            outs.append(o.view(ng, gs, t, dl).permute(0, 1, 3, 2).reshape(nq, t))
+            cos, sin = step.cos[p0:p1], step.sin[p0:p1]
+            q_all = qkv_aT[row : row + nq]
+            k_all = qkv_aT[row + nq : row + nq + nk]
+            v_all = qkv_aT[row + nq + nk : row + nq + 2 * nk]
+            row += nq + 2 * nk
+            scores, values = [], []
+            for i in singles:
+                span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
+                t, pos, sl = span.t, span.pos, span.slot
+                q = apply_rope(q_all[:, cols].reshape(ng, gs, dl, t), cos[:, cols], sin[:, cols])  # (ng, gs, dl, T)
+                k = apply_rope(k_all[:, cols].reshape(ng, dl, t), cos[:, cols], sin[:, cols])  # (ng, dl, T)
+                cache.k[sl, :, pos : pos + t] = k.transpose(1, 2)
+                cache.v[sl, :, pos : pos + t] = v_all[:, cols].reshape(ng, dl, t).transpose(1, 2)
+                q_g = q.permute(0, 1, 3, 2).reshape(ng, gs * t, dl)  # (ng, gs*T, dl)
+                scores.append(q_g @ cache.k[sl, :, : pos + t].transpose(-1, -2))  # (ng, gs*T, S)
+                values.append(cache.v[sl, :, : pos + t])
+            if decodes:
+                scores.append(self._decode_scores(cache, decodes, step, q_all, k_all, v_all, cos, sin, ng, gs, dl))
+            if b.split:
+                # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
+                scores = self._sum_scores(scores, b.g0)
+            o_aT = qkv_aT.new_empty(nq, qkv_aT.shape[1])
+            for i, sc, v in zip(singles, scores, values, strict=False):
+                span = spans[i]
+                o = attend_scored(sc, v, step.masks[i], gs, span.t, self.scale)  # (ng, gs*T, dl)
+                o_aT[:, offsets[i] : offsets[i] + span.t] = (
+                    o.view(ng, gs, span.t, dl).permute(0, 1, 3, 2).reshape(nq, span.t)
+                )
+            if decodes:
+                o_aT[:, [offsets[i] for i in decodes]] = self._decode_finish(
+                    cache, decodes, step, scores[-1], ng, gs, dl
+                )
+            outs.append(o_aT)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
-    def forward(self, x_dT: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, mask) -> torch.Tensor:
+    def _decode_scores(self, cache: BlockCache, decodes: list[int], step: Step, q_all, k_all, v_all, cos, sin,
+                       ng: int, gs: int, dl: int) -> torch.Tensor:  # fmt: skip
+        """Several sessions' single new tokens: rope, KV writes and q·k for all of them at once, over
+        their slots' first max(pos)+1 positions (positions past a session's own are masked later).
+        Returns scores (B, ng, gs, S)."""
+        spans = [step.spans[i] for i in decodes]
+        cols = torch.tensor([step.offsets[i] for i in decodes])
+        slots = torch.tensor([sp.slot for sp in spans])
+        pos = torch.tensor([sp.pos for sp in spans])
+        c, s = cos[:, cols], sin[:, cols]
+        q = apply_rope(q_all[:, cols].reshape(ng, gs, dl, -1), c, s)  # (ng, gs, dl, B)
+        k = apply_rope(k_all[:, cols].reshape(ng, dl, -1), c, s)  # (ng, dl, B)
+        cache.k[slots, :, pos] = k.permute(2, 0, 1)  # (B, ng, dl) into each slot's own position
+        cache.v[slots, :, pos] = v_all[:, cols].reshape(ng, dl, -1).permute(2, 0, 1)
+        s_len = int(pos.max()) + 1
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        q_r = q.new_zeros(hi - lo, ng, gs, dl)  # over the slots' range (a view of the cache, no copy):
+        q_r[slots - lo] = q.permute(3, 0, 1, 2)  # rows of slots not in this step stay zero and are dropped
+        return (q_r @ cache.k[lo:hi, :, :s_len].transpose(-1, -2))[slots - lo]  # (B, ng, gs, S)
+
+    def _decode_finish(self, cache: BlockCache, decodes: list[int], step: Step, scores: torch.Tensor,
+                       ng: int, gs: int, dl: int) -> torch.Tensor:  # fmt: skip
+        """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
+        spans = [step.spans[i] for i in decodes]
+        s_len = scores.shape[-1]
+        pos = torch.tensor([sp.pos for sp in spans])
+        pad = torch.arange(s_len)[None, :] > pos[:, None]  # (B, S): positions after each session's own
+        scores = (scores * self.scale).masked_fill(pad[:, None, None, :], float("-inf"))
+        slots = torch.tensor([sp.slot for sp in spans])
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        p_r = scores.new_zeros(hi - lo, ng, gs, s_len)
+        p_r[slots - lo] = torch.softmax(scores, dim=-1)
+        o = (p_r @ cache.v[lo:hi, :, :s_len])[slots - lo]  # (B, ng, gs, dl)
+        return o.permute(1, 2, 3, 0).reshape(ng * gs * dl, len(spans))
+
+    def _sum_scores(self, scores: list[torch.Tensor], g: int) -> list[torch.Tensor]:
+        op = f"L{self.i}.scores.g{g}"
+        if len(scores) == 1:
+            return [self.comm.sum_scores(scores[0], g, op)]
+        flat = self.comm.sum_scores(torch.cat([s.reshape(-1) for s in scores]), g, op)
+        return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in scores]), scores, strict=True)]
+
+    def forward(self, x_dT: torch.Tensor, step: Step) -> torch.Tensor:
         L, w, c, a = self.i, self.w, self.comm, self.audit
         qkv_aT = norm_linear_scatter(
             c, x_dT, w.qkv_w, self.qkv_ss_rows, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv"
@@ -182,13 +283,13 @@ class ShardedLayer:
         if w.qkv_b is not None:
             # Bias once, by the owner, after the scatter: added to partials it would count N times.
             qkv_aT = qkv_aT + w.qkv_b[:, None]
-        o_aT = self.attention(qkv_aT, pos, cos, sin, mask)
+        o_aT = self.attention(qkv_aT, step)
         y_dT = c.reduce_scatter(w.o_w @ o_aT, self.res_sizes, f"L{L}.o")
         if a is not None:  # holdings at this step, from the index maps the tensors were built with
             ix = w.index
             a.hold(L, "resid.in", ix.resid_in, x_dT.shape[0])
             a.hold(L, "qkv", ix.qkv_out, qkv_aT.shape[0])
-            a.hold(L, "kv", ix.qkv_out, sum(2 * ch.k.shape[0] * ch.k.shape[2] for ch in self.caches))
+            a.hold(L, "kv", ix.qkv_out, sum(ch.rows for ch in self.caches))
             a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
             a.hold(L, "resid.mid", ix.resid_out, y_dT.shape[0])
         x_dT = x_dT + y_dT

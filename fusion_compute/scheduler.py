@@ -1,6 +1,8 @@
-"""The engine's queue: callers submit, one engine thread runs jobs in order (the workers hold one
-session at a time) and reports each job's events. Membership changes (the admin endpoint) run on the
-same thread, between requests, through `call`.
+"""The engine's queue: callers submit, one engine thread runs jobs in order and reports each job's
+events. With `max_batch` 1 a request runs alone from start to end; with more (`fusion serve
+--max-batch B`), up to B requests decode together, joining and leaving the batch between steps
+(batching.BatchRunner). Membership changes (the admin endpoint) run on the same thread, between
+requests (after a running batch drains), through `call`.
 
 Errors: a request that fails for its own reasons (a bad value that got past the checks: 400; anything
 else: 500) fails alone. A worker caught returning a wrong product (masked mode's check) fails the
@@ -43,18 +45,22 @@ def one_line(e: BaseException) -> str:
 class Scheduler:
     """FIFO: callers submit, one engine thread runs jobs in order and reports each job's events."""
 
-    def __init__(self, gateway: Gateway, max_queue: int = DEFAULT_MAX_QUEUE, log: Callable[[str], None] = print):
+    def __init__(self, gateway: Gateway, max_queue: int = DEFAULT_MAX_QUEUE, log: Callable[[str], None] = print,
+                 max_batch: int = 1):  # fmt: skip
         self.gateway = gateway
+        self.max_batch = max_batch
         self.max_queue = max_queue
         self.log = log
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0
-        self.running = False
+        self.running = False  # a job (or, batched, at least one request) is on the engine
+        self.batch: dict[int, tuple[Job, Any]] = {}  # batched: slot -> (job, its Answer)
         self.degraded: str | None = None  # why the last request could not run (a lost worker not replaced)
         self.stopping = False
         self.served = 0
-        self._thread = threading.Thread(target=self._loop, name="fusion-engine", daemon=True)
+        loop = self._loop if max_batch == 1 else self._batch_loop
+        self._thread = threading.Thread(target=loop, name="fusion-engine", daemon=True)
         self._thread.start()
 
     def submit(self, req: Request, on_event: Callable[[JobEvent], None]) -> Job:
@@ -64,7 +70,7 @@ class Scheduler:
             if self.waiting >= self.max_queue:
                 raise ApiError(429, f"{self.waiting} requests are already waiting; retry later", code="queue_full",
                                kind="rate_limit_error")  # fmt: skip
-            job = Job(req, on_event, ahead=self.waiting + int(self.running))
+            job = Job(req, on_event, ahead=self.waiting + max(int(self.running), len(self.batch)))
             self.waiting += 1
             self._q.put(job)
         return job
@@ -95,33 +101,40 @@ class Scheduler:
             job.cancelled.set()
 
     def _run(self, job: Job) -> None:
-        from .comm import CommError
-        from .errors import UsageError, WorkerMisbehaved
-        from .generate import InputError
-
         job.t_started = time.perf_counter()
         try:
             out = self.gateway.run(
                 job.req, lambda text: self._send(job, ("delta", text)), lambda: job.cancelled.is_set() or self.stopping
             )
-        except CommError as e:  # a lost worker the engine could not replace: this request fails, the gateway stays
+        except Exception as e:
+            self._send(job, ("error", self._failure(e)))
+            return
+        self._done(job, out)
+
+    def _failure(self, e: Exception) -> ApiError:
+        """The answer for a request that failed with `e` (logged; a lost worker also marks the engine degraded)."""
+        from .comm import CommError
+        from .errors import UsageError, WorkerMisbehaved
+        from .generate import InputError
+
+        if isinstance(
+            e, CommError
+        ):  # a lost worker the engine could not replace: this request fails, the gateway stays
             self.degraded = one_line(e)
             self.log(f"fusion serve: degraded: {self.degraded}")
-            self._send(job, ("error", unavailable(f"the engine lost a worker it could not replace: {self.degraded}")))
-            return
-        except WorkerMisbehaved as e:  # caught lying and removed (replaced by a standby): retrying is safe
+            return unavailable(f"the engine lost a worker it could not replace: {self.degraded}")
+        if isinstance(e, WorkerMisbehaved):  # caught lying and removed (replaced by a standby): retrying is safe
             self.log(f"fusion serve: request failed: {one_line(e)}")
-            self._send(job, ("error", ApiError(502, f"a worker returned a wrong result and was removed from the job; "
-                                                    f"nothing was generated from it, retry: {one_line(e)}",
-                                               kind="server_error", code="worker_misbehaved")))  # fmt: skip
-            return
-        except (UsageError, InputError) as e:  # a bad value that got past the request checks
-            self._send(job, ("error", ApiError(400, str(e))))
-            return
-        except Exception as e:  # this request failed; the engine did not (the next one starts a new session)
-            self.log(f"fusion serve: request failed: {one_line(e)}")
-            self._send(job, ("error", ApiError(500, f"the request failed: {one_line(e)}", kind="server_error")))
-            return
+            return ApiError(502, f"a worker returned a wrong result and was removed from the job; "
+                                 f"nothing was generated from it, retry: {one_line(e)}",
+                            kind="server_error", code="worker_misbehaved")  # fmt: skip
+        if isinstance(e, (UsageError, InputError)):  # a bad value that got past the request checks
+            return ApiError(400, str(e))
+        # this request failed; the engine did not (the next one starts a new session)
+        self.log(f"fusion serve: request failed: {one_line(e)}")
+        return ApiError(500, f"the request failed: {one_line(e)}", kind="server_error")
+
+    def _done(self, job: Job, out: Any) -> None:
         self.degraded = None
         out.timing = {"queued_behind": job.ahead, "queue_s": round(job.t_started - job.t_enqueued, 4), **out.timing}
         for r in out.recoveries:
@@ -132,6 +145,75 @@ class Scheduler:
             self.log(f"fusion serve: request stopped after {out.completion_tokens} of {job.req.max_tokens} tokens: {why}")
         self.served += 1
         self._send(job, ("done", out))
+
+    # ---- continuous batching (--max-batch > 1) ----
+
+    def _batch_loop(self) -> None:
+        """Requests join the running batch between steps while it has room (their prefill joins the
+        next step), leave it when they finish; a membership call waits for the batch to drain (it
+        may replay or change the epoch), and requests behind it wait for it (FIFO)."""
+        from .batching import BatchRunner, Sequence
+
+        runner = BatchRunner(self.gateway.engine, self.max_batch)
+        held: Job | None = None  # a membership call waiting for the batch to drain
+        while True:
+            while held is None and runner.room > 0:
+                try:
+                    job = self._q.get(block=not runner.active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._finish_batch(runner)
+                    return
+                with self._lock:
+                    self.waiting -= 1
+                    self.running = True
+                if self.stopping:
+                    self._send(job, ("error", unavailable("the server is shutting down")))
+                elif job.work is not None:
+                    held = job
+                elif not job.cancelled.is_set():
+                    self._admit(runner, job, Sequence)
+            if held is not None and not runner.active:
+                self._call(held)
+                held = None
+            if runner.active:
+                self._step(runner)
+            with self._lock:
+                self.running = bool(runner.active)
+
+    def _admit(self, runner: Any, job: Job, make_seq: Callable[..., Any]) -> None:
+        job.t_started = time.perf_counter()
+        req = job.req
+        answer = self.gateway.begin(req, lambda text: self._send(job, ("delta", text)),
+                                    lambda: job.cancelled.is_set() or self.stopping)  # fmt: skip
+        seq = make_seq(req.prompt_ids, req.max_tokens, req.sampling, self.gateway.card.eos_ids, answer.on_token)
+        try:
+            runner.add(seq)
+        except Exception as e:
+            self._send(job, ("error", self._failure(e)))
+            return
+        self.batch[seq.slot] = (job, answer)
+
+    def _step(self, runner: Any) -> None:
+        try:
+            finished = runner.step()
+        except Exception as e:  # every session of the step fails with it; the next request starts afresh
+            err = self._failure(e)
+            for seq in runner.abort():
+                job, _ = self.batch.pop(seq.slot)
+                self._send(job, ("error", err))
+            return
+        for seq in finished:
+            job, answer = self.batch.pop(seq.slot)
+            self._done(job, answer.outcome(seq.result()))
+
+    def _finish_batch(self, runner: Any) -> None:
+        """Stopping: the running sessions end at their next token (cancelled), then the loop ends."""
+        for _ in range(10_000):  # bounded: each session stops at its next step (cancelled() is True)
+            if not runner.active:
+                return
+            self._step(runner)
 
     def call(self, work: Callable[[], Any], timeout_s: float = 600.0) -> Any:
         """Run `work()` on the engine thread between requests and return its result (or raise its

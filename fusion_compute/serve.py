@@ -34,6 +34,9 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
     )
     s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests before 429 (default {DEFAULT_MAX_QUEUE})")  # fmt: skip
+    s.add_argument("--max-batch", type=int, default=1,
+                   help="sessions decoded together, one sharded step for all (continuous batching; default 1: "
+                        "one request at a time; structural mode only; docs/serving.md)")  # fmt: skip
     s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help=f"open connections before 503 (default {DEFAULT_MAX_CONNECTIONS})")  # fmt: skip
     s.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -57,6 +60,13 @@ def cmd_serve(a: Any) -> int:
         raise UsageError(f"--port must be in 0..65535, got {a.port}")
     if a.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {a.max_queue}")
+    from .protocol import MAX_SLOTS
+
+    if not (1 <= a.max_batch <= MAX_SLOTS):
+        raise UsageError(f"--max-batch must be in 1..{MAX_SLOTS}, got {a.max_batch}")
+    if a.max_batch > 1 and a.mode == "masked":
+        raise UsageError("--max-batch > 1 is for the structural mode: the masked mode runs one session at a time "
+                         "(docs/serving.md)")  # fmt: skip
     if a.max_connections < 1:
         raise UsageError(f"--max-connections must be >= 1, got {a.max_connections}")
     if not (0 < a.request_timeout < float("inf")):
@@ -79,7 +89,7 @@ def cmd_serve(a: Any) -> int:
     except BaseException:
         sock.close()
         raise
-    scheduler = Scheduler(gateway, a.max_queue, log)
+    scheduler = Scheduler(gateway, a.max_queue, log, max_batch=a.max_batch)
     try:
         app = wrap(create_app(gateway, scheduler, admin=a.api_key is not None), a.api_key, log, a.request_timeout)
         host, port = sock.getsockname()[:2]
@@ -87,7 +97,9 @@ def cmd_serve(a: Any) -> int:
             log(f"fusion serve: warning: listening on {a.host}: anyone who can reach it reads the answers "
                 "(no TLS" + ("" if a.api_key else ", no API key") + ")")  # fmt: skip
         shown = f"[{host}]" if ":" in host else host
-        log(f"fusion serve: listening on http://{shown}:{port}/v1 (model {gateway.card.id}, {gateway.n_workers} workers)")
+        batch = f", up to {a.max_batch} requests at once" if a.max_batch > 1 else ""
+        log(f"fusion serve: listening on http://{shown}:{port}/v1 "
+            f"(model {gateway.card.id}, {gateway.n_workers} workers{batch})")  # fmt: skip
         run_http(sock, app, a.max_connections, scheduler.stop, log, a.request_timeout)
     finally:
         sock.close()

@@ -10,7 +10,7 @@ import torch
 
 from .comm import Comm
 from .kernels import causal_mask, inv_freq_tensor
-from .ops import LayerIndex, LayerShard, ShardedLayer, rope_cos_sin
+from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, rope_cos_sin
 from .plan import Plan, runs
 from .weights import WeightSource
 
@@ -91,28 +91,31 @@ class ShardedModel:
             for i in range(c.n_layers)
         ]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
-        self.max_seq = 0
+        self.max_seq = self.n_slots = 0
         self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
 
     def attach_audit(self, audit) -> None:
         for layer in self.layers:
             layer.audit = audit
 
-    def reset(self, max_seq: int) -> None:
-        """Zeroed KV shards for a new session: the old ones are zeroed in place (and replaced only
-        when the size changes), so no earlier session's keys or values stay in memory."""
+    def reset(self, max_seq: int, slots: int = 1) -> None:
+        """Zeroed KV shards for a new session (or a batch of `slots` sessions): the old ones are
+        zeroed in place (and replaced only when the size changes), so no earlier session's keys or
+        values stay in memory."""
         self.wipe()
-        if max_seq != self.max_seq:
-            self.max_seq = max_seq
+        if (max_seq, slots) != (self.max_seq, self.n_slots):
+            self.max_seq, self.n_slots = max_seq, slots
             for layer in self.layers:
-                layer.alloc_cache(max_seq, torch.float32, self.comm.device)
+                layer.caches = []  # the old buffers go before the new ones are made
+            for layer in self.layers:
+                layer.alloc_cache(max_seq, torch.float32, self.comm.device, slots)
 
-    def wipe(self) -> None:
-        """Zero every KV shard in place (session end, revocation, shutdown)."""
+    def wipe(self, slot: int | None = None) -> None:
+        """Zero every KV shard in place (session end, revocation, shutdown), or one slot's."""
         for layer in self.layers:
             for cache in layer.caches:
-                cache.k.zero_()
-                cache.v.zero_()
+                for t in (cache.k, cache.v):
+                    (t if slot is None else t[slot]).zero_()
 
     def kv_abs_max(self) -> float:
         """Largest |value| left in the KV shards (0 after a wipe): hygiene tests read it."""
@@ -125,17 +128,22 @@ class ShardedModel:
         for layer in self.layers:
             layer.comm = comm
 
-    def _step(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """RoPE tables and causal mask for T tokens at `pos`, after checking the KV capacity."""
-        if pos + t > self.max_seq:
-            raise ValueError(f"position {pos + t} beyond the session's KV capacity {self.max_seq}")
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(pos, pos + t))
-        return cos, sin, causal_mask(pos, t)
+    def _step(self, spans: list[Span]) -> Step:
+        """RoPE tables for every column and each span's causal mask, after checking the KV capacity."""
+        for s in spans:
+            if s.pos + s.t > self.max_seq:
+                raise ValueError(f"position {s.pos + s.t} beyond the session's KV capacity {self.max_seq}")
+            if s.slot >= self.n_slots:
+                raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
+        positions = torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans])
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        return Step(tuple(spans), cos, sin, tuple(causal_mask(s.pos, s.t) for s in spans))
 
-    def forward(self, x_dT: torch.Tensor, pos: int) -> torch.Tensor:
-        cos, sin, mask = self._step(pos, x_dT.shape[1])
+    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
+        step = self._step(spans)
         for layer in self.layers:
             if self.leak is not None:
                 self.leak(layer.i, x_dT)
-            x_dT = layer.forward(x_dT, pos, cos, sin, mask)
+            x_dT = layer.forward(x_dT, step)
         return x_dT

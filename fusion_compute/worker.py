@@ -24,9 +24,10 @@ import torch
 
 from .comm import Comm, CommError, Credentials, Identity, PublicId, Pulse, join_epoch, open_pulse
 from .faults import parse_fault
+from .ops import Span
 from .plan import Plan, make_plan
 from .progress import CountingSource, WorkerReporter, worker_elements
-from .protocol import CONTROL_LEN, Op, fingerprint_int
+from .protocol import CONTROL_LEN, MAX_SLOTS, Op, fingerprint_int
 from .sharded import ShardedModel
 from .weights import WeightSource, open_weights
 
@@ -250,7 +251,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
             if audit is not None:
                 audit.begin_step(t, pos)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
-            x_dT = model.forward(x_dT.to(comm.device), pos)
+            x_dT = model.forward(x_dT.to(comm.device), [Span(0, pos, t)])
             me.forwards += 1
             if me.fault is not None and me.forwards == me.fault.step:  # FAULT INJECTION (tests only)
                 comm.send_truncated(x_dT, 0, 0.5)
@@ -258,8 +259,25 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()
+        elif op == Op.FORWARD_BATCH:  # several sessions' tokens in one step (continuous batching)
+            spans = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
+            spans = [Span(*s) for s in spans]
+            if sum(s.t for s in spans) != pos or any(
+                s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans
+            ):
+                raise RuntimeError(f"malformed batch: {spans} for {pos} tokens")
+            if audit is not None:
+                audit.begin_step(pos, spans[0].pos, spans=[[s.slot, s.pos, s.t] for s in spans])
+            x_dT = comm.recv(torch.empty(n_res, pos), 0, "ingress", "embed")
+            x_dT = model.forward(x_dT.to(comm.device), spans)
+            comm.send(x_dT, 0, "egress", "final")
+            if audit is not None:
+                audit.end_step()
+        elif op == Op.RELEASE:
+            if 0 <= t < model.n_slots:
+                model.wipe(t)
         elif op == Op.RESET:
-            model.reset(arg or model.max_seq)
+            model.reset(arg or model.max_seq, min(max(1, t), MAX_SLOTS))
             if audit is not None:
                 audit.new_session()
         elif op == Op.WIPE:

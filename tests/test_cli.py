@@ -79,6 +79,15 @@ def test_bad_input_one_line(args, needle, no_new_workers):
     assert_one_line_error(run("generate", *args), needle)
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--max-batch", "0"], "--max-batch must be in 1..256"),
+    (["--max-batch", "2", "--mode", "masked", "--workers", "1+1"], "the masked mode runs one session at a time"),
+])  # fmt: skip
+def test_serve_bad_batch_one_line(args, needle, no_new_workers):
+    """Refused before any port is bound or worker started."""
+    assert_one_line_error(run("serve", "--port", "0", *args), needle)
+
+
 def test_unsupported_architecture(unsupported_model, no_new_workers):
     assert_one_line_error(run("generate", "--model", str(unsupported_model), "--prompt-ids", "1"), "unsupported architecture")
     assert_one_line_error(run("plan", "--model", str(unsupported_model), "--workers", "2"), "unsupported architecture")

@@ -494,6 +494,22 @@ class FlakyEngine:
         logits[7] = 1.0
         return logits
 
+    # a batch (scheduler's --max-batch loop)
+    mode = "structural"
+    supports_batch = True
+    batch_slots = 1
+    slot_history: dict = {}
+    steps: list = []  # the slots of every batched step, in order
+    step_s = 0.0  # how long a step takes
+
+    def forward_batch(self, items):
+        time.sleep(self.step_s)
+        self.steps.append(sorted(slot for slot, _ in items))
+        return [self.forward(ids) for _, ids in items]
+
+    def release(self, slot: int) -> None:
+        pass
+
 
 def run_job(scheduler, req, timeout_s: float = 30.0):
     """Submit and wait (bounded) for the job's last event."""
@@ -549,6 +565,51 @@ def test_a_failing_request_fails_alone(card):
         engine.fail = None  # e.g. a standby joined: the engine can recover now
         kind, out = run_job(scheduler, req)
         assert kind == "done" and scheduler.health() == ("ok", None)
+    finally:
+        scheduler.close(wait_s=10)
+
+
+def test_the_batch_loop_runs_requests_together_and_fails_them_together(card):
+    """--max-batch 4: requests submitted together share steps; a failing step fails every request in
+    it (500; a lost worker not replaced: 503 and degraded), the next ones run; a membership call
+    waits for the running batch to drain."""
+    import threading
+
+    from fusion_compute.comm import CommError
+    from fusion_compute.gateway import Gateway
+    from fusion_compute.scheduler import Scheduler
+
+    engine = FlakyEngine(card)
+    engine.steps = []
+    scheduler = Scheduler(Gateway(engine, card), log=lambda line: None, max_batch=4)
+    try:
+        req = completion({"model": "tiny", "prompt": [1, 2], "max_tokens": 5}, card)
+        with ThreadPoolExecutor(3) as ex:
+            outs = list(ex.map(lambda _: run_job(scheduler, req), range(3)))
+        assert all(kind == "done" and out.completion_tokens == 5 for kind, out in outs)
+        assert max(len(slots) for slots in engine.steps) >= 2  # at least two requests shared a step
+        assert len(engine.steps) < 15  # fewer steps than one request after another (3 x 5)
+        for failure, status in [(RuntimeError("boom"), 500), (CommError("worker 2 vanished"), 503)]:
+            engine.fail = failure
+            with ThreadPoolExecutor(2) as ex:
+                outs = list(ex.map(lambda _: run_job(scheduler, req), range(2)))
+            assert [(kind, e.status) for kind, e in outs] == [("error", status)] * 2, outs
+            engine.fail = None
+        assert scheduler.health()[0] == "degraded"
+        assert run_job(scheduler, req)[0] == "done" and scheduler.health() == ("ok", None)
+        # a membership call between requests: never inside a running batch
+        long = completion({"model": "tiny", "prompt": [1, 2], "max_tokens": 50}, card)
+        steps_at_call: list[int] = []
+        engine.step_s = 0.02
+        n0 = len(engine.steps)
+        t = threading.Thread(target=run_job, args=(scheduler, long))
+        t.start()
+        deadline = time.monotonic() + 30
+        while len(engine.steps) < n0 + 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.call(lambda: steps_at_call.append(len(engine.steps)) or "ok", timeout_s=30) == "ok"
+        t.join(30)
+        assert steps_at_call == [n0 + 50] == [len(engine.steps)]  # it ran after the long request's last step
     finally:
         scheduler.close(wait_s=10)
 

@@ -1,5 +1,6 @@
 """The real thing, end to end: the bundled SmolLM2-135M-Instruct behind `fusion serve` on 2 workers,
-asked through the official `openai` client (streamed and not, 8 at once) and through `fusion chat`."""
+asked through the official `openai` client (streamed and not, 8 at once: batched, `--max-batch 8`) and
+through `fusion chat`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
 @pytest.fixture(scope="module")
 def smollm_server(smollm_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-smollm") / "serve.log"
-    live = start_server(["--model", str(smollm_path), "--workers", "2", "--api-key", "test-key"], log, timeout_s=180)
+    live = start_server(["--model", str(smollm_path), "--workers", "2", "--api-key", "test-key", "--max-batch", "8"],
+                        log, timeout_s=180)  # fmt: skip
     yield live
     stop_server(live.proc)
 
@@ -32,25 +34,36 @@ def test_paris_streamed_and_not(smollm_server):
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == r.choices[0].message.content
 
 
-def test_eight_concurrent_requests(smollm_server):
+QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?", "Name three colours.",
+             "What is 2+2?", "Write a haiku about the sea.", "Who wrote Hamlet?",
+             "What is the boiling point of water?", "Say hello in Spanish."]  # fmt: skip
+
+
+def test_eight_concurrent_requests_batched_as_if_alone(smollm_server):
+    """Issue 13: 8 requests at once decode together (continuous batching); each answer is exactly
+    the answer that request gets alone (greedy), and the city questions are still right."""
     c = smollm_server.client()
     model = c.models.list().data[0].id
-    asks = [(FRANCE, "Paris") if i % 2 == 0 else (GERMANY, "Berlin") for i in range(8)]
 
-    def ask(item):
-        messages, _ = item
+    def ask(question):
         t0 = time.perf_counter()
-        r = c.chat.completions.create(model=model, messages=messages, max_tokens=12)
-        return r, time.perf_counter() - t0
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], max_tokens=24)
+        return r.choices[0].message.content, r.usage.completion_tokens, time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    alone = [ask(q) for q in QUESTIONS]
+    wall_alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as ex:
-        done = list(ex.map(ask, asks))
+        together = list(ex.map(ask, QUESTIONS))
     wall = time.perf_counter() - t0
-    for (r, _), (_, city) in zip(done, asks, strict=True):
-        assert city in r.choices[0].message.content, r.choices[0].message.content
-    lat = sorted(t for _, t in done)
-    print(f"8 concurrent: wall {wall:.1f} s, latency min {lat[0]:.1f} / median {lat[4]:.1f} / max {lat[-1]:.1f} s")
+    assert [a[0] for a in together] == [a[0] for a in alone]
+    assert len({a[0] for a in alone}) == len(QUESTIONS)  # 8 different answers: a mix-up would show
+    assert "Paris" in together[0][0] and "Berlin" in together[1][0]
+    tokens = sum(a[1] for a in together)
+    lat = sorted(a[2] for a in together)
+    print(f"8 questions: one after another {wall_alone:.1f} s, all at once {wall:.1f} s ({tokens} tokens; "
+          f"latency min {lat[0]:.1f} / median {lat[4]:.1f} / max {lat[-1]:.1f} s)")  # fmt: skip
 
 
 def test_chat_url_keeps_history(smollm_server):

@@ -140,7 +140,8 @@ class AuditRecorder:
         self._write({"type": "session", "session": self.session, "control": self._take_control()})
         self.busy_s += time.perf_counter() - t0
 
-    def begin_step(self, t: int, pos: int) -> None:
+    def begin_step(self, t: int, pos: int, spans: list[list[int]] | None = None) -> None:
+        """`spans`: a batched step's sessions, [slot, pos, T] each (their holdings are per slot)."""
         self._events = []
         self._holds = []
         self._step_meta = {
@@ -149,6 +150,7 @@ class AuditRecorder:
             "phase": "decode" if t == 1 and pos > 0 else "prefill",
             "t": t,
             "pos": pos,
+            **({"spans": spans} if spans is not None else {}),
         }
 
     def end_step(self) -> None:

@@ -213,6 +213,9 @@ def add_parser(sub) -> None:
     b.add_argument("--prompts", type=_ints, default=[128, 512], help="prefill prompt lengths (default 128,512)")
     b.add_argument("--decode-tokens", type=int, default=32)
     b.add_argument("--cores", type=int, default=default_cores(), help="thread budget shared by every system")
+    b.add_argument("--batch", type=int, metavar="B",
+                   help="instead: continuous batching, one session vs B decoding together on N = the first --workers, "
+                        "the first --engines, prompts of the first --prompts length (docs/serving.md)")  # fmt: skip
     b.add_argument("--out", default="out/bench", help="directory for bench.json and bench.md")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.set_defaults(func=cmd_bench)
@@ -229,6 +232,15 @@ def cmd_bench(a) -> int:
 
         model = str(qwen2_5_1_5b_shaped())
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    if a.batch is not None:
+        from .batch import measure
+        from .batch import table as batch_table
+
+        if a.batch < 2:
+            raise BenchError(f"--batch must be >= 2, got {a.batch}")
+        r = measure(model, a.workers[0], a.engines[0], a.batch, a.prompts[0], a.decode_tokens, a.repeats, log)
+        print(json.dumps(r) if a.json else batch_table(r))
+        return 0
     report = run_bench(model, a.workers, a.engines, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
     j, m = write(report, a.out)
     if a.json:

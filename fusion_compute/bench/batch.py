@@ -1,0 +1,106 @@
+"""Continuous batching, measured: one session alone vs B sessions decoding together on the same job.
+
+`fusion bench --batch 8` (or `python -m fusion_compute.bench.batch`). One job (N local workers); the
+two workloads alternate `--repeats` times so drift on a shared machine hits both alike:
+
+  single  `generate` on one random prompt (what `fusion serve --max-batch 1` runs per request):
+          decode tokens/s = tokens after the first / time after the first.
+  batch   B sessions with distinct random prompts admitted together (their prefills share the
+          first step), then decoded together (batching.run_batch): aggregate decode tokens/s =
+          Σ tokens after each one's first / time from the last first token to the last token.
+
+No end tokens stop a session early (every one decodes `--new-tokens`), and sampling is greedy. The
+report says whether session 0's tokens in the batch equal its tokens alone (they must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+
+def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int, new_tokens: int,
+            repeats: int, log=lambda s: None) -> dict:  # fmt: skip
+    from ..batching import Sequence, run_batch
+    from ..client import Engine, EngineOptions
+    from ..generate import generate
+    from ..sampling import SamplingParams
+
+    greedy = SamplingParams()
+    opts = EngineOptions(n_workers=n, engine=engine, context=prompt_len + new_tokens + 8, log=lambda line: None)
+    with Engine(model, opts) as eng:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, eng.config.vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        singles, batches, same = [], [], True
+        for rep in range(repeats):
+            log(f"bench batch: repeat {rep + 1}/{repeats}: 1 session, then {batch}")
+            alone = generate(eng, prompts[0], max_new_tokens=new_tokens, sampling=greedy)
+            singles.append(alone.decode_tokens_per_s)
+            seqs = [Sequence(p, new_tokens, greedy) for p in prompts]
+            results = run_batch(eng, seqs, batch)
+            t_first = max(s.t_first for s in seqs)
+            t_end = max(s.t_end for s in seqs)
+            batches.append(sum(len(r.token_ids) - 1 for r in results) / (t_end - t_first))
+            same &= results[0].token_ids == alone.token_ids
+    ratios = [b / s for s, b in zip(singles, batches, strict=True)]
+    return {
+        "model": str(eng.model_path), "workers": n, "engine": engine, "batch": batch, "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens, "repeats": repeats,
+        "single_decode_tokens_per_s": _summary(singles), "batch_decode_tokens_per_s": _summary(batches),
+        "ratio": _summary(ratios), "same_tokens_as_alone": same,
+    }  # fmt: skip
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def table(r: dict) -> str:
+    s, b, q = r["single_decode_tokens_per_s"], r["batch_decode_tokens_per_s"], r["ratio"]
+    return "\n".join([
+        f"continuous batching: N = {r['workers']} ({r['engine']}), prompts of {r['prompt_tokens']} tokens, "
+        f"{r['new_tokens']} new tokens each, {r['repeats']} alternating repeats",
+        "| workload | decode tokens/s, median (min..max) |",
+        "|---|---|",
+        f"| 1 session | {s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}) |",
+        f"| {r['batch']} sessions, aggregate | {b['median']:.2f} ({b['min']:.2f}..{b['max']:.2f}) |",
+        f"| ratio, per repeat | **{q['median']:.2f}×** ({q['min']:.2f}..{q['max']:.2f}) |",
+        f"session 0's tokens in the batch equal its tokens alone: {r['same_tokens_as_alone']}",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.batch", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    return run(a)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", default="tls", help="tls | mpi | gloo (default tls)")
+    p.add_argument("--batch", type=int, default=8, help="sessions decoding together (default 8)")
+    p.add_argument("--prompt", type=int, default=32, help="random prompt tokens per session")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def run(a) -> int:
+    from ..errors import UsageError
+
+    if a.batch < 2 or a.new_tokens < 2 or a.repeats < 1 or a.prompt < 1 or a.workers < 1:
+        raise UsageError("--batch and --new-tokens must be >= 2, --repeats, --prompt and --workers >= 1")
+    log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    r = measure(a.model, a.workers, a.engine, a.batch, a.prompt, a.new_tokens, a.repeats, log)
+    print(json.dumps(r) if a.json else table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

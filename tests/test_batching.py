@@ -1,0 +1,129 @@
+"""Continuous batching (issue 13): several sessions in one sharded step, each in its own KV slot.
+
+Every session must get what it gets alone: the same logits (up to float32 summation order: a
+linear over 8 columns may run another BLAS kernel than over one, and a batch's decodes attend over
+padded, masked keys — so logits are compared at 1e-4 relative to their scale, far below the gap
+between a greedy choice and its runner-up that the token checks rely on) and the same tokens. Slots
+are zeroed when their session ends; a lost worker mid-batch costs one replay of every open slot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from fusion_compute.batching import BatchRunner, Sequence, run_batch
+from fusion_compute.client import Engine, EngineOptions
+from fusion_compute.generate import generate
+from fusion_compute.sampling import SamplingParams
+
+PROMPTS = [[5, 17, 33, 2, 99], [1, 2, 3], [7] * 9, [100, 101, 102, 103, 104, 105, 106], [9, 8], [3, 4, 5, 6]]
+GREEDY = SamplingParams()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool((a - b).abs().max() <= 1e-4 * b.abs().max())  # see the module docstring
+
+
+@pytest.mark.parametrize("arch,n", [("qwen2", 3), ("llama", 2)])
+def test_a_batch_step_equals_each_session_alone(arch, n, tiny_qwen2, tiny_llama):
+    """Mixed steps (a newcomer's prefill beside ongoing decodes, slots out of order and with a gap)
+    give each session the logits it gets alone. qwen2 at N = 3 splits a KV group across workers,
+    so the partial scores of every session are completed in one exchange."""
+    model = tiny_qwen2 if arch == "qwen2" else tiny_llama
+    with Engine(model, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
+        alone = []
+        for p in PROMPTS[:4]:
+            eng.reset()
+            alone.append(eng.forward(p + [11, 12], all_logits=True))
+        eng.batch_slots = 6
+        eng.reset()
+        # step 1: sessions 0 and 1 prefill (slots 5 and 0); step 2: 0 and 1 decode, 2 prefills in slot 3;
+        # step 3: all three decode, 3 prefills in slot 1
+        got = {}
+        got[0] = [eng.forward_batch([(5, PROMPTS[0]), (0, PROMPTS[1])])]
+        step2 = eng.forward_batch([(3, PROMPTS[2]), (5, [11]), (0, [11])])
+        step3 = eng.forward_batch([(0, [12]), (1, PROMPTS[3]), (5, [12]), (3, [11])])
+        step4 = eng.forward_batch([(3, [12])])
+        checks = [
+            (got[0][0][0], alone[0][len(PROMPTS[0]) - 1]), (got[0][0][1], alone[1][len(PROMPTS[1]) - 1]),
+            (step2[0], alone[2][len(PROMPTS[2]) - 1]), (step2[1], alone[0][-2]), (step2[2], alone[1][-2]),
+            (step3[0], alone[1][-1]), (step3[1], alone[3][len(PROMPTS[3]) - 1]), (step3[2], alone[0][-1]),
+            (step3[3], alone[2][-2]), (step4[0], alone[2][-1]),
+        ]  # fmt: skip
+        for i, (a, b) in enumerate(checks):
+            assert close(a, b), (i, (a - b).abs().max())
+        # a negative control for the comparison itself: another session's logits are not "close"
+        assert not close(step3[0], alone[0][-1])
+
+
+def test_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
+    """run_batch with more sessions than slots (newcomers join as others finish, budgets differ),
+    seeded sampling: every session's tokens are its tokens alone; every slot is zero afterwards."""
+    sampled = [SamplingParams(temperature=0.9, top_k=40, seed=100 + i) for i in range(len(PROMPTS))]
+    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=64)) as eng:
+        alone = [generate(eng, p, max_new_tokens=12 - i, sampling=s).token_ids
+                 for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=True))]  # fmt: skip
+        seqs = [Sequence(p, 12 - i, s) for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=True))]
+        results = run_batch(eng, seqs, 4)
+        assert [r.token_ids for r in results] == alone
+        assert len({tuple(t) for t in alone}) > 1  # the sessions differ: mixing them up would show
+        assert all(r.finish_reason == "length" and r.steps == len(r.token_ids) for r in results)
+        assert eng.kv_probe() == [0.0, 0.0]  # released slots are zeroed at once
+        assert eng.slot_history == {}
+
+
+def test_batch_limits(tiny_llama):
+    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=16)) as eng:
+        runner = BatchRunner(eng, 2)
+        runner.add(Sequence([1, 2, 3], 4, GREEDY))
+        runner.add(Sequence([4, 5], 4, GREEDY))
+        with pytest.raises(ValueError, match="full"):
+            runner.add(Sequence([6], 4, GREEDY))
+        with pytest.raises(ValueError, match="slot 2 outside"):
+            eng.forward_batch([(2, [1])])
+        with pytest.raises(ValueError, match="distinct slots"):
+            eng.forward_batch([(0, [1]), (0, [2])])
+        from fusion_compute.generate import InputError
+
+        runner.abort()
+        with pytest.raises(InputError, match="context window"):
+            runner.add(Sequence(list(range(1, 17)), 4, GREEDY))
+        with pytest.raises(ValueError, match="max batch"):
+            BatchRunner(eng, 0)
+
+
+def test_a_lost_worker_mid_batch_replays_every_slot(tiny_llama):
+    """SIGKILL a worker after the 4th step of a batch of three: a standby takes its seat, every open
+    slot is replayed in one batched prefill, and every session's tokens equal the no-fault run."""
+    prompts = PROMPTS[:3]
+    opts = dict(n_workers=2, timeout_s=60, context=64, liveness_s=5.0, log=lambda line: None)
+    with Engine(tiny_llama, EngineOptions(**opts)) as eng:
+        want = [r.token_ids for r in run_batch(eng, [Sequence(p, 10, GREEDY) for p in prompts], 3)]
+    with Engine(tiny_llama, EngineOptions(standby=1, **opts)) as eng:
+        victim = eng.procs.pids[0]
+        seen = []
+
+        def on_token(_tok: int) -> None:
+            seen.append(1)
+            if len(seen) == 4:
+                os.kill(victim, signal.SIGKILL)
+
+        seqs = [Sequence(p, 10, GREEDY, on_token=on_token if i == 0 else None) for i, p in enumerate(prompts)]
+        results = run_batch(eng, seqs, 3)
+        assert [r.token_ids for r in results] == want
+        assert len(eng.recoveries) == 1 and eng.recoveries[0]["replayed_tokens"] > sum(map(len, prompts))
+        assert all(r.recoveries == eng.recoveries for r in results)
+
+
+def test_the_masked_mode_refuses_batching(tiny_llama):
+    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+
+    with MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=32)) as eng:
+        with pytest.raises(ValueError, match="one session at a time"):
+            BatchRunner(eng, 2)
+        with pytest.raises(ValueError, match="one session at a time"):
+            eng.forward_batch([(0, [1])])
