@@ -149,4 +149,6 @@ class Engine(EngineBase):
         self.slot_pos = {**slot_pos, **{slot: pos + t for slot, pos, t in spans}}
         last = torch.tensor([sum(t for _, _, t in spans[: i + 1]) - 1 for i in range(len(spans))])
         x_nH = torch.cat(shards).T[last]  # (n, H): each session's last token, on the user side only
-        return list(self._head(x_nH))
+        # V x n rather than n x V: the BLAS streams the (V, H) head once for all n (8 rows: 12 vs 18 ms here)
+        logits_Vn = self.lm_head @ rms_norm(x_nH, self.final_norm, self.config.rms_eps).T
+        return list(logits_Vn.T)

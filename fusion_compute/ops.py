@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .kernels import attend_scored
+from .kernels import attend_scored, causal_mask
 from .plan import AttnBlock
 
 
@@ -99,23 +99,56 @@ class Span:
 
 
 @dataclass(frozen=True)
+class Decodes:
+    """The single-token spans of a batched step, attended together (ShardedLayer.attention): their
+    columns, slots and positions, the RoPE tables of their columns, the range of slots they fall in,
+    and the mask of positions past each one's own (they are padded to the longest)."""
+
+    index: tuple[int, ...]  # their places in Step.spans
+    cols: torch.Tensor  # (B,) their columns
+    slots: torch.Tensor  # (B,)
+    pos: torch.Tensor  # (B,)
+    cos: torch.Tensor  # (d/2, B)
+    sin: torch.Tensor
+    lo: int  # they lie in slots lo..hi-1
+    hi: int
+    rows: torch.Tensor | None  # slot - lo of each; None when they are exactly lo..hi-1 in order
+    pad: torch.Tensor  # (B, 1, 1, S) True past each one's own position; S = max(pos) + 1
+
+
+@dataclass(frozen=True)
 class Step:
     """What every layer needs about one forward step: the sessions' spans, in column order (their
     tokens are consecutive columns of the step's (rows, ΣT) tensors), RoPE tables for every column,
-    and each span's causal mask (None for a single token)."""
+    each span's causal mask (None for a single token), and, when several spans decode one token
+    each, those spans together (`decodes`; the others are `singles`, attended one by one)."""
 
     spans: tuple[Span, ...]
+    offsets: tuple[int, ...]  # each span's first column
     cos: torch.Tensor  # (d/2, ΣT)
     sin: torch.Tensor
     masks: tuple[torch.Tensor | None, ...]
+    singles: tuple[int, ...]
+    decodes: Decodes | None
 
-    @property
-    def offsets(self) -> list[int]:
-        out, o = [], 0
-        for s in self.spans:
-            out.append(o)
-            o += s.t
-        return out
+
+def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
+    offsets = tuple(sum(s.t for s in spans[:i]) for i in range(len(spans)))
+    cos, sin = rope_cos_sin(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
+    masks = tuple(causal_mask(s.pos, s.t) for s in spans)
+    index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
+    decodes = None
+    if index:
+        cols = torch.tensor([offsets[i] for i in index])
+        slots = torch.tensor([spans[i].slot for i in index])
+        pos = torch.tensor([spans[i].pos for i in index])
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        dense = slots.tolist() == list(range(lo, hi))
+        pad = torch.arange(int(pos.max()) + 1)[None, :] > pos[:, None]
+        decodes = Decodes(index, cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo,
+                          pad[:, None, None, :])  # fmt: skip
+    singles = tuple(i for i in range(len(spans)) if i not in index)
+    return Step(tuple(spans), offsets, cos, sin, masks, singles, decodes)
 
 
 def norm_linear_scatter(
@@ -191,9 +224,7 @@ class ShardedLayer:
         every span of the step (one round per split block, whatever the batch). Single-token spans
         (decodes) are computed together, padded to the longest and masked; prefill spans one by one."""
         outs, row = [], 0
-        spans, offsets = step.spans, step.offsets
-        decodes = [i for i, sp in enumerate(spans) if sp.t == 1] if len(spans) > 1 else []
-        singles = [i for i in range(len(spans)) if i not in decodes] if decodes else range(len(spans))
+        spans, offsets, dec = step.spans, step.offsets, step.decodes
         for b, cache in zip(self.blocks, self.caches, strict=True):
             ng, dl, gs = b.n_groups, b.dims, self.gs
             nq, nk = ng * gs * dl, ng * dl
@@ -204,7 +235,7 @@ class ShardedLayer:
             v_all = qkv_aT[row + nq + nk : row + nq + 2 * nk]
             row += nq + 2 * nk
             scores, values = [], []
-            for i in singles:
+            for i in step.singles:
                 span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
                 t, pos, sl = span.t, span.pos, span.slot
                 q = apply_rope(q_all[:, cols].reshape(ng, gs, dl, t), cos[:, cols], sin[:, cols])  # (ng, gs, dl, T)
@@ -214,59 +245,50 @@ class ShardedLayer:
                 q_g = q.permute(0, 1, 3, 2).reshape(ng, gs * t, dl)  # (ng, gs*T, dl)
                 scores.append(q_g @ cache.k[sl, :, : pos + t].transpose(-1, -2))  # (ng, gs*T, S)
                 values.append(cache.v[sl, :, : pos + t])
-            if decodes:
-                scores.append(self._decode_scores(cache, decodes, step, q_all, k_all, v_all, cos, sin, ng, gs, dl))
+            if dec is not None:
+                scores.append(self._decode_scores(cache, dec, q_all, k_all, v_all, (p0, p1), ng, gs, dl))
             if b.split:
                 # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
                 scores = self._sum_scores(scores, b.g0)
             o_aT = qkv_aT.new_empty(nq, qkv_aT.shape[1])
-            for i, sc, v in zip(singles, scores, values, strict=False):
-                span = spans[i]
-                o = attend_scored(sc, v, step.masks[i], gs, span.t, self.scale)  # (ng, gs*T, dl)
-                o_aT[:, offsets[i] : offsets[i] + span.t] = (
-                    o.view(ng, gs, span.t, dl).permute(0, 1, 3, 2).reshape(nq, span.t)
-                )
-            if decodes:
-                o_aT[:, [offsets[i] for i in decodes]] = self._decode_finish(
-                    cache, decodes, step, scores[-1], ng, gs, dl
-                )
+            for i, sc, v in zip(step.singles, scores, values, strict=False):
+                t = spans[i].t
+                o = attend_scored(sc, v, step.masks[i], gs, t, self.scale)  # (ng, gs*T, dl)
+                o_aT[:, offsets[i] : offsets[i] + t] = o.view(ng, gs, t, dl).permute(0, 1, 3, 2).reshape(nq, t)
+            if dec is not None:
+                o_aT[:, dec.cols] = self._decode_finish(cache, dec, scores[-1], ng, gs, dl)
             outs.append(o_aT)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
-    def _decode_scores(self, cache: BlockCache, decodes: list[int], step: Step, q_all, k_all, v_all, cos, sin,
+    def _decode_scores(self, cache: BlockCache, dec: Decodes, q_all, k_all, v_all, pairs: tuple[int, int],
                        ng: int, gs: int, dl: int) -> torch.Tensor:  # fmt: skip
         """Several sessions' single new tokens: rope, KV writes and q·k for all of them at once, over
-        their slots' first max(pos)+1 positions (positions past a session's own are masked later).
-        Returns scores (B, ng, gs, S)."""
-        spans = [step.spans[i] for i in decodes]
-        cols = torch.tensor([step.offsets[i] for i in decodes])
-        slots = torch.tensor([sp.slot for sp in spans])
-        pos = torch.tensor([sp.pos for sp in spans])
-        c, s = cos[:, cols], sin[:, cols]
-        q = apply_rope(q_all[:, cols].reshape(ng, gs, dl, -1), c, s)  # (ng, gs, dl, B)
-        k = apply_rope(k_all[:, cols].reshape(ng, dl, -1), c, s)  # (ng, dl, B)
-        cache.k[slots, :, pos] = k.permute(2, 0, 1)  # (B, ng, dl) into each slot's own position
-        cache.v[slots, :, pos] = v_all[:, cols].reshape(ng, dl, -1).permute(2, 0, 1)
-        s_len = int(pos.max()) + 1
-        lo, hi = int(slots.min()), int(slots.max()) + 1
-        q_r = q.new_zeros(hi - lo, ng, gs, dl)  # over the slots' range (a view of the cache, no copy):
-        q_r[slots - lo] = q.permute(3, 0, 1, 2)  # rows of slots not in this step stay zero and are dropped
-        return (q_r @ cache.k[lo:hi, :, :s_len].transpose(-1, -2))[slots - lo]  # (B, ng, gs, S)
+        the cache's slots lo..hi-1 (a view, no copy) and their first max(pos)+1 positions (positions
+        past a session's own are masked in _decode_finish). Returns scores (B, ng, gs, S)."""
+        c, s = dec.cos[pairs[0] : pairs[1]], dec.sin[pairs[0] : pairs[1]]
+        q = apply_rope(q_all[:, dec.cols].reshape(ng, gs, dl, -1), c, s).permute(3, 0, 1, 2)  # (B, ng, gs, dl)
+        k = apply_rope(k_all[:, dec.cols].reshape(ng, dl, -1), c, s)  # (ng, dl, B)
+        cache.k[dec.slots, :, dec.pos] = k.permute(2, 0, 1)  # (B, ng, dl) into each slot's own position
+        cache.v[dec.slots, :, dec.pos] = v_all[:, dec.cols].reshape(ng, dl, -1).permute(2, 0, 1)
+        keys = cache.k[dec.lo : dec.hi, :, : dec.pad.shape[-1]].transpose(-1, -2)
+        if dec.rows is None:
+            return q @ keys
+        q_r = q.new_zeros(dec.hi - dec.lo, ng, gs, dl)  # rows of slots not in this step stay zero, dropped
+        q_r[dec.rows] = q
+        return (q_r @ keys)[dec.rows]
 
-    def _decode_finish(self, cache: BlockCache, decodes: list[int], step: Step, scores: torch.Tensor,
-                       ng: int, gs: int, dl: int) -> torch.Tensor:  # fmt: skip
+    def _decode_finish(self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int,
+                       dl: int) -> torch.Tensor:  # fmt: skip
         """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
-        spans = [step.spans[i] for i in decodes]
-        s_len = scores.shape[-1]
-        pos = torch.tensor([sp.pos for sp in spans])
-        pad = torch.arange(s_len)[None, :] > pos[:, None]  # (B, S): positions after each session's own
-        scores = (scores * self.scale).masked_fill(pad[:, None, None, :], float("-inf"))
-        slots = torch.tensor([sp.slot for sp in spans])
-        lo, hi = int(slots.min()), int(slots.max()) + 1
-        p_r = scores.new_zeros(hi - lo, ng, gs, s_len)
-        p_r[slots - lo] = torch.softmax(scores, dim=-1)
-        o = (p_r @ cache.v[lo:hi, :, :s_len])[slots - lo]  # (B, ng, gs, dl)
-        return o.permute(1, 2, 3, 0).reshape(ng * gs * dl, len(spans))
+        p = torch.softmax((scores * self.scale).masked_fill(dec.pad, float("-inf")), dim=-1)
+        values = cache.v[dec.lo : dec.hi, :, : dec.pad.shape[-1]]
+        if dec.rows is None:
+            o = p @ values
+        else:
+            p_r = p.new_zeros(dec.hi - dec.lo, *p.shape[1:])
+            p_r[dec.rows] = p
+            o = (p_r @ values)[dec.rows]  # (B, ng, gs, dl)
+        return o.permute(1, 2, 3, 0).reshape(ng * gs * dl, -1)
 
     def _sum_scores(self, scores: list[torch.Tensor], g: int) -> list[torch.Tensor]:
         op = f"L{self.i}.scores.g{g}"

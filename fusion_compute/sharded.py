@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm
-from .kernels import causal_mask, inv_freq_tensor
-from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, rope_cos_sin
+from .kernels import inv_freq_tensor
+from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, make_step
 from .plan import Plan, runs
 from .weights import WeightSource
 
@@ -135,9 +135,7 @@ class ShardedModel:
                 raise ValueError(f"position {s.pos + s.t} beyond the session's KV capacity {self.max_seq}")
             if s.slot >= self.n_slots:
                 raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
-        positions = torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans])
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
-        return Step(tuple(spans), cos, sin, tuple(causal_mask(s.pos, s.t) for s in spans))
+        return make_step(spans, self.inv_freq)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
