@@ -95,7 +95,7 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
         s = scheduler
         status, why = s.health()
         body = {"status": status, "model": card.id, "workers": gateway.engine.plan.n,
-                "plan": gateway.engine.plan.fingerprint(), "context": card.context, "running": s.running,
+                "plan": gateway.engine.plan.fingerprint(), "context": card.context, "running": s.running_requests,
                 "waiting": s.waiting, "served": s.served, "recoveries": len(gateway.engine.recoveries)}  # fmt: skip
         if why:
             body["error"] = why

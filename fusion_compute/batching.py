@@ -38,7 +38,7 @@ class Sequence:
     on_token: Callable[[int], bool | None] | None = None  # True: stop now (a stop string matched, a hang-up)
     slot: int = -1
     out: list[int] = field(default_factory=list)
-    finish: str | None = None  # set when it is over: "stop" | "length"
+    finish: str | None = None  # set when it is over: "stop" | "length" | "error" (its step failed)
     steps: int = 0
     t0: float = 0.0
     t_first: float = 0.0

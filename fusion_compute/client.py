@@ -89,8 +89,8 @@ class Engine(EngineBase):
         self.slot_pos = {}
 
     def _release(self, slot: int) -> None:
-        self._control(Op.RELEASE, slot)
         self.slot_pos.pop(slot, None)
+        self._control(Op.RELEASE, slot)
 
     def _wipe(self) -> None:
         self._control(Op.WIPE)

@@ -272,7 +272,9 @@ class EngineBase(Membership):
     # ---- several sessions at once (continuous batching, batching.py) ----
 
     supports_batch = False  # a mode that implements _forward_batch and _release sets it
-    batch_slots = 1  # KV slots the workers make at a session's start (BatchRunner sets its max batch)
+    # KV slots the workers make at a session's start: BatchRunner sets its max batch, and it stays (a
+    # later single session then zeroes that many slots at its start)
+    batch_slots = 1
 
     def forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """One step for several sessions, each in its own KV slot: `items` are (slot, ids), the ids run
@@ -285,13 +287,10 @@ class EngineBase(Membership):
 
         def replay() -> list[torch.Tensor]:
             t0 = time.perf_counter()
-            self._reset()
-            new = dict(items)
-            full = [(slot, hist + new.pop(slot, [])) for slot, hist in self.slot_history.items()] + list(new.items())
-            logits = dict(zip([slot for slot, _ in full], self._forward_batch(full), strict=True))
+            logits: dict[int, torch.Tensor] = {}
+            replayed = self._replay_slots(dict(items), logits)
             if self.recoveries:
-                self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3),
-                                           replayed_tokens=sum(len(h) for h in self.slot_history.values()))  # fmt: skip
+                self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3), replayed_tokens=replayed)
             return [logits[slot] for slot, _ in items]
 
         out = self._with_recovery(lambda: self._forward_batch(items), replay)
@@ -299,13 +298,30 @@ class EngineBase(Membership):
             self.slot_history.setdefault(slot, []).extend(ids)
         return out
 
+    def _replay_slots(self, new: dict[int, list[int]], logits: dict[int, torch.Tensor] | None = None) -> int:
+        """A fresh epoch's batch: every slot zeroed, then each open session's tokens (plus `new`, the
+        step being retried) run again as a prefill in its own slot, one session per step (a step's
+        size stays what one session's replay would be). Returns the tokens replayed."""
+        self._reset()
+        runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}
+        runs.update({slot: ids for slot, ids in new.items() if slot not in runs})
+        for slot, ids in runs.items():
+            out = self._forward_batch([(slot, ids)])[0]
+            if logits is not None:
+                logits[slot] = out
+        return sum(len(h) for h in self.slot_history.values())
+
     def release(self, slot: int) -> None:
-        """One session of a batch is over: its KV slot is zeroed on every worker now."""
+        """One session of a batch is over: its KV slot is zeroed on every worker now. Best effort: a
+        worker that cannot be told (lost, or the epoch being replaced) zeroes its memory when the next
+        epoch resets it or its process ends."""
         self.slot_history.pop(slot, None)
+        if self.comm is None:
+            return
         try:
             self._release(slot)
-        except PeerError:
-            pass  # a lost worker's memory is its process's; the next step recovers
+        except CommError:
+            pass
 
     def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         raise NotImplementedError

@@ -5,7 +5,8 @@ removal of a worker caught lying (docs/resilience.md).
 the epoch's participants. It relies on the engine's state: `opts`, `seats` (every participant of the
 roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
-`_keys` (local workers' keys), `history` (the session's tokens, for replay), `recoveries`, `removed`,
+`_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
+`slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
 and `convicted`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
@@ -187,6 +188,10 @@ class Membership:
             t1 = time.perf_counter()
             self._reset()
             self._forward(list(self.history), False)
+            record["replay_s"] = round(time.perf_counter() - t1, 3)
+        elif self.slot_history and replay:  # a batch's open sessions, each in its slot
+            t1 = time.perf_counter()
+            record["replayed_tokens"] = self._replay_slots({})
             record["replay_s"] = round(time.perf_counter() - t1, 3)
         self.recoveries.append(record)
 

@@ -21,6 +21,7 @@ per session against that session's KV slot.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,6 @@ def norm_linear_scatter(
     comm: Comm,
     x_dT: torch.Tensor,
     w_aug: torch.Tensor,
-    ss_rows: torch.Tensor,
     sizes_aug: list[int],
     hidden: int,
     eps: float,
@@ -167,9 +167,15 @@ def norm_linear_scatter(
     scalar per token) to each chunk it sends, so the owner gets the global Σx² in the same
     collective and divides its chunk by s. Returns (sizes[me], T) without bias.
     """
-    partial_NT = w_aug @ x_dT  # (Σ sizes_aug, T), full width: a pending sum (P)
-    partial_NT[ss_rows] = (x_dT * x_dT).sum(0)  # local sum of squares, one row per destination
-    y_aug = comm.reduce_scatter(partial_NT, sizes_aug, op)  # (n + 1, T)
+    ss = (x_dT * x_dT).sum(0)  # local sum of squares, one row per destination
+    starts = [0, *itertools.accumulate(sizes_aug)]
+
+    def chunk(q: int) -> torch.Tensor:  # the rows addressed to worker q: a pending sum (P)
+        part = w_aug[starts[q] : starts[q + 1]] @ x_dT
+        part[-1] = ss
+        return part
+
+    y_aug = comm.reduce_scatter_from(chunk, sizes_aug, op)  # (n + 1, T)
     inv_s = torch.rsqrt(y_aug[-1] / hidden + eps)
     return y_aug[:-1] * inv_s
 
@@ -201,13 +207,12 @@ class ShardedLayer:
         self.qkv_sizes_aug = qkv_sizes_aug
         self.gu_sizes_aug = gu_sizes_aug
         self.res_sizes = res_sizes
+        self.res_starts = [0, *itertools.accumulate(res_sizes)]
         self.hidden = hidden
         self.head_dim = head_dim
         self.gs = group_size
         self.eps = eps
         self.scale = head_dim**-0.5
-        self.qkv_ss_rows = torch.tensor([sum(qkv_sizes_aug[: q + 1]) - 1 for q in range(len(qkv_sizes_aug))])
-        self.gu_ss_rows = torch.tensor([sum(gu_sizes_aug[: q + 1]) - 1 for q in range(len(gu_sizes_aug))])
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
 
@@ -300,13 +305,14 @@ class ShardedLayer:
     def forward(self, x_dT: torch.Tensor, step: Step) -> torch.Tensor:
         L, w, c, a = self.i, self.w, self.comm, self.audit
         qkv_aT = norm_linear_scatter(
-            c, x_dT, w.qkv_w, self.qkv_ss_rows, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv"
+            c, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv"
         )
         if w.qkv_b is not None:
             # Bias once, by the owner, after the scatter: added to partials it would count N times.
             qkv_aT = qkv_aT + w.qkv_b[:, None]
         o_aT = self.attention(qkv_aT, step)
-        y_dT = c.reduce_scatter(w.o_w @ o_aT, self.res_sizes, f"L{L}.o")
+        y_dT = c.reduce_scatter_from(lambda q: w.o_w[self.res_starts[q] : self.res_starts[q + 1]] @ o_aT,
+                                     self.res_sizes, f"L{L}.o")  # fmt: skip
         if a is not None:  # holdings at this step, from the index maps the tensors were built with
             ix = w.index
             a.hold(L, "resid.in", ix.resid_in, x_dT.shape[0])
@@ -316,11 +322,12 @@ class ShardedLayer:
             a.hold(L, "resid.mid", ix.resid_out, y_dT.shape[0])
         x_dT = x_dT + y_dT
         gu_mT = norm_linear_scatter(
-            c, x_dT, w.gu_w, self.gu_ss_rows, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up"
+            c, x_dT, w.gu_w, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up"
         )
         m = gu_mT.shape[0] // 2
         h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
-        y_dT = c.reduce_scatter(w.down_w @ h_mT, self.res_sizes, f"L{L}.down")
+        y_dT = c.reduce_scatter_from(lambda q: w.down_w[self.res_starts[q] : self.res_starts[q + 1]] @ h_mT,
+                                     self.res_sizes, f"L{L}.down")  # fmt: skip
         if a is not None:
             ix = w.index
             a.hold(L, "gate_up", ix.gu_out, gu_mT.shape[0])

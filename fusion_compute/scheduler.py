@@ -5,7 +5,7 @@ events. With `max_batch` 1 a request runs alone from start to end; with more (`f
 requests (after a running batch drains), through `call`.
 
 Errors: a request that fails for its own reasons (a bad value that got past the checks: 400; anything
-else: 500) fails alone. A worker caught returning a wrong product (masked mode's check) fails the
+else: 500) fails alone; in a batch, an error during a step fails every request of that step. A worker caught returning a wrong product (masked mode's check) fails the
 request with 502 before any token comes from it; the engine removes the worker (a standby takes its
 seat) and the next request runs without it. A lost worker the engine could not replace (comm.CommError: too few workers
 left, no standby) fails the request with 503 and marks the engine *degraded*; the gateway stays up
@@ -59,6 +59,12 @@ class Scheduler:
         self.degraded: str | None = None  # why the last request could not run (a lost worker not replaced)
         self.stopping = False
         self.served = 0
+        self.runner = None
+        if max_batch > 1:  # refused here, not in the engine thread, when the engine cannot batch
+            from .batching import BatchRunner
+
+            self.runner = BatchRunner(gateway.engine, max_batch)
+        self._logged_epochs: set[int] = set()
         loop = self._loop if max_batch == 1 else self._batch_loop
         self._thread = threading.Thread(target=loop, name="fusion-engine", daemon=True)
         self._thread.start()
@@ -138,6 +144,9 @@ class Scheduler:
         self.degraded = None
         out.timing = {"queued_behind": job.ahead, "queue_s": round(job.t_started - job.t_enqueued, 4), **out.timing}
         for r in out.recoveries:
+            if r["epoch"] in self._logged_epochs:  # a batch's requests share their recoveries
+                continue
+            self._logged_epochs.add(r["epoch"])
             self.log(f"fusion serve: recovered: epoch {r['epoch']} without worker(s) {r['lost']} "
                      f"({r['epoch_s']} s + replay {r.get('replay_s')} s): {r['reason']}")  # fmt: skip
         if out.finish_reason == "cancelled":
@@ -152,9 +161,9 @@ class Scheduler:
         """Requests join the running batch between steps while it has room (their prefill joins the
         next step), leave it when they finish; a membership call waits for the batch to drain (it
         may replay or change the epoch), and requests behind it wait for it (FIFO)."""
-        from .batching import BatchRunner, Sequence
+        from .batching import Sequence
 
-        runner = BatchRunner(self.gateway.engine, self.max_batch)
+        runner = self.runner
         held: Job | None = None  # a membership call waiting for the batch to drain
         while True:
             while held is None and runner.room > 0:
@@ -175,7 +184,10 @@ class Scheduler:
                 elif not job.cancelled.is_set():
                     self._admit(runner, job, Sequence)
             if held is not None and not runner.active:
-                self._call(held)
+                if self.stopping:
+                    self._send(held, ("error", unavailable("the server is shutting down")))
+                else:
+                    self._call(held)
                 held = None
             if runner.active:
                 self._step(runner)
@@ -187,8 +199,8 @@ class Scheduler:
         req = job.req
         answer = self.gateway.begin(req, lambda text: self._send(job, ("delta", text)),
                                     lambda: job.cancelled.is_set() or self.stopping)  # fmt: skip
-        seq = make_seq(req.prompt_ids, req.max_tokens, req.sampling, self.gateway.card.eos_ids, answer.on_token)
         try:
+            seq = make_seq(req.prompt_ids, req.max_tokens, req.sampling, self.gateway.card.eos_ids, answer.on_token)
             runner.add(seq)
         except Exception as e:
             self._send(job, ("error", self._failure(e)))
@@ -200,13 +212,23 @@ class Scheduler:
             finished = runner.step()
         except Exception as e:  # every session of the step fails with it; the next request starts afresh
             err = self._failure(e)
-            for seq in runner.abort():
-                job, _ = self.batch.pop(seq.slot)
+            try:
+                runner.abort()
+            except Exception as e2:  # the engine is beyond telling its workers anything: they are gone
+                self.log(f"fusion serve: could not release the batch's slots: {one_line(e2)}")
+                runner.active.clear()
+            for job, _ in self.batch.values():
                 self._send(job, ("error", err))
+            self.batch.clear()
             return
         for seq in finished:
             job, answer = self.batch.pop(seq.slot)
-            self._done(job, answer.outcome(seq.result()))
+            try:
+                out = answer.outcome(seq.result())
+            except Exception as e:
+                self._send(job, ("error", self._failure(e)))
+                continue
+            self._done(job, out)
 
     def _finish_batch(self, runner: Any) -> None:
         """Stopping: the running sessions end at their next token (cancelled), then the loop ends."""
@@ -240,6 +262,11 @@ class Scheduler:
             self._send(job, ("error", e))
             return
         self._send(job, ("done", result))
+
+    @property
+    def running_requests(self) -> int:
+        """Requests on the engine now (a batch's sessions, or the one running request)."""
+        return len(self.batch) if self.max_batch > 1 else int(self.running)
 
     def health(self) -> tuple[str, str | None]:
         """("ok" | "degraded", why): degraded when the last request could not run, or when the

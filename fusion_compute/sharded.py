@@ -1,7 +1,8 @@
 """The sharded model of one worker: its weight slices, its residual and KV shards, every layer.
 
-`ShardedModel.forward(x_dT, pos)` maps this worker's residual shard at ingress to its residual shard
-at egress; the state is never gathered in between (ops.py has the operators, comm.py the wire).
+`ShardedModel.forward(x_dT, spans)` maps this worker's residual shard at ingress to its residual
+shard at egress, for one session or a batch of them (one `ops.Span` each: KV slot, position, token
+count); the state is never gathered in between (ops.py has the operators, comm.py the wire).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
 
 
 class ShardedModel:
-    """All layers of one worker. `forward(x_dT, pos)` maps this worker's residual shard at
+    """All layers of one worker. `forward(x_dT, spans)` maps this worker's residual shard at
     ingress to its residual shard at egress; the state is never gathered in between."""
 
     def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):

@@ -217,7 +217,8 @@ def run(o: WorkerOptions) -> None:
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
     """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD,
-    RESET, WIPE, SHUTDOWN.
+    FORWARD_BATCH (several sessions, each in its KV slot), RELEASE (zero one slot), RESET, WIPE,
+    SHUTDOWN (protocol.Op).
 
     audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
     per step; the worker's options name the negative control (`--inject-leak`, audit/inject.py) and

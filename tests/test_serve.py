@@ -507,8 +507,11 @@ class FlakyEngine:
         self.steps.append(sorted(slot for slot, _ in items))
         return [self.forward(ids) for _, ids in items]
 
+    release_fails = False
+
     def release(self, slot: int) -> None:
-        pass
+        if self.release_fails:  # e.g. a recovery that failed half-way left no links to tell the workers
+            raise AttributeError("'NoneType' object has no attribute 'send'")
 
 
 def run_job(scheduler, req, timeout_s: float = 30.0):
@@ -597,6 +600,12 @@ def test_the_batch_loop_runs_requests_together_and_fails_them_together(card):
             engine.fail = None
         assert scheduler.health()[0] == "degraded"
         assert run_job(scheduler, req)[0] == "done" and scheduler.health() == ("ok", None)
+        # a failing step whose slots cannot even be released: its requests still get their answer
+        # (an error), and the engine thread lives on for the next one
+        engine.fail, engine.release_fails = RuntimeError("boom"), True
+        assert run_job(scheduler, req)[1].status == 500
+        engine.fail, engine.release_fails = None, False
+        assert run_job(scheduler, req)[0] == "done"
         # a membership call between requests: never inside a running batch
         long = completion({"model": "tiny", "prompt": [1, 2], "max_tokens": 50}, card)
         steps_at_call: list[int] = []

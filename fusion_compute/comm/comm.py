@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -168,13 +168,36 @@ class Comm:
             out = self.fabric.reduce_scatter(send, sizes)
             self._emit("reduce_scatter", op, sent, received)
             return out
-        chunks = send.split(list(sizes))  # contiguous row blocks of a row-major (R, T) partial
         if self.reduce_scatter_impl == "allreduce":  # NEGATIVE CONTROL: every peer gets the whole partial
             return self._leaky_reduce_scatter(send, sizes, op, sent, received)
-        for q in sent:
-            self._put(q, chunks[q - 1])
-        stack = torch.empty((n, sizes[me], t), dtype=send.dtype)  # (n, s_me, T): one slot per worker
-        stack[me] = chunks[me]
+        chunks = send.split(list(sizes))  # contiguous row blocks of a row-major (R, T) partial
+        return self._scatter_blocks(lambda q: chunks[q], sizes, op)
+
+    def reduce_scatter_from(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int], op: str) -> torch.Tensor:
+        """`reduce_scatter` of a partial made block by block: `chunk(q)` is the (sizes[q], T) block of
+        rows addressed to worker q (0-based). On the links each peer's block is sent as soon as it is
+        computed, starting with the next rank's, and this worker's own block is computed while they
+        travel: the exchange overlaps the product (measured: docs/performance.md). On a fabric, or
+        under the audit's negative control, the whole partial is made first."""
+        if len(sizes) == 1 or self.fabric is not None or self.reduce_scatter_impl != "all_to_all":
+            return self.reduce_scatter(torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op)
+        return self._scatter_blocks(chunk, sizes, op)
+
+    def _scatter_blocks(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int], op: str) -> torch.Tensor:
+        """The links' reduce-scatter: every peer's block sent as it is made (the next rank's first), then
+        this worker's own, then the peers' blocks of it received and summed in rank order."""
+        me, n = self.rank - 1, len(sizes)
+        mine = None
+        for q in [(me + i) % n for i in range(1, n)] + [me]:
+            if q == me:
+                mine = chunk(q)
+            elif sizes[q]:
+                self._put(q + 1, chunk(q))
+        t = mine.shape[1]
+        sent = {q + 1: sizes[q] * t for q in range(n) if q != me and sizes[q]}
+        received = {q + 1: sizes[me] * t for q in range(n) if q != me and sizes[me]}
+        stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T): one slot per worker
+        stack[me] = mine
         for q in received:
             self._get(q, stack[q - 1], op)
         self._emit("reduce_scatter", op, sent, received)
