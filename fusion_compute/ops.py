@@ -105,7 +105,6 @@ class Decodes:
     columns, slots and positions, the RoPE tables of their columns, the range of slots they fall in,
     and the mask of positions past each one's own (they are padded to the longest)."""
 
-    index: tuple[int, ...]  # their places in Step.spans
     cols: torch.Tensor  # (B,) their columns
     slots: torch.Tensor  # (B,)
     pos: torch.Tensor  # (B,)
@@ -134,7 +133,7 @@ class Step:
 
 
 def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
-    offsets = tuple(sum(s.t for s in spans[:i]) for i in range(len(spans)))
+    offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
     cos, sin = rope_cos_sin(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
     masks = tuple(causal_mask(s.pos, s.t) for s in spans)
     index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
@@ -146,7 +145,7 @@ def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
         lo, hi = int(slots.min()), int(slots.max()) + 1
         dense = slots.tolist() == list(range(lo, hi))
         pad = torch.arange(int(pos.max()) + 1)[None, :] > pos[:, None]
-        decodes = Decodes(index, cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo,
+        decodes = Decodes(cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo,
                           pad[:, None, None, :])  # fmt: skip
     singles = tuple(i for i in range(len(spans)) if i not in index)
     return Step(tuple(spans), offsets, cos, sin, masks, singles, decodes)

@@ -5,8 +5,8 @@ events. With `max_batch` 1 a request runs alone from start to end; with more (`f
 requests (after a running batch drains), through `call`.
 
 Errors: a request that fails for its own reasons (a bad value that got past the checks: 400; anything
-else: 500) fails alone; in a batch, an error during a step fails every request of that step. A worker caught returning a wrong product (masked mode's check) fails the
-request with 502 before any token comes from it; the engine removes the worker (a standby takes its
+else: 500) fails alone; in a batch, an error during a step fails every request of that step. A
+worker caught returning a wrong product (masked mode's check) fails the request with 502 before any token comes from it; the engine removes the worker (a standby takes its
 seat) and the next request runs without it. A lost worker the engine could not replace (comm.CommError: too few workers
 left, no standby) fails the request with 503 and marks the engine *degraded*; the gateway stays up
 and the next request tries again (the engine recovers as soon as it can: a standby joined, a
@@ -123,9 +123,8 @@ class Scheduler:
         from .errors import UsageError, WorkerMisbehaved
         from .generate import InputError
 
-        if isinstance(
-            e, CommError
-        ):  # a lost worker the engine could not replace: this request fails, the gateway stays
+        # a lost worker the engine could not replace: this request fails, the gateway stays
+        if isinstance(e, CommError):
             self.degraded = one_line(e)
             self.log(f"fusion serve: degraded: {self.degraded}")
             return unavailable(f"the engine lost a worker it could not replace: {self.degraded}")
@@ -161,8 +160,6 @@ class Scheduler:
         """Requests join the running batch between steps while it has room (their prefill joins the
         next step), leave it when they finish; a membership call waits for the batch to drain (it
         may replay or change the epoch), and requests behind it wait for it (FIFO)."""
-        from .batching import Sequence
-
         runner = self.runner
         held: Job | None = None  # a membership call waiting for the batch to drain
         while True:
@@ -172,7 +169,7 @@ class Scheduler:
                 except queue.Empty:
                     break
                 if job is None:
-                    self._finish_batch(runner)
+                    self._finish_batch()
                     return
                 with self._lock:
                     self.waiting -= 1
@@ -182,7 +179,7 @@ class Scheduler:
                 elif job.work is not None:
                     held = job
                 elif not job.cancelled.is_set():
-                    self._admit(runner, job, Sequence)
+                    self._admit(job)
             if held is not None and not runner.active:
                 if self.stopping:
                     self._send(held, ("error", unavailable("the server is shutting down")))
@@ -190,24 +187,27 @@ class Scheduler:
                     self._call(held)
                 held = None
             if runner.active:
-                self._step(runner)
+                self._step()
             with self._lock:
                 self.running = bool(runner.active)
 
-    def _admit(self, runner: Any, job: Job, make_seq: Callable[..., Any]) -> None:
+    def _admit(self, job: Job) -> None:
+        from .batching import Sequence
+
         job.t_started = time.perf_counter()
         req = job.req
         answer = self.gateway.begin(req, lambda text: self._send(job, ("delta", text)),
                                     lambda: job.cancelled.is_set() or self.stopping)  # fmt: skip
         try:
-            seq = make_seq(req.prompt_ids, req.max_tokens, req.sampling, self.gateway.card.eos_ids, answer.on_token)
-            runner.add(seq)
+            seq = Sequence(req.prompt_ids, req.max_tokens, req.sampling, self.gateway.card.eos_ids, answer.on_token)
+            self.runner.add(seq)
         except Exception as e:
             self._send(job, ("error", self._failure(e)))
             return
         self.batch[seq.slot] = (job, answer)
 
-    def _step(self, runner: Any) -> None:
+    def _step(self) -> None:
+        runner = self.runner
         try:
             finished = runner.step()
         except Exception as e:  # every session of the step fails with it; the next request starts afresh
@@ -230,12 +230,12 @@ class Scheduler:
                 continue
             self._done(job, out)
 
-    def _finish_batch(self, runner: Any) -> None:
+    def _finish_batch(self) -> None:
         """Stopping: the running sessions end at their next token (cancelled), then the loop ends."""
         for _ in range(10_000):  # bounded: each session stops at its next step (cancelled() is True)
-            if not runner.active:
+            if not self.runner.active:
                 return
-            self._step(runner)
+            self._step()
 
     def call(self, work: Callable[[], Any], timeout_s: float = 600.0) -> Any:
         """Run `work()` on the engine thread between requests and return its result (or raise its

@@ -248,29 +248,23 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
-        if op == Op.FORWARD:
+        if op in (Op.FORWARD, Op.FORWARD_BATCH):
+            if op == Op.FORWARD:  # one session, in slot 0
+                spans, batch = [Span(0, pos, t)], None
+            else:  # several sessions' tokens in one step (continuous batching): [op, n, ΣT, 0], then spans
+                words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
+                spans = [Span(*w) for w in words]
+                if sum(s.t for s in spans) != pos or any(s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans):
+                    raise RuntimeError(f"malformed batch: {spans} for {pos} tokens")
+                t, pos, batch = pos, spans[0].pos, words  # T = ΣT; the record's pos: the first span's
             if audit is not None:
-                audit.begin_step(t, pos)
+                audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
-            x_dT = model.forward(x_dT.to(comm.device), [Span(0, pos, t)])
+            x_dT = model.forward(x_dT.to(comm.device), spans)
             me.forwards += 1
             if me.fault is not None and me.forwards == me.fault.step:  # FAULT INJECTION (tests only)
                 comm.send_truncated(x_dT, 0, 0.5)
                 os._exit(3)
-            comm.send(x_dT, 0, "egress", "final")
-            if audit is not None:
-                audit.end_step()
-        elif op == Op.FORWARD_BATCH:  # several sessions' tokens in one step (continuous batching)
-            spans = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
-            spans = [Span(*s) for s in spans]
-            if sum(s.t for s in spans) != pos or any(
-                s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans
-            ):
-                raise RuntimeError(f"malformed batch: {spans} for {pos} tokens")
-            if audit is not None:
-                audit.begin_step(pos, spans[0].pos, spans=[[s.slot, s.pos, s.t] for s in spans])
-            x_dT = comm.recv(torch.empty(n_res, pos), 0, "ingress", "embed")
-            x_dT = model.forward(x_dT.to(comm.device), spans)
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()

@@ -1,6 +1,6 @@
 """Continuous batching, measured: one session alone vs B sessions decoding together on the same job.
 
-`fusion bench --batch 8` (or `python -m fusion_compute.bench.batch`). One job (N local workers); the
+`fusion bench --batch 8` (bench/run.py parses its options). One job (N local workers); the
 two workloads alternate `--repeats` times so drift on a shared machine hits both alike:
 
   single  `generate` on one random prompt (what `fusion serve --max-batch 1` runs per request):
@@ -15,10 +15,7 @@ report says whether session 0's tokens in the batch equal its tokens alone (they
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 
 import torch
 
@@ -71,36 +68,3 @@ def table(r: dict) -> str:
         f"| ratio, per repeat | **{q['median']:.2f}×** ({q['min']:.2f}..{q['max']:.2f}) |",
         f"session 0's tokens in the batch equal its tokens alone: {r['same_tokens_as_alone']}",
     ])  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.batch", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    return run(a)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--engine", default="tls", help="tls | mpi | gloo (default tls)")
-    p.add_argument("--batch", type=int, default=8, help="sessions decoding together (default 8)")
-    p.add_argument("--prompt", type=int, default=32, help="random prompt tokens per session")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-
-
-def run(a) -> int:
-    from ..errors import UsageError
-
-    if a.batch < 2 or a.new_tokens < 2 or a.repeats < 1 or a.prompt < 1 or a.workers < 1:
-        raise UsageError("--batch and --new-tokens must be >= 2, --repeats, --prompt and --workers >= 1")
-    log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
-    r = measure(a.model, a.workers, a.engine, a.batch, a.prompt, a.new_tokens, a.repeats, log)
-    print(json.dumps(r) if a.json else table(r))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
