@@ -118,10 +118,11 @@ class ShardedModel:
                 for t in (cache.k, cache.v):
                     (t if slot is None else t[slot]).zero_()
 
-    def kv_abs_max(self) -> float:
-        """Largest |value| left in the KV shards (0 after a wipe): hygiene tests read it."""
-        return max((float(t.abs().max()) for layer in self.layers for c in layer.caches for t in (c.k, c.v) if t.numel()),
-                   default=0.0)  # fmt: skip
+    def kv_abs_max(self, slot: int | None = None) -> float:
+        """Largest |value| left in the KV shards, or in one slot's (0 after a wipe): hygiene tests
+        and the audit's release records read it."""
+        caches = [t if slot is None else t[slot] for layer in self.layers for c in layer.caches for t in (c.k, c.v)]
+        return max((float(t.abs().max()) for t in caches if t.numel()), default=0.0)
 
     def rebind(self, comm: Comm) -> None:
         """Use another epoch's links with the same plan and rank (the weights stay loaded)."""

@@ -271,6 +271,8 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         elif op == Op.RELEASE:
             if 0 <= t < model.n_slots:
                 model.wipe(t)
+                if audit is not None:  # measured, not assumed: the slot reads all zeros now
+                    audit.release(t, zeroed=model.kv_abs_max(t) == 0.0)
         elif op == Op.RESET:
             model.reset(arg or model.max_seq, min(max(1, t), MAX_SLOTS))
             if audit is not None:

@@ -85,6 +85,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise AuditCliError(f"--standby must be >= 0, got {a.standby}")
     if a.negative_control is not None and a.revoke_at is None:
         raise AuditCliError("--negative-control keep-revoked needs --revoke-at STEP")
+    if a.batch < 1:
+        raise AuditCliError(f"--batch must be >= 1, got {a.batch}")
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")
@@ -106,10 +108,14 @@ def cmd_run(a: argparse.Namespace) -> int:
         revoke_at=a.revoke_at,
         standby=a.standby,
         negative_control=a.negative_control,
+        batch=a.batch,
     )
     summary = run_audit(cfg, log=lambda s: print(s, file=sys.stderr))
     epochs = (f" (2 epochs each: worker {cfg.revoke_worker} revoked before decode step {cfg.revoke_at})"
               if cfg.revoke_at is not None else "")  # fmt: skip
+    if cfg.batch > 1:
+        closed = sum(r["closed_sessions"] for r in summary["runs"])
+        epochs = f" ({cfg.sessions} sessions each on {cfg.batch} KV slots; {closed} sessions closed)"
     print(
         f"audit {'PASS' if summary['all_ok'] else 'FAIL'}: {summary['closed']} decode steps closed over "
         f"{summary['cold_starts']} cold starts{epochs}, {summary['workers']} workers; {out / 'summary.json'}, "
@@ -282,7 +288,8 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--out", required=True, help="output directory (one subdirectory per cold start)")
     r.add_argument("--prompt", help="prompt text (tokenized on the client)")
     r.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    r.add_argument("--inject-leak", help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce")
+    r.add_argument("--inject-leak",
+                   help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots")  # fmt: skip
     r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
     r.add_argument("--threads", type=int, help="torch threads per worker")
     r.add_argument("--timeout", type=float, default=120.0)
@@ -295,6 +302,9 @@ def add_audit_parser(sub) -> None:
         help="revoke worker 1 before decode step STEP (0-based), as a user would: the session moves to "
         "a second epoch by replay, and the audit checks both and that worker 1 receives nothing more",
     )
+    r.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="continuous batching: B + 1 sessions share every step on B KV slots (joining, leaving, "
+                   "a slot reused); the audit checks each session's slot, positions and release (default 1)")  # fmt: skip
     r.add_argument("--standby", type=int, help="local standby workers (default: 1 with --revoke-at, else 0)")
     r.add_argument("--negative-control", choices=["keep-revoked"],
                    help="with --revoke-at: a client bug that keeps the revoked worker in the next epoch (must FAIL)")  # fmt: skip

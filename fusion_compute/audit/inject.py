@@ -8,8 +8,12 @@
   rs-allreduce     every reduce-scatter done as an all-reduce in disguise (what gloo's reduce_scatter
                    is): each worker sends every peer its whole partial. The comm layer records the
                    same addressed pieces; the sockets carry N times more.
+  keep-slots       a batched session's KV slot is not zeroed at its release (the worker keeps a
+                   finished session's KV shard): its release record, which measures the slot, fails
+                   the audit's session check (holding).
 
-None of these changes the worker's output: the gathered residual is dropped after the leak.
+None of these changes the worker's output: the gathered residual is dropped after the leak, and a
+kept slot is overwritten by its next session (attention reads only a session's own positions).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-KINDS = ("gather", "silent-gather", "rs-allreduce")
+KINDS = ("gather", "silent-gather", "rs-allreduce", "keep-slots")
+WHOLE_RUN = ("rs-allreduce", "keep-slots")  # no @LAYER
 
 
 class LeakSpecError(UsageError, ValueError):
@@ -38,10 +43,12 @@ def parse_leak(spec: str, n_layers: int | None = None) -> Leak:
     """ "gather@3" -> Leak("gather", 3). Raises LeakSpecError with the accepted forms."""
     kind, sep, layer = spec.strip().partition("@")
     if kind not in KINDS:
-        raise LeakSpecError(f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER or rs-allreduce")
-    if kind == "rs-allreduce":
+        raise LeakSpecError(
+            f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER, rs-allreduce or keep-slots"
+        )
+    if kind in WHOLE_RUN:
         if sep:
-            raise LeakSpecError(f"--inject-leak {spec!r}: rs-allreduce applies to every layer, give no @LAYER")
+            raise LeakSpecError(f"--inject-leak {spec!r}: {kind} applies to every layer, give no @LAYER")
         return Leak(kind)
     if not sep or not layer.isdigit():
         raise LeakSpecError(f"--inject-leak {spec!r}: {kind} needs a layer, e.g. {kind}@0")
@@ -58,6 +65,10 @@ def install_leak(model, spec: str) -> Leak:
     comm = model.comm
     if leak.kind == "rs-allreduce":
         comm.reduce_scatter_impl = "allreduce"
+        return leak
+    if leak.kind == "keep-slots":
+        wipe = model.wipe
+        model.wipe = lambda slot=None: wipe() if slot is None else None  # RELEASE wipes nothing
         return leak
     if not hasattr(model, "leak"):
         raise LeakSpecError(f"--inject-leak {spec}: not supported by this model variant")

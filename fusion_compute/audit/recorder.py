@@ -13,7 +13,17 @@ import os
 import time
 from pathlib import Path
 
-from .schema import GENESIS, SCHEMA_VERSION, LogEvent, canonical, epoch_dir, log_name, parse_op, to_runs
+from .schema import (
+    GENESIS,
+    SCHEMA_VERSION,
+    LogEvent,
+    canonical,
+    epoch_dir,
+    log_name,
+    parse_op,
+    step_phase,
+    to_runs,
+)
 
 
 def model_dims(config) -> dict:
@@ -141,17 +151,28 @@ class AuditRecorder:
         self.busy_s += time.perf_counter() - t0
 
     def begin_step(self, t: int, pos: int, spans: list[list[int]] | None = None) -> None:
-        """`spans`: a batched step's sessions, [slot, pos, T] each (their holdings are per slot)."""
+        """`spans`: a batched step's sessions, [slot, pos, T] each, in column order (t = ΣT, pos =
+        the first span's); each session's KV is its own slot (schema.py: release records)."""
         self._events = []
         self._holds = []
         self._step_meta = {
             "session": self.session,
             "step": self.step,
-            "phase": "decode" if t == 1 and pos > 0 else "prefill",
+            "phase": step_phase(t, pos, spans),
             "t": t,
             "pos": pos,
             **({"spans": spans} if spans is not None else {}),
         }
+
+    def release(self, slot: int, zeroed: bool | None = None) -> None:
+        """A batched session ended: its KV slot was zeroed. A worker says whether it measured the
+        slot as all zeros afterwards (`zeroed`); the client, which holds no KV, leaves it out."""
+        t0 = time.perf_counter()
+        rec = {"type": "release", "session": self.session, "slot": int(slot), "control": self._take_control()}
+        if zeroed is not None:
+            rec["zeroed"] = bool(zeroed)
+        self._write(rec)
+        self.busy_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
         t0 = time.perf_counter()

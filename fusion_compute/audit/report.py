@@ -53,6 +53,18 @@ def _epochs_section(summary: dict) -> list[str]:
     return lines
 
 
+def _per_cold_start(summary: dict) -> str:
+    b = summary.get("batch") or 1
+    if b == 1:
+        return f"- per cold start: 1 prefill + {summary['steps']} decode steps (greedy, forced continuation)"
+    closed = sum(r.get("closed_sessions", 0) for r in summary["runs"])
+    total = sum(r.get("batched_sessions", 0) for r in summary["runs"])
+    return (f"- per cold start: {b + 1} sessions batched on {b} KV slots (continuous batching: session i joins at "
+            f"step i, the last one reuses the first freed slot), each 1 prefill + {summary['steps']} decode steps "
+            f"(greedy, forced continuation); sessions closed (every step they ran in closed, their slot zeroed at "
+            f"release on every worker): {closed}/{total}")  # fmt: skip
+
+
 def render(summary: dict) -> str:
     dims = summary["model"]["dims"]
     lines = [
@@ -63,7 +75,7 @@ def render(summary: dict) -> str:
         f"- workers: {summary['workers']}" + (f", capacities {summary['capacities']}" if summary["capacities"] else ""),
         f"- variant: {summary['variant']}"
         + (f", injected leak `{summary['inject_leak']}`" if summary["inject_leak"] else ""),
-        f"- per cold start: 1 prefill + {summary['steps']} decode steps (greedy, forced continuation)",
+        _per_cold_start(summary),
         f"- verdict: **{'PASS' if summary['all_ok'] else 'FAIL'}**, decode steps closed {summary['closed']} "
         f"over {summary['cold_starts']} cold starts",
         f"- identical tokens across cold starts: {summary['identical_tokens_across_cold_starts']}",

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..protocol import MAX_SLOTS
 from . import netcount
 from . import schema as S
 from .recorder import AuditRecorder, model_dims
@@ -56,6 +57,12 @@ class RunConfig:
     revoke_worker: int = 1  # the participant revoked
     standby: int | None = None  # local spares (default: 1 with revoke_at, else 0)
     negative_control: str | None = None  # "keep-revoked" (tests only): the client keeps the revoked worker
+    batch: int = 1  # > 1: batch + 1 sessions share the workers' steps, `batch` KV slots (_run_batched)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions per cold start: one, or batch + 1 (so that one slot is reused)."""
+        return self.batch + 1 if self.batch > 1 else 1
 
     @property
     def spares(self) -> int:
@@ -138,6 +145,10 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise AuditRunError(f"--negative-control must be keep-revoked, got {cfg.negative_control!r}")
     if cfg.negative_control and cfg.revoke_at is None:
         raise AuditRunError("--negative-control keep-revoked needs --revoke-at STEP")
+    if not 1 <= cfg.batch <= MAX_SLOTS:
+        raise AuditRunError(f"--batch must be in 1..{MAX_SLOTS}, got {cfg.batch}")
+    if cfg.batch > 1 and cfg.revoke_at is not None:
+        raise AuditRunError("--batch and --revoke-at cannot be combined (a revocation is audited on one session)")
     if cfg.revoke_at is not None:
         if not (0 <= cfg.revoke_at < cfg.steps):
             raise AuditRunError(f"--revoke-at must be in 0..{cfg.steps - 1} (a decode step), got {cfg.revoke_at}")
@@ -250,6 +261,47 @@ def _no_recovery(engine, epochs: list[_Epoch]) -> None:
                             "revocation, not by recovery")  # fmt: skip
 
 
+def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], epochs: list[_Epoch]):
+    """`cfg.batch` + 1 sessions on `cfg.batch` KV slots, as continuous batching runs them: session i
+    joins at step i (its prefill next to the others' decodes), runs `cfg.steps` greedy decode steps
+    (forced continuation) and leaves, its slot released; the last one takes the first freed slot.
+    Session i's prompt is the first len(prompt) - i tokens, so the sessions differ. Every step and
+    release is recorded with its spans. Returns each session's tokens, the first step's time and the
+    time of the rest."""
+    import torch
+
+    prompts = [prompt[: max(1, len(prompt) - i)] for i in range(cfg.sessions)]
+    out: list[list[int]] = [[] for _ in prompts]
+    engine.batch_slots = cfg.batch
+    engine.reset()
+    rec.new_session()
+    active: dict[int, tuple[int, int]] = {}  # slot -> (session, position reached)
+    waiting = list(range(cfg.sessions))
+    step, ttft, t0 = 0, 0.0, time.perf_counter()
+    while waiting or active:
+        free = sorted(set(range(cfg.batch)) - set(active))
+        if waiting and free and (waiting[0] <= step or not active):
+            active[free[0]] = (waiting.pop(0), 0)
+        items = [(slot, prompts[i] if not out[i] else [out[i][-1]]) for slot, (i, _) in active.items()]
+        spans = [[slot, active[slot][1], len(ids)] for slot, ids in items]
+        rec.begin_step(sum(n for _, _, n in spans), spans[0][1], spans)
+        logits = engine.forward_batch(items)
+        rec.end_step()
+        _no_recovery(engine, epochs)
+        if step == 0:
+            ttft, t0 = time.perf_counter() - t0, time.perf_counter()
+        for (slot, ids), lg in zip(items, logits, strict=True):
+            i, pos = active[slot]
+            out[i].append(int(torch.argmax(lg)))
+            active[slot] = (i, pos + len(ids))
+            if len(out[i]) == cfg.steps + 1:
+                del active[slot]
+                engine.release(slot)
+                rec.release(slot)
+        step += 1
+    return out, ttft, time.perf_counter() - t0
+
+
 def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> dict:
     import torch
 
@@ -290,39 +342,43 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         _open_client_log(cfg, engine, ep)
         load_s = time.perf_counter() - t0
         ep.before = sockets.take()
-        engine.reset()
-        ep.rec.new_session()
-        t1 = time.perf_counter()
-        ep.rec.begin_step(len(prompt), engine.pos)
-        logits = engine.forward(prompt)
-        ep.rec.end_step()
-        ttft = time.perf_counter() - t1
-        tokens.append(int(torch.argmax(logits)))
-        _no_recovery(engine, epochs)
-        t2 = time.perf_counter()
         replay_s = 0.0
-        for i in range(cfg.steps):  # forced continuation: EOS does not stop an audit run
-            if i == cfg.revoke_at:
-                t3 = time.perf_counter()
-                ep.after = sockets.take()
-                if ep.after is None:
-                    netcount.settle()  # every worker has written its last step's record
-                ep = _revoke(cfg, engine, d, ep, sockets)
-                epochs.append(ep)
-                history = list(engine.history)
-                engine.reset()
-                ep.rec.new_session()
-                ep.rec.begin_step(len(history), engine.pos)  # the replay: the new epoch's first step
-                logits = engine.forward(history)
-                ep.rec.end_step()
-                replay_ok = int(torch.argmax(logits)) == tokens[-1]  # exact: the same next token
-                replay_s = time.perf_counter() - t3
-            ep.rec.begin_step(1, engine.pos)
-            logits = engine.forward([tokens[-1]])
+        if cfg.batch > 1:
+            sessions, ttft, decode_s = _run_batched(cfg, engine, ep.rec, prompt, epochs)
+            tokens = [t for out in sessions for t in out]
+        else:
+            engine.reset()
+            ep.rec.new_session()
+            t1 = time.perf_counter()
+            ep.rec.begin_step(len(prompt), engine.pos)
+            logits = engine.forward(prompt)
             ep.rec.end_step()
+            ttft = time.perf_counter() - t1
             tokens.append(int(torch.argmax(logits)))
             _no_recovery(engine, epochs)
-        decode_s = time.perf_counter() - t2 - replay_s
+            t2 = time.perf_counter()
+            for i in range(cfg.steps):  # forced continuation: EOS does not stop an audit run
+                if i == cfg.revoke_at:
+                    t3 = time.perf_counter()
+                    ep.after = sockets.take()
+                    if ep.after is None:
+                        netcount.settle()  # every worker has written its last step's record
+                    ep = _revoke(cfg, engine, d, ep, sockets)
+                    epochs.append(ep)
+                    history = list(engine.history)
+                    engine.reset()
+                    ep.rec.new_session()
+                    ep.rec.begin_step(len(history), engine.pos)  # the replay: the new epoch's first step
+                    logits = engine.forward(history)
+                    ep.rec.end_step()
+                    replay_ok = int(torch.argmax(logits)) == tokens[-1]  # exact: the same next token
+                    replay_s = time.perf_counter() - t3
+                ep.rec.begin_step(1, engine.pos)
+                logits = engine.forward([tokens[-1]])
+                ep.rec.end_step()
+                tokens.append(int(torch.argmax(logits)))
+                _no_recovery(engine, epochs)
+            decode_s = time.perf_counter() - t2 - replay_s
         ep.after = sockets.take()
     finally:
         engine.close()
@@ -399,7 +455,8 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "inject_leak": cfg.inject_leak,
         "negative_control": cfg.negative_control,
         "prompt": {"tokens": len(prompt), "source": prompt_src},
-        "steps": {"prefill": 1, "decode": cfg.steps, "replays": len(epochs) - 1},
+        "steps": {"prefill": 1, "decode": cfg.steps, "replays": len(epochs) - 1},  # per session
+        "batch": {"slots": cfg.batch, "sessions": cfg.sessions} if cfg.batch > 1 else None,
         "revoke": {"worker": cfg.revoke_worker, "before_decode_step": cfg.revoke_at}
         if cfg.revoke_at is not None
         else None,
@@ -431,6 +488,8 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "summary": result.summary_line(),
         "decode_steps": result.decode_steps,
         "closed_decode": result.closed_decode,
+        "batched_sessions": result.batched_sessions,
+        "closed_sessions": result.closed_sessions,
         "prefill_steps": result.prefill_steps,
         "closed_prefill": result.closed_steps - result.closed_decode,
         "layers": result.layers,
@@ -465,7 +524,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             "load_s": round(load_s, 3),
             "ttft_s": round(ttft, 4),
             "decode_s": round(decode_s, 3),
-            "decode_tokens_per_s": round(cfg.steps / decode_s, 3) if decode_s > 0 else None,
+            "decode_tokens_per_s": round(cfg.steps * cfg.sessions / decode_s, 3) if decode_s > 0 else None,
             "revocation_and_replay_s": round(replay_s, 3) if len(epochs) > 1 else None,
             "wall_s": round(ended - started, 3),
         },
@@ -516,6 +575,7 @@ def run_audit(cfg: RunConfig, log=print) -> dict:
         "variant": cfg.variant,
         "inject_leak": cfg.inject_leak,
         "steps": cfg.steps,
+        "batch": cfg.batch,
         "cold_starts": cfg.cold_starts,
         "standby": cfg.spares,
         "revoke": {"worker": cfg.revoke_worker, "before_decode_step": cfg.revoke_at}

@@ -29,8 +29,15 @@ Record types, in order:
   session  a RESET: fresh KV shards; `control`: the events since the previous record
   step     one forward: session, step, phase, t (tokens), pos; `events` (transfers inside the step),
            `holds` (coordinates held per protected tensor, per layer), `sets` (new coordinate sets),
-           `control` (transfers since the previous record that were outside any step)
+           `control` (transfers since the previous record that were outside any step). A batched
+           step (several sessions at once, each in its own KV slot) adds `spans`: [slot, pos, T]
+           per session in column order; then t = ΣT and pos = the first span's
+  release  one batched session is over: session (the RESET's), slot; a worker adds `zeroed`, whether
+           it measured that slot's KV as all zeros after wiping it
   end      steps, recorder self-timing; `control`: the SHUTDOWN word
+A slot holds one batched session's KV from its first span (pos 0) to its release (or the next
+session record): a span at pos 0 may only start in a free slot, and a span at pos p > 0 continues
+its slot's session exactly where the previous one ended.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-SCHEMA_VERSION = 3  # 3: one directory per plan epoch, the client's membership record, headers name their participant
+SCHEMA_VERSION = 4  # 3: one directory per plan epoch, membership record, participants; 4: batched steps, releases
 GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 NETCOUNT = "netcount.json"
@@ -105,6 +112,16 @@ def parse_op(op: str) -> tuple[int, str]:
         if head[1:].isdigit():
             layer, name = int(head[1:]), rest
     return layer, OP_ROLES.get(name.split(".")[0], name.split(".")[0])
+
+
+def step_phase(t: int, pos: int, spans: list[list[int]] | None = None) -> str:
+    """"decode" when every session in the step runs one token past its prompt, else "prefill"."""
+    if spans is None:
+        return "decode" if t == 1 and pos > 0 else "prefill"
+    return "decode" if all(n == 1 and p > 0 for _, p, n in spans) else "prefill"
+
+
+SPANS_OP = "spans"  # the control message that carries a batched step's spans: 3 int64 per session
 
 
 # ---- holdings: which coordinates a worker's tensors stand for ----

@@ -22,6 +22,10 @@ transfer it should make, then checks each step (DESIGN.md §5):
                   sends match its peers' receives
   os_bytes        kernel socket counters per worker process (netcount.json) equal the predicted
                   bytes plus the wire model's protocol overhead
+  sessions        per KV slot (a batched run has one session per slot at a time): positions
+                  continue exactly where the slot's session ended; a new session starts only in a
+                  free slot (holding: never on top of the previous session's KV); every worker
+                  measured a released slot as all zeros; a session is closed when all its steps are
 
 A cold start has one audit directory per plan epoch (a revoked or lost worker ends an epoch; the
 next one runs over the survivors plus a standby and replays the session as its first step). Each
@@ -40,6 +44,7 @@ Exit status 0 only when every check passed. The package, by responsibility:
   logs.py         the manifest, each rank's hash chain, record order, the same steps on every rank
   expectation.py  what the dimensions and declared shares imply: coordinate sets, transfers, bytes
   checks.py       what each rank's records claim, per step, and the cross-rank checks on them
+  sessions.py     each session's KV slot, positions and lifetime (single and batched runs)
   os_bytes.py     the kernel's socket counters vs the predicted wire bytes
   membership.py   the checks across epochs: who took part when, and what a departed worker received
   result.py       Violation, Result (one epoch) and RunResult (a cold start): counts, JSON, report
@@ -70,6 +75,7 @@ from .logs import (
 from .membership import EpochView, check_membership, epoch_entries, read_record, replay_steps
 from .os_bytes import check_os_bytes
 from .result import Result, RunResult, Violation
+from .sessions import check_slots
 
 __all__ = ["AuditFormatError", "Result", "RunResult", "Violation", "verify_dir", "verify_epoch"]
 
@@ -129,12 +135,14 @@ def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[R
     ctx.declare_shares(logs)
     step_keys = check_same_steps(logs, n, res)
     ingress, egress = coordinate_map(logs[0].header, "ingress"), coordinate_map(logs[0].header, "egress")
+    sessions = check_slots(logs[0].body, 0, False, ctx.violate)
     for w in range(n):
+        check_slots(logs[w + 1].body, w + 1, True, ctx.violate)
         check_worker(ctx, w, logs[w + 1].body)
     check_client(ctx, logs[0].steps, ingress, egress)
     check_conservation(ctx)
     check_boundary(ctx, ingress, egress)
     check_partition(ctx)
     check_os_bytes(res, ctx.predicted_wire, d, manifest)
-    ctx.verdicts(step_keys)
+    ctx.verdicts(step_keys, sessions)
     return res, logs

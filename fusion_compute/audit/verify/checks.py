@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from .. import schema as S
 from .expectation import Declared, Transfer, declare, expected_hold, expected_transfers, group_owners, wire_bytes
-from .logs import RankLog, StepKey, control_words_received, read_event
+from .logs import RankLog, StepKey, control_received, read_event
 from .result import RUN_LEVEL, Result, Violation
+from .sessions import Session, spans_of
 
 StepId = tuple[int | None, int | None]  # (session, step): how ranks name the same step
 
@@ -71,8 +72,9 @@ class Verification:
                 self.decls.append(Declared.nothing())
         self.owners = group_owners(self.decls, self.dims["kv_heads"])
 
-    def verdicts(self, step_keys: list[StepKey]) -> None:
-        """Closed steps and per-layer closure; a run-level violation voids every step's certificate."""
+    def verdicts(self, step_keys: list[StepKey], sessions: list[Session]) -> None:
+        """Closed steps and per-layer closure, and in a batched run closed sessions (every step it
+        ran in closed); a run-level violation voids every step's certificate."""
         res = self.res
         run_level = any(v.invariant in RUN_LEVEL for v in res.violations)
         decode_steps = {(k.session, k.step) for k in step_keys if k.decode}
@@ -88,6 +90,9 @@ class Verification:
                 res.closed_decode += key in decode_steps
             else:
                 res.unclosed.append(key)
+        if any(k.spans for k in step_keys):
+            res.batched_sessions = len(sessions)
+            res.closed_sessions = 0 if run_level else sum(not self.bad_steps.intersection(s.steps) for s in sessions)
         res.bytes_per_step = {
             str(rank): {ph: sum(v) / len(v) for ph, v in per.items() if v} for rank, per in self.sent_by_phase.items()
         }
@@ -107,8 +112,8 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
     last_holds = None
     wire_sent = wire_recv = 0
     for r in body:
-        n_ctl = control_words_received(r)
-        if r.get("type") == "session":
+        n_ctl = control_received(r)
+        if r.get("type") in ("session", "release"):
             s, rr = wire_bytes([], n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
             continue
@@ -119,7 +124,9 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
             for k, runs in (r.get("sets") or {}).items():
                 sets[k] = frozenset(S.from_runs(runs))
                 sets_version += 1
-            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos)
+            spans = spans_of(r) if r.get("spans") is not None else None
+            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans)
+            check_spans_message(r, spans, where, res, ctx.violate)
             s, rr = wire_bytes(expect, n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
             events = [read_event(e) for e in r.get("events") or []]
@@ -144,6 +151,15 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
         except (KeyError, TypeError, ValueError, IndexError) as e:
             ctx.violate(Violation("structure", f"malformed step record ({type(e).__name__}: {e})", **where))
     ctx.predicted_wire[rank] = [wire_sent, wire_recv]
+
+
+def check_spans_message(record: dict, spans: list | None, where: dict, res: Result, violate) -> None:
+    """A batched step's spans arrive as one control message of 3 int64 per session, before the step."""
+    got = [sum(e.received) for e in map(read_event, record.get("control") or []) if e.op == S.SPANS_OP]
+    want = [3 * len(spans)] if spans else []
+    res.checks["accounting"] += 1
+    if got != want:
+        violate(Violation("accounting", f"spans control messages of {got} words, expected {want}", **where))
 
 
 def check_transfers(events: list[S.LogEvent], expect: list[Transfer], where: dict, res: Result, violate) -> None:

@@ -101,10 +101,23 @@ class Transfer(NamedTuple):
         return cls(event.layer, event.op, event.kind, event.sent, event.received, event.itemsize)
 
 
+def score_elements(spans: list[tuple[int, int, int]] | None, t: int, pos: int) -> int:
+    """Partial scores per (q head x 1) of a split group in one step: T x (pos + T) for one session; in
+    a batched step, each session of several tokens the same, and the sessions that run one token each
+    (when there are several sessions) are attended together, padded to the longest: one row of
+    max(pos) + 1 scores each."""
+    if spans is None or len(spans) == 1:
+        return t * (pos + t)
+    singles = [p for _, p, n in spans if n == 1]
+    return sum(n * (p + n) for _, p, n in spans if n > 1) + (len(singles) * (max(singles) + 1) if singles else 0)
+
+
 def expected_transfers(
-    w: int, decls: list[Declared], owners: list[list[int]], dims: dict, t: int, pos: int
-) -> list[Transfer]:
-    """The transfers worker w must make in one step of t tokens at position pos, in order."""
+    w: int, decls: list[Declared], owners: list[list[int]], dims: dict, t: int, pos: int,
+    spans: list[tuple[int, int, int]] | None = None,
+) -> list[Transfer]:  # fmt: skip
+    """The transfers worker w must make in one step of t tokens at position pos, in order
+    (`spans`: a batched step's sessions, sessions.spans_of)."""
     n = len(decls)
     gs = dims["heads"] // dims["kv_heads"]
     me = decls[w]
@@ -130,7 +143,7 @@ def expected_transfers(
         for g0, g1, _, _ in me.blocks:
             peers = [o for o in owners[g0] if o != w]
             if peers:  # a split group: partial scores summed among its owners
-                elems = (g1 - g0) * gs * t * (pos + t)
+                elems = (g1 - g0) * gs * score_elements(spans, t, pos)
                 cnt = per_rank({o + 1: elems for o in peers})
                 out.append(Transfer(layer, f"L{layer}.scores.g{g0}", S.SCORE_SUM, cnt, list(cnt), 4))
         if n > 1:
@@ -141,10 +154,11 @@ def expected_transfers(
     return out
 
 
-def wire_bytes(transfers: list[Transfer], n_controls: int, engine: str) -> tuple[int, int]:
+def wire_bytes(transfers: list[Transfer], controls: list[int], engine: str) -> tuple[int, int]:
     """(sent, received) bytes on the wire for a worker, from predicted transfers (schema wire model):
-    one message per peer with a non-zero count, plus the control words it received."""
-    sent, received = 0, n_controls * S.message_bytes(S.CONTROL_BYTES, engine)
+    one message per peer with a non-zero count, plus the control messages it received (`controls`:
+    their payload bytes)."""
+    sent, received = 0, sum(S.message_bytes(c, engine) for c in controls)
     for tr in transfers:
         sent += sum(S.message_bytes(v * tr.itemsize, engine) for v in tr.sent if v)
         received += sum(S.message_bytes(v * tr.itemsize, engine) for v in tr.received if v)

@@ -2,9 +2,9 @@
 
 Part of the independent verifier: imports only audit/schema.py and the standard library. The
 checks here are the run-level ones on the logs themselves (`chain`: hashes, `prev`, `seq`, the
-manifest's final hashes; `structure`: header / sessions / steps / end, consecutive steps, positions
-advancing by the tokens run, the same steps on every rank); what the records claim is checked in
-checks.py.
+manifest's final hashes; `structure`: header / sessions / steps / releases / end, consecutive steps,
+each step's phase, the same steps on every rank); positions per KV slot are checked in sessions.py,
+what the records claim in checks.py.
 """
 
 from __future__ import annotations
@@ -113,34 +113,39 @@ def split_records(records: list[dict], rank: int, res: Result, left: str | None 
     body = records[1:-1] if end else records[1:]
     steps = [r for r in body if r.get("type") == "step"]
     for r in body:
-        if r.get("type") not in ("session", "step"):
+        if r.get("type") not in ("session", "step", "release"):
             res.violations.append(Violation("structure", f"unexpected record type {r.get('type')!r}", rank=rank))
     return RankLog(records[0], body, steps, end)
 
 
 def check_order(body: list[dict], rank: int, res: Result) -> None:
-    """Sessions numbered 1, 2, ...; in each, steps 0, 1, ... at positions advancing by T."""
-    session, step, pos = 0, 0, 0
+    """Sessions numbered 1, 2, ...; in each, steps numbered 0, 1, ..., each with the phase its
+    tokens imply; releases inside the current session. Positions are per KV slot: sessions.py."""
+    session, step = 0, 0
     for r in body:
         res.checks["structure"] += 1
         if r.get("type") == "session":
             if r.get("session") != session + 1:
                 msg = f"session {r.get('session')} follows session {session}"
                 res.violations.append(Violation("structure", msg, rank=rank))
-            session, step, pos = r.get("session", session + 1), 0, 0
+            session, step = r.get("session", session + 1), 0
+            continue
+        if r.get("type") == "release":
+            if r.get("session") != session:
+                msg = f"release in session {r.get('session')} during session {session}"
+                res.violations.append(Violation("structure", msg, rank=rank))
             continue
         s, k, t, p = r.get("session"), r.get("step"), r.get("t"), r.get("pos")
         if (s, k) != (session, step):
             msg = f"step record (session {s}, step {k}) where (session {session}, step {step}) was due"
             res.violations.append(Violation("structure", msg, rank=rank, session=s, step=k))
-        if p != pos:
-            msg = f"position {p}, expected {pos} (steps out of order?)"
-            res.violations.append(Violation("structure", msg, rank=rank, session=s, step=k))
-        phase = "decode" if t == 1 and p and p > 0 else "prefill"
+        try:
+            phase = S.step_phase(t or 0, p or 0, r.get("spans"))
+        except (TypeError, ValueError):
+            phase = "malformed spans"  # reported by sessions.check_slots
         if r.get("phase") != phase:
             res.violations.append(Violation("structure", f"phase {r.get('phase')!r}, expected {phase}", rank=rank))
         step += 1
-        pos = (p or 0) + (t or 0)
 
 
 class StepKey(NamedTuple):
@@ -150,24 +155,45 @@ class StepKey(NamedTuple):
     step: int | None
     t: int | None  # tokens
     pos: int | None  # position of the first token
+    spans: tuple | None = None  # a batched step's sessions: ((slot, pos, T), ...)
+    phase: str | None = None
 
     @property
     def decode(self) -> bool:
-        return self.t == 1 and (self.pos or 0) > 0
+        return self.phase == "decode"
 
 
 def step_key(record: dict) -> StepKey:
-    return StepKey(record.get("session"), record.get("step"), record.get("t"), record.get("pos"))
+    raw = record.get("spans")
+    spans = tuple(tuple(x) if isinstance(x, list) else x for x in raw) if isinstance(raw, list) else raw
+    return StepKey(record.get("session"), record.get("step"), record.get("t"), record.get("pos"), spans,
+                   record.get("phase"))  # fmt: skip
+
+
+def _releases(body: list[dict]) -> list[tuple]:
+    """A log's releases, each with the number of steps before it: where in the run it came."""
+    out, steps = [], 0
+    for r in body:
+        steps += r.get("type") == "step"
+        if r.get("type") == "release":
+            out.append((steps, r.get("session"), r.get("slot")))
+    return out
 
 
 def check_same_steps(logs: dict[int, RankLog], n: int, res: Result) -> list[StepKey]:
-    """Every worker ran the same steps as the client; returns the client's steps."""
+    """Every worker ran the same steps as the client, and released the same slots between the same
+    steps; returns the client's steps."""
     step_keys = [step_key(r) for r in logs[0].steps]
+    releases = _releases(logs[0].body)
     for rank in range(1, n + 1):
         keys = [step_key(r) for r in logs[rank].steps]
         if keys != step_keys:
             differ = len(set(step_keys) ^ set(keys))
             msg = f"{len(keys)} steps vs the client's {len(step_keys)} ({differ} differ)"
+            res.violations.append(Violation("structure", msg, rank=rank))
+        mine = _releases(logs[rank].body)
+        if mine != releases:
+            msg = f"{len(mine)} slot releases vs the client's {len(releases)} ({len(set(mine) ^ set(releases))} differ)"
             res.violations.append(Violation("structure", msg, rank=rank))
     res.steps = len(step_keys)
     res.decode_steps = sum(1 for k in step_keys if k.decode)
@@ -184,12 +210,19 @@ def read_event(raw) -> S.LogEvent:
     return S.LogEvent(*raw[:n])
 
 
-_RECEIVED = S.LogEvent._fields.index("received")
+_OP, _RECEIVED = S.LogEvent._fields.index("op"), S.LogEvent._fields.index("received")
 
 
-def control_words_received(record: dict) -> int:
-    """Control words a rank received since the previous record (they travel outside any step)."""
-    return sum(1 for e in record.get("control") or [] if len(e) > _RECEIVED and any(e[_RECEIVED]))
+def control_received(record: dict) -> list[int]:
+    """Payload bytes of each control message a rank received since the previous record (they travel
+    outside any step): a control word, or a batched step's spans, 3 int64 per session of the step
+    (predicted from the step's own spans, not from the event)."""
+    spans = 3 * 8 * len(record.get("spans") or ())
+    return [
+        spans if e[_OP] == S.SPANS_OP else S.CONTROL_BYTES
+        for e in record.get("control") or []
+        if len(e) > _RECEIVED and any(e[_RECEIVED])
+    ]
 
 
 def coordinate_map(header: dict, key: str) -> dict[int, frozenset[int]]:

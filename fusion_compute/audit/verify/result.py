@@ -31,6 +31,11 @@ def _closing(notes: list[str], violations: list, summary: str) -> list[str]:
     return [*out, summary]
 
 
+def sessions_part(closed: int, total: int) -> str:
+    """A batched run's sessions in a summary line (nothing for one session at a time)."""
+    return f", {closed}/{total} batched sessions" if total else ""
+
+
 @dataclass
 class Violation:
     invariant: str
@@ -65,6 +70,8 @@ class Result:
     prefill_steps: int = 0
     closed_steps: int = 0
     closed_decode: int = 0
+    batched_sessions: int = 0  # a batched run's sessions (0: one session at a time)
+    closed_sessions: int = 0  # those whose every step closed
     checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INVARIANTS, 0))  # invariant -> items checked
     violations: list[Violation] = field(default_factory=list)
     layer_closed: list[int] = field(default_factory=list)  # per layer: steps where it closed
@@ -95,7 +102,8 @@ class Result:
     def summary_line(self) -> str:
         return (
             f"closed: {self.closed_decode}/{self.decode_steps} decode steps "
-            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill), "
+            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill)"
+            f"{sessions_part(self.closed_sessions, self.batched_sessions)}, "
             f"{self.layers} layers each, {len(self.violations)} violations"
         )
 
@@ -249,13 +257,24 @@ class RunResult:
             "closed_decode": self.closed_decode,
             "prefill_steps": self.prefill_steps,
             "closed_steps": self.closed_steps,
+            "batched_sessions": self.batched_sessions,
+            "closed_sessions": self.closed_sessions,
         }
+
+    @property
+    def batched_sessions(self) -> int:
+        return self._sum("batched_sessions")
+
+    @property
+    def closed_sessions(self) -> int:
+        return 0 if self._void else self._sum("closed_sessions")
 
     def summary_line(self) -> str:
         over = f" in {len(self.epochs)} epochs" if len(self.epochs) != 1 else ""
         return (
             f"closed: {self.closed_decode}/{self.decode_steps} decode steps "
-            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill){over}, "
+            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill)"
+            f"{sessions_part(self.closed_sessions, self.batched_sessions)}{over}, "
             f"{self.layers} layers each, {len(self.violations)} violations"
         )
 

@@ -1,0 +1,95 @@
+"""The sessions of a log: each one's KV slot, positions and lifetime, and a verdict per session.
+
+Part of the independent verifier: imports only audit/schema.py and the standard library. A single
+session runs in slot 0 from a RESET (session record) to the next; a batched run (continuous
+batching) runs several sessions at once, each in its own KV slot, and a step carries every running
+session's tokens (its `spans`, schema.py). Per rank, the slots are replayed record by record:
+
+  structure  a span at position p > 0 continues its slot's session exactly where it ended (no gap,
+             no overlap); a release names a slot that holds a session; a step's spans are well
+             formed (distinct slots, T >= 1, t = ΣT, pos = the first span's)
+  holding    a slot holds one session's KV from its first token to its release: a new session
+             (a span at position 0) starts only in a free slot, never on top of the previous
+             session's KV; and every worker measured the released slot as all zeros
+
+A session's verdict: closed when every step it took part in is closed (checks.py marks the steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .result import Violation
+
+Span = tuple[int, int, int]  # slot, pos, T
+
+
+@dataclass
+class Session:
+    """One session of a log: its slot, the (session, step) of every step it ran in, its tokens."""
+
+    slot: int
+    steps: list[tuple[int | None, int | None]] = field(default_factory=list)
+    tokens: int = 0
+
+
+def spans_of(record: dict) -> list[Span]:
+    """A step's sessions: its spans, or slot 0 for a single session's step. ValueError when the
+    spans are malformed or disagree with the step's t and pos."""
+    t, pos, raw = record.get("t"), record.get("pos"), record.get("spans")
+    if raw is None:
+        return [(0, int(pos), int(t))]
+    spans = [(int(s), int(p), int(n)) for s, p, n in raw]
+    if not spans or len({s for s, _, _ in spans}) != len(spans):
+        raise ValueError("a batched step needs distinct slots")
+    if any(s < 0 or p < 0 or n < 1 for s, p, n in spans):
+        raise ValueError(f"spans {raw} out of range")
+    if sum(n for _, _, n in spans) != t or spans[0][1] != pos:
+        raise ValueError(f"spans {raw} disagree with t {t}, pos {pos}")
+    return spans
+
+
+def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Session]:
+    """Replay one rank's slots (see the module docstring); returns its sessions in order of start.
+    `violate(Violation)` records a finding and voids the step it names."""
+    sessions: list[Session] = []
+    open_: dict[int, tuple[int, Session]] = {}  # slot -> (position reached, its session)
+    log_session = 0
+    for r in body:
+        kind = r.get("type")
+        if kind == "session":
+            log_session, open_ = r.get("session"), {}  # a RESET: every slot zeroed
+            continue
+        if kind == "release":
+            slot = r.get("slot")
+            held = open_.pop(slot, None)
+            last = held[1].steps[-1] if held else (log_session, None)
+            where = dict(rank=rank, session=last[0], step=last[1])
+            if held is None:
+                violate(Violation("structure", f"release of slot {slot}, which holds no session", **where))
+            elif worker and r.get("zeroed") is not True:
+                violate(Violation("holding", f"slot {slot} still held KV after its session's release", **where))
+            continue
+        key = (r.get("session"), r.get("step"))
+        where = dict(rank=rank, session=key[0], step=key[1])
+        try:
+            spans = spans_of(r)
+        except (TypeError, ValueError) as e:
+            violate(Violation("structure", f"malformed spans ({e})", **where))
+            continue
+        for slot, pos, t in spans:
+            held = open_.get(slot)
+            if pos == 0 and held is not None:
+                msg = f"slot {slot}: a new session starts on top of the previous one's KV (never released)"
+                violate(Violation("holding", msg, **where))
+            elif pos > 0 and (held is None or held[0] != pos):
+                msg = f"slot {slot}: position {pos}, expected {held[0] if held else 'a new session at 0'}"
+                violate(Violation("structure", msg, **where))
+            if pos == 0 or held is None:
+                held = (0, Session(slot))
+                sessions.append(held[1])
+            s = held[1]
+            s.steps.append(key)
+            s.tokens += t
+            open_[slot] = (pos + t, s)
+    return sessions
