@@ -8,7 +8,10 @@ Who the workers are, three ways:
              for itself and for each worker (in memory; a worker gets its secret on stdin), so even on
              one machine only the processes it started can join, over TLS on loopback.
   topology   `--topology FILE --key client.key`: the user's file lists every worker's address, share
-             and public key; the client admits exactly those keys (comm/rendezvous.py).
+             and public key; the client admits exactly those keys (comm/rendezvous.py). With
+             `--engine mpi` the workers are a cluster that mpiexec started: their collectives run
+             in its MPI world (comm/mpi_fabric.py), one epoch only, and the links to the client
+             stay TLS.
   insecure   `--master HOST:PORT --insecure`: plaintext, and whoever claims a rank gets it. Only when
              asked for by name; a warning says so.
 
@@ -42,6 +45,7 @@ import torch
 
 from .comm import Admission, Comm, CommError, Identity, Member, PeerError, Recorder, Watch, free_port
 from .comm.liveness import DEADLINE_S
+from .comm.mpi_fabric import WORLD as MPI_WORLD
 from .config import ModelError
 from .launch import WorkerProcs
 from .membership import Membership, Seat
@@ -72,7 +76,7 @@ class EngineOptions:
     key: Identity | None = None  # the client's own key (topology runs); local runs make a fresh one
     insecure: bool = False  # plaintext links, unauthenticated claims: asked for by name only
     master: str | None = None  # HOST:PORT to listen at for separately started workers (insecure only)
-    engine: str = "tls"  # tls | tcp (insecure) | gloo, nccl (torch.distributed among workers)
+    engine: str = "tls"  # tls | tcp (insecure) | gloo, nccl (torch.distributed among workers) | mpi
     context: int | None = None
     threads: int | None = None  # torch threads per worker; None = cores // N, >= 1
     timeout_s: float = 120.0  # bound on every wait for a peer during the session
@@ -98,10 +102,19 @@ class EngineOptions:
         """Option combinations that cannot work; raises CommError naming the fix."""
         if self.engine not in ENGINES:
             raise CommError(f"unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
-        if self.engine != "tls" and not self.insecure and not (self.engine in LOCAL_FABRICS and self.is_local):
+        vouched = (self.engine in LOCAL_FABRICS and self.is_local) or self.mpi_world  # asked for by engine name
+        if self.engine != "tls" and not self.insecure and not vouched:
             raise CommError(f"--engine {self.engine} is plaintext: add --insecure to ask for it by name")
         if self.engine in FABRICS and not self.is_local:
-            raise CommError(f"--engine {self.engine} runs on one machine only (spawned workers)")
+            if not self.mpi_world:
+                raise CommError(f"--engine {self.engine} runs on one machine only (spawned workers); across hosts, "
+                                "--engine mpi runs with a --topology on workers that mpiexec started")  # fmt: skip
+            if self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
+                raise CommError("--engine mpi across hosts: the workers share one mpiexec world, whose size is "
+                                f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}")  # fmt: skip
+            if self.recover:
+                raise CommError("--engine mpi across hosts cannot replace a lost worker (an mpiexec world has a "
+                                "fixed size): add --no-recover")  # fmt: skip
         if self.master and self.topology is None and not self.insecure:
             raise CommError("--master without --topology cannot pin the workers' keys: use --topology FILE "
                             "(with every participant's key) or --insecure")  # fmt: skip
@@ -120,6 +133,13 @@ class EngineOptions:
             raise CommError(f"--min-workers must be >= 1, got {self.min_workers}")
         if not (self.liveness_s > 0):
             raise CommError(f"--liveness must be > 0, got {self.liveness_s}")
+
+    @property
+    def mpi_world(self) -> bool:
+        """Workers on several hosts that mpiexec started together, one MPI world as their fabric: the
+        user's own cluster, a trust domain they vouch for by asking for it (the client's links stay
+        TLS; the workers' collectives are MPI's, plaintext on the cluster's network)."""
+        return self.engine == "mpi" and self.topology is not None
 
     @property
     def is_local(self) -> bool:
@@ -387,7 +407,9 @@ class EngineBase(Membership):
 
     def _welcome(self, member: Member) -> dict:
         out = {"mode": self.mode, "n_workers": self.n_workers, "timeout_s": self.opts.timeout_s, **self.welcome()}
-        if self.opts.engine == "mpi":  # one rendezvous directory per epoch (ports are not reused)
+        if self.opts.mpi_world:  # workers that mpiexec started together
+            out["fabric"] = {"backend": "mpi", "store": MPI_WORLD}
+        elif self.opts.engine == "mpi":  # one rendezvous directory per epoch (ports are not reused)
             out["fabric"] = {"backend": "mpi", "store": os.path.join(self._store, f"epoch{self.epoch}")}
         elif self.opts.engine in FABRICS:
             out["fabric"] = {"backend": self.opts.engine, "store": self._store}

@@ -176,6 +176,9 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     if opts.insecure:
         opts.log("warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
                  "path reads the shards, anyone who reaches the port can join")  # fmt: skip
+    elif opts.mpi_world:
+        opts.log("note: --engine mpi across hosts: the workers' collectives are MPI's, plaintext on your "
+                 "cluster's network; the client's links stay TLS")  # fmt: skip
     return opts
 
 

@@ -5,6 +5,7 @@
             p = hosts.popen("10.0.0.2", ["fusion", "worker", ...])
             ...
         cap.payloads   # every TCP payload that crossed the bridge, one bytes object per frame
+        cap.flows      # payload bytes per (source, destination) address
 
 The namespaces and the bridge are fusion_compute/bench/netns.py's (the RTT benchmark uses them too);
 this module adds the capture. The capture is an AF_PACKET socket in the switch
@@ -16,6 +17,7 @@ iproute2; `available()` says why not otherwise.
 from __future__ import annotations
 
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -49,7 +51,7 @@ with open(out, "wb") as f:
         tcp = 14 + ihl
         payload = frame[tcp + (frame[tcp + 12] >> 4) * 4 :]
         if payload:
-            f.write(struct.pack("<I", len(payload)) + payload)
+            f.write(struct.pack("<I4s4s", len(payload), frame[26:30], frame[30:34]) + payload)  # IPv4 src, dst
             n += 1
 packets, drops = struct.unpack("II", s.getsockopt(263, 6, 8))  # SOL_PACKET, PACKET_STATISTICS
 open(out + ".stats", "w").write(f"{n} {drops}")
@@ -71,6 +73,7 @@ class Capture:
                 raise RuntimeError(f"capture did not start: {self.proc.stderr.read() if self.proc.poll() is not None else ''}")
             time.sleep(0.05)
         self.payloads: list[bytes] = []
+        self.flows: dict[tuple[str, str], int] = {}  # (source, destination) address -> payload bytes
         self.drops = self.packets = -1
 
     def __enter__(self) -> Capture:
@@ -86,10 +89,12 @@ class Capture:
             self.proc.wait()
         raw = self.out.read_bytes() if self.out.exists() else b""
         at = 0
-        while at + 4 <= len(raw):
-            (n,) = struct.unpack_from("<I", raw, at)
-            self.payloads.append(raw[at + 4 : at + 4 + n])
-            at += 4 + n
+        while at + 12 <= len(raw):
+            n, src, dst = struct.unpack_from("<I4s4s", raw, at)
+            self.payloads.append(raw[at + 12 : at + 12 + n])
+            pair = (socket.inet_ntoa(src), socket.inet_ntoa(dst))
+            self.flows[pair] = self.flows.get(pair, 0) + n
+            at += 12 + n
         stats = Path(str(self.out) + ".stats")
         if stats.exists():
             self.packets, self.drops = (int(x) for x in stats.read_text().split())

@@ -14,6 +14,12 @@ every member already in accepts it collectively, so the merged communicator's ra
 indices. (MPICH 5.0.x breaks connect/accept between singletons — pmodels/mpich#7805 — so the extra
 pins mpich 4.3.)
 
+Joining as mpiexec started them (a cluster the user controls, docs/performance.md): workers launched
+together by `mpiexec` (a host file, or one `-host` per worker) already share `MPI_COMM_WORLD`; with
+the rendezvous `WORLD` the fabric is a duplicate of it, and mpiexec's rank i must be the plan's worker
+i (the topology's order). A world has a fixed size, so it serves one plan epoch: the client refuses
+standbys and recovery with it (`EngineOptions.check`).
+
 Waiting: MPICH busy-polls inside a blocking call, and on an oversubscribed machine (more processes
 than cores, the usual local run) a waiting worker then steals the core a computing one needs. Every
 collective here is non-blocking (`Ialltoallv`, `Iallreduce`) and waited for by `wait`: it polls,
@@ -39,6 +45,7 @@ import torch
 
 from .errors import CommError
 
+WORLD = "world"  # the rendezvous of workers that mpiexec started together
 YIELD_S = 0.01  # poll (yielding the core between polls) this long before sleeping
 MAX_SLEEP_S = 1e-3
 
@@ -72,32 +79,11 @@ class MpiFabric:
         self.mpi, self.me, self.timeout_s = mpi, worker, timeout_s
         self.device = torch.device("cpu")
         self.aborted = threading.Event()
-        d = Path(rendezvous)
-        deadline = time.monotonic() + timeout_s
         try:
-            if worker == 0:
-                d.mkdir(mode=0o700, exist_ok=True)
-                port = mpi.Open_port()
-                (d / "port.tmp").write_text(port)
-                os.replace(d / "port.tmp", d / "port")
-                (d / "joined0").touch()
-                comm = mpi.COMM_SELF
+            if rendezvous == WORLD:
+                comm = self._world(mpi, worker, n_workers)
             else:
-                _wait_file(d / f"joined{worker - 1}", deadline, f"worker {worker - 1}'s join")
-                port = (d / "port").read_text()
-                inter = mpi.COMM_SELF.Connect(port, root=0)
-                comm = inter.Merge(high=True)
-                inter.Free()
-                (d / f"joined{worker}").touch()
-            for _ in range(worker + 1, n_workers):  # everyone already in accepts each later worker
-                inter = comm.Accept(port, root=0)
-                merged = inter.Merge(high=False)
-                inter.Free()
-                if comm is not mpi.COMM_SELF:
-                    comm.Free()
-                comm = merged
-            if worker == 0 and n_workers > 1:
-                mpi.Close_port(port)
+                comm = self._join(mpi, worker, n_workers, Path(rendezvous), time.monotonic() + timeout_s)
             if comm.Get_size() != n_workers or comm.Get_rank() != worker:
                 raise CommError(f"mpi fabric: joined as {comm.Get_rank()} of {comm.Get_size()}, expected "
                                 f"{worker} of {n_workers}")  # fmt: skip
@@ -108,6 +94,43 @@ class MpiFabric:
                     self.groups[g] = comm.Create_group(comm.Get_group().Incl(list(owners)))
         except mpi.Exception as e:
             raise CommError(f"mpi fabric: {str(e).splitlines()[0]}") from None
+
+    @staticmethod
+    def _join(mpi, worker: int, n_workers: int, d: Path, deadline: float):
+        """Singletons into one communicator by connect/accept (the module docstring)."""
+        if worker == 0:
+            d.mkdir(mode=0o700, exist_ok=True)
+            port = mpi.Open_port()
+            (d / "port.tmp").write_text(port)
+            os.replace(d / "port.tmp", d / "port")
+            (d / "joined0").touch()
+            comm = mpi.COMM_SELF
+        else:
+            _wait_file(d / f"joined{worker - 1}", deadline, f"worker {worker - 1}'s join")
+            port = (d / "port").read_text()
+            inter = mpi.COMM_SELF.Connect(port, root=0)
+            comm = inter.Merge(high=True)
+            inter.Free()
+            (d / f"joined{worker}").touch()
+        for _ in range(worker + 1, n_workers):  # everyone already in accepts each later worker
+            inter = comm.Accept(port, root=0)
+            merged = inter.Merge(high=False)
+            inter.Free()
+            if comm is not mpi.COMM_SELF:
+                comm.Free()
+            comm = merged
+        if worker == 0 and n_workers > 1:
+            mpi.Close_port(port)
+        return comm
+
+    @staticmethod
+    def _world(mpi, worker: int, n_workers: int):
+        world = mpi.COMM_WORLD
+        if world.Get_size() != n_workers or world.Get_rank() != worker:
+            raise CommError(f"mpiexec started this worker as rank {world.Get_rank()} of {world.Get_size()}, but it is "
+                            f"worker {worker + 1} of {n_workers} in the topology, which must be rank {worker}: start "
+                            "exactly the topology's workers, in its order (mpiexec's host file in that order)")  # fmt: skip
+        return world.Dup()
 
     def wait(self, req) -> None:
         """Drive MPI's progress (it moves data only inside its calls) until `req` completes, giving the
