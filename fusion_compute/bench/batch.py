@@ -21,14 +21,18 @@ import torch
 
 
 def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int, new_tokens: int,
-            repeats: int, log=lambda s: None) -> dict:  # fmt: skip
+            repeats: int, log=lambda s: None, opts=None) -> dict:  # fmt: skip
+    """`opts`: the job's EngineOptions (bench/rtt.py: workers named by a topology); default: n local
+    workers on `engine`."""
     from ..batching import Sequence, run_batch
     from ..client import Engine, EngineOptions
     from ..generate import generate
     from ..sampling import SamplingParams
 
     greedy = SamplingParams()
-    opts = EngineOptions(n_workers=n, engine=engine, context=prompt_len + new_tokens + 8, log=lambda line: None)
+    if opts is None:
+        opts = EngineOptions(n_workers=n, engine=engine, log=lambda line: None)
+    opts.context = prompt_len + new_tokens + 8
     with Engine(model, opts) as eng:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, eng.config.vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
@@ -48,7 +52,7 @@ def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int,
         "model": str(eng.model_path), "workers": n, "engine": engine, "batch": batch, "prompt_tokens": prompt_len,
         "new_tokens": new_tokens, "repeats": repeats,
         "single_decode_tokens_per_s": _summary(singles), "batch_decode_tokens_per_s": _summary(batches),
-        "ratio": _summary(ratios), "same_tokens_as_alone": same,
+        "ratio": _summary(ratios), "same_tokens_as_alone": same, "tokens": alone.token_ids,
     }  # fmt: skip
 
 

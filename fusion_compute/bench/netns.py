@@ -4,38 +4,57 @@
         p = hosts.popen("10.0.0.2", ["fusion", "worker", ...])
 
 Each host is a namespace with one veth (`eth0`) whose other end sits on a bridge in a "switch"
-namespace, so nothing touches the machine's own network. `one_way_ms` puts a `tc netem` delay on
-every host's eth0: a packet between two hosts waits once, at its sender, so the round trip between
-any two hosts is 2 × one_way_ms. Needs root, iproute2 (`ip`, `tc`) and the sch_netem module;
-`available()` says why not otherwise. Used by tests/test_wire.py and bench/rtt.py.
+namespace, so nothing touches the machine's own network. `one_way_ms` puts a delay on every host's
+eth0: a packet between two hosts waits once, at its sender, so the round trip between any two hosts
+is 2 × one_way_ms. The delay is `tc netem` (`delay="netem"`, needs the sch_netem module) or, where
+the kernel has no netem, a netfilter queue whose reader holds each packet that long
+(`delay="nfqueue"`: bench/nfq_delay.py, one process per host; needs iptables and NetfilterQueue).
+Needs root and iproute2; `available()` says why not otherwise. Used by tests/test_wire.py and
+bench/rtt.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 
+DELAYS = ("netem", "nfqueue")
+NFQ_RULE = ["iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]
 
-def available(netem: bool = False) -> str | None:
-    """None when namespaces (and, with `netem`, delays) can be made here, else the reason they cannot."""
+
+def available(netem: bool = False, delay: str = "netem") -> str | None:
+    """None when namespaces (and, with `netem`, delays of kind `delay`) can be made here, else the
+    reason they cannot."""
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
     if shutil.which("ip") is None:
         return "needs iproute2 (`ip`)"
-    if netem and shutil.which("tc") is None:
+    if netem and delay == "netem" and shutil.which("tc") is None:
         return "needs iproute2's `tc` (netem delays)"
+    if netem and delay == "nfqueue":
+        if shutil.which("iptables") is None:
+            return "needs iptables (nfqueue delays)"
+        if importlib.util.find_spec("netfilterqueue") is None:
+            return "needs the NetfilterQueue package (nfqueue delays): pip install NetfilterQueue"
     name = f"fcprobe{uuid.uuid4().hex[:6]}"
     r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if r.returncode != 0:
         return f"cannot create a network namespace: {r.stderr.strip()}"
     try:
-        if netem:
+        if netem and delay == "netem":
             r = subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
                                capture_output=True, text=True)  # fmt: skip
             if r.returncode != 0:
                 return f"cannot add a netem delay: {r.stderr.strip()}"
+        elif netem:
+            rule = [x if x != "eth0" else "lo" for x in NFQ_RULE]
+            r = subprocess.run(["ip", "netns", "exec", name, *rule], capture_output=True, text=True)
+            if r.returncode != 0:
+                return f"cannot queue packets to a netfilter queue: {r.stderr.strip()}"
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
@@ -54,12 +73,18 @@ def ip(*args: str, ns: str | None = None) -> None:
 class Hosts:
     """One namespace per address on a /24, all on one bridge in a switch namespace."""
 
-    def __init__(self, addresses: list[str], one_way_ms: float = 0.0):
+    def __init__(self, addresses: list[str], one_way_ms: float = 0.0, delay: str | None = "netem"):
+        """`delay`: how `one_way_ms` is applied ("netem" or "nfqueue", DELAYS); "nfqueue" queues every
+        packet even at 0 ms (its cost then stays in the baseline); None: no delay at all."""
+        if delay not in (None, *DELAYS):
+            raise ValueError(f"delay must be one of {DELAYS} or None, got {delay!r}")
         tag = uuid.uuid4().hex[:6]
         self.switch = f"fcsw{tag}"
         self.ns = {a: f"fch{i}{tag}" for i, a in enumerate(addresses)}
         self.one_way_ms = one_way_ms
+        self.delay = delay
         self.procs: list[subprocess.Popen] = []
+        self.delayers: list[subprocess.Popen] = []
         self._tag = tag
 
     def __enter__(self) -> Hosts:
@@ -76,13 +101,27 @@ class Hosts:
                 ip("link", "set", port, "up", ns=self.switch)
                 ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
                 ip("link", "set", "eth0", "up", ns=ns)
-                if self.one_way_ms > 0:  # a limit well above the in-flight packets of a bulk transfer
+                if self.delay == "netem" and self.one_way_ms > 0:  # limit: well above a bulk transfer's packets
                     _run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay",
                           f"{self.one_way_ms}ms", "limit", "100000"])  # fmt: skip
+                elif self.delay == "nfqueue":
+                    self._queue_delay(ns)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _queue_delay(self, ns: str) -> None:
+        """Start the host's delay reader (it must be bound first: a queue nobody reads drops), then
+        send everything leaving eth0 to it."""
+        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "fusion_compute.bench.nfq_delay",
+                              "--ms", str(self.one_way_ms)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+        self.delayers.append(p)
+        if p.stdout.readline().strip() != "ready":
+            p.wait(timeout=10)
+            raise RuntimeError(f"nfq_delay in {ns}: {p.stderr.read().strip() or 'did not start'}")
+        _run(["ip", "netns", "exec", ns, *NFQ_RULE])
 
     def popen(self, addr: str, argv: list[str], **kw) -> subprocess.Popen:
         kw.setdefault("stdout", subprocess.PIPE)
@@ -97,7 +136,7 @@ class Hosts:
         ip("link", "set", "eth0", "down", ns=self.ns[addr])
 
     def __exit__(self, *exc) -> None:
-        for p in self.procs:
+        for p in self.procs + self.delayers:  # the delayers last: the others' packets still flow
             if p.poll() is None:
                 p.kill()
                 p.wait()
