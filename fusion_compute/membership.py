@@ -154,6 +154,11 @@ class Membership:
                         "where": member.label() if member else None})  # fmt: skip
         return out
 
+    def _fixed_world(self, what: str) -> None:
+        if self.opts.mpi_world:
+            raise UnknownWorker(f"cannot {what}: the workers share one mpiexec world, whose members are fixed "
+                                "(--engine mpi across hosts)")  # fmt: skip
+
     def revoke(self, pid: int, replay: bool = True) -> None:
         """Remove a participant now: it is told to wipe and leave, it may never rejoin, and the
         session (if one is open) is replayed on the next epoch, with a standby in its place when
@@ -163,6 +168,7 @@ class Membership:
         if pid not in self.seats or pid in self.removed:
             live = [str(p) for p in self.seats if p not in self.removed]
             raise UnknownWorker(f"no worker {pid} to revoke (workers: {', '.join(live)})")
+        self._fixed_world("revoke a worker")
         if pid not in self.order:  # a standby: nothing to re-plan
             self._retire({pid}, epoch_over=False)
             return
@@ -199,6 +205,7 @@ class Membership:
         """Enroll one more participant as a standby; returns its id. Local runs spawn it (a fresh
         key); otherwise the user names its public key (and host), and starts it there with
         `fusion worker --master ... --client-key ... --key ...`. Migration = add, then revoke."""
+        self._fixed_world("add a standby")
         pid = max(self.seats) + 1
         capacity = min(s.capacity for s in self.seats.values())
         names = self.group_names()

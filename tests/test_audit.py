@@ -190,6 +190,12 @@ def broken_chain(d: Path) -> None:
     p.write_text("\n".join(lines) + "\n")
 
 
+def negative_position(d: Path) -> None:
+    recs = _records(d / "rank2.jsonl")
+    recs[_steps(recs)[1]]["pos"] = -3
+    _rechain(d, 2, recs)
+
+
 def altered_netcount(d: Path) -> None:
     p = d / S.NETCOUNT
     if not p.exists():
@@ -206,6 +212,7 @@ TAMPERS = {
     "extra-coordinates": (extra_coordinates, {"holding", "partition"}),
     "altered-bytes": (altered_bytes, {"accounting"}),
     "reordered-steps": (reordered_steps, {"structure"}),
+    "negative-position": (negative_position, {"structure"}),
     "broken-hash-chain": (broken_chain, {"chain"}),
     "altered-netcount": (altered_netcount, {"chain"}),
 }

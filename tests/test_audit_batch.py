@@ -6,7 +6,8 @@ One audited run: tiny Qwen2 at N = 3 (split KV groups: the batched score sums ar
 accounting), 3 slots, 4 sessions (session i joins at step i, so steps mix a newcomer's prefill
 with the others' decodes; the fourth session reuses the first one's slot). Negative controls: a
 worker that keeps a finished session's KV (`--inject-leak keep-slots`), and tampered logs: a
-dropped release, a shifted position, a span moved to another slot.
+dropped release, a shifted position, a span moved to another slot, sessions never released, values
+of the wrong type.
 """
 
 from __future__ import annotations
@@ -107,10 +108,28 @@ def move_slot(d: Path) -> None:
     _rechain(d, 3, recs)
 
 
+def never_released(d: Path) -> None:
+    """Every rank's last release dropped: a batched session still held when the logs end."""
+    for rank in range(4):
+        recs = _records(d / f"rank{rank}.jsonl")
+        del recs[max(i for i, r in enumerate(recs) if r["type"] == "release")]
+        _rechain(d, rank, recs)
+
+
+def malformed_spans(d: Path) -> None:
+    """Values of the wrong type: reported as violations, never a crash of the verifier."""
+    recs = _records(d / "rank1.jsonl")
+    recs[_steps(recs)[2]]["spans"] = 5
+    next(r for r in recs if r["type"] == "release")["slot"] = [0]
+    _rechain(d, 1, recs)
+
+
 TAMPERS = {
     "dropped-release": (drop_release, {"holding", "structure"}),
     "shifted-position": (shift_position, {"structure"}),
     "moved-slot": (move_slot, {"structure"}),
+    "never-released": (never_released, {"holding"}),
+    "malformed-spans": (malformed_spans, {"structure"}),
 }
 
 
@@ -134,4 +153,4 @@ def test_batch_limits(tiny_qwen2, tmp_path, capsys):
         run_audit(cfg, log=lambda s: None)
     assert main(["audit", "run", "--model", str(tiny_qwen2), "--out", str(tmp_path), "--batch", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--batch must be >= 1" in err
+    assert err.count("\n") == 1 and "--batch must be in 1..256, got 0" in err

@@ -136,3 +136,23 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
     said = w_out + w_err  # each misplaced worker says why, in one line, and ends its epoch
     assert "mpiexec started this worker as rank 0 of 3, but it is worker 3 of 3 in the topology" in said, said
     assert "mpiexec started this worker as rank 2 of 3, but it is worker 1 of 3 in the topology" in said, said
+
+
+def test_membership_changes_are_refused(tmp_path):
+    """Revoking or adding a worker would need a new MPI world: refused in one line, nothing changed."""
+    from fusion_compute.client import EngineOptions
+    from fusion_compute.membership import Membership, UnknownWorker
+    from fusion_compute.topology import Topology
+
+    ids = [Identity.new() for _ in range(3)]
+    topo = tmp_path / "t.toml"
+    topo.write_text(f'[client]\naddress = "{CLIENT}:29500"\nkey = "{ids[0].public.line()}"\n'
+                    + "".join(f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n'
+                              for h, k in zip(WORKERS, ids[1:], strict=False)))  # fmt: skip
+    m = Membership.__new__(Membership)  # the refusal comes before any worker is touched
+    m.opts = EngineOptions(n_workers=2, topology=Topology.load(str(topo)), engine="mpi", recover=False)
+    m.seats, m.removed = {1: None, 2: None}, set()
+    with pytest.raises(UnknownWorker, match="cannot revoke a worker: the workers share one mpiexec world"):
+        m.revoke(1)
+    with pytest.raises(UnknownWorker, match="cannot add a standby"):
+        m.add_standby()

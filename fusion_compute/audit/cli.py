@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..protocol import MAX_SLOTS
+
 EXIT_FAIL = 1
 EXIT_USAGE = 2
 
@@ -85,8 +87,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise AuditCliError(f"--standby must be >= 0, got {a.standby}")
     if a.negative_control is not None and a.revoke_at is None:
         raise AuditCliError("--negative-control keep-revoked needs --revoke-at STEP")
-    if a.batch < 1:
-        raise AuditCliError(f"--batch must be >= 1, got {a.batch}")
+    if not 1 <= a.batch <= MAX_SLOTS:
+        raise AuditCliError(f"--batch must be in 1..{MAX_SLOTS}, got {a.batch}")
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")

@@ -342,10 +342,11 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         _open_client_log(cfg, engine, ep)
         load_s = time.perf_counter() - t0
         ep.before = sockets.take()
-        replay_s = 0.0
+        replay_s, decode_tokens = 0.0, cfg.steps
         if cfg.batch > 1:
             sessions, ttft, decode_s = _run_batched(cfg, engine, ep.rec, prompt, epochs)
             tokens = [t for out in sessions for t in out]
+            decode_tokens = len(tokens) - 1  # every token after the first step's
         else:
             engine.reset()
             ep.rec.new_session()
@@ -524,7 +525,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             "load_s": round(load_s, 3),
             "ttft_s": round(ttft, 4),
             "decode_s": round(decode_s, 3),
-            "decode_tokens_per_s": round(cfg.steps * cfg.sessions / decode_s, 3) if decode_s > 0 else None,
+            "decode_tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
             "revocation_and_replay_s": round(replay_s, 3) if len(epochs) > 1 else None,
             "wall_s": round(ended - started, 3),
         },

@@ -121,7 +121,8 @@ def step_phase(t: int, pos: int, spans: list[list[int]] | None = None) -> str:
     return "decode" if all(n == 1 and p > 0 for _, p, n in spans) else "prefill"
 
 
-SPANS_OP = "spans"  # the control message that carries a batched step's spans: 3 int64 per session
+SPANS_OP = "spans"  # the control message that carries a batched step's spans
+SPANS_WORDS = 3  # int64 words per session in it: slot, pos, T
 
 
 # ---- holdings: which coordinates a worker's tensors stand for ----

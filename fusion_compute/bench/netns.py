@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import select
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 DELAYS = ("netem", "nfqueue")
@@ -118,9 +120,11 @@ class Hosts:
                               "--ms", str(self.one_way_ms)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
         self.delayers.append(p)
-        if p.stdout.readline().strip() != "ready":
-            p.wait(timeout=10)
-            raise RuntimeError(f"nfq_delay in {ns}: {p.stderr.read().strip() or 'did not start'}")
+        ready = select.select([p.stdout], [], [], 30)[0] and p.stdout.readline().strip() == "ready"
+        if not ready:
+            p.kill()
+            p.wait()
+            raise RuntimeError(f"nfq_delay in {ns}: {p.stderr.read().strip() or 'not ready within 30 s'}")
         _run(["ip", "netns", "exec", ns, *NFQ_RULE])
 
     def popen(self, addr: str, argv: list[str], **kw) -> subprocess.Popen:
@@ -136,9 +140,16 @@ class Hosts:
         ip("link", "set", "eth0", "down", ns=self.ns[addr])
 
     def __exit__(self, *exc) -> None:
-        for p in self.procs + self.delayers:  # the delayers last: the others' packets still flow
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for group in (self.procs, self.delayers):  # the delayers last: the others' packets still flow
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()  # first politely (an mpiexec then stops the processes it started)
+            deadline = time.monotonic() + 5
+            for p in group:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         for ns in [*self.ns.values(), self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -10,8 +10,9 @@ that queue (`iptables -t mangle -A POSTROUTING -o eth0 -j NFQUEUE --queue-num Q`
 between two hosts waits once, at its sender. Unlike netem it costs CPU per packet (a Python
 callback, then a verdict) and it wakes late (measured on this VM: 80-150 µs per wait, and a packet
 waits twice, once to be noticed and once to leave), so a round trip comes out 0.1-0.5 ms longer
-than asked; bench/rtt.py measures the round trip it really got (a TCP ping) and uses that. It stops on SIGTERM/SIGINT, or when its
-parent's namespace is deleted; without it the rule drops every packet (no silent undelayed path).
+than asked; bench/rtt.py measures the round trip it really got (a TCP ping) and uses that. It stops
+on SIGTERM/SIGINT and when its parent (the bench) dies; without it the rule drops every packet (no
+silent undelayed path).
 Needs root, iptables and `pip install NetfilterQueue` (which builds against libnetfilter-queue-dev).
 """
 
@@ -26,6 +27,7 @@ import signal
 import sys
 import time
 
+PR_SET_PDEATHSIG = 1
 PR_SET_TIMERSLACK = 29
 
 
@@ -41,7 +43,9 @@ def serve(queue: int, delay_s: float) -> None:
         else:
             held.append((clock() + delay_s, pkt))
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)  # wake on time, not 50 µs late
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # a killed bench leaves no real-time reader behind
+    libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)  # wake on time, not 50 µs late
     try:  # run before the busy workers when a packet is due (a little CPU per packet, so no starvation)
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
     except (OSError, AttributeError):

@@ -156,7 +156,7 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
 def check_spans_message(record: dict, spans: list | None, where: dict, res: Result, violate) -> None:
     """A batched step's spans arrive as one control message of 3 int64 per session, before the step."""
     got = [sum(e.received) for e in map(read_event, record.get("control") or []) if e.op == S.SPANS_OP]
-    want = [3 * len(spans)] if spans else []
+    want = [S.SPANS_WORDS * len(spans)] if spans else []
     res.checks["accounting"] += 1
     if got != want:
         violate(Violation("accounting", f"spans control messages of {got} words, expected {want}", **where))

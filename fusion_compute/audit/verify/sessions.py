@@ -38,8 +38,12 @@ def spans_of(record: dict) -> list[Span]:
     spans are malformed or disagree with the step's t and pos."""
     t, pos, raw = record.get("t"), record.get("pos"), record.get("spans")
     if raw is None:
-        return [(0, int(pos), int(t))]
-    spans = [(int(s), int(p), int(n)) for s, p, n in raw]
+        if not (_int(pos) and _int(t) and pos >= 0 and t >= 1):
+            raise ValueError(f"position {pos!r} and {t!r} tokens out of range")
+        return [(0, pos, t)]
+    if not isinstance(raw, list) or not all(isinstance(x, list) and len(x) == 3 and all(map(_int, x)) for x in raw):
+        raise ValueError(f"spans {raw!r:.80} are not [slot, pos, T] integers")
+    spans = [(s, p, n) for s, p, n in raw]
     if not spans or len({s for s, _, _ in spans}) != len(spans):
         raise ValueError("a batched step needs distinct slots")
     if any(s < 0 or p < 0 or n < 1 for s, p, n in spans):
@@ -49,24 +53,30 @@ def spans_of(record: dict) -> list[Span]:
     return spans
 
 
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Session]:
     """Replay one rank's slots (see the module docstring); returns its sessions in order of start.
     `violate(Violation)` records a finding and voids the step it names."""
     sessions: list[Session] = []
     open_: dict[int, tuple[int, Session]] = {}  # slot -> (position reached, its session)
-    log_session = 0
+    batched: set[int] = set()  # open slots whose session ran in batched steps (they must be released)
     for r in body:
         kind = r.get("type")
         if kind == "session":
-            log_session, open_ = r.get("session"), {}  # a RESET: every slot zeroed
+            open_, batched = {}, set()  # a RESET: every slot zeroed
             continue
         if kind == "release":
             slot = r.get("slot")
-            held = open_.pop(slot, None)
-            last = held[1].steps[-1] if held else (log_session, None)
+            held = open_.pop(slot, None) if _int(slot) else None
+            if held is not None:
+                batched.discard(slot)
+            last = held[1].steps[-1] if held else (r.get("session"), None)
             where = dict(rank=rank, session=last[0], step=last[1])
             if held is None:
-                violate(Violation("structure", f"release of slot {slot}, which holds no session", **where))
+                violate(Violation("structure", f"release of slot {slot!r:.20}, which holds no session", **where))
             elif worker and r.get("zeroed") is not True:
                 violate(Violation("holding", f"slot {slot} still held KV after its session's release", **where))
             continue
@@ -75,11 +85,13 @@ def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Sess
         try:
             spans = spans_of(r)
         except (TypeError, ValueError) as e:
-            violate(Violation("structure", f"malformed spans ({e})", **where))
+            violate(Violation("structure", f"malformed step ({e})", **where))
             continue
         for slot, pos, t in spans:
             held = open_.get(slot)
-            if pos == 0 and held is not None:
+            if pos == 0 and held is not None and "spans" not in r:
+                violate(Violation("structure", "position 0 again without a RESET (steps out of order?)", **where))
+            elif pos == 0 and held is not None:
                 msg = f"slot {slot}: a new session starts on top of the previous one's KV (never released)"
                 violate(Violation("holding", msg, **where))
             elif pos > 0 and (held is None or held[0] != pos):
@@ -92,4 +104,10 @@ def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Sess
             s.steps.append(key)
             s.tokens += t
             open_[slot] = (pos + t, s)
+            if "spans" in r:
+                batched.add(slot)
+    for slot in sorted(batched):  # the log ended with these sessions' KV still held
+        last = open_[slot][1].steps[-1]
+        msg = f"slot {slot}: its batched session was never released (its KV held to the end of the log)"
+        violate(Violation("holding", msg, rank=rank, session=last[0], step=last[1]))
     return sessions
