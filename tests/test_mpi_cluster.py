@@ -42,7 +42,8 @@ exec ip netns exec "$ns" sh -c "$*"
 NETWORK = ["-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp", "-genv", "UCX_NET_DEVICES", "eth0"]
 
 
-def setup(hosts: Hosts, tmp: Path) -> tuple[Path, list[Path]]:
+def topology(tmp: Path) -> tuple[Path, list[Path]]:
+    """Keys for the client and the three workers, and the topology that pins them."""
     ids = [Identity.new() for _ in range(1 + len(WORKERS))]
     keys = []
     for i, ident in enumerate(ids):
@@ -52,6 +53,12 @@ def setup(hosts: Hosts, tmp: Path) -> tuple[Path, list[Path]]:
     topo.write_text(f'[client]\naddress = "{CLIENT}:29500"\nkey = "{ids[0].public.line()}"\n'
                     + "".join(f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n'
                               for h, k in zip(WORKERS, ids[1:], strict=True)))  # fmt: skip
+    return topo, keys
+
+
+def setup(hosts: Hosts, tmp: Path) -> tuple[Path, list[Path]]:
+    """The topology, and the launcher that enters each worker's namespace."""
+    topo, keys = topology(tmp)
     launcher = tmp / "launch.sh"
     cases = "\n".join(f"{h}) ns={hosts.ns[h]};;" for h in WORKERS)
     launcher.write_text(LAUNCHER % cases)
@@ -79,14 +86,20 @@ def generate(model: Path, *args: str) -> list[str]:
             "--max-new-tokens", "6", "--json", "--timeout", "60", *args]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def local_tokens(tiny_qwen2) -> list[int]:
+    """The reference: three local workers on TLS."""
+    local = subprocess.run(generate(tiny_qwen2, "--workers", "3"), capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    return json.loads(local.stdout.strip().splitlines()[-1])["token_ids"]
+
+
 @pytest.mark.parametrize("network", [True, False], ids=["network", "shared-memory"])
-def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network):
+def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_tokens):
     """`network`: MPICH forced onto eth0. Without it (the negative control of the bridge check) the
     same run is as exact, but the workers' data goes through shared memory: measured 8.6 KB between
     workers on the bridge (MPI's connection set-up) against 355 KB with it."""
-    local = subprocess.run(generate(tiny_qwen2, "--workers", "3"), capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr
-    want = json.loads(local.stdout.strip().splitlines()[-1])["token_ids"]
+    want = local_tokens
     with Hosts([CLIENT, *WORKERS]) as hosts:
         topo, keys = setup(hosts, tmp_path)
         with hosts.capture() as cap:
@@ -110,16 +123,16 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network):
     (False, ["--engine", "gloo", "--insecure"], "--engine gloo runs on one machine only"),
 ])  # fmt: skip
 def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
-    """What a fixed-size MPI world cannot do is refused at once, in one line (no worker needed)."""
-    with Hosts([CLIENT, *WORKERS]) as hosts:
-        topo, keys = setup(hosts, tmp_path)
-        if standby:
-            topo.write_text(topo.read_text() + f'[[worker]]\naddress = "{WORKERS[0]}"\nrole = "standby"\n'
-                            f'key = "{Identity.new().public.line()}"\n')  # fmt: skip
-        p = hosts.popen(CLIENT, generate(tiny_qwen2, "--topology", str(topo), "--key", str(keys[0]),
-                                         *(extra if "--engine" in extra else ["--engine", "mpi", *extra])))  # fmt: skip
-        out, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and err.count("\n") == 1 and message in err, err
+    """What a fixed-size MPI world cannot do is refused at once, in one line, before any network is
+    touched (so no namespace is needed)."""
+    topo, keys = topology(tmp_path)
+    if standby:
+        topo.write_text(topo.read_text() + f'[[worker]]\naddress = "{WORKERS[0]}"\nrole = "standby"\n'
+                        f'key = "{Identity.new().public.line()}"\n')  # fmt: skip
+    p = subprocess.run(generate(tiny_qwen2, "--topology", str(topo), "--key", str(keys[0]),
+                                *(extra if "--engine" in extra else ["--engine", "mpi", *extra])),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
 
 
 def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
@@ -144,11 +157,7 @@ def test_membership_changes_are_refused(tmp_path):
     from fusion_compute.membership import Membership, UnknownWorker
     from fusion_compute.topology import Topology
 
-    ids = [Identity.new() for _ in range(3)]
-    topo = tmp_path / "t.toml"
-    topo.write_text(f'[client]\naddress = "{CLIENT}:29500"\nkey = "{ids[0].public.line()}"\n'
-                    + "".join(f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n'
-                              for h, k in zip(WORKERS, ids[1:], strict=False)))  # fmt: skip
+    topo, _ = topology(tmp_path)
     m = Membership.__new__(Membership)  # the refusal comes before any worker is touched
     m.opts = EngineOptions(n_workers=2, topology=Topology.load(str(topo)), engine="mpi", recover=False)
     m.seats, m.removed = {1: None, 2: None}, set()
