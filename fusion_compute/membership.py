@@ -120,6 +120,9 @@ class Membership:
             raise err or CommError("a worker failed")
         seen = self.watch.failed()
         reason = "; ".join(seen[p] for p in sorted(failed) if p in seen) or str(err)
+        if self.procs is not None:  # a local spare still starting up (a failure early in the job) is worth the wait
+            for p in sorted(failed):
+                self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
         order = self._next_order(failed)
         self.opts.log(f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason}); "
                       f"epoch {self.epoch + 1} over {order}")  # fmt: skip
@@ -232,17 +235,17 @@ class Membership:
 
     def _await_spare(self, group: str | None, deadline: float) -> None:
         """When a standby of `group` was enrolled but has not joined yet (just added), wait for it."""
-        def pending() -> bool:
-            return any(s.standby and s.group == group and p not in self.order and p not in self.removed
-                       and p not in self.watch.ranks and p not in self.watch.failed() for p, s in self.seats.items())  # fmt: skip
+        def pending() -> set[int]:
+            return {p for p, s in self.seats.items() if s.standby and s.group == group and p not in self.order
+                    and p not in self.removed and p not in self.watch.ranks and p not in self.watch.failed()}  # fmt: skip
 
         def ready() -> bool:
             return any(s.standby and s.group == group and p not in self.order and p in self.watch.ranks
                        and p not in self.watch.failed() for p, s in self.seats.items())  # fmt: skip
 
-        while pending() and not ready() and time.monotonic() < deadline:
-            if self.procs is not None and self.procs.failure():
-                break  # a local spare that died before joining will not come
+        while (waiting := pending()) and not ready() and time.monotonic() < deadline:
+            if self.procs is not None and waiting <= {rank for rank, _ in self.procs.failures}:
+                break  # the local spares that have not joined died before joining: they will not come
             time.sleep(0.1)
 
     def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
