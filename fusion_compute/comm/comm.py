@@ -41,6 +41,7 @@ class Fabric(Protocol):
     """Collectives among the workers on another engine (torch_fabric.py)."""
 
     def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
+    # optional: def reduce_scatter_from(self, chunk, sizes) -> torch.Tensor (made block by block, overlapped)
     def sum_among(self, tensor: torch.Tensor, group: int) -> None: ...
     def all_reduce(self, tensor: torch.Tensor) -> None: ...
     def all_gather(self, shard: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
@@ -153,17 +154,21 @@ class Comm:
 
     # ---- verbs among workers ----
 
+    def _rs_counts(self, sizes: Sequence[int], t: int) -> tuple[dict[int, int], dict[int, int]]:
+        """A reduce-scatter's elements sent to and received from each peer rank: only addressed rows."""
+        me, n = self.rank - 1, len(sizes)
+        sent = {q + 1: sizes[q] * t for q in range(n) if q != me and sizes[q]}
+        return sent, {q + 1: sizes[me] * t for q in range(n) if q != me and sizes[me]}
+
     def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int], op: str) -> torch.Tensor:
         """Sum of every worker's partial, delivered chunk by chunk to its owner.
 
         send: (Σ_q sizes[q], T) partial, rows grouped by owner (P, full width); returns this worker's
         chunk (sizes[me], T) summed over workers in rank order (S). Only addressed rows move.
         """
-        me, n, t = self.rank - 1, len(sizes), send.shape[1]
-        if n == 1:
+        if len(sizes) == 1:
             return send
-        sent = {q + 1: sizes[q] * t for q in range(n) if q != me and sizes[q]}
-        received = {q + 1: sizes[me] * t for q in range(n) if q != me and sizes[me]}
+        sent, received = self._rs_counts(sizes, send.shape[1])
         if self.fabric is not None:
             out = self.fabric.reduce_scatter(send, sizes)
             self._emit("reduce_scatter", op, sent, received)
@@ -177,11 +182,17 @@ class Comm:
         """`reduce_scatter` of a partial made block by block: `chunk(q)` is the (sizes[q], T) block of
         rows addressed to worker q (0-based). On the links each peer's block is sent as soon as it is
         computed, starting with the next rank's, and this worker's own block is computed while they
-        travel: the exchange overlaps the product (measured: docs/performance.md). On a fabric, or
+        travel: the exchange overlaps the product (measured: docs/performance.md). A fabric that has its
+        own `reduce_scatter_from` (MPI) does the same on its point-to-point messages; on the others, or
         under the audit's negative control, the whole partial is made first."""
-        if len(sizes) == 1 or self.fabric is not None or self.reduce_scatter_impl != "all_to_all":
+        fabric_from = getattr(self.fabric, "reduce_scatter_from", None)
+        if len(sizes) == 1 or self.reduce_scatter_impl != "all_to_all" or (self.fabric and not fabric_from):
             return self.reduce_scatter(torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op)
-        return self._scatter_blocks(chunk, sizes, op)
+        if fabric_from is None:
+            return self._scatter_blocks(chunk, sizes, op)
+        out = fabric_from(chunk, sizes)
+        self._emit("reduce_scatter", op, *self._rs_counts(sizes, out.shape[1]))
+        return out
 
     def _scatter_blocks(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int], op: str) -> torch.Tensor:
         """The links' reduce-scatter: every peer's block sent as it is made (the next rank's first), then
@@ -194,8 +205,7 @@ class Comm:
             elif sizes[q]:
                 self._put(q + 1, chunk(q))
         t = mine.shape[1]
-        sent = {q + 1: sizes[q] * t for q in range(n) if q != me and sizes[q]}
-        received = {q + 1: sizes[me] * t for q in range(n) if q != me and sizes[me]}
+        sent, received = self._rs_counts(sizes, t)
         stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T): one slot per worker
         stack[me] = mine
         for q in received:

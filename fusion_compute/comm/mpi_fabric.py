@@ -30,7 +30,9 @@ waiting with MPI's blocking Wait slowed a computing process on the same 2 cores 
 not at all.
 
 The reduce-scatter is an all-to-all with per-peer counts plus a local sum, never a reduce-scatter
-primitive (DESIGN.md §4), exactly as on the other engines.
+primitive (DESIGN.md §4), exactly as on the other engines. The layers' reduce-scatters use
+`reduce_scatter_from`: the same rows as point-to-point `Isend`/`Irecv`, each peer's block sent as soon
+as it is made, so that the exchange overlaps the product (as the links do, comm.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -48,6 +50,7 @@ from .errors import CommError
 WORLD = "world"  # the rendezvous of workers that mpiexec started together
 YIELD_S = 0.01  # poll (yielding the core between polls) this long before sleeping
 MAX_SLEEP_S = 1e-3
+_RS_TAG = 7  # the point-to-point reduce-scatter's messages (collectives have their own context)
 
 
 def _mpi():
@@ -63,6 +66,16 @@ def _wait_file(path: Path, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise CommError(f"mpi fabric: {what} did not appear within the timeout ({path})")
         time.sleep(0.005)
+
+
+class _All:
+    """Several point-to-point requests waited for as one (`MpiFabric.wait` polls `Test`)."""
+
+    def __init__(self, mpi, reqs: list):
+        self.mpi, self.reqs = mpi, reqs
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's spelling, which `wait` calls)
+        return self.mpi.Request.Testall(self.reqs)
 
 
 class MpiFabric:
@@ -161,6 +174,26 @@ class MpiFabric:
         self.wait(self.comm.Ialltoallv([send.numpy(), (counts_out, displs_out)],
                                         [recv.numpy(), (counts_in, displs_in)]))  # fmt: skip
         return recv.view(n, sizes[me], t).sum(0)
+
+    def reduce_scatter_from(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+        """The same reduce-scatter as a composition of point-to-point messages that overlaps the
+        product: the peers' blocks of this worker's rows are posted as receives first, each peer's
+        block is sent as soon as `chunk(q)` has made it (the next rank's first), and this worker's own
+        block is computed while they travel. The sum is in rank order, as `reduce_scatter`'s."""
+        n, me = len(sizes), self.me
+        reqs, keep, stack = [], [], None
+        order = [(me + i) % n for i in range(1, n)]
+        for q in order:
+            block = chunk(q).contiguous()
+            if stack is None:  # the first block tells T and the dtype
+                stack = torch.empty((n, sizes[me], block.shape[1]), dtype=block.dtype)
+                reqs += [self.comm.Irecv(stack[p].numpy(), source=p, tag=_RS_TAG) for p in order if sizes[me]]
+            if sizes[q]:
+                keep.append(block)  # the buffer must live until its send completes
+                reqs.append(self.comm.Isend(block.numpy(), dest=q, tag=_RS_TAG))
+        stack[me] = chunk(me)
+        self.wait(_All(self.mpi, reqs))
+        return stack.sum(0)
 
     def sum_among(self, tensor: torch.Tensor, group: int) -> None:
         buf = tensor.numpy()  # the caller's tensor is contiguous (a score block it owns)
