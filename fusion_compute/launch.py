@@ -13,6 +13,21 @@ import time
 from collections.abc import Callable, Sequence
 
 
+def terminate_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Stop every process still running: SIGTERM to all first (politely: an mpiexec then stops the
+    processes it started), then SIGKILL to any still there when `grace_s` has passed; waits for each."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _die_with_parent() -> None:
     # Linux: the kernel sends SIGTERM to the worker if the client dies, even by SIGKILL.
     try:
@@ -105,12 +120,4 @@ class WorkerProcs:
         for p in self.procs:
             while p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate_all(self.procs, 2.0)

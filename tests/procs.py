@@ -3,10 +3,11 @@ with bounded waits."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
+
+from fusion_compute.launch import terminate_all
 
 FUSION = [sys.executable, "-m", "fusion_compute"]
 
@@ -25,16 +26,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def reap(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
     """Stop every process still running (SIGTERM, then SIGKILL after `grace_s`) and wait for it."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    terminate_all(procs, grace_s)
 
 
 def children(pid: int) -> set[int]:

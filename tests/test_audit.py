@@ -220,15 +220,20 @@ TAMPERS = {
 
 @pytest.mark.parametrize("name", list(TAMPERS))
 def test_tampered_log_fails(good, tmp_path, name, capsys):
-    tamper, expect = TAMPERS[name]
-    d = tmp_path / "audit"
-    shutil.copytree(good["dir"], d)
-    tamper(d / "epoch0")
+    assert_tamper_fails(good["dir"], tmp_path / "audit", name, TAMPERS[name], capsys)
+
+
+def assert_tamper_fails(good_dir, d: Path, name: str, case, capsys, epoch: str | None = "epoch0") -> None:
+    """A negative control on logs: a copy of a good run's directory, tampered with (`case` is (tamper,
+    the invariants it must hit); `tamper` gets the epoch's directory, or the run's with epoch=None),
+    makes `fusion audit verify` exit 1 with at least those invariants violated."""
+    tamper, expect = case
+    shutil.copytree(good_dir, d)
+    tamper(d / epoch if epoch else d)
     assert main(["audit", "verify", str(d)]) == 1
     capsys.readouterr()
     counts = verify_dir(d).counts()
-    hit = {k for k, v in counts.items() if v}
-    assert expect <= hit, (name, counts)
+    assert expect <= {k for k, v in counts.items() if v}, (name, counts)
 
 
 # ---- negative controls on live runs ----

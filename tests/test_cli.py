@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -74,9 +75,27 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", BAD, ids=[b[1] for b in BAD])
-def test_bad_input_one_line(args, needle, no_new_workers):
-    assert_one_line_error(run("generate", *args), needle)
+@pytest.fixture(scope="module")
+def bad_runs():
+    """Every BAD command line run as a user runs it (a `fusion generate` process each), four at a time
+    (each process spends ~2 s importing torch; the cases are independent), and the worker processes
+    any of them left running 10 s after the last one ended (there must be none)."""
+    before = worker_pids()
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(lambda case: run("generate", *case[0]), BAD))
+    deadline = time.monotonic() + 10
+    while worker_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return results, worker_pids() - before
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[b[1] for b in BAD])
+def test_bad_input_one_line(i, bad_runs):
+    assert_one_line_error(bad_runs[0][i], BAD[i][1])
+
+
+def test_bad_input_leaves_no_worker(bad_runs):
+    assert bad_runs[1] == set(), "orphaned worker processes"
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -47,7 +47,7 @@ def test_eight_concurrent_requests_batched_as_if_alone(smollm_server):
 
     def ask(question):
         t0 = time.perf_counter()
-        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], max_tokens=24)
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], max_tokens=16)
         return r.choices[0].message.content, r.usage.completion_tokens, time.perf_counter() - t0
 
     t0 = time.perf_counter()

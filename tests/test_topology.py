@@ -116,20 +116,25 @@ def test_this_machine():
         check_here(t.workers[0])
 
 
-def test_keys_command(tmp_path):
+def test_keys_command(tmp_path, capsys):
+    """`fusion keys new` as a user runs it (a process: the key line alone on stdout); the rest through
+    the same `main` in this process (each `fusion` process spends ~2 s importing torch)."""
+    from fusion_compute.cli import main
+
     r = run("keys", "new", str(tmp_path / "w.key"))
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip()
     assert line.startswith("fc1.") and len(line.splitlines()) == 1
     assert (tmp_path / "w.key").stat().st_mode & 0o777 == 0o600
-    assert run("keys", "show", str(tmp_path / "w.key")).stdout.strip() == line
-    again = run("keys", "new", str(tmp_path / "w.key"))  # never overwrites a key
-    assert again.returncode != 0 and "refusing to overwrite" in again.stderr and len(again.stderr.splitlines()) == 1
+    assert main(["keys", "show", str(tmp_path / "w.key")]) == 0
+    assert capsys.readouterr().out.strip() == line
     (tmp_path / "junk.key").write_text("hello\n")
-    for args, needle in ((["show", str(tmp_path / "junk.key")], "not a Fusion key file"),
+    for args, needle in ((["new", str(tmp_path / "w.key")], "refusing to overwrite"),  # never overwrites a key
+                         (["show", str(tmp_path / "junk.key")], "not a Fusion key file"),
                          (["show", str(tmp_path / "none.key")], "key file not found")):  # fmt: skip
-        bad = run("keys", *args)
-        assert bad.returncode != 0 and needle in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr
+        assert main(["keys", *args]) != 0
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, (args, err)
 
 
 def test_cli_topology_errors_one_line(tmp_path, capsys):

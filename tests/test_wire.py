@@ -197,8 +197,8 @@ def test_readme_multihost_steps_run_as_written(tmp_path):
     assert fusion_bin, "the `fusion` command is not installed (scripts/setup.sh installs it)"
     with Hosts([CLIENT, W1, W2]) as hosts:
         lines = []
-        for host, cmd in steps[:3]:  # 1. keys, one per machine
-            p = hosts.popen(host, shlex.split(cmd), cwd=dirs[host])
+        keygen = [hosts.popen(host, shlex.split(cmd), cwd=dirs[host]) for host, cmd in steps[:3]]  # 1. keys, one per machine
+        for p in keygen:
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, err
             lines.append(out.strip())

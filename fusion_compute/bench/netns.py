@@ -21,8 +21,9 @@ import select
 import shutil
 import subprocess
 import sys
-import time
 import uuid
+
+from ..launch import terminate_all
 
 DELAYS = ("netem", "nfqueue")
 NFQ_RULE = ["iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]
@@ -141,15 +142,6 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         for group in (self.procs, self.delayers):  # the delayers last: the others' packets still flow
-            for p in group:
-                if p.poll() is None:
-                    p.terminate()  # first politely (an mpiexec then stops the processes it started)
-            deadline = time.monotonic() + 5
-            for p in group:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            terminate_all(group, 5.0)
         for ns in [*self.ns.values(), self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
