@@ -59,21 +59,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def decoder_layer(
-    c: ModelConfig, p: ClearParams, x: torch.Tensor, linear: Linear, kv: KV, cos, sin, mask
-) -> torch.Tensor:
-    """x (B, T, H) -> x (B, T, H): RMSNorm, qkv (+ bias), RoPE, attention, o, RMSNorm, SwiGLU MLP."""
-    b, t, _ = x.shape
+def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) -> torch.Tensor:
+    """qkv (B, T, (nh + 2 nkv) d), bias added -> o (B, T, nh d): RoPE, the KV cache, attention."""
+    b, t, _ = qkv.shape
     nh, nkv, d, gs = c.n_heads, c.n_kv_heads, c.head_dim, c.group_size
-    qkv = linear("qkv", rms_norm(x, p.g_attn, c.rms_eps))  # (B, T, (nh + 2 nkv) d)
-    if p.qkv_bias is not None:
-        qkv = qkv + p.qkv_bias
     q = rotate(qkv[..., : nh * d].view(b, t, nh, d).transpose(1, 2), cos, sin)  # (B, nh, T, d)
     k = rotate(qkv[..., nh * d : (nh + nkv) * d].view(b, t, nkv, d).transpose(1, 2), cos, sin)  # (B, nkv, T, d)
     v = qkv[..., (nh + nkv) * d :].view(b, t, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
     k_all, v_all = kv(k, v)
     o = attend(q.reshape(b, nkv, gs * t, d), k_all, v_all, mask, gs, t, d**-0.5)  # (B, nkv, gs*T, d)
-    o = o.view(b, nkv, gs, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)  # (B, T, nh d), head-major
+    return o.view(b, nkv, gs, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)  # (B, T, nh d), head-major
+
+
+def decoder_layer(
+    c: ModelConfig, p: ClearParams, x: torch.Tensor, linear: Linear, kv: KV | None, cos, sin, mask,
+    attention: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x (B, T, H) -> x (B, T, H): RMSNorm, qkv (+ bias), RoPE, attention, o, RMSNorm, SwiGLU MLP.
+    `attention(qkv) -> o`, when given, replaces `self_attention` over (kv, cos, sin, mask): the
+    masked client's batch of sessions, each at its own position with its own cache."""
+    qkv = linear("qkv", rms_norm(x, p.g_attn, c.rms_eps))  # (B, T, (nh + 2 nkv) d)
+    if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias
+    o = attention(qkv) if attention is not None else self_attention(c, qkv, kv, cos, sin, mask)
     x = x + linear("o", o)
     gu = linear("gate_up", rms_norm(x, p.g_mlp, c.rms_eps))  # (B, T, 2I)
     inter = gu.shape[-1] // 2

@@ -64,9 +64,6 @@ def cmd_serve(a: Any) -> int:
 
     if not (1 <= a.max_batch <= MAX_SLOTS):
         raise UsageError(f"--max-batch must be in 1..{MAX_SLOTS}, got {a.max_batch}")
-    if a.max_batch > 1 and a.mode == "masked":
-        raise UsageError("--max-batch > 1 is for the structural mode: the masked mode runs one session at a time "
-                         "(docs/serving.md)")  # fmt: skip
     if a.max_connections < 1:
         raise UsageError(f"--max-connections must be >= 1, got {a.max_connections}")
     if not (0 < a.request_timeout < float("inf")):

@@ -119,11 +119,56 @@ def test_a_lost_worker_mid_batch_replays_every_slot(tiny_llama):
         assert all(r.recoveries == eng.recoveries for r in results)
 
 
-def test_the_masked_mode_refuses_batching(tiny_llama):
+def test_masked_batch_step_equals_each_session_alone(tiny_qwen2, tmp_path):
+    """The masked mode (groups 2+1): mixed steps (a prefill beside decodes, slots out of order) give
+    each session the logits it gets alone; every product of the batch is checked, A's view passes
+    the masked audit, and the mask groups see keys only. The workers never learn the sessions: a
+    step is one wider masked product per linear."""
+    from fusion_compute.masked import audit
     from fusion_compute.masked.client import MaskedEngine, MaskedOptions
 
-    with MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=32)) as eng:
-        with pytest.raises(ValueError, match="one session at a time"):
-            BatchRunner(eng, 2)
-        with pytest.raises(ValueError, match="one session at a time"):
-            eng.forward_batch([(0, [1])])
+    d = tmp_path / "audit"
+    with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=2, n_b=1, timeout_s=60, context=64, audit_dir=str(d))) as eng:
+        alone = []
+        for p in PROMPTS[:3]:
+            eng.reset()
+            alone.append(eng.forward(p + [11, 12], all_logits=True))
+        eng.batch_slots = 4
+        eng.reset()
+        step1 = eng.forward_batch([(3, PROMPTS[0]), (0, PROMPTS[1])])
+        step2 = eng.forward_batch([(0, [11]), (1, PROMPTS[2]), (3, [11])])
+        step3 = eng.forward_batch([(3, [12]), (1, [11]), (0, [12])])
+        checks = [
+            (step1[0], alone[0][len(PROMPTS[0]) - 1]), (step1[1], alone[1][len(PROMPTS[1]) - 1]),
+            (step2[0], alone[1][-2]), (step2[1], alone[2][len(PROMPTS[2]) - 1]), (step2[2], alone[0][-2]),
+            (step3[0], alone[0][-1]), (step3[1], alone[2][-2]), (step3[2], alone[1][-1]),
+        ]  # fmt: skip
+        for i, (a, b) in enumerate(checks):
+            assert close(a, b), (i, (a - b).abs().max())
+        assert not close(step3[0], alone[1][-1])  # the comparison can fail: another session's logits
+        eng.release(3)
+        assert eng.kv_abs_max(3) == 0.0 and eng.kv_abs_max(0) > 0  # only the released slot is wiped
+        with pytest.raises(ValueError, match="slot 4 outside"):
+            eng.forward_batch([(4, [1])])
+        layers = eng.config.n_layers
+    report = audit.verify(d)
+    assert report["ok"], report["violations"]
+    checked = report["verification"]["products_checked"]
+    assert report["verification"]["failed"] == 0 and checked == 6 * layers * 4  # 6 steps, 4 linears a layer
+    assert set(report["parties"]["rank3"]["received"]) == {"control@0", "key@0"}  # the mask group: keys only
+
+
+def test_masked_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
+    """run_batch on the masked mode (1+1+1: two mask groups) with more sessions than slots and seeded
+    sampling: every session's tokens are its tokens alone; the client's caches are zero afterwards."""
+    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+
+    sampled = [SamplingParams(temperature=0.9, top_k=40, seed=200 + i) for i in range(4)]
+    with MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=(1, 1), timeout_s=60, context=64)) as eng:
+        alone = [generate(eng, p, max_new_tokens=8 - i, sampling=s).token_ids
+                 for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=False))]  # fmt: skip
+        seqs = [Sequence(p, 8 - i, s) for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=False))]
+        results = run_batch(eng, seqs, 3)
+        assert [r.token_ids for r in results] == alone
+        assert len({tuple(t) for t in alone}) > 1
+        assert eng.kv_abs_max() == 0.0 and eng.slot_history == {}

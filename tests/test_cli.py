@@ -100,7 +100,7 @@ def test_bad_input_leaves_no_worker(bad_runs):
 
 @pytest.mark.parametrize("args,needle", [
     (["--max-batch", "0"], "--max-batch must be in 1..256"),
-    (["--max-batch", "2", "--mode", "masked", "--workers", "1+1"], "the masked mode runs one session at a time"),
+    (["--max-batch", "257", "--mode", "masked", "--workers", "1+1"], "--max-batch must be in 1..256"),
 ])  # fmt: skip
 def test_serve_bad_batch_one_line(args, needle, no_new_workers):
     """Refused before any port is bound or worker started."""

@@ -22,8 +22,8 @@ import torch
 
 def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int, new_tokens: int,
             repeats: int, log=lambda s: None, opts=None) -> dict:  # fmt: skip
-    """`opts`: the job's EngineOptions (bench/rtt.py: workers named by a topology); default: n local
-    workers on `engine`."""
+    """`opts`: the job's EngineOptions (bench/rtt.py: workers named by a topology; MaskedOptions: the
+    masked mode, `fusion bench --batch B --masked A+B`); default: n local workers on `engine`."""
     from ..batching import Sequence, run_batch
     from ..client import Engine, EngineOptions
     from ..generate import generate
@@ -33,7 +33,10 @@ def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int,
     if opts is None:
         opts = EngineOptions(n_workers=n, engine=engine, log=lambda line: None)
     opts.context = prompt_len + new_tokens + 8
-    with Engine(model, opts) as eng:
+    from ..masked.client import MaskedEngine, MaskedOptions
+
+    masked = isinstance(opts, MaskedOptions)
+    with (MaskedEngine if masked else Engine)(model, opts) as eng:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, eng.config.vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
         singles, batches, same = [], [], True
@@ -49,7 +52,8 @@ def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int,
             same &= results[0].token_ids == alone.token_ids
     ratios = [b / s for s, b in zip(singles, batches, strict=True)]
     return {
-        "model": str(eng.model_path), "workers": n, "engine": engine, "batch": batch, "prompt_tokens": prompt_len,
+        "model": str(eng.model_path), "workers": "+".join(map(str, opts.sizes)) if masked else n,
+        "engine": "masked" if masked else engine, "batch": batch, "prompt_tokens": prompt_len,
         "new_tokens": new_tokens, "repeats": repeats,
         "single_decode_tokens_per_s": _summary(singles), "batch_decode_tokens_per_s": _summary(batches),
         "ratio": _summary(ratios), "same_tokens_as_alone": same, "tokens": alone.token_ids,

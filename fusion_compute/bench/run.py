@@ -202,6 +202,13 @@ def _engines(text: str) -> list[str]:
     return vals
 
 
+def _groups(text: str) -> tuple[int, ...]:
+    parts = text.split("+")
+    if len(parts) < 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected group sizes A+B (A+B1+...+Bk), each >= 1; got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark vs transformers and a Megatron-style baseline (ratios)")
     b.add_argument("--model", help="HF dir or .gguf (default: bundled SmolLM2-135M-Instruct)")
@@ -216,6 +223,8 @@ def add_parser(sub) -> None:
     b.add_argument("--batch", type=int, metavar="B",
                    help="instead: continuous batching, one session vs B decoding together on N = the first --workers, "
                         "the first --engines, prompts of the first --prompts length (docs/serving.md)")  # fmt: skip
+    b.add_argument("--masked", metavar="A+B", type=_groups,
+                   help="with --batch: the masked mode with these groups (e.g. 1+1, 2+2) instead of N structural workers")
     b.add_argument("--out", default="out/bench", help="directory for bench.json and bench.md")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.set_defaults(func=cmd_bench)
@@ -232,13 +241,21 @@ def cmd_bench(a) -> int:
 
         model = str(qwen2_5_1_5b_shaped())
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    if a.masked and a.batch is None:
+        raise BenchError("--masked goes with --batch")
     if a.batch is not None:
         from .batch import measure
         from .batch import table as batch_table
 
         if a.batch < 2:
             raise BenchError(f"--batch must be >= 2, got {a.batch}")
-        r = measure(model, a.workers[0], a.engines[0], a.batch, a.prompts[0], a.decode_tokens, a.repeats, log)
+        opts = None
+        if a.masked:
+            from ..masked.client import MaskedOptions
+
+            n_a, *n_b = a.masked
+            opts = MaskedOptions(n_a=n_a, n_b=tuple(n_b), log=lambda line: None)
+        r = measure(model, a.workers[0], a.engines[0], a.batch, a.prompts[0], a.decode_tokens, a.repeats, log, opts)
         print(json.dumps(r) if a.json else batch_table(r))
         return 0
     report = run_bench(model, a.workers, a.engines, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)

@@ -20,7 +20,11 @@ W_fx r_g from each mask group g's stream for this layer, subtracts in the ring, 
 reused, never sent: A reads nothing unless it holds a member of every mask group.
 
 `MaskedEngine` has the structural `Engine`'s interface (config, context, reset, forward, ping,
-close), so `generate()` and the CLI drive it unchanged.
+close), so `generate()` and the CLI drive it unchanged; and its batch interface (forward_batch,
+release), so `fusion serve --max-batch` runs several sessions in one masked step. A batch is the
+workers' business only as a wider T: every session's new tokens are columns of the same masked
+products (one round per linear for all of them), while the positions, the causal masks and the KV
+caches, one per session's slot, stay on the client, which does the attention of each session apart.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from ..comm import Event, Recorder
 from ..config import ModelError
-from ..dense import LINEARS, ClearParams, decoder_layer, rope_tables
+from ..dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
 from ..engine import EngineBase, EngineOptions, control_word
 from ..errors import UsageError
 from ..kernels import causal_mask, inv_freq_tensor, rms_norm
@@ -103,6 +107,7 @@ class MaskedEngine(EngineBase):
 
     mode = "masked"
     opts: MaskedOptions
+    supports_batch = True
 
     def group_names(self) -> tuple[str, ...]:
         """A, then the job's mask groups (B, or B1..Bk)."""
@@ -161,7 +166,8 @@ class MaskedEngine(EngineBase):
         self.session, self.step, self.pos = -1, 0, 0
         self.streams: list | None = None  # one mask stream per mask group
         self._pending: list = []  # sends whose delivery is still to be waited for
-        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # KV slot -> the client's cache (0: one session)
+        self.slot_pos: dict[int, int] = {}  # a batch's slots: the position of each one's next token
         self.costs: list[dict] = []  # per forward: tokens, wall_s, client_cpu_s, bytes by direction
         return self.tally
 
@@ -224,10 +230,19 @@ class MaskedEngine(EngineBase):
         self._pending.clear()
 
     def _wipe(self) -> None:
-        """The session is over: the client's own KV cache (the only clear state) is zeroed now."""
-        if self._kv is not None:
-            self._kv[0].zero_()
-            self._kv[1].zero_()
+        """The session is over: the client's own KV caches (the only clear state) are zeroed now."""
+        for k, v in self._kv.values():
+            k.zero_()
+            v.zero_()
+
+    def _cache(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's (K, V) cache, (layers, n_kv, context, d) each, made at its first use (a batch of
+        B sessions keeps up to B of them, kept and zeroed between sessions)."""
+        if slot not in self._kv:
+            c = self.config
+            shape = (c.n_layers, c.n_kv_heads, self.context, c.head_dim)
+            self._kv[slot] = (torch.zeros(shape), torch.zeros(shape))
+        return self._kv[slot]
 
     def _reset(self) -> None:
         """A new session: a fresh mask key per mask group (to that group only), fresh check
@@ -236,6 +251,7 @@ class MaskedEngine(EngineBase):
         self._wipe()
         self.session += 1
         self.step = self.pos = 0
+        self.slot_pos = {}
         keys = [new_key() for _ in self.plan.mask_groups]
         self.streams = [make_stream(MASK_KINDS[self.opts.masks], key, guard=True) for key in keys]
         for g, key in zip(self.plan.mask_groups, keys, strict=True):
@@ -244,14 +260,23 @@ class MaskedEngine(EngineBase):
                 self._isend(torch.tensor(list(key), dtype=torch.uint8), r, P.KIND_KEY, "key")
         if self.audit is not None:
             self.audit.session(self.session, [hashlib.sha256(key).hexdigest()[:16] for key in keys])
-        if self._kv is None:
-            c = self.config
-            shape = (c.n_layers, c.n_kv_heads, self.context, c.head_dim)
-            self._kv = (torch.zeros(shape), torch.zeros(shape))
 
-    def kv_abs_max(self) -> float:
-        """The largest |value| left in the client's KV cache (0 after a wipe): hygiene tests."""
-        return 0.0 if self._kv is None else max(float(self._kv[0].abs().max()), float(self._kv[1].abs().max()))
+    def _release(self, slot: int) -> None:
+        """One session of a batch is over: its slot of the client's cache is zeroed now. The workers
+        hold nothing of it (they see masked columns only), and the mask streams go on: a mask is
+        drawn once per (step, layer, linear) whatever the sessions in the step."""
+        self.slot_pos.pop(slot, None)
+        if slot in self._kv:
+            for t in self._kv[slot]:
+                t.zero_()
+
+    def kv_abs_max(self, slot: int | None = None) -> float:
+        """The largest |value| left in the client's KV cache, of one slot or all (0 after a wipe)."""
+        if slot is None:
+            caches = list(self._kv.values())
+        else:
+            caches = [self._kv[slot]] if slot in self._kv else []
+        return max([float(t.abs().max()) for kv in caches for t in kv], default=0.0)
 
     # ---- one forward ----
 
@@ -262,16 +287,43 @@ class MaskedEngine(EngineBase):
             self._reset()
         if self.pos + t > self.context:
             raise ValueError(f"{self.pos + t} tokens exceed the context window of {self.context}")
-        threads = torch.get_num_threads()
+        rows = None if all_logits else torch.tensor([t - 1])
+        logits = self._one_thread(lambda: self._masked_step(ids, [(0, self.pos, t)], rows))
+        self.pos += t
+        return logits if all_logits else logits[0]
+
+    def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One masked step over several sessions: their tokens are consecutive columns of every
+        masked product; each one's attention runs over its own slot's cache at its own position."""
+        if self.streams is None:
+            self._reset()
+        spans = []
+        for slot, ids in items:
+            if not 0 <= slot < self.batch_slots:
+                raise ValueError(f"slot {slot} outside the batch's 0..{self.batch_slots - 1}")
+            pos = self.slot_pos.get(slot, 0)
+            if pos + len(ids) > self.context:
+                raise ValueError(f"{pos + len(ids)} tokens exceed the context window of {self.context}")
+            spans.append((slot, pos, len(ids)))
+        ends = torch.tensor([t for _, _, t in spans]).cumsum(0) - 1  # each session's last token
+        logits = self._one_thread(lambda: self._masked_step([i for _, ids in items for i in ids], spans, ends))
+        self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
+        return list(logits)
+
+    @staticmethod
+    def _one_thread(step: Callable[[], torch.Tensor]) -> torch.Tensor:
         # Hundreds of tiny ops per token: OpenMP fan-out costs more than it saves (measured: client
         # CPU per SmolLM2 token 0.4-0.8 s with 2 threads, 0.15-0.25 s with 1). Restored on return.
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._masked_step(ids, all_logits)
+            return step()
         finally:
             torch.set_num_threads(threads)
 
-    def _masked_step(self, ids: list[int], all_logits: bool) -> torch.Tensor:
+    def _masked_step(self, ids: list[int], spans: list[tuple[int, int, int]], rows: torch.Tensor | None) -> torch.Tensor:
+        """Every layer over the tokens `ids` of the sessions `spans` ((slot, position, T), in the
+        order of `ids`); the logits (R, V) of the tokens at `rows` (None: every token)."""
         t = len(ids)
         wall0, cpu0, bytes0 = time.perf_counter(), time.process_time(), dict(self.tally.bytes)
         plan, c = self.plan, self.config
@@ -294,38 +346,46 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        cos, sin = rope_tables(self.inv_freq, torch.arange(self.pos, self.pos + t))
-        mask = causal_mask(self.pos, t)
+        # per session: its rows of the step, its rotary tables and causal mask, its cache
+        parts = [(slot, pos, n, *rope_tables(self.inv_freq, torch.arange(pos, pos + n)), causal_mask(pos, n))
+                 for slot, pos, n in spans]  # fmt: skip
         for layer in range(c.n_layers):
-            x_TH = self._layer(layer, x_TH, cos, sin, mask)
+            x_TH = self._layer(layer, x_TH, parts)
         self._drain()
         if self.audit is not None:
             self.audit.end_step()
-        self.pos += t
         self.step += 1
-        if not all_logits:
-            x_TH = x_TH[-1:]
-        logits = rms_norm(x_TH, self.final_norm, c.rms_eps) @ self.lm_head.T  # (T, V)
+        if rows is not None:
+            x_TH = x_TH[rows]
+        logits = rms_norm(x_TH, self.final_norm, c.rms_eps) @ self.lm_head.T  # (R, V)
         self.costs.append({
             "tokens": t, "wall_s": time.perf_counter() - wall0, "client_cpu_s": time.process_time() - cpu0,
             **{k: v - bytes0[k] for k, v in self.tally.bytes.items()},
         })  # fmt: skip
-        return logits if all_logits else logits[0]
+        return logits
 
-    def _layer(self, i: int, x_TH: torch.Tensor, cos, sin, mask) -> torch.Tensor:
-        """dense.decoder_layer with every linear a masked product (batch of one sequence)."""
-        pos, t = self.pos, x_TH.shape[0]
-        k_cache, v_cache = self._kv[0][i], self._kv[1][i]  # (n_kv, S_max, d)
+    def _layer(self, i: int, x_TH: torch.Tensor, parts: list) -> torch.Tensor:
+        """dense.decoder_layer with every linear a masked product over all the step's rows, and the
+        attention of each session over its own slot's cache."""
 
-        def kv(k, v):
-            k_cache[:, pos : pos + t] = k[0]
-            v_cache[:, pos : pos + t] = v[0]
-            return k_cache[None, :, : pos + t], v_cache[None, :, : pos + t]
+        def attention(qkv: torch.Tensor) -> torch.Tensor:  # (1, ΣT, W) -> (1, ΣT, nh d)
+            out, row = [], 0
+            for slot, pos, t, cos, sin, mask in parts:
+                k_cache, v_cache = (c[i] for c in self._cache(slot))  # (n_kv, S_max, d)
+
+                def kv(k, v, pos=pos, t=t, k_cache=k_cache, v_cache=v_cache):
+                    k_cache[:, pos : pos + t] = k[0]
+                    v_cache[:, pos : pos + t] = v[0]
+                    return k_cache[None, :, : pos + t], v_cache[None, :, : pos + t]
+
+                out.append(self_attention(self.config, qkv[:, row : row + t], kv, cos, sin, mask))
+                row += t
+            return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             return self.masked_linear(i, LINEARS.index(name), x[0])[None]
 
-        return decoder_layer(self.config, self.clear[i], x_TH[None], linear, kv, cos, sin, mask)[0]
+        return decoder_layer(self.config, self.clear[i], x_TH[None], linear, None, None, None, None, attention)[0]
 
     def masked_linear(self, layer: int, op: int, x_TK: torch.Tensor) -> torch.Tensor:
         """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32. Raises
