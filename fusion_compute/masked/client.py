@@ -296,6 +296,8 @@ class MaskedEngine(EngineBase):
         """One masked step over several sessions: their tokens are consecutive columns of every
         masked product; each one's attention runs over its own slot's cache at its own position."""
         if self.streams is None:
+            if self.slot_pos:  # a rejected product ended the mask session: the caches no longer match it
+                raise RuntimeError("the masked session ended mid-batch (a rejected product): its sessions must start again")
             self._reset()
         spans = []
         for slot, ids in items:
