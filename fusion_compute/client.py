@@ -91,7 +91,8 @@ class Engine(EngineBase):
 
     def _release(self, slot: int) -> None:
         self.slot_pos.pop(slot, None)
-        self._control(Op.RELEASE, slot)
+        if self.comm is not None:  # else no epoch: the workers zero their memory at the next one's reset
+            self._control(Op.RELEASE, slot)
 
     def _wipe(self) -> None:
         self._control(Op.WIPE)

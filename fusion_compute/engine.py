@@ -336,10 +336,8 @@ class EngineBase(Membership):
         worker that cannot be told (lost, or the epoch being replaced) zeroes its memory when the next
         epoch resets it or its process ends."""
         self.slot_history.pop(slot, None)
-        if self.comm is None:
-            return
         try:
-            self._release(slot)
+            self._release(slot)  # also without an epoch: the client's own memory (masked mode) is wiped
         except CommError:
             pass
 

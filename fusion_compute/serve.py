@@ -36,7 +36,7 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
                    help=f"waiting requests before 429 (default {DEFAULT_MAX_QUEUE})")  # fmt: skip
     s.add_argument("--max-batch", type=int, default=1,
                    help="sessions decoded together, one sharded step for all (continuous batching; default 1: "
-                        "one request at a time; structural mode only; docs/serving.md)")  # fmt: skip
+                        "one request at a time; both modes; docs/serving.md)")  # fmt: skip
     s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help=f"open connections before 503 (default {DEFAULT_MAX_CONNECTIONS})")  # fmt: skip
     s.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,

@@ -186,7 +186,7 @@ class Comm:
         own `reduce_scatter_from` (MPI) does the same on its point-to-point messages; on the others, or
         under the audit's negative control, the whole partial is made first."""
         fabric_from = getattr(self.fabric, "reduce_scatter_from", None)
-        if len(sizes) == 1 or self.reduce_scatter_impl != "all_to_all" or (self.fabric and not fabric_from):
+        if len(sizes) == 1 or self.reduce_scatter_impl != "all_to_all" or (self.fabric is not None and not fabric_from):
             return self.reduce_scatter(torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op)
         if fabric_from is None:
             return self._scatter_blocks(chunk, sizes, op)

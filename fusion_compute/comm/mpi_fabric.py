@@ -92,6 +92,7 @@ class MpiFabric:
         self.mpi, self.me, self.timeout_s = mpi, worker, timeout_s
         self.device = torch.device("cpu")
         self.aborted = threading.Event()
+        self._abandoned: list = []  # requests and buffers of a reduce-scatter given up on (reduce_scatter_from)
         try:
             if rendezvous == WORLD:
                 comm = self._world(mpi, worker, n_workers)
@@ -181,18 +182,29 @@ class MpiFabric:
         block is sent as soon as `chunk(q)` has made it (the next rank's first), and this worker's own
         block is computed while they travel. The sum is in rank order, as `reduce_scatter`'s."""
         n, me = len(sizes), self.me
-        reqs, keep, stack = [], [], None
+        recvs, sends, keep, stack = [], [], [], None
         order = [(me + i) % n for i in range(1, n)]
-        for q in order:
-            block = chunk(q).contiguous()
-            if stack is None:  # the first block tells T and the dtype
-                stack = torch.empty((n, sizes[me], block.shape[1]), dtype=block.dtype)
-                reqs += [self.comm.Irecv(stack[p].numpy(), source=p, tag=_RS_TAG) for p in order if sizes[me]]
-            if sizes[q]:
-                keep.append(block)  # the buffer must live until its send completes
-                reqs.append(self.comm.Isend(block.numpy(), dest=q, tag=_RS_TAG))
-        stack[me] = chunk(me)
-        self.wait(_All(self.mpi, reqs))
+        try:
+            for q in order:
+                block = chunk(q).contiguous()
+                if stack is None:  # the first block tells T and the dtype
+                    stack = torch.empty((n, sizes[me], block.shape[1]), dtype=block.dtype)
+                    recvs = [self.comm.Irecv(stack[p].numpy(), source=p, tag=_RS_TAG) for p in order if sizes[me]]
+                if sizes[q]:
+                    keep.append(block)  # the buffer must live until its send completes
+                    sends.append(self.comm.Isend(block.numpy(), dest=q, tag=_RS_TAG))
+            stack[me] = chunk(me)
+            self.wait(_All(self.mpi, recvs + sends))
+        except BaseException:
+            # Abandoned (an abort, a timeout, an error in the product): a live peer's block may still
+            # arrive, so the buffers stay referenced as long as the fabric (never freed under MPI).
+            for req in recvs:
+                try:
+                    req.Cancel()
+                except Exception:
+                    pass
+            self._abandoned.append((recvs, sends, stack, keep))
+            raise
         return stack.sum(0)
 
     def sum_among(self, tensor: torch.Tensor, group: int) -> None:

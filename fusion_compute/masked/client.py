@@ -297,7 +297,8 @@ class MaskedEngine(EngineBase):
         masked product; each one's attention runs over its own slot's cache at its own position."""
         if self.streams is None:
             if self.slot_pos:  # a rejected product ended the mask session: the caches no longer match it
-                raise RuntimeError("the masked session ended mid-batch (a rejected product): its sessions must start again")
+                raise RuntimeError("the masked session ended mid-batch (a rejected product): "
+                                   "its sessions must start again")  # fmt: skip
             self._reset()
         spans = []
         for slot, ids in items:
@@ -323,7 +324,8 @@ class MaskedEngine(EngineBase):
         finally:
             torch.set_num_threads(threads)
 
-    def _masked_step(self, ids: list[int], spans: list[tuple[int, int, int]], rows: torch.Tensor | None) -> torch.Tensor:
+    def _masked_step(self, ids: list[int], spans: list[tuple[int, int, int]],
+                     rows: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """Every layer over the tokens `ids` of the sessions `spans` ((slot, position, T), in the
         order of `ids`); the logits (R, V) of the tokens at `rows` (None: every token)."""
         t = len(ids)
@@ -332,10 +334,11 @@ class MaskedEngine(EngineBase):
         mask_ranks = [r for g in plan.mask_groups for r in plan.ranks(g)]
         for r in plan.ranks("A"):  # A learns T, nothing else
             self._isend(torch.tensor([int(P.Op.FORWARD), t, 0, 0], dtype=torch.int64), r, P.KIND_CONTROL, "forward")
-        for r in mask_ranks:  # a mask group learns T and the step (its mask labels)
-            self._isend(
-                torch.tensor([int(P.Op.FORWARD), t, 0, self.step], dtype=torch.int64), r, P.KIND_CONTROL, "forward"
-            )
+        # A mask group learns T, the step (its mask labels) and the next decode step's T (one token per
+        # session of this step; it works ahead for it), which its next T would tell it anyway.
+        word = torch.tensor([int(P.Op.FORWARD), t, len(spans), self.step], dtype=torch.int64)
+        for r in mask_ranks:
+            self._isend(word.clone(), r, P.KIND_CONTROL, "forward")
         # Mask groups stream W_fx r_g layer by layer: post every receive now, wait for each when needed.
         self._b_in = []
         for layer in range(c.n_layers):
@@ -373,7 +376,7 @@ class MaskedEngine(EngineBase):
         def attention(qkv: torch.Tensor) -> torch.Tensor:  # (1, ΣT, W) -> (1, ΣT, nh d)
             out, row = [], 0
             for slot, pos, t, cos, sin, mask in parts:
-                k_cache, v_cache = (c[i] for c in self._cache(slot))  # (n_kv, S_max, d)
+                k_cache, v_cache = (cache[i] for cache in self._cache(slot))  # (n_kv, S_max, d)
 
                 def kv(k, v, pos=pos, t=t, k_cache=k_cache, v_cache=v_cache):
                     k_cache[:, pos : pos + t] = k[0]
@@ -387,7 +390,8 @@ class MaskedEngine(EngineBase):
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             return self.masked_linear(i, LINEARS.index(name), x[0])[None]
 
-        return decoder_layer(self.config, self.clear[i], x_TH[None], linear, None, None, None, None, attention)[0]
+        return decoder_layer(self.config, self.clear[i], x_TH[None], linear, None, None, None, None,
+                             attention=attention)[0]
 
     def masked_linear(self, layer: int, op: int, x_TK: torch.Tensor) -> torch.Tensor:
         """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32. Raises

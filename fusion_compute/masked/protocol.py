@@ -8,7 +8,8 @@ gets only what it needs, so A never learns positions, steps or sessions.
   FORWARD   client -> A     [FORWARD, T, 0, 0]; then per layer, per op:
                               client -> A member   x_fx + r        int64 (K, T)    kind "masked"
                               A member -> client   W_fx (x_fx + r) int64 (rows, T) kind "ring_out"
-            client -> B     [FORWARD, T, 0, step]; then per layer:
+            client -> B     [FORWARD, T, T_next, step] (T_next: the next decode step's T, one token per
+                            session of this step, which B works ahead for); then per layer:
                               B member -> client   W_fx r, the layer's four ops stacked
                                                    int64 (rows_per_layer, T)       kind "ring_out"
   PING      client -> all   -> [1, rank, 0, rss_kb]

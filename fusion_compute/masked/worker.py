@@ -186,7 +186,7 @@ class MaskedWorker:
         leak_from_a = self.leak == "a-to-b" and self.group == self.plan.mask_groups[0] and self.member == 0
         while True:
             c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)
-            op, t, step = int(ctrl[0]), int(ctrl[1]), int(ctrl[3])
+            op, t, t_next, step = (int(v) for v in ctrl)
             if op == P.Op.RESET:
                 key = c.recv(torch.zeros(32, dtype=torch.uint8), 0, P.KIND_KEY, "key")
                 stream = make_stream(mask_kind, bytes(key.tolist()), guard=False)
@@ -206,9 +206,11 @@ class MaskedWorker:
                     y = self._lie(P.op_name(layer, "mask"), y, layer == 0, layer == n_layers - 1)
                     pending.append((c.isend(y, 0, P.KIND_OUT, P.op_name(layer, "mask")), y))
                 expected = step + 1
-                # Work ahead while the client and group A run this step: the next decode step (T = 1).
-                # (The sends above are already queued; the link's writer keeps them moving meanwhile.)
-                ahead = (expected, 1, [self._products(stream, expected, layer, 1) for layer in range(n_layers)])
+                # Work ahead while the client and group A run this step: the next decode step, whose T the
+                # client announced (1 for one session; a batch's session count). (The sends above are
+                # already queued; the link's writer keeps them moving meanwhile.)
+                t_next = max(1, t_next)
+                ahead = (expected, t_next, [self._products(stream, expected, layer, t_next) for layer in range(n_layers)])
                 for work, _ in pending:
                     work.wait()
                 if self.audit is not None:
