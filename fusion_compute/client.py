@@ -124,14 +124,7 @@ class Engine(EngineBase):
     def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """One step over several slots: their tokens as consecutive columns of one ingress, one
         collective per operator for all of them (protocol.Op.FORWARD_BATCH)."""
-        spans = []
-        for slot, ids in items:
-            if not 0 <= slot < self.batch_slots:
-                raise ValueError(f"slot {slot} outside the batch's 0..{self.batch_slots - 1}")
-            pos = self.slot_pos.get(slot, 0)
-            if pos + len(ids) > self.context:
-                raise ValueError(f"{pos + len(ids)} tokens exceed the context window of {self.context}")
-            spans.append((slot, pos, len(ids)))
+        spans = self._batch_spans(items)
         ids = [i for _, seq in items for i in seq]
         total = len(ids)
         x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, ΣT), full: fine, this is the client

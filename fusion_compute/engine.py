@@ -295,6 +295,7 @@ class EngineBase(Membership):
     # KV slots the workers make at a session's start: BatchRunner sets its max batch, and it stays (a
     # later single session then zeroes that many slots at its start)
     batch_slots = 1
+    slot_pos: dict[int, int]  # a batch's slots: the position of each one's next token (set by the mode)
 
     def forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """One step for several sessions, each in its own KV slot: `items` are (slot, ids), the ids run
@@ -343,6 +344,19 @@ class EngineBase(Membership):
 
     def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def _batch_spans(self, items: list[tuple[int, list[int]]]) -> list[tuple[int, int, int]]:
+        """(slot, position, T) of each item of a batch step, checked: the slot is one of the batch's
+        and its tokens fit the context. A mode's `slot_pos` holds each slot's next position."""
+        spans = []
+        for slot, ids in items:
+            if not 0 <= slot < self.batch_slots:
+                raise ValueError(f"slot {slot} outside the batch's 0..{self.batch_slots - 1}")
+            pos = self.slot_pos.get(slot, 0)
+            if pos + len(ids) > self.context:
+                raise ValueError(f"{pos + len(ids)} tokens exceed the context window of {self.context}")
+            spans.append((slot, pos, len(ids)))
+        return spans
 
     def _release(self, slot: int) -> None:
         raise NotImplementedError

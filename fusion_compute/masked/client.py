@@ -300,14 +300,7 @@ class MaskedEngine(EngineBase):
                 raise RuntimeError("the masked session ended mid-batch (a rejected product): "
                                    "its sessions must start again")  # fmt: skip
             self._reset()
-        spans = []
-        for slot, ids in items:
-            if not 0 <= slot < self.batch_slots:
-                raise ValueError(f"slot {slot} outside the batch's 0..{self.batch_slots - 1}")
-            pos = self.slot_pos.get(slot, 0)
-            if pos + len(ids) > self.context:
-                raise ValueError(f"{pos + len(ids)} tokens exceed the context window of {self.context}")
-            spans.append((slot, pos, len(ids)))
+        spans = self._batch_spans(items)
         ends = torch.tensor([t for _, _, t in spans]).cumsum(0) - 1  # each session's last token
         logits = self._one_thread(lambda: self._masked_step([i for _, ids in items for i in ids], spans, ends))
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
