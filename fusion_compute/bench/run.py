@@ -2,7 +2,8 @@
 
 Systems: (a) transformers, one process; (b) fusion, 1 worker; (c) megatron-tp (replicated
 residual, 2 all-reduces per layer: a baseline, not a product mode), N workers; (d) fusion, N
-workers. Each (system, repeat) runs in a fresh subprocess; we report medians and min..max.
+workers. Each (system, repeat) runs in a fresh subprocess, repeats interleaved across systems; we
+report medians and min..max, and decode ratios between systems as the median of per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def systems(ns: list[int], engines: list[str]) -> list[tuple[str, int, str]]:
     return out
 
 
+def _threads(system: str, n: int, cores: int) -> int:
+    """Same thread budget for everyone: `cores` torch threads among the processes computing at any
+    moment (workers split it; the client, which only runs while the workers wait, gets it all)."""
+    return cores if system == "transformers" else max(1, cores // n)
+
+
 def run_bench(
     model: str | None,
     ns: list[int],
@@ -63,39 +70,23 @@ def run_bench(
     from ..weights import open_weights
 
     cfg = open_weights(path).config
-    results = []
     rtt = _run_one(["--system", "tcp-rtt", "--model", str(path)], timeout_s)["rtt_us"]
-    for system, n, engine in systems(ns, engines):
-        # Same thread budget for everyone: `cores` torch threads among the processes computing at any
-        # moment (workers split it; the client, which only runs while the workers wait, gets it all).
-        threads = cores if system == "transformers" else max(1, cores // n)
-        runs = []
-        for rep in range(repeats):
+    order = systems(ns, engines)
+    runs: dict[tuple[str, int, str], list[dict]] = {key: [] for key in order}
+    # Repeats interleaved (every system once, then every system again): a slow stretch of this shared
+    # machine then hits every system's repeat k alike, and repeat k of two systems makes a fair pair
+    # (`ratios` takes the median of the per-repeat ratios).
+    for rep in range(repeats):
+        for system, n, engine in order:
+            threads = _threads(system, n, cores)
             log(f"bench: {system} N={n} {engine} run {rep + 1}/{repeats}")
             args = ["--system", system, "--engine", engine if engine != "-" else "tls", "--model", str(path),
                     "--workers", str(n), "--threads", str(threads),
                     "--client-threads", str(cores),
                     "--prompts", ",".join(map(str, prompts)), "--decode-tokens", str(decode_tokens)]  # fmt: skip
-            runs.append(_run_one(args, timeout_s))
-        row: dict = {"system": system, "workers": n, "engine": engine, "threads_per_process": threads, "repeats": repeats}
-        dec = [decode_tokens / r["decode_s"] for r in runs]
-        row["decode_tokens_per_s"] = statistics.median(dec)
-        row["decode_tokens_per_s_spread"] = _summary(dec)
-        for p in prompts:
-            pre = [p / r[f"prefill_{p}_s"] for r in runs]
-            row[f"prefill_{p}_tokens_per_s"] = statistics.median(pre)
-            row[f"prefill_{p}_tokens_per_s_spread"] = _summary(pre)
-        row["prefill_tokens_per_s"] = row[f"prefill_{prompts[0]}_tokens_per_s"]
-        row["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
-        for key in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token",
-                    "wire_bytes_per_token", "collective_us"):
-            if key in runs[0]:
-                row[key] = statistics.median(r[key] for r in runs)
-        if system == "transformers":
-            row["collectives_per_token"] = 0
-            row["bytes_per_token"] = 0
-        row["peak_rss_mb"] = {k: max(r["peak_rss_mb"][k] for r in runs) for k in runs[0]["peak_rss_mb"]}
-        results.append(row)
+            runs[(system, n, engine)].append(_run_one(args, timeout_s))
+    results = [_row(key, runs[key], cores, prompts, decode_tokens) for key in order]
+    ratio, spread = ratios(results, cfg, rtt)
     return {
         "model": str(path),
         "layers": cfg.n_layers,
@@ -105,8 +96,41 @@ def run_bench(
         "decode_tokens": decode_tokens,
         "prompts": prompts,
         "results": results,
-        "ratios": ratios(results, cfg, rtt),
+        "ratios": ratio,
+        "ratio_spread": spread,
     }
+
+
+def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[int], decode_tokens: int) -> dict:
+    system, n, engine = key
+    row: dict = {"system": system, "workers": n, "engine": engine, "threads_per_process": _threads(system, n, cores),
+                 "repeats": len(runs)}  # fmt: skip
+    dec = [decode_tokens / r["decode_s"] for r in runs]
+    row["decode_tokens_per_s"] = statistics.median(dec)
+    row["decode_tokens_per_s_spread"] = _summary(dec)
+    row["decode_tokens_per_s_runs"] = dec  # in repeat order, for the paired ratios
+    for p in prompts:
+        pre = [p / r[f"prefill_{p}_s"] for r in runs]
+        row[f"prefill_{p}_tokens_per_s"] = statistics.median(pre)
+        row[f"prefill_{p}_tokens_per_s_spread"] = _summary(pre)
+    row["prefill_tokens_per_s"] = row[f"prefill_{prompts[0]}_tokens_per_s"]
+    row["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
+    for k in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token",
+              "wire_bytes_per_token", "collective_us"):
+        if k in runs[0]:
+            row[k] = statistics.median(r[k] for r in runs)
+    if system == "transformers":
+        row["collectives_per_token"] = 0
+        row["bytes_per_token"] = 0
+    row["peak_rss_mb"] = {k: max(r["peak_rss_mb"][k] for r in runs) for k in runs[0]["peak_rss_mb"]}
+    return row
+
+
+def paired(a: dict, b: dict) -> dict:
+    """Decode speed of row a over row b, repeat by repeat (repeat k of both ran back to back): the
+    median of the per-repeat ratios and their range."""
+    per = [x / y for x, y in zip(a["decode_tokens_per_s_runs"], b["decode_tokens_per_s_runs"], strict=True)]
+    return _summary(per)
 
 
 def _find(results: list[dict], system: str, n: int, engine: str | None = None) -> dict | None:
@@ -114,36 +138,47 @@ def _find(results: list[dict], system: str, n: int, engine: str | None = None) -
                  and (engine is None or r["engine"] == engine)), None)  # fmt: skip
 
 
-def ratios(results: list[dict], cfg, rtt_us: float) -> dict:
+def ratios(results: list[dict], cfg, rtt_us: float) -> tuple[dict, dict]:
+    """Ratios of medians, except the decode ratios between systems of one run, which are paired per
+    repeat (`paired`); returns (ratios, the paired ones' min..max)."""
     out: dict = {}
+    spread: dict = {}
+
+    def pair(name: str, a: dict, b: dict) -> None:
+        s = paired(a, b)
+        out[name], spread[name] = s["median"], s
+
     hf = _find(results, "transformers", 1)
     f1 = _find(results, "fusion", 1)
     if hf and f1:
-        out["fusion1_vs_transformers_decode"] = f1["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+        pair("fusion1_vs_transformers_decode", f1, hf)
         out["fusion1_vs_transformers_prefill"] = f1["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
     for r in results:
         n, e = r["workers"], r["engine"]
         if r["system"] == "fusion" and n > 1:
+            if f1:
+                pair(f"fusion{n}_{e}_vs_fusion1_decode", r, f1)
             mt = _find(results, "megatron-tp", n, e)
             if mt:
-                out[f"fusion{n}_vs_megatron{n}_{e}_decode"] = r["decode_tokens_per_s"] / mt["decode_tokens_per_s"]
+                pair(f"fusion{n}_vs_megatron{n}_{e}_decode", r, mt)
                 out[f"fusion{n}_vs_megatron{n}_{e}_prefill"] = r["prefill_tokens_per_s"] / mt["prefill_tokens_per_s"]
             gloo = _find(results, "fusion", n, "gloo")
             if gloo and e != "gloo":
-                out[f"fusion{n}_{e}_vs_gloo_decode"] = r["decode_tokens_per_s"] / gloo["decode_tokens_per_s"]
+                pair(f"fusion{n}_{e}_vs_gloo_decode", r, gloo)
                 out[f"fusion{n}_{e}_vs_gloo_prefill"] = r["prefill_tokens_per_s"] / gloo["prefill_tokens_per_s"]
             if r.get("collective_us") and rtt_us:
                 out[f"fusion{n}_{e}_collective_vs_tcp_rtt"] = r["collective_us"] / rtt_us
             out[f"fusion{n}_{e}_collectives_per_layer"] = r["collectives_per_token"] / cfg.n_layers
             if r.get("plan_bytes_per_token"):
                 out[f"fusion{n}_{e}_bytes_vs_plan"] = r["bytes_per_token"] / r["plan_bytes_per_token"]
-    return out
+    return out, spread
 
 
 def table(report: dict) -> str:
     lines = [
         f"model: {report['model']} ({report['layers']} layers), {report['cores']} cores, "
-        f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs; "
+        f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs (repeats "
+        "interleaved; decode ratios between systems: median of the per-repeat ratios, min..max); "
         f"raw TCP round trip on loopback: {report['tcp_rtt_us']:.1f} µs",
         "",
         "| system | N | engine | decode tok/s (min..max) | prefill "
@@ -164,7 +199,9 @@ def table(report: dict) -> str:
             f"{coll} | {r['bytes_per_token']:.0f} | {wire} | {rss} |"
         )
     lines += ["", "| ratio | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in report["ratios"].items()]
+    for k, v in report["ratios"].items():
+        s = report.get("ratio_spread", {}).get(k)
+        lines.append(f"| {k} | {v:.3f} ({s['min']:.3f}..{s['max']:.3f}) |" if s else f"| {k} | {v:.3f} |")
     return "\n".join(lines)
 
 
