@@ -38,6 +38,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def last_words(log: str, returncode: int | None) -> str:
+    """What a worker's output says went wrong: its own one-line error (cli.main's) if it printed
+    one, though a native library may print more after it (MPICH: "terminate called ..." at exit),
+    else its last line, else its exit code."""
+    lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("@fusion-progress ")]
+    own = [ln for ln in lines if ln.startswith("fusion worker") and ": error: " in ln]
+    return (own or lines or [f"exit code {returncode}"])[-1]
+
+
 class WorkerProcs:
     """N local worker processes plus a watchdog that reports one that dies unexpectedly."""
 
@@ -91,9 +100,14 @@ class WorkerProcs:
     def last_error(self, i: int) -> str:
         log = self.logs[i]
         log.seek(0)
-        text = log.read().decode(errors="replace")
-        lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("@fusion-progress ")]
-        return lines[-1] if lines else f"exit code {self.procs[i].returncode}"
+        return last_words(log.read().decode(errors="replace"), self.procs[i].returncode)
+
+    def exit_reason(self, rank: int) -> str | None:
+        """`last_error` of participant `rank`'s process if it has exited, else None."""
+        i = rank - 1
+        if not 0 <= i < len(self.procs) or self.procs[i].poll() is None:
+            return None
+        return self.last_error(i)
 
     def _watchdog(self) -> None:
         """Notice a worker that exits unexpectedly and say which, with its last words. The client

@@ -118,14 +118,16 @@ class Membership:
             failed.add(self.order[err.rank - 1])
         if not failed:
             raise err or CommError("a worker failed")
-        seen = self.watch.failed()
-        reason = "; ".join(seen[p] for p in sorted(failed) if p in seen) or str(err)
+        reason = self._loss_reason(failed, err)
         if self.procs is not None:  # a local spare still starting up (a failure early in the job) is worth the wait
             for p in sorted(failed):
                 self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
-        order = self._next_order(failed)
-        self.opts.log(f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason}); "
-                      f"epoch {self.epoch + 1} over {order}")  # fmt: skip
+        lost = f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason})"
+        try:
+            order = self._next_order(failed)
+        except TooFewWorkers as e:  # say why they were lost too: the usual cause is in their own error
+            raise TooFewWorkers(f"{lost}; {e}") from err
+        self.opts.log(f"{lost}; epoch {self.epoch + 1} over {order}")
         self._retire(failed)
         self.epoch += 1
         self.plan = self.plan_for(order)
@@ -247,6 +249,19 @@ class Membership:
             if self.procs is not None and waiting <= {rank for rank, _ in self.procs.failures}:
                 break  # the local spares that have not joined died before joining: they will not come
             time.sleep(0.1)
+
+    def _loss_reason(self, failed: set[int], err: PeerError | None) -> str:
+        """Why each failed worker was lost: a local process's own last error where it exited (what
+        went wrong), else what the watch saw (its connection closed, its heartbeat stopped)."""
+        seen = self.watch.failed()
+        why = []
+        for p in sorted(failed):
+            words = self.procs.exit_reason(p) if self.procs is not None else None
+            if words is not None:
+                why.append(f"worker {p} exited: {words}")
+            elif p in seen:
+                why.append(seen[p])
+        return "; ".join(why) or str(err)
 
     def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
         alive_spares = [p for p, s in self.seats.items() if s.standby and p not in self.order and p in self.watch.ranks

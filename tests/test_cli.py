@@ -206,6 +206,18 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     assert client.returncode not in (0, None)
     assert "Traceback" not in err
     assert "worker" in err and "error" in err, err
+    assert "worker 1 exited: exit code -9" in err, err  # the cause, as the watch saw it
+
+
+def test_a_workers_own_error_line_is_its_last_words():
+    """What the client reports of a worker that exited: its own error line even when a native library
+    printed after it (MPICH's C++ runtime does at exit), else its last line, else its exit code."""
+    from fusion_compute.launch import last_words
+
+    log = "@fusion-progress 3/9\nfusion worker: error: RuntimeError: out of memory\nterminate called without an active exception\n"
+    assert last_words(log, -6) == "fusion worker: error: RuntimeError: out of memory"
+    assert last_words("loading\nSegmentation fault\n", -11) == "Segmentation fault"
+    assert last_words("@fusion-progress 1/9\n", -9) == "exit code -9"
 
 
 def test_cuda_defaults_to_nccl_only_among_local_workers():

@@ -88,8 +88,9 @@ def test_lost_worker_without_standby_replans_over_the_rest(tiny_qwen2):
 def test_recovery_never_leaves_one_worker_holding_everything(tiny_qwen2):
     with structural(tiny_qwen2, n=2) as eng:
         victim = eng.procs.pids[0]
-        with pytest.raises(CommError, match="fewer than --min-workers 2"):
+        with pytest.raises(CommError, match="fewer than --min-workers 2") as e:
             run(eng, lambda: os.kill(victim, signal.SIGKILL))
+        assert "worker 1 exited: exit code -9" in str(e.value)  # why it was lost, not only what is refused
 
 
 def test_dead_standby_is_skipped(tiny_qwen2):
