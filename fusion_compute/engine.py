@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .comm import Admission, Comm, CommError, Identity, Member, PeerError, Recorder, Watch, free_port
+from .comm import ENGINES, Admission, Comm, CommError, Identity, Member, PeerError, Recorder, Watch, free_port
 from .comm.liveness import DEADLINE_S
 from .comm.mpi_fabric import WORLD as MPI_WORLD
 from .config import ModelError
@@ -53,7 +53,6 @@ from .topology import Topology, check_here
 from .weights import WeightSource, open_weights, resolve_model_path
 
 DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
-ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
 FABRICS = ("gloo", "nccl", "mpi")  # engines whose worker-to-worker collectives run on a fabric of their own
 LOCAL_FABRICS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
 

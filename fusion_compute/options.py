@@ -7,12 +7,14 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .comm import Identity, PublicId
-from .engine import ENGINES, EngineOptions
+from .comm import ENGINES, Identity, PublicId
 from .errors import UsageError
 from .topology import GROUP_NAME, Topology, check_here
+
+if TYPE_CHECKING:
+    from .engine import EngineOptions
 
 # ---- values ----
 
@@ -157,6 +159,8 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
 
         opts = masked_options(a.workers, topo, {**common, "capacities": capacities(a.capacity)})
     else:
+        from .engine import EngineOptions  # torch: loaded once a run is asked for
+
         if topo is not None:
             if topo.masked:
                 raise UsageError(f"{topo.path} names masked groups A and B: add --mode masked")

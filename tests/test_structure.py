@@ -127,3 +127,16 @@ def test_dag_check_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     edges, _ = module_graph()
     assert "fusion_compute.cli" in edges["fusion_compute.__main__"]  # the graph does see imports of cli
+
+
+def test_the_command_line_starts_without_torch():
+    """`fusion --help`, `fusion keys` and refused arguments answer in a fraction of a second: the parser
+    and the key commands do not import torch (about 1.6 s here); a run imports it when it starts."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fusion_compute.cli import build_parser, main; build_parser(); "
+            "main(['keys', 'show', '/nonexistent']); print('torch' in sys.modules)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", (r.stdout, r.stderr)
+    assert "key file not found" in r.stderr

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from ..errors import FusionError
-from ..weights import resolve_model_path
 
 
 class BenchError(FusionError, RuntimeError):
@@ -66,8 +65,9 @@ def run_bench(
     log=lambda s: None,
     timeout_s: float = 1800,
 ) -> dict:
+    from ..weights import open_weights, resolve_model_path
+
     path = resolve_model_path(model)
-    from ..weights import open_weights
 
     cfg = open_weights(path).config
     rtt = _run_one(["--system", "tcp-rtt", "--model", str(path)], timeout_s)["rtt_us"]

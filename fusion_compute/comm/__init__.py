@@ -14,8 +14,8 @@ engine (ssl sockets here, torch.distributed in torch_fabric.py); a test enforces
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 
-from .comm import Comm
 from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
@@ -23,8 +23,13 @@ from .links import wire_bytes
 from .liveness import Pulse, Watch
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
+if TYPE_CHECKING:
+    from .comm import Comm
+
+ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
+
 __all__ = [
-    "Admission", "Comm", "CommError", "Counters", "Credentials", "Event", "Identity", "IdentityError", "Joined",
+    "ENGINES", "Admission", "Comm", "CommError", "Counters", "Credentials", "Event", "Identity", "IdentityError", "Joined",
     "Member", "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Pulse", "Recorder",
     "WORKER_COLLECTIVES", "Watch", "free_port", "join_epoch", "open_pulse", "wire_bytes",
 ]  # fmt: skip
@@ -35,3 +40,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def __getattr__(name: str):
+    """`Comm` (comm.py) needs torch: it is imported when first asked for, so that the commands that
+    never open a link (`fusion keys`, `--help`, a refused argument) start without loading torch."""
+    if name == "Comm":
+        from .comm import Comm
+
+        return Comm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
