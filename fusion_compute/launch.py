@@ -38,13 +38,17 @@ def _die_with_parent() -> None:
         pass
 
 
+MAX_WORDS = 300  # characters of a worker's last words kept in errors, logs and the gateway's /health
+
+
 def last_words(log: str, returncode: int | None) -> str:
     """What a worker's output says went wrong: its own one-line error (cli.main's) if it printed
     one, though a native library may print more after it (MPICH: "terminate called ..." at exit),
     else its last line, else its exit code."""
     lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("@fusion-progress ")]
     own = [ln for ln in lines if ln.startswith("fusion worker") and ": error: " in ln]
-    return (own or lines or [f"exit code {returncode}"])[-1]
+    words = (own or lines or [f"exit code {returncode}"])[-1].strip()
+    return words if len(words) <= MAX_WORDS else words[: MAX_WORDS - 3] + "..."  # it may reach /health
 
 
 class WorkerProcs:

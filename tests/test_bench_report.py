@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from fusion_compute.bench.run import _row, ratios, table
+from fusion_compute.bench.run import _row, ratios, systems, table
 
 
 def _runs(decode_s: list[float]) -> list[dict]:
@@ -24,3 +24,11 @@ def test_decode_ratios_are_medians_of_per_repeat_ratios():
     report = {"model": "m", "layers": 1, "cores": 2, "decode_tokens": 8, "tcp_rtt_us": 1.0, "prompts": [8],
               "results": [f1, mt, f2], "ratios": out, "ratio_spread": spread}  # fmt: skip
     assert "| fusion2_mpi_vs_fusion1_decode | 2.000 (0.500..2.000) |" in table(report)
+
+
+def test_each_system_runs_once():
+    """--workers 1,2 names fusion N = 1 twice and a repeated engine names everything twice: each runs once
+    (two entries would share one list of runs and break the pairing)."""
+    order = systems([1, 2], ["mpi", "mpi"])
+    assert len(order) == len(set(order)) == 5
+    assert order[:2] == [("transformers", 1, "-"), ("fusion", 1, "mpi")]

@@ -40,12 +40,13 @@ def _summary(values: list[float]) -> dict:
 
 
 def systems(ns: list[int], engines: list[str]) -> list[tuple[str, int, str]]:
-    """(system, N, engine) in run order. N = 1 has no worker-to-worker traffic: one engine is enough."""
+    """(system, N, engine) in run order, each once (`--workers 1,2` or a repeated engine would name
+    some twice). N = 1 has no worker-to-worker traffic: one engine is enough."""
     out = [("transformers", 1, "-"), ("fusion", 1, engines[0])]
     for engine in engines:
         out += [("megatron-tp", n, engine) for n in ns]
         out += [("fusion", n, engine) for n in ns]
-    return out
+    return list(dict.fromkeys(out))
 
 
 def _threads(system: str, n: int, cores: int) -> int:
@@ -73,11 +74,12 @@ def run_bench(
     rtt = _run_one(["--system", "tcp-rtt", "--model", str(path)], timeout_s)["rtt_us"]
     order = systems(ns, engines)
     runs: dict[tuple[str, int, str], list[dict]] = {key: [] for key in order}
-    # Repeats interleaved (every system once, then every system again): a slow stretch of this shared
-    # machine then hits every system's repeat k alike, and repeat k of two systems makes a fair pair
-    # (`ratios` takes the median of the per-repeat ratios).
+    # Repeats interleaved, every system once per round: a slow stretch of this shared machine that
+    # lasts a round hits every system's repeat k alike, so repeat k of two systems makes a fair pair
+    # (`ratios` takes the median of the per-repeat ratios). Odd rounds run in reverse order, so that
+    # a drift within rounds does not always favour the same systems.
     for rep in range(repeats):
-        for system, n, engine in order:
+        for system, n, engine in order if rep % 2 == 0 else order[::-1]:
             threads = _threads(system, n, cores)
             log(f"bench: {system} N={n} {engine} run {rep + 1}/{repeats}")
             args = ["--system", system, "--engine", engine if engine != "-" else "tls", "--model", str(path),
@@ -127,8 +129,8 @@ def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[
 
 
 def paired(a: dict, b: dict) -> dict:
-    """Decode speed of row a over row b, repeat by repeat (repeat k of both ran back to back): the
-    median of the per-repeat ratios and their range."""
+    """Decode speed of row a over row b, repeat by repeat (repeat k of both ran in the same round of
+    `run_bench`): the median of the per-repeat ratios and their range."""
     per = [x / y for x, y in zip(a["decode_tokens_per_s_runs"], b["decode_tokens_per_s_runs"], strict=True)]
     return _summary(per)
 

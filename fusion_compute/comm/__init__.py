@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
 
 __all__ = [
-    "ENGINES", "Admission", "Comm", "CommError", "Counters", "Credentials", "Event", "Identity", "IdentityError", "Joined",
-    "Member", "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Pulse", "Recorder",
+    "Admission", "Comm", "CommError", "Counters", "Credentials", "ENGINES", "Event", "Identity", "IdentityError",
+    "Joined", "Member", "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Pulse", "Recorder",
     "WORKER_COLLECTIVES", "Watch", "free_port", "join_epoch", "open_pulse", "wire_bytes",
 ]  # fmt: skip
 
@@ -42,11 +42,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def __getattr__(name: str):
-    """`Comm` (comm.py) needs torch: it is imported when first asked for, so that the commands that
-    never open a link (`fusion keys`, `--help`, a refused argument) start without loading torch."""
-    if name == "Comm":
-        from .comm import Comm
+if not TYPE_CHECKING:  # type checkers see the import above, and no catch-all attribute
 
-        return Comm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str):
+        """`Comm` (comm.py) needs torch: it is imported when first asked for, so that the commands that
+        never open a link (`fusion keys`, `--help`, a refused argument) start without loading torch."""
+        if name == "Comm":
+            from .comm import Comm
+
+            return Comm
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
