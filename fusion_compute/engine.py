@@ -104,6 +104,8 @@ class EngineOptions:
         vouched = (self.engine in LOCAL_FABRICS and self.is_local) or self.mpi_world  # asked for by engine name
         if self.engine != "tls" and not self.insecure and not vouched:
             raise CommError(f"--engine {self.engine} is plaintext: add --insecure to ask for it by name")
+        if self.engine == "nccl" and self.device != "cuda":
+            raise CommError("--engine nccl runs among GPU workers: add --device cuda (on CPUs: tls, or mpi)")
         if self.engine in FABRICS and not self.is_local:
             if not self.mpi_world:
                 raise CommError(f"--engine {self.engine} runs on one machine only (spawned workers); across hosts, "
@@ -203,11 +205,14 @@ class EngineBase(Membership):
             self.worker_info = self._open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
             if self.procs is not None:
                 self.procs.quiet = False
-        except BaseException:
+        except BaseException as e:
+            words = self._exit_words(e) if isinstance(e, PeerError) else None
             if monitor is not None:
                 monitor.close(ok=False)
                 monitor = None
             self._abort()
+            if words is not None:  # the link only saw the connection close; the process said why
+                raise type(e)(e.rank, f"{e}: it exited: {words}", e.watched) from None
             raise
         finally:
             if monitor is not None:
@@ -449,6 +454,17 @@ class EngineBase(Membership):
         self._keys = dict(keys)
         stdin = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
         return WorkerProcs(argv, len(self.seats), env, stdin_for_rank=stdin)
+
+    def _exit_words(self, err: PeerError) -> str | None:
+        """A local worker's own last words when a start-up link error was its process ending (waited
+        for briefly: its connection closes as it exits); None for a worker still running or remote."""
+        if self.procs is None or not 1 <= err.rank <= len(self.order):
+            return None
+        seat = err.rank if err.watched else self.order[err.rank - 1]
+        deadline = time.monotonic() + 2.0
+        while (words := self.procs.exit_reason(seat)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return words
 
     def _spawn_failure(self) -> str | None:
         dead = self.procs.failure() if self.procs is not None else None

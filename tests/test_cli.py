@@ -73,6 +73,7 @@ BAD = [
     (["--prompt", "hi", "--capacity", "1,1,1"], "3 capacities given for 2"),
     (["--prompt", "hi", "--master", "localhost"], "HOST:PORT"),
     (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
+    (["--prompt", "hi", "--engine", "nccl"], "--engine nccl runs among GPU workers: add --device cuda"),
 ]
 
 
@@ -208,6 +209,29 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     assert "Traceback" not in err
     assert "worker" in err and "error" in err, err
     assert re.search(r"worker \d exited: exit code -9", err), err  # why it was lost: the process's exit status
+
+
+def test_a_worker_failing_at_start_up_says_why(tiny_qwen2, tmp_path, no_new_workers):
+    """A worker that fails while loading its share (a layer tensor only workers read has a dtype we do
+    not take): the client's error carries the worker's own reason, not only its closed connection."""
+    import json
+    import shutil
+    import struct
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen2, model)
+    f = model / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert json.loads(raw[8 : 8 + n])[name]["dtype"] == "F32"
+    old = f'"{name}":{{"dtype":"F32"'.encode()
+    assert old in raw[8 : 8 + n]
+    raw[8 : 8 + n] = raw[8 : 8 + n].replace(old, old.replace(b"F32", b"I32"))  # same length: offsets hold
+    f.write_bytes(bytes(raw))
+    r = run("generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-new-tokens", "2")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"exited: fusion worker: error: model.safetensors: {name} has unsupported dtype I32" in r.stderr, r.stderr
 
 
 def test_a_workers_own_error_line_is_its_last_words():
