@@ -126,7 +126,9 @@ class EngineOptions:
             if self.topology.client.key is not None and self.topology.client.key != self.key.public:
                 raise CommError(f"--key is not the client's key of {self.topology.path} "
                                 f"(file: {self.topology.client.key.fingerprint}, --key: {self.key.public.fingerprint})")  # fmt: skip
-        if self.standby < 0 or (self.standby and not self.is_local):
+        if self.standby < 0:
+            raise CommError(f"--standby must be >= 0, got {self.standby}")
+        if self.standby and not self.is_local:
             raise CommError("--standby N spawns local spares; a topology names its standbys (role = \"standby\")")
         if self.capacities is not None and len(self.capacities) != self.n_workers:
             raise CommError(f"{len(self.capacities)} capacities given for {self.n_workers} workers")

@@ -108,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
     p.add_argument("--standby", type=int, default=0,
                    help="local spare workers that replace a lost one (masked mode: per group); default 0")  # fmt: skip
-    p.add_argument("--min-workers", type=int, default=2,
+    p.add_argument("--min-workers", type=int, default=None,
                    help="never continue with fewer workers than this after a loss (default 2)")  # fmt: skip
     p.add_argument("--liveness", type=float, default=5.0,
                    help="a worker silent this long (no heartbeat) has failed, seconds (default 5)")  # fmt: skip
@@ -149,7 +149,8 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     common: dict[str, Any] = dict(
         topology=topo, key=load_key(a.key), insecure=a.insecure, master=None, engine=_engine_name(a),
         context=a.context, threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device,
-        standby=a.standby, min_workers=a.min_workers, liveness_s=a.liveness, recover=not a.no_recover,
+        standby=a.standby, min_workers=2 if a.min_workers is None else a.min_workers, liveness_s=a.liveness,
+        recover=not a.no_recover,
     )  # fmt: skip
     if a.master is not None:
         host_port(a.master)
@@ -177,6 +178,9 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         opts.check()
     except Exception as e:
         raise UsageError(str(e)) from None
+    if a.min_workers is not None and a.min_workers > opts.n_workers:  # (the default, 2, is for N >= 2 only)
+        raise UsageError(f"--min-workers {a.min_workers} is more than the {opts.n_workers} workers of this run "
+                         "(an epoch never has more): any lost worker would end it")  # fmt: skip
     if opts.insecure:
         opts.log("warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
                  "path reads the shards, anyone who reaches the port can join")  # fmt: skip

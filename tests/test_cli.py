@@ -74,6 +74,8 @@ BAD = [
     (["--prompt", "hi", "--master", "localhost"], "HOST:PORT"),
     (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
     (["--prompt", "hi", "--engine", "nccl"], "--engine nccl runs among GPU workers: add --device cuda"),
+    (["--prompt", "hi", "--min-workers", "3"], "--min-workers 3 is more than the 2 workers of this run"),
+    (["--prompt", "hi", "--standby", "-1"], "--standby must be >= 0"),
 ]
 
 
