@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .comm import ENGINES, Admission, Comm, CommError, Identity, Member, PeerError, Recorder, Watch, free_port
+from .comm import ENGINES, Admission, Comm, CommError, Identity, Member, PeerError, PeerLost, Recorder, Watch, free_port
 from .comm.liveness import DEADLINE_S
 from .comm.mpi_fabric import WORLD as MPI_WORLD
 from .config import ModelError
@@ -208,7 +208,7 @@ class EngineBase(Membership):
             if self.procs is not None:
                 self.procs.quiet = False
         except BaseException as e:
-            words = self._exit_words(e) if isinstance(e, PeerError) else None
+            words = self._exit_words(e) if isinstance(e, PeerLost) else None  # (a timeout: it is still running)
             if monitor is not None:
                 monitor.close(ok=False)
                 monitor = None
@@ -457,7 +457,7 @@ class EngineBase(Membership):
         stdin = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
         return WorkerProcs(argv, len(self.seats), env, stdin_for_rank=stdin)
 
-    def _exit_words(self, err: PeerError) -> str | None:
+    def _exit_words(self, err: PeerLost) -> str | None:
         """A local worker's own last words when a start-up link error was its process ending (waited
         for briefly: its connection closes as it exits); None for a worker still running or remote."""
         if self.procs is None or not 1 <= err.rank <= len(self.order):
