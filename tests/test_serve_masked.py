@@ -6,16 +6,18 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from test_serve import API_KEY, build_chat_model, start_server, stop_server
 
 from fusion_compute import reference
 from fusion_compute.tokenizer import load_tokenizer
 
 
-def test_masked_server_answers_like_transformers(tmp_path):
+@pytest.mark.parametrize("max_batch", [1, 4])  # one request at a time (queued), or decoded together
+def test_masked_server_answers_like_transformers(tmp_path, max_batch):
     model = build_chat_model(tmp_path / "m")
     live = start_server(["--model", str(model), "--mode", "masked", "--workers", "1+1", "--threads", "1",
-                         "--api-key", API_KEY, "--served-model-name", "tiny", "--max-batch", "4"],
+                         "--api-key", API_KEY, "--served-model-name", "tiny", "--max-batch", str(max_batch)],
                         tmp_path / "serve.log")  # fmt: skip
     try:
         tok = load_tokenizer(model)
@@ -38,7 +40,7 @@ def test_masked_server_answers_like_transformers(tmp_path):
         # (this tiny random model may answer them alike: that sessions keep apart in a masked batch is
         # tests/test_batching.py's check, on logits that differ)
         wants = [want([{"role": "user", "content": q}]) for q in questions]
-        with ThreadPoolExecutor(3) as ex:  # three at once: decoded together, each as if alone
+        with ThreadPoolExecutor(3) as ex:  # three at once: queued, or decoded together; each as if alone
             answers = [a.choices[0].message.content for a in ex.map(ask, questions)]
         assert answers == wants
     finally:
