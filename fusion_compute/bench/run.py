@@ -3,7 +3,7 @@
 Systems: (a) transformers, one process; (b) fusion, 1 worker; (c) megatron-tp (replicated
 residual, 2 all-reduces per layer: a baseline, not a product mode), N workers; (d) fusion, N
 workers. Each (system, repeat) runs in a fresh subprocess, repeats interleaved across systems; we
-report medians and min..max, and decode ratios between systems as the median of per-repeat ratios.
+report medians and min..max, and speed ratios between systems as the median of per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -115,7 +115,9 @@ def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[
         pre = [p / r[f"prefill_{p}_s"] for r in runs]
         row[f"prefill_{p}_tokens_per_s"] = statistics.median(pre)
         row[f"prefill_{p}_tokens_per_s_spread"] = _summary(pre)
+        row[f"prefill_{p}_tokens_per_s_runs"] = pre
     row["prefill_tokens_per_s"] = row[f"prefill_{prompts[0]}_tokens_per_s"]
+    row["prefill_tokens_per_s_runs"] = row[f"prefill_{prompts[0]}_tokens_per_s_runs"]
     row["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
     for k in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token",
               "wire_bytes_per_token", "collective_us"):
@@ -128,11 +130,12 @@ def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[
     return row
 
 
-def paired(a: dict, b: dict) -> dict:
-    """Decode speed of row a over row b, repeat by repeat (repeat k of both ran in the same round of
-    `run_bench`): the median of the per-repeat ratios and their range."""
-    per = [x / y for x, y in zip(a["decode_tokens_per_s_runs"], b["decode_tokens_per_s_runs"], strict=True)]
-    return _summary(per)
+def paired(a: dict, b: dict, what: str = "decode") -> dict:
+    """Speed of row a over row b ("decode" or "prefill", the first prompt length), repeat by repeat
+    (repeat k of both ran in the same round of `run_bench`): the median of the per-repeat ratios and
+    their range."""
+    key = f"{what}_tokens_per_s_runs"
+    return _summary([x / y for x, y in zip(a[key], b[key], strict=True)])
 
 
 def _find(results: list[dict], system: str, n: int, engine: str | None = None) -> dict | None:
@@ -141,20 +144,20 @@ def _find(results: list[dict], system: str, n: int, engine: str | None = None) -
 
 
 def ratios(results: list[dict], cfg, rtt_us: float) -> tuple[dict, dict]:
-    """Ratios of medians, except the decode ratios between systems of one run, which are paired per
-    repeat (`paired`); returns (ratios, the paired ones' min..max)."""
+    """Speed ratios between systems of one run, paired per repeat (`paired`), and the worker layer's
+    counts against the plan; returns (ratios, the paired ones' min..max)."""
     out: dict = {}
     spread: dict = {}
 
     def pair(name: str, a: dict, b: dict) -> None:
-        s = paired(a, b)
+        s = paired(a, b, name.rsplit("_", 1)[1])
         out[name], spread[name] = s["median"], s
 
     hf = _find(results, "transformers", 1)
     f1 = _find(results, "fusion", 1)
     if hf and f1:
         pair("fusion1_vs_transformers_decode", f1, hf)
-        out["fusion1_vs_transformers_prefill"] = f1["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
+        pair("fusion1_vs_transformers_prefill", f1, hf)
     for r in results:
         n, e = r["workers"], r["engine"]
         if r["system"] == "fusion" and n > 1:
@@ -163,11 +166,11 @@ def ratios(results: list[dict], cfg, rtt_us: float) -> tuple[dict, dict]:
             mt = _find(results, "megatron-tp", n, e)
             if mt:
                 pair(f"fusion{n}_vs_megatron{n}_{e}_decode", r, mt)
-                out[f"fusion{n}_vs_megatron{n}_{e}_prefill"] = r["prefill_tokens_per_s"] / mt["prefill_tokens_per_s"]
+                pair(f"fusion{n}_vs_megatron{n}_{e}_prefill", r, mt)
             gloo = _find(results, "fusion", n, "gloo")
             if gloo and e != "gloo":
                 pair(f"fusion{n}_{e}_vs_gloo_decode", r, gloo)
-                out[f"fusion{n}_{e}_vs_gloo_prefill"] = r["prefill_tokens_per_s"] / gloo["prefill_tokens_per_s"]
+                pair(f"fusion{n}_{e}_vs_gloo_prefill", r, gloo)
             if r.get("collective_us") and rtt_us:
                 out[f"fusion{n}_{e}_collective_vs_tcp_rtt"] = r["collective_us"] / rtt_us
             out[f"fusion{n}_{e}_collectives_per_layer"] = r["collectives_per_token"] / cfg.n_layers
@@ -180,7 +183,7 @@ def table(report: dict) -> str:
     lines = [
         f"model: {report['model']} ({report['layers']} layers), {report['cores']} cores, "
         f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs (repeats "
-        "interleaved; decode ratios between systems: median of the per-repeat ratios, min..max); "
+        "interleaved; speed ratios between systems: median of the per-repeat ratios, min..max); "
         f"raw TCP round trip on loopback: {report['tcp_rtt_us']:.1f} µs",
         "",
         "| system | N | engine | decode tok/s (min..max) | prefill "
