@@ -54,6 +54,7 @@ from .weights import WeightSource, open_weights, resolve_model_path
 
 DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
 FABRICS = ("gloo", "nccl", "mpi")  # engines whose worker-to-worker collectives run on a fabric of their own
+EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
 LOCAL_FABRICS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
 
 
@@ -208,13 +209,15 @@ class EngineBase(Membership):
             if self.procs is not None:
                 self.procs.quiet = False
         except BaseException as e:
-            words = self._exit_words(e) if isinstance(e, PeerLost) else None  # (a timeout: it is still running)
-            if monitor is not None:
-                monitor.close(ok=False)
-                monitor = None
-            self._abort()
-            if words is not None:  # the link only saw the connection close; the process said why
-                raise type(e)(e.rank, f"{e}: it exited: {words}", e.watched) from None
+            try:  # (a timeout is not looked into: the worker is still running)
+                why = self._exit_words(e) if isinstance(e, PeerLost) else None
+                if why is not None:  # the link only saw the connection close; the process said why
+                    e.args = (f"{e} ({why})",)
+            finally:
+                if monitor is not None:
+                    monitor.close(ok=False)
+                    monitor = None
+                self._abort()
             raise
         finally:
             if monitor is not None:
@@ -458,15 +461,21 @@ class EngineBase(Membership):
         return WorkerProcs(argv, len(self.seats), env, stdin_for_rank=stdin)
 
     def _exit_words(self, err: PeerLost) -> str | None:
-        """A local worker's own last words when a start-up link error was its process ending (waited
-        for briefly: its connection closes as it exits); None for a worker still running or remote."""
+        """Why a start-up link closed when a local worker's process ended: "worker K exited: <its own
+        last words>", for the link's worker if it exited, else for the first local worker that did (a
+        worker whose peer died closes its links and stays up). Waits up to EXIT_WAIT_S: a process
+        exits after its connections close. None for a remote worker, or when none exited."""
         if self.procs is None or not 1 <= err.rank <= len(self.order):
             return None
         seat = err.rank if err.watched else self.order[err.rank - 1]
-        deadline = time.monotonic() + 2.0
-        while (words := self.procs.exit_reason(seat)) is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while time.monotonic() < deadline:
+            if (words := self.procs.exit_reason(seat)) is not None:
+                return f"worker {seat} exited: {words}"
+            if (dead := self.procs.failure()) is not None:
+                return f"worker {dead[0]} exited: {dead[1]}"
             time.sleep(0.05)
-        return words
+        return None
 
     def _spawn_failure(self) -> str | None:
         dead = self.procs.failure() if self.procs is not None else None

@@ -178,7 +178,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         opts.check()
     except Exception as e:
         raise UsageError(str(e)) from None
-    if a.min_workers is not None and a.min_workers > opts.n_workers:  # (the default, 2, is for N >= 2 only)
+    if a.min_workers is not None and a.min_workers > opts.n_workers:  # (the default, 2, is not: --workers 1 runs)
         raise UsageError(f"--min-workers {a.min_workers} is more than the {opts.n_workers} workers of this run "
                          "(an epoch never has more): any lost worker would end it")  # fmt: skip
     if opts.insecure:

@@ -149,28 +149,26 @@ def ratios(results: list[dict], cfg, rtt_us: float) -> tuple[dict, dict]:
     out: dict = {}
     spread: dict = {}
 
-    def pair(name: str, a: dict, b: dict) -> None:
-        s = paired(a, b, name.rsplit("_", 1)[1])
-        out[name], spread[name] = s["median"], s
+    def pair(name: str, a: dict, b: dict) -> None:  # both speeds: name_decode and name_prefill
+        for what in ("decode", "prefill"):
+            s = paired(a, b, what)
+            out[f"{name}_{what}"], spread[f"{name}_{what}"] = s["median"], s
 
     hf = _find(results, "transformers", 1)
     f1 = _find(results, "fusion", 1)
     if hf and f1:
-        pair("fusion1_vs_transformers_decode", f1, hf)
-        pair("fusion1_vs_transformers_prefill", f1, hf)
+        pair("fusion1_vs_transformers", f1, hf)
     for r in results:
         n, e = r["workers"], r["engine"]
         if r["system"] == "fusion" and n > 1:
             if f1:
-                pair(f"fusion{n}_{e}_vs_fusion1_decode", r, f1)
+                pair(f"fusion{n}_{e}_vs_fusion1", r, f1)
             mt = _find(results, "megatron-tp", n, e)
             if mt:
-                pair(f"fusion{n}_vs_megatron{n}_{e}_decode", r, mt)
-                pair(f"fusion{n}_vs_megatron{n}_{e}_prefill", r, mt)
+                pair(f"fusion{n}_vs_megatron{n}_{e}", r, mt)
             gloo = _find(results, "fusion", n, "gloo")
             if gloo and e != "gloo":
-                pair(f"fusion{n}_{e}_vs_gloo_decode", r, gloo)
-                pair(f"fusion{n}_{e}_vs_gloo_prefill", r, gloo)
+                pair(f"fusion{n}_{e}_vs_gloo", r, gloo)
             if r.get("collective_us") and rtt_us:
                 out[f"fusion{n}_{e}_collective_vs_tcp_rtt"] = r["collective_us"] / rtt_us
             out[f"fusion{n}_{e}_collectives_per_layer"] = r["collectives_per_token"] / cfg.n_layers
