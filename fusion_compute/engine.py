@@ -470,8 +470,8 @@ class EngineBase(Membership):
         seat = err.rank if err.watched else self.order[err.rank - 1]
         deadline = time.monotonic() + EXIT_WAIT_S
         while time.monotonic() < deadline:
-            if (words := self.procs.exit_reason(seat)) is not None:
-                return f"worker {seat} exited: {words}"
+            if (exited := self.procs.exit_reason(seat)) is not None:
+                return exited
             if (dead := self.procs.failure()) is not None:
                 return f"worker {dead[0]} exited: {dead[1]}"
             time.sleep(0.05)

@@ -107,11 +107,11 @@ class WorkerProcs:
         return last_words(log.read().decode(errors="replace"), self.procs[i].returncode)
 
     def exit_reason(self, rank: int) -> str | None:
-        """`last_error` of participant `rank`'s process if it has exited, else None."""
+        """"worker RANK exited: <its last words>" if participant `rank`'s process has ended, else None."""
         i = rank - 1
         if not 0 <= i < len(self.procs) or self.procs[i].poll() is None:
             return None
-        return self.last_error(i)
+        return f"worker {rank} exited: {self.last_error(i)}"
 
     def _watchdog(self) -> None:
         """Notice a worker that exits unexpectedly and say which, with its last words. The client

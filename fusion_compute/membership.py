@@ -256,9 +256,9 @@ class Membership:
         seen = self.watch.failed()
         why = []
         for p in sorted(failed):
-            words = self.procs.exit_reason(p) if self.procs is not None else None
-            if words is not None:
-                why.append(f"worker {p} exited: {words}")
+            exited = self.procs.exit_reason(p) if self.procs is not None else None
+            if exited is not None:
+                why.append(exited)
             elif p in seen:
                 why.append(seen[p])
         return "; ".join(why) or str(err)

@@ -28,6 +28,15 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a - b).abs().max() <= 1e-4 * b.abs().max())  # see the module docstring
 
 
+def logits_alone(eng, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt followed by tokens 11, 12, run as a session of its own: every position's logits."""
+    alone = []
+    for p in prompts:
+        eng.reset()
+        alone.append(eng.forward(p + [11, 12], all_logits=True))
+    return alone
+
+
 @pytest.mark.parametrize("arch,n", [("qwen2", 3), ("llama", 2)])
 def test_a_batch_step_equals_each_session_alone(arch, n, tiny_qwen2, tiny_llama):
     """Mixed steps (a newcomer's prefill beside ongoing decodes, slots out of order and with a gap)
@@ -35,10 +44,7 @@ def test_a_batch_step_equals_each_session_alone(arch, n, tiny_qwen2, tiny_llama)
     so the partial scores of every session are completed in one exchange."""
     model = tiny_qwen2 if arch == "qwen2" else tiny_llama
     with Engine(model, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
-        alone = []
-        for p in PROMPTS[:4]:
-            eng.reset()
-            alone.append(eng.forward(p + [11, 12], all_logits=True))
+        alone = logits_alone(eng, PROMPTS[:4])
         eng.batch_slots = 6
         eng.reset()
         # step 1: sessions 0 and 1 prefill (slots 5 and 0); step 2: 0 and 1 decode, 2 prefills in slot 3;
@@ -142,10 +148,7 @@ def test_masked_batch_step_equals_each_session_alone(tiny_qwen2, tmp_path):
 
     d = tmp_path / "audit"
     with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=2, n_b=1, timeout_s=60, context=64, audit_dir=str(d))) as eng:
-        alone = []
-        for p in PROMPTS[:3]:
-            eng.reset()
-            alone.append(eng.forward(p + [11, 12], all_logits=True))
+        alone = logits_alone(eng, PROMPTS[:3])
         eng.batch_slots = 4
         eng.reset()
         step1 = eng.forward_batch([(3, PROMPTS[0]), (0, PROMPTS[1])])
