@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from .engine import EngineBase
 from .generate import GenerationResult, check_prompt, next_finish
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
+from .sampling_params import SamplingParams
 
 
 @dataclass

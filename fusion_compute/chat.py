@@ -406,7 +406,7 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
 def cmd_chat(a: Any) -> int:
     from .errors import UsageError
     from .progress import is_tty
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
     SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # fail before spawning
     if a.max_tokens is not None and a.max_tokens < 1:

@@ -11,17 +11,17 @@ import time
 from collections.abc import Callable
 
 from . import options as O
-from .errors import FusionError, UsageError
+from .errors import FusionError, InputError, UsageError
 
 # ---- generate ----
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .generate import InputError, check_prompt, generate
     from .progress import is_tty, load_monitor, log_startup
-    from .sampling import SamplingParams
-    from .weights import open_weights, resolve_model_path
+    from .sampling_params import SamplingParams
+    from .source import resolve_model_path
 
+    # The command line's own checks first: a bad value is refused before torch or the model loads.
     if (a.prompt is None) == (a.prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if a.chat and a.prompt is None:
@@ -37,19 +37,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
         opts.progress = load_monitor(sys.stderr)  # bars on a terminal only; stdout stays clean
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    given_ids = None if a.prompt_ids is None else O.int_list(a.prompt_ids, "--prompt-ids")
+    if not (given_ids if a.prompt is None else a.prompt.strip()):
+        raise InputError("empty prompt")
     t_start = time.perf_counter()
     path = resolve_model_path(a.model)
+
+    from .engine_options import effective_context
+    from .generate import check_prompt, generate
+    from .weights import open_weights
+
     src = open_weights(path)
     tok = O.tokenizer_for(path, src, needed=a.prompt is not None)
     if a.prompt is not None:
-        if not a.prompt.strip():
-            raise InputError("empty prompt")
         ids = tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
     else:
-        ids = O.int_list(a.prompt_ids, "--prompt-ids")
+        ids = given_ids
     # Validate before any worker starts: bad input never costs a spawn.
-    from .engine import effective_context
-
     check_prompt(ids, src.config.vocab, effective_context(src.config.max_positions, a.context), a.max_new_tokens)
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None

@@ -11,7 +11,8 @@ import time
 import torch
 
 from .config import ModelError
-from .engine import EngineBase, EngineOptions, control_word, effective_context
+from .engine import EngineBase, control_word
+from .engine_options import EngineOptions, effective_context
 from .kernels import rms_norm
 from .plan import Plan, make_plan
 from .protocol import CONTROL_LEN, Op, fingerprint_int

@@ -17,6 +17,10 @@ class UsageError(FusionError):
     exit_code = 2
 
 
+class InputError(FusionError, ValueError):
+    """A request the model cannot run: empty prompt, too long, bad ids."""
+
+
 class WorkerMisbehaved(FusionError):
     """A worker answered, but wrongly (a product that fails the client's check): `pids` names the
     participants found at fault. The request fails; the engine removes them from the job."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .openai_protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by the context window)
 DEFAULT_MAX_QUEUE = 64  # waiting requests before 429
@@ -172,7 +172,7 @@ def completion_request(body: CompletionRequest, card: ModelCard) -> Request:
 
 def _request(body: GenerationRequest, card: ModelCard, kind: str, prompt_ids: list[int]) -> Request:
     from .generate import InputError, check_prompt
-    from .sampling import SamplingError, SamplingParams
+    from .sampling_params import SamplingError, SamplingParams
 
     t = body.temperature or 0.0
     try:
@@ -378,7 +378,7 @@ def model_id(path: Any) -> str:
 def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[Gateway, Any]:
     """Engine + tokenizer + card from `fusion serve|chat` arguments (spawns or admits workers).
     Returns (gateway, topology or None). Bad arguments raise before any worker starts."""
-    from .engine import effective_context
+    from .engine_options import effective_context
     from .errors import UsageError
     from .options import engine_options, tokenizer_for
     from .progress import is_tty, load_monitor, log_startup

@@ -7,12 +7,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .engine import EngineBase
-from .errors import FusionError
-from .sampling import Sampler, SamplingParams
-
-
-class InputError(FusionError, ValueError):
-    """A request the model cannot run: empty prompt, too long, bad ids."""
+from .errors import InputError
+from .sampling import Sampler
+from .sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,14 +7,12 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .comm import ENGINES, Identity, PublicId
+from .engine_options import EngineOptions
 from .errors import UsageError
 from .topology import GROUP_NAME, Topology, check_here
-
-if TYPE_CHECKING:
-    from .engine import EngineOptions
 
 # ---- values ----
 
@@ -160,8 +158,6 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
 
         opts = masked_options(a.workers, topo, {**common, "capacities": capacities(a.capacity)})
     else:
-        from .engine import EngineOptions  # torch: loaded once a run is asked for
-
         if topo is not None:
             if topo.masked:
                 raise UsageError(f"{topo.path} names masked groups A and B: add --mode masked")

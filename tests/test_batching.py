@@ -18,7 +18,7 @@ import torch
 from fusion_compute.batching import BatchRunner, Sequence, run_batch
 from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.generate import generate
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 33, 2, 99], [1, 2, 3], [7] * 9, [100, 101, 102, 103, 104, 105, 106], [9, 8], [3, 4, 5, 6]]
 GREEDY = SamplingParams()

@@ -21,7 +21,7 @@ from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.comm import CommError
 from fusion_compute.generate import generate
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 NEW = 48
@@ -171,7 +171,7 @@ import json, sys
 from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.comm import Identity
 from fusion_compute.generate import generate
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 from fusion_compute.topology import Topology
 topo, key, prompt, cut = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")], sys.argv[4] == "cut"
 t = Topology.load(topo)

@@ -17,7 +17,7 @@ from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.generate import generate
 from fusion_compute.masked import attack, audit
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 from fusion_compute.tokenizer import load_tokenizer
 from fusion_compute.weights import open_weights
 

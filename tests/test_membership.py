@@ -17,7 +17,7 @@ from procs import fusion, reap, wait_gone
 from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.generate import generate
 from fusion_compute.membership import TooFewWorkers, UnknownWorker
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 

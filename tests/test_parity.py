@@ -16,7 +16,7 @@ from fusion_compute import reference
 from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.generate import generate
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 
 # The runtime's own fp32 error against float64: sums in another order (per-worker partials, then
 # the reduce-scatter), the norm after the matmul, and in masked mode fixed-point ring products

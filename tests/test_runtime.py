@@ -6,7 +6,7 @@ import torch
 
 from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.generate import generate
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8, 9, 10, 11, 200, 3]
 

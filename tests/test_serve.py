@@ -533,7 +533,7 @@ def test_a_failing_request_fails_alone(card):
     runs clears it."""
     from fusion_compute.comm import CommError
     from fusion_compute.gateway import Gateway
-    from fusion_compute.sampling import SamplingError
+    from fusion_compute.sampling_params import SamplingError
     from fusion_compute.scheduler import Scheduler
 
     engine = FlakyEngine(card)

@@ -12,7 +12,7 @@ import pytest
 from fusion_compute import reference
 from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.generate import generate
-from fusion_compute.sampling import SamplingParams
+from fusion_compute.sampling_params import SamplingParams
 from fusion_compute.tokenizer import load_tokenizer
 
 NEW_TOKENS = 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "fusion_compute"
@@ -135,8 +136,22 @@ def test_the_command_line_starts_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from fusion_compute.cli import build_parser, main; build_parser(); "
-            "main(['keys', 'show', '/nonexistent']); print('torch' in sys.modules)")  # fmt: skip
+    refused = [  # (arguments, the refusal): each is checked before the run loads torch or the model
+        (["keys", "show", "/nonexistent"], "key file not found"),
+        (["generate", "--prompt", "hi", "--top-k", "-1"], "top-k must be >= 0"),
+        (["generate", "--prompt", "hi", "--capacity", "1,1,1"], "3 capacities given for 2"),
+        (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
+        (["generate", "--prompt", "  "], "empty prompt"),
+        (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model not found"),
+    ]  # fmt: skip
+    code = ("import json, sys; from fusion_compute.cli import build_parser, main; build_parser(); "
+            f"codes = [main(args) for args in {[args for args, _ in refused]!r}]; "
+            "print(json.dumps([codes, 'torch' in sys.modules]))")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "False", (r.stdout, r.stderr)
-    assert "key file not found" in r.stderr
+    codes, torch_loaded = json.loads(r.stdout)
+    assert not torch_loaded, r.stderr
+    assert all(c != 0 for c in codes), codes
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == len(refused), r.stderr
+    for line, (_, needle) in zip(lines, refused, strict=True):
+        assert needle in line, (needle, line)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fusion_compute.engine import effective_context
+from fusion_compute.engine_options import effective_context
 from fusion_compute.plan import make_plan
 from fusion_compute.progress import worker_elements
 from fusion_compute.weights import open_weights

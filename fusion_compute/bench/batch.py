@@ -27,7 +27,7 @@ def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int,
     from ..batching import Sequence, run_batch
     from ..client import Engine, EngineOptions
     from ..generate import generate
-    from ..sampling import SamplingParams
+    from ..sampling_params import SamplingParams
 
     greedy = SamplingParams()
     if opts is None:

@@ -25,7 +25,7 @@ import torch
 def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, liveness_s: float) -> dict:
     from ..client import Engine, EngineOptions
     from ..generate import generate
-    from ..sampling import SamplingParams
+    from ..sampling_params import SamplingParams
 
     opts = EngineOptions(n_workers=n, standby=1, context=len(prompt) + new_tokens + 8, liveness_s=liveness_s,
                          log=lambda line: None)  # fmt: skip
@@ -55,7 +55,7 @@ def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, li
 def reference(model: str, n: int, prompt: list[int], new_tokens: int) -> list[int]:
     from ..client import Engine, EngineOptions
     from ..generate import generate
-    from ..sampling import SamplingParams
+    from ..sampling_params import SamplingParams
 
     with Engine(model, EngineOptions(n_workers=n, context=len(prompt) + new_tokens + 8, log=lambda line: None)) as eng:
         return generate(eng, prompt, max_new_tokens=new_tokens, sampling=SamplingParams()).token_ids

@@ -52,7 +52,8 @@ def _proc_cpu_s(pids: list[int]) -> float:
 
 def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, verify: bool = True) -> dict:
     from ..client import Engine, EngineOptions
-    from ..sampling import Sampler, SamplingParams
+    from ..sampling import Sampler
+    from ..sampling_params import SamplingParams
     from .client import MaskedEngine, MaskedOptions
 
     rec = _Bytes()

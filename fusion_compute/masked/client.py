@@ -39,7 +39,8 @@ import torch
 from ..comm import Event, Recorder
 from ..config import ModelError
 from ..dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
-from ..engine import EngineBase, EngineOptions, control_word
+from ..engine import EngineBase, control_word
+from ..engine_options import EngineOptions
 from ..errors import UsageError
 from ..kernels import causal_mask, inv_freq_tensor, rms_norm
 from . import protocol as P
