@@ -101,8 +101,28 @@ class Capture:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def find(self, needles: list[bytes]) -> int:
-        """How many of `needles` occur in some captured payload."""
-        return sum(any(n in p for p in self.payloads) for n in needles)
+        """How many of `needles` (4 bytes or longer) occur in the captured payloads, joined in capture
+        order (so also one that straddles two consecutive frames).
+
+        Searching 55 MB for 1,332 needles one by one took 17 s; this looks at every offset once: an
+        offset is a candidate when the 4 bytes there start some needle (a 2^24-entry table on 24 of
+        their bits, so about one offset in 12,000 is), and each candidate is compared in full."""
+        import numpy as np
+
+        assert all(len(n) >= 4 for n in needles)
+        blob = b"".join(self.payloads)
+        starts: dict[bytes, list[bytes]] = {}
+        for n in set(needles):
+            starts.setdefault(n[:4], []).append(n)
+        table = np.zeros(1 << 24, dtype=bool)
+        table[np.frombuffer(b"".join(starts), dtype="<u4") & 0xFFFFFF] = True
+        seen: set[bytes] = set()
+        for k in range(4):  # each alignment of a 4-byte word
+            words = np.frombuffer(blob, dtype="<u4", count=(len(blob) - k) // 4, offset=k)
+            for i in np.flatnonzero(table[words & 0xFFFFFF]):
+                at = k + 4 * int(i)
+                seen.update(n for n in starts.get(blob[at : at + 4], ()) if blob.startswith(n, at))
+        return sum(n in seen for n in needles)
 
     @property
     def bytes(self) -> int:
