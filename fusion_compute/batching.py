@@ -75,7 +75,7 @@ class BatchRunner:
         return self.max_batch - len(self.active)
 
     def add(self, seq: Sequence) -> None:
-        """Admit a session; its prefill runs at the next step. Raises generate.InputError for a
+        """Admit a session; its prefill runs at the next step. Raises errors.InputError for a
         prompt the model cannot run, ValueError when the batch is full."""
         if self.room <= 0:
             raise ValueError(f"the batch is full ({self.max_batch} sessions)")

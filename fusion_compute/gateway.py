@@ -171,7 +171,8 @@ def completion_request(body: CompletionRequest, card: ModelCard) -> Request:
 
 
 def _request(body: GenerationRequest, card: ModelCard, kind: str, prompt_ids: list[int]) -> Request:
-    from .generate import InputError, check_prompt
+    from .errors import InputError
+    from .generate import check_prompt
     from .sampling_params import SamplingError, SamplingParams
 
     t = body.temperature or 0.0

@@ -120,8 +120,7 @@ class Scheduler:
     def _failure(self, e: Exception) -> ApiError:
         """The answer for a request that failed with `e` (logged; a lost worker also marks the engine degraded)."""
         from .comm import CommError
-        from .errors import UsageError, WorkerMisbehaved
-        from .generate import InputError
+        from .errors import InputError, UsageError, WorkerMisbehaved
 
         # a lost worker the engine could not replace: this request fails, the gateway stays
         if isinstance(e, CommError):

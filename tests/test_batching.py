@@ -93,7 +93,7 @@ def test_batch_limits(tiny_llama):
             eng.forward_batch([(2, [1])])
         with pytest.raises(ValueError, match="distinct slots"):
             eng.forward_batch([(0, [1]), (0, [2])])
-        from fusion_compute.generate import InputError
+        from fusion_compute.errors import InputError
 
         runner.abort()
         with pytest.raises(InputError, match="context window"):
