@@ -34,7 +34,7 @@ class AddWorker(BaseModel):
 
 
 def _listing(engine: Any) -> dict:
-    return {"epoch": engine.epoch, "min_workers": engine.opts.min_workers, "workers": engine.workers()}
+    return {"epoch": engine.epoch, "min_workers": engine.opts.floor, "workers": engine.workers()}
 
 
 def add_admin_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, enabled: bool) -> None:

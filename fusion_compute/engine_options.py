@@ -14,6 +14,7 @@ from .comm import ENGINES, CommError, Identity
 from .comm.liveness import DEADLINE_S
 from .topology import Topology
 
+MIN_WORKERS = 2  # an epoch's default floor: one worker would hold everything
 DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
 FABRICS = ("gloo", "nccl", "mpi")  # engines whose worker-to-worker collectives run on a fabric of their own
 LOCAL_FABRICS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
@@ -44,7 +45,7 @@ class EngineOptions:
     join_timeout_s: float = 120.0  # bound on start-up: rendezvous, then the workers' loading
     device: str = "cpu"
     standby: int = 0  # local runs: spare workers spawned to replace a lost one (per group in masked mode)
-    min_workers: int = 2  # an epoch never has fewer workers (one would hold everything)
+    min_workers: int | None = None  # an epoch never has fewer workers; None: MIN_WORKERS (`floor`)
     liveness_s: float = DEADLINE_S  # a worker silent this long has failed
     recover: bool = True  # on a lost worker: a new epoch and a replay (False: fail the request)
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -94,10 +95,19 @@ class EngineOptions:
             raise CommError("--standby N spawns local spares; a topology names its standbys (role = \"standby\")")
         if self.capacities is not None and len(self.capacities) != self.n_workers:
             raise CommError(f"{len(self.capacities)} capacities given for {self.n_workers} workers")
-        if self.min_workers < 1:
+        if self.min_workers is not None and self.min_workers < 1:
             raise CommError(f"--min-workers must be >= 1, got {self.min_workers}")
+        if self.min_workers is not None and self.min_workers > self.n_workers:
+            raise CommError(f"--min-workers {self.min_workers} is more than the {self.n_workers} workers of this run "
+                            "(an epoch never has more): any lost worker would end it")  # fmt: skip
         if not (self.liveness_s > 0):
             raise CommError(f"--liveness must be > 0, got {self.liveness_s}")
+
+    @property
+    def floor(self) -> int:
+        """The fewest workers an epoch may have: --min-workers, else MIN_WORKERS. A run asked for with
+        fewer workers than the default floor (`--workers 1`) starts, and ends at its first loss."""
+        return MIN_WORKERS if self.min_workers is None else self.min_workers
 
     @property
     def mpi_world(self) -> bool:

@@ -275,9 +275,9 @@ class Membership:
             if spare is not None:
                 alive_spares.remove(spare)
                 order.append(spare)
-        if len(order) < self.opts.min_workers:
+        if len(order) < self.opts.floor:
             raise TooFewWorkers(f"{why} {len(order)} worker{'s' if len(order) != 1 else ''}: fewer than "
-                            f"--min-workers {self.opts.min_workers} (no standby left to take its place; one worker "
+                            f"--min-workers {self.opts.floor} (no standby left to take its place; one worker "
                             "alone would hold the whole state)")  # fmt: skip
         missing = [g for g in self.group_names() or () if g not in {self.seats[p].group for p in order}]
         if missing:

@@ -147,7 +147,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     common: dict[str, Any] = dict(
         topology=topo, key=load_key(a.key), insecure=a.insecure, master=None, engine=_engine_name(a),
         context=a.context, threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device,
-        standby=a.standby, min_workers=2 if a.min_workers is None else a.min_workers, liveness_s=a.liveness,
+        standby=a.standby, min_workers=a.min_workers, liveness_s=a.liveness,
         recover=not a.no_recover,
     )  # fmt: skip
     if a.master is not None:
@@ -174,9 +174,6 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         opts.check()
     except Exception as e:
         raise UsageError(str(e)) from None
-    if a.min_workers is not None and a.min_workers > opts.n_workers:  # (the default, 2, is not: --workers 1 runs)
-        raise UsageError(f"--min-workers {a.min_workers} is more than the {opts.n_workers} workers of this run "
-                         "(an epoch never has more): any lost worker would end it")  # fmt: skip
     if opts.insecure:
         opts.log("warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
                  "path reads the shards, anyone who reaches the port can join")  # fmt: skip

@@ -249,6 +249,20 @@ def test_a_workers_own_error_line_is_its_last_words():
     assert len(long) == 300 and long.endswith("...")
 
 
+def test_min_workers_above_the_run_is_refused_by_the_library_too():
+    """`EngineOptions.check` refuses it, so a library user gets the command line's refusal; the default
+    floor (2) still lets a one-worker run start."""
+    from fusion_compute.comm import CommError
+    from fusion_compute.engine_options import EngineOptions
+    from fusion_compute.masked.client import MaskedOptions
+
+    for opts in (EngineOptions(n_workers=2, min_workers=3), MaskedOptions(n_a=1, n_b=1, min_workers=3)):
+        with pytest.raises(CommError, match="--min-workers 3 is more than the 2 workers of this run"):
+            opts.check()
+    EngineOptions(n_workers=1).check()
+    assert EngineOptions(n_workers=1).floor == 2 and EngineOptions(n_workers=3, min_workers=3).floor == 3
+
+
 def test_cuda_defaults_to_nccl_only_among_local_workers():
     """NCCL is plaintext and local-only: with --device cuda a local run gets it, a run across hosts
     keeps the links (tls, or tcp when --insecure is asked for)."""
