@@ -82,8 +82,9 @@ BAD = [
 @pytest.fixture(scope="module")
 def bad_runs():
     """Every BAD command line run as a user runs it (a `fusion generate` process each), four at a time
-    (each process spends ~2 s importing torch; the cases are independent), and the worker processes
-    any of them left running 10 s after the last one ended (there must be none)."""
+    (the cases are independent; most are refused before torch loads, those that need the model's
+    vocabulary or window spend ~2 s importing it), and the worker processes any of them left running
+    10 s after the last one ended (there must be none)."""
     before = worker_pids()
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(lambda case: run("generate", *case[0]), BAD))

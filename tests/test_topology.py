@@ -119,7 +119,7 @@ def test_this_machine():
 
 def test_keys_command(tmp_path, capsys):
     """`fusion keys new` as a user runs it (a process: the key line alone on stdout); the rest through
-    the same `main` in this process (each `fusion` process spends ~2 s importing torch)."""
+    the same `main` in this process (each `fusion` process costs a Python start-up)."""
     from fusion_compute.cli import main
 
     r = run("keys", "new", str(tmp_path / "w.key"))
