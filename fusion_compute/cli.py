@@ -21,8 +21,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .sampling_params import SamplingParams
     from .source import resolve_model_path
 
-    # The command line's own checks first: a bad value is refused before torch or the model loads
-    # (in structural mode; --mode masked's options come from its client module, which loads torch).
+    # The command line's own checks first: a bad value is refused before torch or the model loads.
     if (a.prompt is None) == (a.prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if a.chat and a.prompt is None:

@@ -143,6 +143,8 @@ def test_the_command_line_starts_without_torch():
         (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
         (["generate", "--prompt", "  "], "empty prompt"),
         (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model not found"),
+        (["generate", "--mode", "masked", "--workers", "1+1", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["generate", "--mode", "masked", "--workers", "2", "--prompt", "hi"], "--mode masked needs group sizes"),
     ]  # fmt: skip
     code = ("import json, sys; from fusion_compute.cli import build_parser, main; build_parser(); "
             f"codes = [main(args) for args in {[args for args, _ in refused]!r}]; "

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -40,46 +39,13 @@ from ..comm import Event, Recorder
 from ..config import ModelError
 from ..dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
 from ..engine import EngineBase, control_word
-from ..engine_options import EngineOptions
-from ..errors import UsageError
 from ..kernels import causal_mask, inv_freq_tensor, rms_norm
 from . import protocol as P
 from . import ring
 from .masks import make_stream, new_key
+from .options import MASK_KINDS, MaskedOptions
 from .plan import MaskedPlan, make_masked_plan, mask_group_names
 from .verify import ProductCheck, ProductRejected
-
-MASK_KINDS = {"chacha20": P.MASK_CHACHA20, "zero": P.MASK_ZERO}
-
-
-@dataclass
-class MaskedOptions(EngineOptions):
-    n_a: int = 2
-    n_b: int | tuple[int, ...] = 2  # members of the mask group, or of each of k mask groups
-    limb_bits: int = ring.DEFAULT_LIMB_BITS
-    masks: str = "chacha20"  # "zero" = NEGATIVE CONTROL (A receives x_fx in the clear)
-    verify: bool = True  # check every product the workers return (verify.py); off only to measure its cost
-    audit_dir: str | None = None  # every rank writes its masked audit log (and A its tap) here
-    leak: str | None = None  # worker-side negative control: "a-to-b"
-
-    def __post_init__(self) -> None:
-        self.b_sizes = (self.n_b,) if isinstance(self.n_b, int) else tuple(self.n_b)
-        self.n_workers = self.n_a + sum(self.b_sizes)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return (self.n_a, *self.b_sizes)
-
-    def check(self) -> None:
-        if not self.b_sizes or min(self.sizes) < 1:
-            raise UsageError(f"--mode masked needs at least one worker in each group, got {'+'.join(map(str, self.sizes))}")
-        if self.masks not in MASK_KINDS:
-            raise UsageError(f"unknown mask source {self.masks!r} ({', '.join(MASK_KINDS)})")
-        if self.capacities:
-            raise UsageError("--capacity is not supported with --mode masked (groups split rows evenly)")
-        if self.engine not in ("tls", "tcp") or self.device != "cpu":
-            raise UsageError("--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)")
-        super().check()
 
 
 class Tally:
@@ -120,7 +86,8 @@ class MaskedEngine(EngineBase):
         sizes = tuple(groups.count(g) for g in names)
         if groups != [g for g, n in zip(names, sizes, strict=True) for _ in range(n)]:
             raise ModelError(f"masked epoch order must list the groups in the order {', '.join(names)}, got {groups}")
-        return make_masked_plan(self.config, sizes[0], sizes[1:], self.opts.limb_bits)
+        limb_bits = ring.DEFAULT_LIMB_BITS if self.opts.limb_bits is None else self.opts.limb_bits
+        return make_masked_plan(self.config, sizes[0], sizes[1:], limb_bits)
 
     def initial_group(self, pid: int) -> str:
         bound = 0
