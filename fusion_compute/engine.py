@@ -371,7 +371,7 @@ class EngineBase(Membership):
             if (exited := self.procs.exit_reason(seat)) is not None:
                 return exited
             if (dead := self.procs.failure()) is not None:
-                return f"worker {dead[0]} exited: {dead[1]}"
+                return self.procs.exit_reason(dead[0])
             time.sleep(0.05)
         return None
 

@@ -255,7 +255,7 @@ def test_min_workers_above_the_run_is_refused_by_the_library_too():
     floor (2) still lets a one-worker run start."""
     from fusion_compute.comm import CommError
     from fusion_compute.engine_options import EngineOptions
-    from fusion_compute.masked.client import MaskedOptions
+    from fusion_compute.masked.options import MaskedOptions
 
     for opts in (EngineOptions(n_workers=2, min_workers=3), MaskedOptions(n_a=1, n_b=1, min_workers=3)):
         with pytest.raises(CommError, match="--min-workers 3 is more than the 2 workers of this run"):
