@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from chance import chance_hits_bound
 
 from fusion_compute.masked import attack, audit
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
@@ -60,7 +61,7 @@ def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path, sizes):
     op, first = audit.read_tap(d, 1)[0]
     assert op == "L0.qkv" and first.shape[1] == len(ids)
     guesses = attack.vocab_match(torch.from_numpy(first.T.copy()), attack.masked_table(open_weights(tiny_qwen2)))
-    assert attack.recovered(guesses, ids) <= 2  # chance is 10/256 per prompt
+    assert attack.recovered(guesses, ids) <= chance_hits_bound(ids, open_weights(tiny_qwen2).config.vocab)  # tests/chance.py
 
 
 def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
@@ -158,4 +159,4 @@ def test_a_coalition_short_of_one_mask_group_learns_nothing(tiny_qwen2, tmp_path
     table = attack.masked_table(open_weights(tiny_qwen2))
     short = attack.recovered(attack.vocab_match((m - r1).T.contiguous(), table), ids)
     whole = attack.recovered(attack.vocab_match((m - r1 - r2).T.contiguous(), table), ids)
-    assert short <= 2 and whole == len(ids), (short, whole)  # chance: 10/256 per prompt
+    assert short <= chance_hits_bound(ids, open_weights(tiny_qwen2).config.vocab) and whole == len(ids), (short, whole)  # tests/chance.py

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import torch
+from chance import FALSE_FAILURE_RATE, chance_hits_bound
 
 from fusion_compute import reference
 from fusion_compute.client import Engine, EngineOptions
@@ -65,5 +66,9 @@ def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_pa
     structural_hits = attack.recovered(attack.vocab_match(seen[0].T, attack.structural_table(src, coords)), ids)
     print(f"vocabulary attack on {len(ids)} prompt tokens: masked worker 1 recovers {masked_hits}, "
           f"structural worker 1 ({coords[1] - coords[0]} of {src.config.hidden} coordinates) {structural_hits}")  # fmt: skip
-    assert masked_hits == 0  # chance level is T / V = 0.07% per token
+    # Chance still hits now and then (P(≥ 1) ≈ 2.7 % here, which failed a run once): allow what the binomial
+    # tail explains at a false-failure rate of FALSE_FAILURE_RATE (tests/chance.py); the structural control
+    # below recovers ≥ 90 %.
+    bound = chance_hits_bound(ids, src.config.vocab)
+    assert masked_hits <= bound, f"{masked_hits} > {bound} hits (chance explains ≤ {bound} at {FALSE_FAILURE_RATE})"
     assert structural_hits >= 0.9 * len(ids)
