@@ -5,8 +5,6 @@ transformers computes, in the same operation order, so fp32 results differ only 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from .config import RopeConfig
@@ -42,16 +40,13 @@ def attend(
     gs: int,
     t: int,
     scale: float,
-    reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale, causal) · v for grouped-query attention.
 
     q (..., G, gs*T, dq): the gs query heads of each of G KV groups, token-minor; k, v (..., G, S, dq).
-    `reduce_scores` completes partial scores first (a group's head dims split across workers: each
-    owner holds q·k over its own dims, ops.py). Returns (..., G, gs*T, dv)."""
+    Returns (..., G, gs*T, dv). (A group split by head dims across workers sums its partial scores
+    between the owners first, then calls `attend_scored`: ops.py.)"""
     scores = q @ k.transpose(-1, -2)  # (..., G, gs*T, S)
-    if reduce_scores is not None:
-        scores = reduce_scores(scores)
     return attend_scored(scores, v, mask, gs, t, scale)
 
 

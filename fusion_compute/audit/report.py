@@ -5,13 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _fmt_bytes(per: dict) -> str:
-    return "; ".join(
-        f"rank {r}: " + ", ".join(f"{ph} {b:,.0f} B" for ph, b in sorted(phases.items()))
-        for r, phases in sorted(per.items())
-    )
-
-
 def _rk(key: str) -> str:
     """A per-rank key of summary.json as a label: "2" -> "r2"; "e1.2" (epoch 1, rank 2) -> "e1 r2"."""
     epoch, dot, rank = key.partition(".")

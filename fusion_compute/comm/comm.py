@@ -34,7 +34,7 @@ import torch
 
 from .errors import CommError
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
-from .links import Link, wire_bytes
+from .links import Link
 
 
 class Fabric(Protocol):
@@ -345,5 +345,3 @@ class Comm:
     def tls(self) -> bool:
         return any(link.tls is not None for link in self.links.values())
 
-    def message_wire_bytes(self, payload: int) -> int:
-        return wire_bytes(payload, self.tls)
