@@ -184,7 +184,10 @@ def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
 
 
 def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
-    """Kill a worker mid-generation: the client exits non-zero with one line, nothing hangs."""
+    """Kill a worker once the run is under way: the client exits non-zero with one line naming why, nothing
+    hangs. On a loaded machine the worker may still be joining when it is killed (start-up's path, "exited
+    before joining"); either way the line carries the process's exit status. Mid-decode recovery itself is
+    tests/test_faults.py's."""
     from tiny_models import build
 
     long_model = build(tmp_path / "long", "qwen2", max_position_embeddings=8192)  # minutes of decoding
@@ -201,7 +204,7 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
             kids = subprocess.run(["pgrep", "-P", str(client.pid)], capture_output=True, text=True).stdout
             mine = {int(p) for p in kids.split()}
         assert mine, "no workers spawned"
-        time.sleep(3)  # let it reach the decode loop
+        time.sleep(3)  # usually reaches the decode loop by then (see the docstring when it does not)
         os.kill(min(mine), signal.SIGKILL)
         _, err = client.communicate(timeout=60)
     finally:
@@ -211,7 +214,7 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     assert client.returncode not in (0, None)
     assert "Traceback" not in err
     assert "worker" in err and "error" in err, err
-    assert re.search(r"worker \d exited: exit code -9", err), err  # why it was lost: the process's exit status
+    assert re.search(r"worker \d exited( before joining)?: exit code -9", err), err  # the process's exit status
 
 
 def test_a_worker_failing_at_start_up_says_why(tiny_qwen2, tmp_path, no_new_workers):
