@@ -324,16 +324,16 @@ def test_values_that_once_broke_the_engine(tiny_server):
     assert status == 200 and json.loads(body)["status"] == "ok"
 
 
-def test_concurrent_requests_queue_and_match_sequential(tiny_server):
+def test_concurrent_requests_batch_and_match_sequential(tiny_server):
     c = tiny_server.client()
     asks = [dict(messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=8, temperature=0.8, seed=i)
             for i in range(8)]  # fmt: skip
     want = [c.chat.completions.create(model="tiny", **kw).choices[0].message.content for kw in asks]
     with ThreadPoolExecutor(8) as ex:
         got = list(ex.map(lambda kw: c.chat.completions.create(model="tiny", **kw), asks))
-    assert [r.choices[0].message.content for r in got] == want  # one session at a time: no cross-talk
-    waits = sorted(r.model_extra["fusion"]["timing"]["queue_s"] for r in got)
-    assert waits[-1] > 0  # the engine runs one at a time, so someone waited
+    # decoded together (the default --max-batch 8), each in its own KV slot: no cross-talk, and seeded
+    # sampling gives each the answer it got alone
+    assert [r.choices[0].message.content for r in got] == want
 
 
 def test_disconnect_mid_stream_cancels(tiny_server):
