@@ -23,6 +23,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from typing import Any
 
 from .config import ModelConfig
 from .errors import FusionError
@@ -203,7 +204,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         c = self.config
-        out = {
+        out: dict[str, Any] = {
             "model": c.dims(),
             "workers": self.n,
             "group_owners": [list(o) for o in self.group_owners],
@@ -271,15 +272,16 @@ def make_plan(config: ModelConfig, n_workers: int, capacities: tuple[float, ...]
     if n_workers <= c.n_kv_heads:
         # Whole KV groups per worker: attention needs no cross-worker traffic at all.
         units = contiguous_ranges(apportion(c.n_kv_heads, caps, "KV heads"))
-        attention = tuple((AttnBlock(g0, g1, 0, half, False),) for g0, g1 in units)
-        owners = tuple((w,) for w, (g0, g1) in enumerate(units) for _ in range(g0, g1))
+        attention: tuple[tuple[AttnBlock, ...], ...] = tuple((AttnBlock(g0, g1, 0, half, False),) for g0, g1 in units)
+        owners: tuple[tuple[int, ...], ...] = tuple((w,) for w, (g0, g1) in enumerate(units) for _ in range(g0, g1))
     else:
         # Split groups by RoPE pairs; a worker's contiguous pair range may straddle groups.
         units = contiguous_ranges(apportion(c.n_kv_heads * half, caps, "attention RoPE pairs"))
         group_owner_lists: list[list[int]] = [[] for _ in range(c.n_kv_heads)]
         blocks_per_worker = []
         for w, (u0, u1) in enumerate(units):
-            blocks, u = [], u0
+            blocks: list[list[int]] = []
+            u = u0
             while u < u1:
                 g, p0 = divmod(u, half)
                 p1 = min(half, p0 + (u1 - u))

@@ -50,7 +50,7 @@ class Fabric(Protocol):
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().numpy()).cast("B")
+    return t.detach().numpy().data.cast("B")
 
 
 class _Sent:
@@ -204,6 +204,7 @@ class Comm:
                 mine = chunk(q)
             elif sizes[q]:
                 self._put(q + 1, chunk(q))
+        assert mine is not None  # the loop's last rank is this worker's
         t = mine.shape[1]
         sent, received = self._rs_counts(sizes, t)
         stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T): one slot per worker

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ class MpiFabric:
                 raise CommError(f"mpi fabric: joined as {comm.Get_rank()} of {comm.Get_size()}, expected "
                                 f"{worker} of {n_workers}")  # fmt: skip
             self.comm = comm
-            self.groups: dict[int, object] = {}
+            self.groups: dict[int, Any] = {}  # mpi4py communicators
             for g, owners in enumerate(score_groups):  # every member creates its groups in the same order
                 if len(owners) > 1 and worker in owners:
                     self.groups[g] = comm.Create_group(comm.Get_group().Incl(list(owners)))
@@ -193,7 +194,10 @@ class MpiFabric:
                 if sizes[q]:
                     keep.append(block)  # the buffer must live until its send completes
                     sends.append(self.comm.Isend(block.numpy(), dest=q, tag=_RS_TAG))
-            stack[me] = chunk(me)
+            own = chunk(me)
+            if stack is None:  # no peer (one worker): its own block is the whole sum
+                return own
+            stack[me] = own
             self.wait(_All(self.mpi, recvs + sends))
         except BaseException:
             # Abandoned (an abort, a timeout, an error in the product): a live peer's block may still
