@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from . import architecture as arch
 from .config import ModelConfig
-from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm
+from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm, rope_tables, rotate
 from .weights import WeightSource
 
-LINEARS = ("qkv", "o", "gate_up", "down")  # in the order a layer uses them
+LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
 # (name, x (B, T, K)) -> W_name x (B, T, N), without bias
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
 # (k, v) of this call, (B, n_kv, T, d) -> every (k, v) to attend to, (B or 1, n_kv, S, d)
@@ -41,22 +42,8 @@ class ClearParams:
 
     @staticmethod
     def read(src: WeightSource, layer: int) -> ClearParams:
-        p = f"model.layers.{layer}."
-        bias = torch.cat([src.read(p + f"self_attn.{x}_proj.bias") for x in "qkv"]) if src.config.qkv_bias else None
-        return ClearParams(src.read(p + "input_layernorm.weight"), src.read(p + "post_attention_layernorm.weight"), bias)
-
-
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, d/2) for the given absolute positions."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, d/2)
-    return freqs.cos(), freqs.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x (..., T, d) with transformers' rotate_half pairing (i, i + d/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return ClearParams(arch.read_norm(src, layer, "qkv"), arch.read_norm(src, layer, "gate_up"),
+                           arch.read_bias(src, layer, "qkv"))  # fmt: skip
 
 
 def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) -> torch.Tensor:
@@ -101,19 +88,11 @@ class DenseModel:
     def __init__(self, src: WeightSource, n_layers: int | None = None, max_seq: int = 256):
         c = self.config = src.config
         self.n_layers = c.n_layers if n_layers is None else n_layers
-        self.embed = src.read("model.embed_tokens.weight")  # (V, H)
-        self.final_norm = src.read("model.norm.weight")
-        self.lm_head = self.embed if not src.has("lm_head.weight") else src.read("lm_head.weight")
+        self.embed = src.read(arch.EMBED)  # (V, H)
+        self.final_norm = src.read(arch.FINAL_NORM)
+        self.lm_head = arch.read_lm_head(src, self.embed)
         self.clear = [ClearParams.read(src, i) for i in range(self.n_layers)]
-        self.weights = []
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            self.weights.append({
-                "qkv": torch.cat([src.read(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                "o": src.read(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([src.read(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
-                "down": src.read(p + "mlp.down_proj.weight"),
-            })  # fmt: skip
+        self.weights = [{name: arch.read_weight(src, i, name) for name in LINEARS} for i in range(self.n_layers)]
         shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)  # (L, n_kv, S, d)
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from . import architecture as arch
 from .comm import Admission, Comm, CommError, Identity, Member, PeerError, PeerLost, Recorder, Watch, free_port
 from .comm.mpi_fabric import WORLD as MPI_WORLD
 from .config import ModelError
@@ -77,12 +78,11 @@ class EngineBase(Membership):
         self.epoch = 0
         self.plan = self.plan_for(self.order)
         self.context = effective_context(c.max_positions, opts.context)
-        self.embed = self.src.read("model.embed_tokens.weight")  # (V, H)
+        self.embed = self.src.read(arch.EMBED)  # (V, H)
         if self.embed.shape != (c.vocab, c.hidden):
             raise ModelError(f"embedding shape {tuple(self.embed.shape)} != ({c.vocab}, {c.hidden})")
-        self.final_norm = self.src.read("model.norm.weight")
-        tied = c.tie_embeddings or not self.src.has("lm_head.weight")
-        self.lm_head = self.embed if tied else self.src.read("lm_head.weight")
+        self.final_norm = self.src.read(arch.FINAL_NORM)
+        self.lm_head = arch.read_lm_head(self.src, self.embed)
         self.recorder = self.prepare(recorder)
         self.history: list[int] = []  # the session's tokens so far: what a replay runs again
         self.slot_history: dict[int, list[int]] = {}  # a batch's sessions (forward_batch): tokens per KV slot

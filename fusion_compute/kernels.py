@@ -15,6 +15,22 @@ def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, d/2) for the given absolute positions."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, d/2)
+    return freqs.cos(), freqs.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Rotary embedding with transformers' rotate_half pairing (i, i + d/2) along `dim` of x, whose
+    first half holds the pairs' first elements and second half their partners; cos and sin broadcast
+    against one half. Token-major (..., T, d) with (T, d/2) tables: the dense layer; feature-major
+    (..., 2P, T) with (P, T) tables (dim=-2): a worker's owned pairs (ops.py), which need nothing from
+    anyone else because a pair is never split across workers."""
+    x1, x2 = x.chunk(2, dim=dim)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=dim)
+
+
 def inv_freq_tensor(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Rotary inverse frequencies (d/2,), computed in fp32 exactly as transformers does."""
     base = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

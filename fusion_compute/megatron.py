@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from . import architecture as arch
 from .comm import Comm
 from .kernels import inv_freq_tensor
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step
@@ -32,7 +33,6 @@ from .weights import WeightSource
 def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
     """Column-parallel qkv / gate-up rows (all input columns, norm gain folded), row-parallel o / down."""
     c = plan.config
-    pre = f"model.layers.{layer}."
     qkv_rows, gu_rows, o_cols = plan.qkv_rows(w), plan.gate_up_rows(w), plan.o_cols(w)
     everything = list(range(c.hidden))
     index = LayerIndex(
@@ -43,20 +43,16 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
         gu_out=gu_rows,
         h_in=list(range(*plan.workers[w].mlp)),
     )
-    g_attn = src.read(pre + "input_layernorm.weight")
-    qkv = torch.cat([src.read(pre + f"self_attn.{p}_proj.weight") for p in "qkv"])
-    qkv_w = (qkv[torch.tensor(qkv_rows)] * g_attn).contiguous()
+    qkv = arch.read_weight(src, layer, "qkv")
+    qkv_w = (qkv[torch.tensor(qkv_rows)] * arch.read_norm(src, layer, "qkv")).contiguous()
     del qkv
-    qkv_b = None
-    if c.qkv_bias:
-        bias = torch.cat([src.read(pre + f"self_attn.{p}_proj.bias") for p in "qkv"])
-        qkv_b = bias[torch.tensor(qkv_rows)].contiguous()
-    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(o_cols))  # (H, a_r)
-    g_mlp = src.read(pre + "post_attention_layernorm.weight")
-    gu = torch.cat([src.read(pre + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
-    gu_w = (gu[torch.tensor(gu_rows)] * g_mlp).contiguous()
+    bias = arch.read_bias(src, layer, "qkv")
+    qkv_b = None if bias is None else bias[torch.tensor(qkv_rows)].contiguous()
+    o_w = arch.read_weight(src, layer, "o", cols=runs(o_cols))  # (H, a_r)
+    gu = arch.read_weight(src, layer, "gate_up")
+    gu_w = (gu[torch.tensor(gu_rows)] * arch.read_norm(src, layer, "gate_up")).contiguous()
     del gu
-    down_w = src.read(pre + "mlp.down_proj.weight", cols=[plan.workers[w].mlp])
+    down_w = arch.read_weight(src, layer, "down", cols=[plan.workers[w].mlp])
     return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
 
 

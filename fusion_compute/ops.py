@@ -27,25 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .kernels import attend_scored, causal_mask
+from .kernels import attend_scored, causal_mask, rope_tables, rotate
 from .plan import AttnBlock
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (d/2, T) for the given absolute positions."""
-    freqs = inv_freq[:, None] * positions[None, :].float()  # (d/2, T)
-    return freqs.cos(), freqs.sin()
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., 2P, T) whose rows are pairs' first halves then second halves; cos/sin (P, T).
-
-    Same as transformers' `x * cos + rotate_half(x) * sin` restricted to the owned pairs: a pair
-    (i, i + d/2) is never split across workers, so this needs nothing from anyone else.
-    """
-    p = x.shape[-2] // 2
-    x1, x2 = x[..., :p, :], x[..., p:, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2)
+    """Rotate x (..., 2P, T), feature-major: rows are the owned pairs' first halves then second halves,
+    cos/sin (P, T) (kernels.rotate along the feature dim)."""
+    return rotate(x, cos, sin, dim=-2)
 
 
 @dataclass(frozen=True)
@@ -134,7 +123,8 @@ class Step:
 
 def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
     offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
-    cos, sin = rope_cos_sin(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
+    cos_Tp, sin_Tp = rope_tables(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
+    cos, sin = cos_Tp.T, sin_Tp.T  # (d/2, T): feature-major, like every tensor here
     masks = tuple(causal_mask(s.pos, s.t) for s in spans)
     index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
     decodes = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import architecture as arch
 from .comm import Comm
 from .kernels import inv_freq_tensor
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, make_step
@@ -26,11 +27,11 @@ def augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
 
 
 def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
-    c = plan.config
+    """Worker w's slices of one layer: every linear's input columns that it holds (norm gain folded),
+    output rows regrouped by owner (plan.py); the Megatron-style baseline's own is megatron.load_layer."""
     share = plan.workers[w]
     a, b = share.residual
     cols = [(a, b)]
-    pre = f"model.layers.{layer}."
     n = plan.n
 
     qkv_rows = [plan.qkv_rows(q) for q in range(n)]
@@ -46,21 +47,18 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
         h_in=list(range(*share.mlp)),
     )
 
-    g_attn = src.read(pre + "input_layernorm.weight")[a:b]
-    qkv = torch.cat([src.read(pre + f"self_attn.{p}_proj.weight", cols=cols) for p in "qkv"]) * g_attn
+    # the norm's gain folds into the columns this worker holds (DESIGN.md §4: RMSNorm fused into the linear)
+    qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
     qkv_w = augmented(qkv, qkv_rows)
     del qkv
-    qkv_b = None
-    if c.qkv_bias:
-        bias = torch.cat([src.read(pre + f"self_attn.{p}_proj.bias") for p in "qkv"])
-        qkv_b = bias[torch.tensor(qkv_rows[w])].contiguous()
-    o_w = src.read(pre + "self_attn.o_proj.weight", cols=runs(o_cols))
+    bias = arch.read_bias(src, layer, "qkv")
+    qkv_b = None if bias is None else bias[torch.tensor(qkv_rows[w])].contiguous()
+    o_w = arch.read_weight(src, layer, "o", cols=runs(o_cols))
 
-    g_mlp = src.read(pre + "post_attention_layernorm.weight")[a:b]
-    gu = torch.cat([src.read(pre + f"mlp.{p}_proj.weight", cols=cols) for p in ("gate", "up")]) * g_mlp
+    gu = arch.read_weight(src, layer, "gate_up", cols=cols) * arch.read_norm(src, layer, "gate_up")[a:b]
     gu_w = augmented(gu, gu_rows)
     del gu
-    down_w = src.read(pre + "mlp.down_proj.weight", cols=[share.mlp])
+    down_w = arch.read_weight(src, layer, "down", cols=[share.mlp])
     return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
 
 

@@ -35,7 +35,7 @@ def children(pid: int) -> set[int]:
 
 
 def worker_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "fusion_compute.worker"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "fusion_compute worker"], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 
 

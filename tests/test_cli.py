@@ -24,7 +24,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def worker_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "fusion_compute.worker"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "fusion_compute worker"], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 
 

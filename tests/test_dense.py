@@ -41,3 +41,23 @@ def test_dense_smollm_gguf(smollm_path, smollm_ref):
     got = DenseModel(open_weights(smollm_path), max_seq=16).forward(IDS, 0).double()
     assert torch.allclose(got, ref, atol=SMOLLM_ATOL, rtol=0), (got - ref).abs().max()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_a_stored_lm_head_wins_over_a_tied_config(tmp_path):
+    """tie_word_embeddings = true with a different lm_head.weight in the file anyway: transformers 5.24
+    does not tie them (it says so and uses the stored head), and every consumer must do the same through
+    architecture.py's one rule. The copies had drifted: the client tied on the config's word, the dense
+    twin only when the tensor was missing; this test fails on the client's old rule."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import build
+
+    from fusion_compute import architecture as arch
+
+    path = build(tmp_path / "tied", "llama")  # LLAMA_TINY ties its embeddings
+    weights = load_file(path / "model.safetensors")
+    assert arch.LM_HEAD not in weights
+    weights[arch.LM_HEAD] = torch.randn_like(weights[arch.EMBED])  # a head that differs from the embedding
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    src = open_weights(path)
+    assert src.config.tie_embeddings and not arch.lm_head_tied(src)
+    check(path)  # the twin against transformers: logits off by O(10) if it ties instead

@@ -22,13 +22,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import architecture as arch
 from ..plan import Plan
 from ..weights import WeightSource
 
 POINTS = {
-    # point -> (norm weight, projections, plan row map)
-    "attn": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "qkv_rows"),
-    "mlp": ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "gate_up_rows"),
+    # point -> (the fused linear read there: architecture.py, plan row map)
+    "attn": ("qkv", "qkv_rows"),
+    "mlp": ("gate_up", "gate_up_rows"),
 }
 VIEWS = ("shard", "wire")
 
@@ -51,11 +52,8 @@ class Exposure:
 
 def fused_weight(src: WeightSource, layer: int, point: str) -> torch.Tensor:
     """(out, H) projection rows of a point with the norm gain folded in, float64."""
-    norm, projs, _ = POINTS[point]
-    pre = f"model.layers.{layer}."
-    g = src.read(pre + f"{norm}.weight").double()
-    w = torch.cat([src.read(pre + f"{p}.weight").double() for p in projs])
-    return w * g
+    name = POINTS[point][0]
+    return arch.read_weight(src, layer, name).double() * arch.read_norm(src, layer, name).double()
 
 
 def observation_matrix(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: str, point: str) -> torch.Tensor:
@@ -66,7 +64,7 @@ def observation_matrix(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...],
         a, b = plan.workers[w].residual
         own = torch.zeros(b - a, h, dtype=torch.float64)
         own[:, a:b] = torch.eye(b - a, dtype=torch.float64)
-        rows = torch.tensor(getattr(plan, POINTS[point][2])(w))
+        rows = torch.tensor(getattr(plan, POINTS[point][1])(w))
         shard = w_full[rows]
         blocks += [own, shard]
         if view == "wire":
@@ -118,7 +116,7 @@ def party_rank(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: s
     partials from a non-member r act on x[R_r] alone, so the map is block-diagonal over r and its
     rank is |own| + Σ_r rank(stacked partial blocks); the shard rows are implied by the partials."""
     own = _own_mask(plan, party)
-    rows = torch.tensor([i for w in party for i in getattr(plan, POINTS[point][2])(w)])
+    rows = torch.tensor([i for w in party for i in getattr(plan, POINTS[point][1])(w)])
     shard = w_full[rows]
     if view == "shard":
         r, ratio = _rank(shard[:, ~own])
@@ -137,7 +135,7 @@ def _n_rows(plan: Plan, party: tuple[int, ...], view: str, point: str) -> int:
     """How many linear functions the party observes (own coords + shard rows [+ partials])."""
     n = 0
     for w in party:
-        shard = len(getattr(plan, POINTS[point][2])(w))
+        shard = len(getattr(plan, POINTS[point][1])(w))
         n += plan.workers[w].n_residual + shard * (plan.n if view == "wire" else 1)
     return n
 

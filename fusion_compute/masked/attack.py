@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import architecture as arch
 from ..kernels import rms_norm
 from ..weights import WeightSource
 
@@ -40,14 +41,14 @@ def vocab_match(view_TK: torch.Tensor, table_VK: torch.Tensor, batch: int = 8192
 def structural_table(src: WeightSource, coords: tuple[int, int]) -> torch.Tensor:
     """What a structural worker receives at ingress for each token: E[:, R_w]. (V, |R_w|)"""
     a, b = coords
-    return src.read("model.embed_tokens.weight", cols=[(a, b)])
+    return src.read(arch.EMBED, cols=[(a, b)])
 
 
 def masked_table(src: WeightSource) -> torch.Tensor:
     """What the masked client encodes (before masking) as layer 0's qkv input for each token:
     RMSNorm(E[v]) · g, up to the positive scale 2^s. (V, H)"""
-    e = src.read("model.embed_tokens.weight")
-    g = src.read("model.layers.0.input_layernorm.weight")
+    e = src.read(arch.EMBED)
+    g = arch.read_norm(src, 0, "qkv")
     return rms_norm(e, g, src.config.rms_eps)
 
 

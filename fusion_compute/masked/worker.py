@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import architecture as arch
 from ..comm import Comm
 from ..errors import UsageError
 from ..faults import Fault, parse_fault
@@ -32,28 +33,10 @@ from .plan import MaskedPlan, make_masked_plan
 from .ring import RingMatrix, quantize_rows, weight_bits
 
 
-def _sources(c, name: str) -> tuple[tuple[str, int], ...]:
-    """(HF module, rows) of each weight stacked into a (possibly fused) linear, in stacking order."""
-    q, kv, inter = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.intermediate
-    return {
-        "qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
-        "o": (("self_attn.o_proj", c.hidden),),
-        "gate_up": (("mlp.gate_proj", inter), ("mlp.up_proj", inter)),
-        "down": (("mlp.down_proj", c.hidden),),
-    }[name]
-
-
 def read_rows(src: WeightSource, layer: int, name: str, rows: tuple[int, int]) -> torch.Tensor:
     """Rows [a, b) of a (possibly fused) linear's weight, HF layout (out, in), fp32: only those rows
     are read (and, for GGUF, dequantized)."""
-    a, b = rows
-    parts, at = [], 0
-    for module, n in _sources(src.config, name):
-        lo, hi = max(a, at), min(b, at + n)
-        if lo < hi:
-            parts.append(src.read(f"model.layers.{layer}.{module}.weight", rows=torch.arange(lo - at, hi - at)))
-        at += n
-    return torch.cat(parts)
+    return arch.read_weight(src, layer, name, rows=rows)
 
 
 @dataclass
