@@ -47,9 +47,9 @@ CONTROL_LIMIT = 1 << 20  # bytes of one rendezvous message
 # Before authentication a connection costs a thread, a socket and a slot; these bound what a
 # stranger (who needs no key to connect) can make a listener spend or wait.
 # HANDSHAKE_S: a connection must finish its TLS handshake and first message (JOIN, or a peer's
-# hello) in this time, or it is closed. The exchange is two round trips and about a millisecond of
-# CPU (Ed25519; measured ~3 ms on this project's 2-core machine, loaded); 3 s leaves room for a
-# busy host and a slow WAN, and is how long an idle stranger can hold a slot.
+# hello) in this time, or it is closed. The TLS 1.3 handshake (Ed25519) took 2.6 ms median, 26 ms
+# at worst of 50, on this project's 2-core machine while other tests ran; 3 s leaves room for a busy
+# host and a slow WAN round trip, and is how long an idle stranger can hold a slot.
 HANDSHAKE_S = 3.0
 # MAX_PENDING: connections handshaking at once, per listener; one more is closed at once (the
 # honest side retries until its own deadline: `_open_tls`). A roster has a few dozen members at
