@@ -26,8 +26,10 @@ from fusion_compute.comm.rendezvous import Admission, Credentials, Member, join_
 PROMPT = "5,17,33,2,99"
 IDLE = 50
 CHURN = 5000
-# This 2-core machine runs other agents' tests at the same time: a run's start-up varies by a
-# few seconds between two tries with nothing attacking it (measured 4.6-7.9 s for the same run).
+# This 2-core machine runs other tests at the same time, so the same run's start-up moves between
+# tries with nothing attacking it (this test's baseline measured 8.0, 8.7 and 28.1 s, the last at a
+# load average of 5.7). The baseline is the mean of a clean run before and one after the flooded
+# run, to follow slow drifts of load; the slack covers what is left (a torch import's jitter).
 SLACK_S = 3.0
 
 
@@ -178,13 +180,15 @@ def _run(tmp_path: Path, model: Path, attack: bool, tag: str) -> dict:
 def test_floods_do_not_stall_start_up(tiny_qwen2, tmp_path):
     base = _run(tmp_path, tiny_qwen2, attack=False, tag="base")
     hit = _run(tmp_path, tiny_qwen2, attack=True, tag="hit")
-    print(f"start-up: baseline {base['took']:.1f} s (worker 1 listening for peers after {base['listening']:.1f} s), "
-          f"flooded {hit['took']:.1f} s ({hit['listening']:.1f} s), exit {hit['rc']}; peak threads "
-          f"{base['threads']} -> {hit['threads']}")  # fmt: skip
-    assert base["rc"] == 0, base["log"]
+    after = _run(tmp_path, tiny_qwen2, attack=False, tag="after")
+    baseline = (base["took"] + after["took"]) / 2
+    print(f"start-up: baseline {baseline:.1f} s ({base['took']:.1f} s before, {after['took']:.1f} s after; worker 1 "
+          f"listening for peers after {base['listening']:.1f} s), flooded {hit['took']:.1f} s "
+          f"({hit['listening']:.1f} s), exit {hit['rc']}; peak threads {base['threads']} -> {hit['threads']}")  # fmt: skip
+    assert base["rc"] == 0 and after["rc"] == 0, base["log"] + after["log"]
     assert hit["rc"] == 0, hit["log"][-3000:]
     assert all(f.attempts == CHURN and len(f.idle) == IDLE for f in hit["floods"])
-    assert hit["took"] <= 2 * base["took"] + SLACK_S, (base["took"], hit["took"])
+    assert hit["took"] <= 2 * baseline + SLACK_S, (baseline, hit["took"])
     assert hit["tokens"] == base["tokens"]
     # Greeting threads are capped: at most MAX_PENDING more than the same run without the flood.
     for who in ("client", "worker 1"):
