@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -254,3 +255,54 @@ def test_listeners_stay_bounded_in_process(tmp_path):
     assert threads_seen <= before + 2 * rendezvous.MAX_PENDING + 12, (before, threads_seen)
     counts = adm.refusals.counts
     assert len(counts) <= 3 and sum(counts.values()) >= CHURN // 2, counts
+
+
+def test_the_cap_closes_excess_connections_at_once_and_an_honest_worker_gets_in():
+    """MAX_PENDING + 20 idle connections: the 20 over the cap are closed at once (EOF well before
+    HANDSHAKE_S) and counted under one reason; the listener's threads stay within the cap; a listed
+    worker connecting meanwhile retries and is admitted once the idle ones' deadline frees slots."""
+    ids, roster = _roster(1)
+    adm = Admission(ids[0], roster, "127.0.0.1")
+    before = threading.active_count()
+    idle: list[socket.socket] = []
+    got: dict[str, object] = {}
+    try:
+        for _ in range(rendezvous.MAX_PENDING + 20):
+            idle.append(socket.create_connection(("127.0.0.1", adm.port), timeout=2))
+        t0 = time.monotonic()
+        closed: set[socket.socket] = set()
+        threads_seen = 0
+        while time.monotonic() - t0 < 1.0:  # an over-cap connection reads EOF at once; greeted ones wait 3 s
+            readable, _, _ = select.select([s for s in idle if s not in closed], [], [], 0.1)
+            closed.update(s for s in readable if s.recv(1) == b"")
+            threads_seen = max(threads_seen, threading.active_count())
+        closed_at_once = len(closed)
+        over = adm.refusals.counts["too many unauthenticated connections"]  # (the worker's retries come later)
+
+        def worker() -> None:
+            cred = Credentials(ids[1], ids[0].public, ("127.0.0.1", adm.port), 1)
+            try:
+                got["r"] = join_epoch(cred, None, time.monotonic() + 30)
+            except Exception as e:  # reported by the assertion below
+                got["r"] = e
+
+        t = threading.Thread(target=worker, daemon=True)
+        t.start()
+        joined = adm.collect([1], time.monotonic() + 30)
+        admitted = time.monotonic() - t0
+        adm.welcome(0, [1], joined, time.monotonic() + 30, lambda m: {})
+        t.join(timeout=30)
+        assert isinstance(got.get("r"), tuple), got
+        for link in got["r"][1].values():
+            link.close()
+    finally:
+        for s in idle:
+            s.close()
+        adm.close()
+    print(f"{closed_at_once} closed at once, {over} counted over the cap; threads {before} -> {threads_seen}; "
+          f"the listed worker admitted after {admitted:.2f} s")  # fmt: skip
+    assert closed_at_once == over == 20, (closed_at_once, over)
+    # the listed worker was itself turned away while the slots were full, retried, and got in
+    assert adm.refusals.counts["too many unauthenticated connections"] > over
+    assert threads_seen <= before + rendezvous.MAX_PENDING + 1, (before, threads_seen)
+    assert admitted < 2 * rendezvous.HANDSHAKE_S, admitted
