@@ -174,9 +174,10 @@ class Greeters:
 
         threading.Thread(target=run, name=f"fusion-greet-{self.name}", daemon=True).start()
 
-    def in_progress(self) -> int:
+    def authenticated(self, conn: socket.socket) -> None:
+        """`conn` proved its key and is being handed over: no longer ours to cut in `close()`."""
         with self._lock:
-            return len(self._socks)
+            self._socks.discard(conn)
 
     def close(self) -> None:
         """Cut every connection still being greeted (their threads end at their next read)."""
@@ -297,6 +298,7 @@ class Admission:
             self._refuse(reason, why, link)
             return
         link.label = member.label(where)
+        self.greeters.authenticated(conn)
         if join.get("kind") == "pulse":
             link.rank = member.pid
             if self.on_pulse is not None:
@@ -582,6 +584,10 @@ def _link_peers(
 
     def greet(conn: socket.socket, addr: Any) -> None:
         where = _fmt_addr(addr)
+        if me is not None and not higher:  # the highest rank accepts nobody: whoever connects is a stranger
+            conn.close()
+            refusals.add("no peer expected", f"connection from {where} to worker {rank}: no worker links to it")
+            return
         until = min(deadline, time.monotonic() + HANDSHAKE_S)
         try:
             tls = handshake(conn, ctx, server=True, deadline=until)
@@ -602,6 +608,7 @@ def _link_peers(
             if finished.is_set():
                 link.close()
             else:
+                greeters.authenticated(conn)
                 arrived.put((q, where, link))
 
     def accept_loop() -> None:
