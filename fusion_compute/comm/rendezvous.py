@@ -27,9 +27,11 @@ why it must be asked for by name. Messages of this phase are small JSON objects 
 
 from __future__ import annotations
 
+import collections
 import json
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +44,22 @@ from .links import Link, handshake, peer_certificate, tls_context
 
 VERSION = 2
 CONTROL_LIMIT = 1 << 20  # bytes of one rendezvous message
-PER_CONNECTION_S = 10.0  # a connection must finish its handshake and JOIN in this time
+# Before authentication a connection costs a thread, a socket and a slot; these bound what a
+# stranger (who needs no key to connect) can make a listener spend or wait.
+# HANDSHAKE_S: a connection must finish its TLS handshake and first message (JOIN, or a peer's
+# hello) in this time, or it is closed. The TLS 1.3 handshake (Ed25519) took 2.6 ms median, 26 ms
+# at worst of 50, on this project's 2-core machine while other tests ran; 3 s leaves room for a busy
+# host and a slow WAN round trip, and is how long an idle stranger can hold a slot.
+HANDSHAKE_S = 3.0
+# MAX_PENDING: connections handshaking at once, per listener; one more is closed at once (the
+# honest side retries until its own deadline: `_open_tls`). A roster has a few dozen members at
+# most, and all of them together connect to one listener only at the client's.
+MAX_PENDING = 64
+# BACKLOG: connections the kernel queues before we accept them. When that queue is full a new
+# connection's SYN is dropped and retried by the kernel after 1 s, then 3 s: a burst of strangers
+# connecting and closing (measured: 1 connect in 80 waited 1 s at 64) must not do that to a peer.
+BACKLOG = 1024
+LOG_FIRST = 10  # refusals logged one line each per reason; after that, a line at each power of ten
 RETRY_S = 0.2
 
 
@@ -88,12 +105,90 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         s.close()
         raise CommError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    s.listen(64)
+    s.listen(BACKLOG)
     return s
 
 
 def _fmt_addr(addr: Any) -> str:
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+
+
+class Refusals:
+    """Refused connections, counted by reason (a short fixed phrase, never an address), so memory
+    stays bounded however many strangers come: the first LOG_FIRST of each reason are logged one line
+    each, later ones at each power of ten with the count so far."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, reason: str, line: str) -> None:
+        with self._lock:
+            self.counts[reason] += 1
+            n = self.counts[reason]
+        if n <= LOG_FIRST:
+            self.log(f"refused: {line}")
+        elif str(n).rstrip("0") == "1":  # 100, 1000, ...
+            self.log(f"refused: {line} ({n} refused so far: {reason})")
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())
+
+
+class Greeters:
+    """At most MAX_PENDING connections greeted (handshake and first message) at once, each in its
+    own thread, so that no unauthenticated connection waits behind another; one over the cap is
+    closed at once and counted. `close()` cuts those still in progress."""
+
+    def __init__(self, name: str, refusals: Refusals, cap: int = MAX_PENDING):
+        self.name = name
+        self.refusals = refusals
+        self._slots = threading.BoundedSemaphore(cap)
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self._closed = False
+
+    def start(self, conn: socket.socket, addr: Any, greet: Callable[[socket.socket, Any], None]) -> None:
+        if not self._slots.acquire(blocking=False):
+            conn.close()
+            self.refusals.add("too many unauthenticated connections",
+                              f"connection from {_fmt_addr(addr)} to {self.name}: {MAX_PENDING} connections are "
+                              "already handshaking")  # fmt: skip
+            return
+        with self._lock:
+            if self._closed:
+                self._slots.release()
+                conn.close()
+                return
+            self._socks.add(conn)
+
+        def run() -> None:
+            try:
+                greet(conn, addr)
+            finally:
+                with self._lock:
+                    self._socks.discard(conn)
+                self._slots.release()
+
+        threading.Thread(target=run, name=f"fusion-greet-{self.name}", daemon=True).start()
+
+    def authenticated(self, conn: socket.socket) -> None:
+        """`conn` proved its key and is being handed over: no longer ours to cut in `close()`."""
+        with self._lock:
+            self._socks.discard(conn)
+
+    def close(self) -> None:
+        """Cut every connection still being greeted (their threads end at their next read)."""
+        with self._lock:
+            self._closed = True
+            socks = list(self._socks)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 @dataclass
@@ -136,7 +231,8 @@ class Admission:
         self.host = host
         self.port = self.sock.getsockname()[1]
         self.ctx = tls_context(me, [m.key for m in roster], server=True) if me is not None else None
-        self.refused: list[str] = []  # log lines of refused connections (tests read them)
+        self.refusals = Refusals(log)  # refused connections, counted by reason (tests read them)
+        self.greeters = Greeters("the client", self.refusals)
         self._lock = threading.Lock()
         first = first_epoch if first_epoch is not None else [m.pid for m in roster if not m.standby]
         self._expect: tuple[int, set[int]] = (0, set(first))  # (epoch, pids) whose data JOIN is wanted now
@@ -151,9 +247,8 @@ class Admission:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _refuse(self, line: str, link: Link | None = None) -> None:
-        self.refused.append(line)
-        self.log(f"refused: {line}")
+    def _refuse(self, reason: str, line: str, link: Link | None = None) -> None:
+        self.refusals.add(reason, line)
         if link is not None:
             try:
                 send_json(link, {"refused": line})
@@ -172,37 +267,38 @@ class Admission:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._greet, args=(conn, addr), daemon=True).start()
+            self.greeters.start(conn, addr, self._greet)
 
     def _greet(self, conn: socket.socket, addr: Any) -> None:
-        """Handshake, JOIN and verdict of one connection, in its own thread."""
+        """Handshake, JOIN and verdict of one connection, in its own thread (Greeters)."""
         where = _fmt_addr(addr)
-        deadline = time.monotonic() + PER_CONNECTION_S
+        deadline = time.monotonic() + HANDSHAKE_S
         try:
             tls = handshake(conn, self.ctx, server=True, deadline=deadline)
         except Exception as e:  # ssl.SSLError, OSError, TimeoutError
             reason = getattr(e, "reason", None) or str(e) or type(e).__name__
             conn.close()
-            self._refuse(f"connection from {where}: TLS handshake failed ({reason}): key not in the roster?")
+            self._refuse("TLS handshake failed", f"connection from {where}: TLS handshake failed ({reason}): key not in the roster?")
             return
         member = None
         if tls is not None:
             member = self.by_cert.get(peer_certificate(tls))
             if member is None:  # chained to a listed certificate but not itself listed
                 conn.close()
-                self._refuse(f"connection from {where}: its certificate is not one of the roster's")
+                self._refuse("certificate not in the roster", f"connection from {where}: its certificate is not one of the roster's")
                 return
         link = Link(conn, tls, -1, f"connection from {where}")
         try:
             join = recv_json(link, deadline)
         except CommError as e:
-            self._refuse(f"{where}: no valid JOIN ({e})", link)
+            self._refuse("no valid JOIN", f"{where}: no valid JOIN ({e})", link)
             return
-        member, why = self._check(member, join, where)
+        member, reason, why = self._check(member, join, where)
         if member is None:
-            self._refuse(why, link)
+            self._refuse(reason, why, link)
             return
         link.label = member.label(where)
+        self.greeters.authenticated(conn)
         if join.get("kind") == "pulse":
             link.rank = member.pid
             if self.on_pulse is not None:
@@ -224,24 +320,27 @@ class Admission:
                 pass
             link.close()
         else:
-            self._refuse(f"{member.label(where)} asked to join epoch {join.get('epoch')}, which does not expect it", link)
+            self._refuse("unexpected epoch", f"{member.label(where)} asked to join epoch {join.get('epoch')}, which does not expect it", link)
 
-    def _check(self, member: Member | None, join: dict, where: str) -> tuple[Member | None, str]:
+    def _check(self, member: Member | None, join: dict, where: str) -> tuple[Member | None, str, str]:
+        """(member, "", "") when the JOIN is admissible, else (None, reason, log line)."""
         claim_pid, claim_group = join.get("rank"), join.get("group")
         if join.get("v") != VERSION or join.get("kind") not in ("data", "pulse") or not isinstance(join.get("port"), int):
-            return None, f"{where}: malformed JOIN {json.dumps(join)[:200]}"
+            return None, "malformed JOIN", f"{where}: malformed JOIN {json.dumps(join)[:200]}"
         if member is None:  # insecure: the claim is all there is
             if not isinstance(claim_pid, int) or claim_pid not in self.roster:
-                return None, f"{where}: JOIN without a valid rank (insecure engine: workers must give --rank)"
+                return None, "no valid rank", f"{where}: JOIN without a valid rank (insecure engine: workers must give --rank)"
             member = self.roster[claim_pid]
         who = member.label(where)
         if claim_pid is not None and claim_pid != member.pid:
-            return None, f"{who} presented itself as rank {claim_pid}, but the roster lists its key as rank {member.pid}"
+            return None, "claimed another rank", (f"{who} presented itself as rank {claim_pid}, but the roster lists "
+                                                  f"its key as rank {member.pid}")  # fmt: skip
         if claim_group is not None and claim_group != member.group:
-            return None, f"{who} presented itself for group {claim_group}, but the roster lists it in group {member.group}"
+            return None, "claimed another group", (f"{who} presented itself for group {claim_group}, but the roster "
+                                                   f"lists it in group {member.group}")  # fmt: skip
         if member.pid in self._gone:
-            return None, f"{who} was removed from this job (revoked, or failed and replaced)"
-        return member, ""
+            return None, "removed from the job", f"{who} was removed from this job (revoked, or failed and replaced)"
+        return member, "", ""
 
     def enroll(self, member: Member) -> None:
         """Add a participant to the roster while the job runs (the user adding a worker); it is
@@ -285,14 +384,14 @@ class Admission:
                     missing = [self.roster[p].label() for p in pids if p not in got]
                     raise CommError(
                         f"rendezvous at {self.address}: {len(missing)} of {len(pids)} workers did not join in time: "
-                        f"{'; '.join(missing)}" + (f" (refused: {len(self.refused)})" if self.refused else "")
+                        f"{'; '.join(missing)}" + (f" (refused: {n})" if (n := self.refusals.total()) else "")
                     )
                 try:
                     j = self._arrived.get(timeout=min(left, 0.25))
                 except queue.Empty:
                     continue
                 if j.member.pid in got:  # a second connection with an admitted key
-                    self._refuse(f"{j.link.label}: rank {j.member.pid} has already joined (a second connection with "
+                    self._refuse("second connection", f"{j.link.label}: rank {j.member.pid} has already joined (a second connection with "
                                  "the same key)", j.link)  # fmt: skip
                     continue
                 got[j.member.pid] = j
@@ -336,6 +435,7 @@ class Admission:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=1.0)
+        self.greeters.close()
 
 
 # ---- worker side ----
@@ -377,18 +477,36 @@ class Credentials:
             raise CommError("a worker needs both its own key and the client's public key (or --insecure)")
 
 
+def _open_tls(host: str, port: int, ctx: ssl.SSLContext | None, deadline: float, what: str):
+    """Connect and run the TLS handshake as the connecting side; returns (socket, TLS object or None).
+    A listener at its cap of unauthenticated connections (Greeters) closes a new one before it answers:
+    that (closed or reset during the handshake) is retried until the deadline; a TLS refusal is not."""
+    while True:
+        sock = _connect(host, port, deadline, what)
+        try:
+            return sock, handshake(sock, ctx, server=False, deadline=deadline)
+        except ConnectionError:
+            sock.close()
+            if time.monotonic() + RETRY_S >= deadline:
+                raise
+            time.sleep(RETRY_S)
+        except BaseException:
+            sock.close()
+            raise
+
+
 def _client_link(cred: Credentials, deadline: float) -> Link:
     host, port = cred.master
-    sock = _connect(host, port, deadline, "the client")
-    if not cred.listen_ip:
-        cred.listen_ip = cred.listen_host or sock.getsockname()[0]
     try:
         ctx = tls_context(cred.me, [cred.client_key], server=False) if cred.me is not None else None
-        tls = handshake(sock, ctx, server=False, deadline=deadline)
+        sock, tls = _open_tls(host, port, ctx, deadline, "the client")
+    except CommError:
+        raise
     except Exception as e:
-        sock.close()
         raise CommError(f"TLS handshake with the client at {host}:{port} failed ({_tls_refusal(e)}): "
                         "is this the client's public key?") from None  # fmt: skip
+    if not cred.listen_ip:
+        cred.listen_ip = cred.listen_host or sock.getsockname()[0]
     if tls is not None and peer_certificate(tls) != cred.client_key.cert_der:
         sock.close()
         raise CommError(f"the client at {host}:{port} presented another key than the one pinned")
@@ -448,22 +566,75 @@ def join_epoch(cred: Credentials, epoch: int | None, deadline: float, log: Calla
 def _link_peers(
     me: Identity | None, rank: int, peers: dict, listener: socket.socket, deadline: float, log: Callable[[str], None]
 ) -> dict[int, Link]:
-    """Connect to every lower-ranked worker, accept every higher-ranked one. Both ends pin keys."""
+    """Connect to every lower-ranked worker, accept every higher-ranked one. Both ends pin keys.
+    Incoming connections are greeted concurrently (Greeters: HANDSHAKE_S each, at most MAX_PENDING
+    at once), so a stranger's idle connection never makes a peer wait behind it."""
     table = {}
     for r, p in peers.items():
         key = PublicId.parse(p["key"], f"worker {r}'s key") if p.get("key") else None
         table[int(r)] = (p["host"], int(p["port"]), key)
+    higher = {r: table[r] for r in table if r > rank}
+    ctx = tls_context(me, [t[2] for t in higher.values()], server=True) if me is not None and higher else None
+    by_cert = {t[2].cert_der: r for r, t in higher.items() if t[2] is not None}
+    refusals = Refusals(log)
+    greeters = Greeters(f"worker {rank}", refusals)
+    arrived: queue.Queue[tuple[int, str, Link]] = queue.Queue()
+    finished = threading.Event()
+    hand_over = threading.Lock()  # a late greeting either reaches `arrived` before the drain or closes its link
+
+    def greet(conn: socket.socket, addr: Any) -> None:
+        where = _fmt_addr(addr)
+        if me is not None and not higher:  # the highest rank accepts nobody: whoever connects is a stranger
+            conn.close()
+            refusals.add("no peer expected", f"connection from {where} to worker {rank}: no worker links to it")
+            return
+        until = min(deadline, time.monotonic() + HANDSHAKE_S)
+        try:
+            tls = handshake(conn, ctx, server=True, deadline=until)
+            link = Link(conn, tls, -1, f"connection from {where}")
+            hello = recv_json(link, until)
+        except Exception as e:
+            conn.close()
+            refusals.add("no valid hello", f"connection from {where} to worker {rank}: {_tls_refusal(e)}")
+            return
+        q = hello.get("link")
+        expected = by_cert.get(peer_certificate(tls)) if tls is not None else q
+        if not isinstance(q, int) or q not in higher or q != expected:
+            link.close()
+            refusals.add("claimed another worker",
+                         f"connection from {where} to worker {rank}: presented as worker {q}, key is worker {expected}")
+            return
+        with hand_over:
+            if finished.is_set():
+                link.close()
+            else:
+                greeters.authenticated(conn)
+                arrived.put((q, where, link))
+
+    def accept_loop() -> None:
+        while not finished.is_set():
+            try:
+                conn, addr = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            greeters.start(conn, addr, greet)
+
     links: dict[int, Link] = {}
+    listener.settimeout(0.25)  # the accept loop checks `finished` this often
+    acceptor = threading.Thread(target=accept_loop, name=f"fusion-accept-{rank}", daemon=True)
+    acceptor.start()
     try:
         for q in sorted(r for r in table if r < rank):
             host, port, key = table[q]
-            sock = _connect(host, port, deadline, f"worker {q}")
             label = f"worker {q} [{host}:{port}" + (f", key {key.fingerprint}]" if key else "]")
             try:
-                ctx = tls_context(me, [key], server=False) if me is not None else None
-                tls = handshake(sock, ctx, server=False, deadline=deadline)
+                cctx = tls_context(me, [key], server=False) if me is not None else None
+                sock, tls = _open_tls(host, port, cctx, deadline, f"worker {q}")
+            except CommError:
+                raise
             except Exception as e:
-                sock.close()
                 raise CommError(f"TLS handshake with {label} failed ({_tls_refusal(e)})") from None
             if tls is not None and peer_certificate(tls) != key.cert_der:
                 sock.close()
@@ -471,38 +642,36 @@ def _link_peers(
             link = Link(sock, tls, q, label)
             send_json(link, {"link": rank})
             links[q] = link
-        higher = {r: table[r] for r in table if r > rank}
-        ctx = tls_context(me, [t[2] for t in higher.values()], server=True) if me is not None and higher else None
-        by_cert = {t[2].cert_der: r for r, t in higher.items() if t[2] is not None}
-        listener.settimeout(1.0)
         while len(links) < len(table) - 1:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 missing = sorted(set(higher) - set(links))
-                raise CommError(f"workers {missing} did not link up with worker {rank} in time")
+                n = refusals.total()
+                raise CommError(f"workers {missing} did not link up with worker {rank} in time"
+                                + (f" (refused: {n} other connections)" if n else ""))  # fmt: skip
             try:
-                conn, addr = listener.accept()
-            except TimeoutError:
+                q, where, link = arrived.get(timeout=min(left, 0.25))
+            except queue.Empty:
                 continue
-            where = _fmt_addr(addr)
-            try:
-                tls = handshake(conn, ctx, server=True, deadline=min(deadline, time.monotonic() + PER_CONNECTION_S))
-                link = Link(conn, tls, -1, f"connection from {where}")
-                hello = recv_json(link, min(deadline, time.monotonic() + PER_CONNECTION_S))
-            except Exception as e:
-                conn.close()
-                log(f"refused: connection from {where} to worker {rank}: {_tls_refusal(e)}")
-                continue
-            q = hello.get("link")
-            expected = by_cert.get(peer_certificate(tls)) if tls is not None else q
-            if not isinstance(q, int) or q not in higher or q != expected or q in links:
+            if q in links:
                 link.close()
-                log(f"refused: connection from {where} to worker {rank}: presented as worker {q}, key is worker {expected}")
+                refusals.add("second connection", f"connection from {where} to worker {rank}: worker {q} has already linked")
                 continue
-            host, port, key = higher[q]
+            key = higher[q][2]
             link.rank, link.label = q, f"worker {q} [{where}" + (f", key {key.fingerprint}]" if key else "]")
             links[q] = link
     except BaseException:
         for link in links.values():
             link.close()
         raise
+    finally:
+        with hand_over:
+            finished.set()
+        greeters.close()
+        while True:  # greeted after the last one was needed (or after giving up)
+            try:
+                arrived.get_nowait()[2].close()
+            except queue.Empty:
+                break
+        acceptor.join(timeout=1.0)
     return links
