@@ -249,6 +249,8 @@ INVALID = [
     ("seed not int", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": "x"}, 400, None),
     ("stop not strings", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": [1]}, 400, None),
     ("five stops", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": list("abcde")}, 400, None),
+    ("empty stop string", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": ""}, 400, None),
+    ("empty stop in a list", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["a", ""]}, 400, None),
     ("n 2", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, 400, None),
     ("tools", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, None),
     ("prompt too long", "/v1/chat/completions",
@@ -284,7 +286,7 @@ INVALID = [
 ]  # fmt: skip
 PARAMS = {"max_tokens true": "max_tokens", "seed 2**64": "seed", "lone surrogate prompt": "prompt",
           "lone surrogate message": "messages[0].content", "stop not strings": "stop[0]", "bad role": "messages[0].role",
-          "8 MB prompt": "prompt", "n 2": "n", "temperature 2.5": "temperature", "temperature NaN": "temperature"}  # fmt: skip
+          "8 MB prompt": "prompt", "n 2": "n", "empty stop string": "stop", "empty stop in a list": "stop[1]", "temperature 2.5": "temperature", "temperature NaN": "temperature"}  # fmt: skip
 
 
 def test_invalid_requests_get_4xx_and_server_keeps_serving(tiny_server):
@@ -384,6 +386,17 @@ def test_parse_defaults_and_aliases(card):
     with pytest.raises(ValidationError) as v:
         completion({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, card)
     assert describe_validation_error(v.value.errors()) == ("stream_options needs stream = true", "stream_options")
+
+
+def test_an_empty_stop_is_refused_in_both_forms(card):
+    """Issue 26: `"stop": ""` as a plain string was accepted and ended every answer after one token
+    with empty text, though only the list form refused an empty stop (docs/serving.md: refused)."""
+    for stop, param in [("", "stop"), (["x", ""], "stop[1]")]:
+        with pytest.raises(ValidationError) as v:
+            completion({"model": "tiny", "prompt": "x", "stop": stop}, card)
+        message, where = describe_validation_error(v.value.errors())
+        assert where == param and "at least 1 character" in message, message
+    assert completion({"model": "tiny", "prompt": "x", "stop": "x"}, card).stop == ("x",)
 
 
 def test_tiny_temperatures_sample_at_the_floor(card):
