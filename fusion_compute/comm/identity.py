@@ -71,16 +71,17 @@ class PublicId:
         raw = text[len(PREFIX) :]
         # Strictly: base64's decoder skips characters outside the alphabet (`$$$$` inside a line was
         # accepted), so the line must be the alphabet only, and the exact encoding of what it decodes to.
-        bad = _BASE64URL.fullmatch(raw) is None
-        if not bad:
-            try:
-                der = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
-            except (ValueError, TypeError):
-                bad = True
-        if bad or PublicId(der).line() != text:
-            raise IdentityError(f"{where}: public key is not valid base64url (letters, digits, - and _ only, "
+        invalid = IdentityError(f"{where}: public key is not valid base64url (letters, digits, - and _ only, "
                                 "unpadded, as `fusion keys show` prints it)")  # fmt: skip
-        _check_cert(der, where)
+        if _BASE64URL.fullmatch(raw) is None:
+            raise invalid
+        try:
+            der = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+        except (ValueError, TypeError):
+            raise invalid from None
+        _check_cert(der, where)  # a cut line: "not a certificate"
+        if PublicId(der).line() != text:  # other bits in the last character: another line for the same key
+            raise invalid
         return PublicId(der)
 
 
@@ -152,11 +153,12 @@ class Identity:
     def load(path: str | Path) -> Identity:
         p = Path(path)
         data, mode = read_small_file(p, MAX_KEY_FILE, "key file", IdentityError)
+        ident = Identity.from_pem(data, str(p))  # a file that is no key gets its one line, not a warning too
         if mode & 0o044:  # group- or world-readable
             print(f"fusion: warning: key file {p} is readable by {'others' if mode & 0o004 else 'its group'} "
                   f"(mode {mode & 0o777:03o}): whoever reads it can act as this participant; chmod 600 it",
                   file=sys.stderr)  # fmt: skip
-        return Identity.from_pem(data, str(p))
+        return ident
 
     def save(self, path: str | Path) -> None:
         """Write the key file, readable by its owner only; never overwrites an existing file."""
