@@ -772,3 +772,21 @@ def test_admin_call_behind_a_long_request_leaves_the_loop_free(card):
         server.should_exit = True
         thread.join(timeout=15)
         scheduler.close(wait_s=10)
+
+
+def test_the_verified_bound_is_the_one_the_check_gives(card):
+    """Issue 26: the gateway's `fusion.verified` said <= 2^-40 where the check (and README) say
+    2^-64. One bound, in masked/verify.py: 2^-(U_BITS * BASIS_ROWS), which the gateway quotes."""
+    from types import SimpleNamespace
+
+    from fusion_compute.gateway import Gateway
+    from fusion_compute.masked import verify
+
+    assert verify.ESCAPE_BOUND == f"2^-{verify.U_BITS * verify.BASIS_ROWS}" == "2^-64"
+    plan = SimpleNamespace(n=2, n_a=1, sizes=(1, 1), mask_groups=("B",), fingerprint=lambda: "test")
+    engine = SimpleNamespace(plan=plan, verifier=object())
+    verified = Gateway(engine, card).protection(None)["verified"]
+    assert f"<= {verify.ESCAPE_BOUND} per linear" in verified and "2^-40" not in verified
+    root = Path(__file__).resolve().parent.parent
+    for doc in ("README.md", "docs/masked.md", "docs/serving.md"):
+        assert "2^-64" in (root / doc).read_text(), doc
