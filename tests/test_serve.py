@@ -322,6 +322,11 @@ def test_values_that_once_broke_the_engine(tiny_server):
     assert r.choices[0].text == floor.choices[0].text and r.usage.completion_tokens >= 1
     r = c.completions.create(model="tiny", prompt="the quick", max_tokens=3, seed=2**63 - 1, temperature=1.0)
     assert r.usage.completion_tokens >= 1
+    # Issue 26: top_p 1e-46 rounded to 0 in float32 and dropped every token (500 "probability tensor
+    # contains nan"); the most likely token is always in the nucleus, so it samples greedily.
+    r = c.completions.create(model="tiny", prompt="the quick", max_tokens=4, temperature=1.0, top_p=1e-46, seed=5)
+    greedy = c.completions.create(model="tiny", prompt="the quick", max_tokens=4)
+    assert r.choices[0].text == greedy.choices[0].text and r.usage.completion_tokens >= 1
     status, body = tiny_server.raw("GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
 
