@@ -8,7 +8,9 @@
 
 They exist only with --api-key (the same Bearer key as /v1; without one they answer 403: anyone who
 reaches the port would decide who holds the conversation), and they run on the engine thread between
-requests (scheduler.call), so a revocation never cuts a token in half.
+requests (scheduler.call), so a revocation never cuts a token in half. The route waits for that on a
+worker thread, not on the event loop: an admin call queued behind a long request must not hold up
+/health or the other streams meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from .comm import CommError, IdentityError, PublicId
 from .gateway import ApiError, Gateway
@@ -40,11 +43,11 @@ def _listing(engine: Any) -> dict:
 def add_admin_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, enabled: bool) -> None:
     engine = gateway.engine
 
-    def guarded(work):  # runs on the engine thread; engine errors become the API's
+    async def guarded(work):  # runs on the engine thread; engine errors become the API's
         if not enabled:
             raise ApiError(403, "membership endpoints need the server started with --api-key", code="admin_disabled")
-        try:
-            return scheduler.call(work)
+        try:  # scheduler.call blocks until the engine thread gets to it: wait off the event loop
+            return await run_in_threadpool(scheduler.call, work)
         except UnknownWorker as e:
             raise ApiError(404 if "no worker" in str(e) else 400, str(e), code="unknown_worker") from None
         except TooFewWorkers as e:
@@ -54,7 +57,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, enabl
 
     @app.get("/admin/workers")
     async def list_workers() -> JSONResponse:
-        return JSONResponse(guarded(lambda: _listing(engine)))
+        return JSONResponse(await guarded(lambda: _listing(engine)))
 
     @app.post("/admin/workers/{pid}/revoke")
     async def revoke(pid: int) -> JSONResponse:
@@ -62,7 +65,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, enabl
             engine.revoke(pid)
             return _listing(engine)
 
-        return JSONResponse(guarded(work))
+        return JSONResponse(await guarded(work))
 
     @app.post("/admin/workers", status_code=201)
     async def add(body: AddWorker) -> JSONResponse:
@@ -75,4 +78,4 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, enabl
             pid = engine.add_standby(key, body.host, body.group)
             return {"id": pid, **_listing(engine)}
 
-        return JSONResponse(guarded(work), status_code=201)
+        return JSONResponse(await guarded(work), status_code=201)

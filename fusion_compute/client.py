@@ -13,6 +13,7 @@ import torch
 from .config import ModelError
 from .engine import EngineBase, control_word
 from .engine_options import EngineOptions, effective_context
+from .errors import WorkerMisbehaved
 from .kernels import rms_norm
 from .plan import Plan, make_plan
 from .protocol import CONTROL_LEN, Op, fingerprint_int
@@ -50,8 +51,11 @@ class Engine(EngineBase):
         replies = self._replies("hello", max(1.0, deadline - time.monotonic()))  # the workers load meanwhile
         for s, reply in zip(self.plan.workers, replies, strict=True):
             ok, wfp, load_ms, rss_kb = (int(v) for v in reply)
-            if not ok:
-                raise ModelError(f"worker {s.rank} computed a different plan ({wfp:x} vs {fp:x}): same model and capacities?")
+            if ok != 1 or wfp != fp:  # the fingerprint it states is checked too, not only its word
+                who = f"worker {s.rank} (participant {order[s.rank - 1]})"
+                raise ModelError(f"{who} computed a different plan ({wfp:x} vs {fp:x}): same model and capacities?"
+                                 if ok == 0 else f"{who} answered the plan handshake with word {ok} and fingerprint "
+                                 f"{wfp:x}, not 1 and {fp:x}: refused")  # fmt: skip
             info.append({"rank": s.rank, "load_s": load_ms / 1000, "peak_rss_mb": rss_kb / 1024})
         self.pos = 0
         self.slot_pos: dict[int, int] = {}  # a batch's slots: the position of each one's next token
@@ -115,6 +119,7 @@ class Engine(EngineBase):
         shards = [
             self.comm.recv(torch.empty(s.n_residual, t), s.rank, "egress", "final") for s in self.plan.workers
         ]
+        self._check_egress(shards)
         self.pos += t
         x_TH = torch.cat(shards).T  # (T, H): reconstructed on the user side only
         if not all_logits:
@@ -138,9 +143,22 @@ class Engine(EngineBase):
         shards = [
             self.comm.recv(torch.empty(s.n_residual, total), s.rank, "egress", "final") for s in self.plan.workers
         ]
+        self._check_egress(shards)
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
         last = torch.tensor(list(itertools.accumulate(t for _, _, t in spans))) - 1  # each span's last column
         x_nH = torch.cat(shards).T[last]  # (n, H): each session's last token, on the user side only
         # V x n rather than n x V: the BLAS streams the (V, H) head once for all n (8 rows: 12 vs 18 ms here)
         logits_Vn = self.lm_head @ rms_norm(x_nH, self.final_norm, self.config.rms_eps).T
         return list(logits_Vn.T)
+
+    def _check_egress(self, shards: list[torch.Tensor]) -> None:
+        """Every egress shard must be finite: a NaN or infinity from a worker would become token 0
+        (greedy) or a sampling error, naming nobody. Raises WorkerMisbehaved naming it, before
+        anything is computed from the step: the engine removes it (membership._expel; a standby
+        takes its seat) and the request fails. One pass over H x T floats, next to the step's
+        round trips."""
+        for s, shard in zip(self.plan.workers, shards, strict=True):
+            if not bool(torch.isfinite(shard).all()):
+                bad, pid = int((~torch.isfinite(shard)).sum()), self.order[s.rank - 1]
+                raise WorkerMisbehaved(f"worker {s.rank} (participant {pid}) sent an egress shard holding {bad} NaN "
+                                       f"or infinite value(s) of {shard.numel()}", [pid])  # fmt: skip

@@ -3,6 +3,10 @@
   close-mid-message@STEP   at its STEP-th forward (counted from 1 over the worker's life), the worker
                            sends the client the header and half of its egress shard, closes its
                            connections and exits: a process dying in the middle of a message.
+  nan-egress@STEP          at its STEP-th forward, the worker sends its egress shard full of NaN (and
+                           goes on serving): a liar the structural client's finiteness check must name.
+  hello-fingerprint@1      the worker answers the plan handshake yes, stating another plan fingerprint
+                           than the one it computed (STEP must be 1: there is one handshake per epoch).
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from .errors import UsageError
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-KINDS = ("close-mid-message", *LIES)
+KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", *LIES)
 
 
 @dataclass(frozen=True)

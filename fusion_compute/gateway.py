@@ -340,6 +340,8 @@ class Gateway:
                 {k: r.get(k) for k in ("epoch", "lost", "order", "reason", "epoch_s", "replay_s")} for r in outcome.recoveries
             ]
         if self.masked:
+            from .masked.verify import ESCAPE_BOUND  # the check's bound, stated in one place
+
             p = self.engine.plan
             return {
                 "mode": "masked", **common, "groups": list(p.sizes),
@@ -350,7 +352,7 @@ class Gateway:
                 ),
                 "verified": (
                     "every product the workers returned passed the client's check (Freivalds over the integers; "
-                    "a wrong one escapes with probability <= 2^-40 per linear and token)" if self.engine.verifier
+                    f"a wrong one escapes with probability <= {ESCAPE_BOUND} per linear and token)" if self.engine.verifier
                     else "products not checked (verification off)"
                 ),
                 "audit": dict(AUDIT_UNCHECKED),

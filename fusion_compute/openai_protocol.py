@@ -96,7 +96,7 @@ class GenerationRequest(Strict):
     top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None  # extension (vLLM, llama.cpp): 0 = off
     seed: Int64 | None = None
-    stop: Text | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and not used

@@ -41,12 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from .comm import IdentityError, PublicId
+from .comm.identity import read_small_file
 from .errors import UsageError
 
 _TOP_KEYS = {"model", "client", "worker"}
 _CLIENT_KEYS = {"address", "model", "name", "key"}
 _WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group", "role"}
 ROLES = ("worker", "standby")
+MAX_TOPOLOGY_FILE = 1 << 20  # bytes: a worker's table is ~500 bytes with its key, so room for ~2,000 workers
 GROUP_NAME = re.compile(r"^(A|B|B[1-9][0-9]*)$")  # A, and the mask groups: B, or B1..Bk
 
 
@@ -146,11 +148,10 @@ class Topology:
         import tomllib
 
         p = Path(path)
+        raw, _ = read_small_file(p, MAX_TOPOLOGY_FILE, "topology file", TopologyError)  # regular, bounded
         try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise TopologyError(f"topology file not found: {p}") from None
-        except (OSError, UnicodeDecodeError) as e:
+            data = tomllib.loads(raw.decode())
+        except UnicodeDecodeError as e:
             raise TopologyError(f"{p}: cannot read ({e})") from None
         except tomllib.TOMLDecodeError as e:
             raise TopologyError(f"{p}: not valid TOML ({e})") from None

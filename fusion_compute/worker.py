@@ -243,7 +243,8 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         model.attach_audit(audit)
         audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
     load_ms = int((time.perf_counter() - t0) * 1000)
-    comm.send(torch.tensor([1, mine, load_ms, rss_kb()]), 0, "control", "hello")
+    stated = mine ^ 1 if me.fault is not None and me.fault.kind == "hello-fingerprint" else mine  # FAULT (tests)
+    comm.send(torch.tensor([1, stated, load_ms, rss_kb()]), 0, "control", "hello")
     n_res = plan.workers[w].n_residual
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
@@ -263,8 +264,11 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
             x_dT = model.forward(x_dT.to(comm.device), spans)
             me.forwards += 1
             if me.fault is not None and me.forwards == me.fault.step:  # FAULT INJECTION (tests only)
-                comm.send_truncated(x_dT, 0, 0.5)
-                os._exit(3)
+                if me.fault.kind == "nan-egress":
+                    x_dT = torch.full_like(x_dT, math.nan)
+                else:
+                    comm.send_truncated(x_dT, 0, 0.5)
+                    os._exit(3)
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()

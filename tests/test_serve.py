@@ -249,6 +249,8 @@ INVALID = [
     ("seed not int", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": "x"}, 400, None),
     ("stop not strings", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": [1]}, 400, None),
     ("five stops", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": list("abcde")}, 400, None),
+    ("empty stop string", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": ""}, 400, None),
+    ("empty stop in a list", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["a", ""]}, 400, None),
     ("n 2", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, 400, None),
     ("tools", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, None),
     ("prompt too long", "/v1/chat/completions",
@@ -284,7 +286,7 @@ INVALID = [
 ]  # fmt: skip
 PARAMS = {"max_tokens true": "max_tokens", "seed 2**64": "seed", "lone surrogate prompt": "prompt",
           "lone surrogate message": "messages[0].content", "stop not strings": "stop[0]", "bad role": "messages[0].role",
-          "8 MB prompt": "prompt", "n 2": "n", "temperature 2.5": "temperature", "temperature NaN": "temperature"}  # fmt: skip
+          "8 MB prompt": "prompt", "n 2": "n", "empty stop string": "stop", "empty stop in a list": "stop[1]", "temperature 2.5": "temperature", "temperature NaN": "temperature"}  # fmt: skip
 
 
 def test_invalid_requests_get_4xx_and_server_keeps_serving(tiny_server):
@@ -320,6 +322,11 @@ def test_values_that_once_broke_the_engine(tiny_server):
     assert r.choices[0].text == floor.choices[0].text and r.usage.completion_tokens >= 1
     r = c.completions.create(model="tiny", prompt="the quick", max_tokens=3, seed=2**63 - 1, temperature=1.0)
     assert r.usage.completion_tokens >= 1
+    # Issue 26: top_p 1e-46 rounded to 0 in float32 and dropped every token (500 "probability tensor
+    # contains nan"); the most likely token is always in the nucleus, so it samples greedily.
+    r = c.completions.create(model="tiny", prompt="the quick", max_tokens=4, temperature=1.0, top_p=1e-46, seed=5)
+    greedy = c.completions.create(model="tiny", prompt="the quick", max_tokens=4)
+    assert r.choices[0].text == greedy.choices[0].text and r.usage.completion_tokens >= 1
     status, body = tiny_server.raw("GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
 
@@ -384,6 +391,17 @@ def test_parse_defaults_and_aliases(card):
     with pytest.raises(ValidationError) as v:
         completion({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, card)
     assert describe_validation_error(v.value.errors()) == ("stream_options needs stream = true", "stream_options")
+
+
+def test_an_empty_stop_is_refused_in_both_forms(card):
+    """Issue 26: `"stop": ""` as a plain string was accepted and ended every answer after one token
+    with empty text, though only the list form refused an empty stop (docs/serving.md: refused)."""
+    for stop, param in [("", "stop"), (["x", ""], "stop[1]")]:
+        with pytest.raises(ValidationError) as v:
+            completion({"model": "tiny", "prompt": "x", "stop": stop}, card)
+        message, where = describe_validation_error(v.value.errors())
+        assert where == param and "at least 1 character" in message, message
+    assert completion({"model": "tiny", "prompt": "x", "stop": "x"}, card).stop == ("x",)
 
 
 def test_tiny_temperatures_sample_at_the_floor(card):
@@ -669,3 +687,111 @@ def test_serve_bad_args_one_line(capsys):
             assert main(["serve", *args]) != 0
             err = capsys.readouterr().err.strip()
             assert needle in err and len(err.splitlines()) == 1, err
+
+
+class SlowEngine(FlakyEngine):
+    """FlakyEngine whose every step takes `step_s`, with what the membership listing reads."""
+
+    step_s = 0.05
+    epoch = 0
+
+    def __init__(self, card):
+        from types import SimpleNamespace
+
+        super().__init__(card)
+        self.opts = SimpleNamespace(floor=2)
+
+    def workers(self) -> list[dict]:
+        return [{"id": p, "rank": p, "group": None, "state": "active"} for p in self.order]
+
+    def forward(self, ids):
+        time.sleep(self.step_s)
+        return super().forward(ids)
+
+
+def test_admin_call_behind_a_long_request_leaves_the_loop_free(card):
+    """Issue 26 item 4: an admin call waits for the engine thread (between requests), and used to
+    wait on the event loop itself: /health, and every stream, froze until the long request ended.
+    Now it waits on a worker thread: /health answers within 100 ms while the admin call is queued
+    behind a ~2 s request, and the admin call answers after that request. (100 ms is ~50x what
+    /health takes when idle here; the slack covers a loaded 2-core machine, and is still a tenth of
+    the stall it replaces.)"""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from fusion_compute.api_server import _Server, create_app
+    from fusion_compute.gateway import Gateway
+    from fusion_compute.scheduler import Scheduler
+
+    engine = SlowEngine(card)
+    scheduler = Scheduler(Gateway(engine, card), log=lambda line: None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(Gateway(engine, card), scheduler, admin=True), lifespan="off",
+                            log_config=None, access_log=False)  # fmt: skip
+    server = _Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+
+    def get(method: str, path: str, body: str | None = None, timeout: float = 60):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read(), time.monotonic()
+        finally:
+            conn.close()
+
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert get("GET", "/health")[0] == 200
+        with ThreadPoolExecutor(2) as ex:
+            long = ex.submit(get, "POST", "/v1/completions",
+                             json.dumps({"model": "tiny", "prompt": [1, 2], "max_tokens": 40}))  # fmt: skip
+            while not scheduler.running and time.monotonic() < deadline:
+                time.sleep(0.01)
+            admin = ex.submit(get, "GET", "/admin/workers")
+            while scheduler.waiting < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert scheduler.running and scheduler.waiting == 1  # the admin call is queued behind the request
+            took, answers = [], []
+            for _ in range(5):
+                t0 = time.monotonic()
+                status, body, _ = get("GET", "/health", timeout=10)
+                took.append(time.monotonic() - t0)
+                answers.append((status, json.loads(body)["running"]))
+            assert max(took) < 0.1, took
+            assert answers == [(200, 1)] * 5  # answered while the request ran
+            assert not long.done() and not admin.done()
+            (s_long, body, t_long), (s_admin, listing, t_admin) = long.result(60), admin.result(60)
+        assert s_long == 200 and json.loads(body)["usage"]["completion_tokens"] == 40
+        assert s_admin == 200 and [w["id"] for w in json.loads(listing)["workers"]] == [1, 2]
+        assert t_admin >= t_long - 0.05  # it ran between requests, after the long one
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        scheduler.close(wait_s=10)
+
+
+def test_the_verified_bound_is_the_one_the_check_gives(card):
+    """Issue 26: the gateway's `fusion.verified` said <= 2^-40 where the check (and README) say
+    2^-64. One bound, in masked/verify.py: 2^-(U_BITS * BASIS_ROWS), which the gateway quotes."""
+    from types import SimpleNamespace
+
+    from fusion_compute.gateway import Gateway
+    from fusion_compute.masked import verify
+
+    assert verify.ESCAPE_BOUND == f"2^-{verify.U_BITS * verify.BASIS_ROWS}" == "2^-64"
+    plan = SimpleNamespace(n=2, n_a=1, sizes=(1, 1), mask_groups=("B",), fingerprint=lambda: "test")
+    engine = SimpleNamespace(plan=plan, verifier=object())
+    verified = Gateway(engine, card).protection(None)["verified"]
+    assert f"<= {verify.ESCAPE_BOUND} per linear" in verified and "2^-40" not in verified
+    root = Path(__file__).resolve().parent.parent
+    for doc in ("README.md", "docs/masked.md", "docs/serving.md"):
+        assert "2^-64" in (root / doc).read_text(), doc

@@ -271,3 +271,94 @@ def test_serve_with_topology_and_separate_workers(tmp_path):
             assert w.returncode == 0, w.stderr.read()
     finally:
         reap([proc, *workers])
+
+
+def test_hostile_input_files_refused_in_one_line(tmp_path, capsys):
+    """Issue 26: `--topology /dev/zero` and `--key /dev/zero` read until MemoryError, a FIFO topology
+    waited for a writer for ever, and a key file a megabyte long was read whole. Now a topology or
+    key file must be a regular file within its bound (MAX_TOPOLOGY_FILE, MAX_KEY_FILE): one line,
+    exit 2 (the command line names something that cannot work), nothing read beyond the bound."""
+    import os
+
+    from fusion_compute.cli import main
+    from fusion_compute.comm.identity import MAX_KEY_FILE
+    from fusion_compute.topology import MAX_TOPOLOGY_FILE
+
+    ids = keys(3)
+    kf = write_keys(tmp_path, ids)
+    good = tmp_path / "t.toml"
+    good.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"]))
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    big_topo = tmp_path / "big.toml"
+    big_topo.write_text(good.read_text() + "#" * MAX_TOPOLOGY_FILE + "\n")
+    big_key = tmp_path / "big.key"
+    big_key.write_bytes(kf[1].read_bytes() + b"\n" * MAX_KEY_FILE)
+    big_key.chmod(0o600)
+    cases = [
+        (["generate", "--topology", "/dev/zero", "--prompt-ids", "1"], "not a regular file"),
+        (["generate", "--topology", str(fifo), "--prompt-ids", "1"], "not a regular file"),
+        (["generate", "--topology", str(tmp_path), "--prompt-ids", "1"], "is a directory"),
+        (["generate", "--topology", str(big_topo), "--prompt-ids", "1"], f"more than the {MAX_TOPOLOGY_FILE}"),
+        (["worker", "--topology", str(good), "--key", "/dev/zero"], "not a regular file"),
+        (["worker", "--topology", str(good), "--key", str(big_key)], f"more than the {MAX_KEY_FILE}"),
+        (["keys", "show", "/dev/zero"], "not a regular file"),
+    ]
+    for args, needle in cases:
+        t0 = time.monotonic()
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, (args, err)
+        assert time.monotonic() - t0 < 10, args
+    assert Topology.load(good).n_workers == 2  # the bound leaves an ordinary file alone
+
+
+def test_key_lines_are_strict_base64url(tmp_path):
+    """Issue 26: base64's decoder skipped characters outside its alphabet, so `$$$$` inside a line
+    (or a line with other trailing bits) named the same key. Now only the exact line is accepted."""
+    from fusion_compute.comm import IdentityError, PublicId
+
+    line = Identity.new().public.line()
+    assert PublicId.parse(line).line() == line
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    twin = line[:-1] + alphabet[alphabet.index(line[-1]) ^ 1]  # the last character's unused low bit set
+    assert _same_bytes(twin, line)  # what the lenient decoder read as the same key
+    for bad in (line[:40] + "$$$$" + line[40:], line[:40] + " " + line[40:], line + "=", line + "==", twin):
+        with pytest.raises(IdentityError, match="not valid base64url"):
+            PublicId.parse(bad)
+    f = tmp_path / "t.toml"
+    f.write_text(topo_text(keys(3), ["127.0.0.1", "127.0.0.1"]).replace('key = "fc1.', 'key = "fc1.$$$$', 1))
+    with pytest.raises(TopologyError, match="not valid base64url"):
+        Topology.load(f)
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    """Two fc1. lines that the lenient decoder reads as the same bytes."""
+    import base64
+
+    def dec(s: str) -> bytes:
+        raw = s[4:]
+        return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+
+    try:
+        return dec(a) == dec(b)
+    except ValueError:
+        return False
+
+
+def test_a_key_file_others_can_read_is_warned_about(tmp_path, capsys):
+    from fusion_compute.cli import main
+
+    path = write_keys(tmp_path, keys(1))[0]
+    line = Identity.load(path).public.line()
+    capsys.readouterr()
+    for mode, warning in [(0o600, None), (0o400, None), (0o640, "readable by its group"), (0o644, "readable by others"),
+                          (0o604, "readable by others")]:  # fmt: skip
+        path.chmod(mode)
+        assert main(["keys", "show", str(path)]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() == line  # the key still loads: a warning, not a refusal
+        if warning is None:
+            assert err == "", (oct(mode), err)
+        else:
+            assert warning in err and f"mode {mode:03o}" in err and "chmod 600" in err and len(err.splitlines()) == 1, err

@@ -15,7 +15,10 @@ refuses it.
     fusion keys new worker1.key        # writes the key file (mode 0600), prints the public line
     fusion keys show worker1.key       # prints the public line again
 
-The key file is PEM: the PKCS#8 private key, then the certificate.
+The key file is PEM: the PKCS#8 private key, then the certificate. It is read only if it is a
+regular file of at most MAX_KEY_FILE bytes (a device, a FIFO or a huge file is refused in one line,
+never read until memory runs out or waited on), and a key file that its group or others may read
+gets a one-line warning on stderr: whoever reads it can be this participant.
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ import base64
 import datetime
 import hashlib
 import os
+import re
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 
 PREFIX = "fc1."  # version tag of the public line format
+MAX_KEY_FILE = 64 << 10  # bytes: a key file is about 1 kB (PEM key and certificate)
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")  # unpadded, as PublicId.line writes it
 
 
 class IdentityError(UsageError, ValueError):
@@ -61,11 +69,19 @@ class PublicId:
         if not isinstance(text, str) or not text.startswith(PREFIX):
             raise IdentityError(f"{where}: not a Fusion public key (expected a line starting with {PREFIX!r})")
         raw = text[len(PREFIX) :]
+        # Strictly: base64's decoder skips characters outside the alphabet (`$$$$` inside a line was
+        # accepted), so the line must be the alphabet only, and the exact encoding of what it decodes to.
+        invalid = IdentityError(f"{where}: public key is not valid base64url (letters, digits, - and _ only, "
+                                "unpadded, as `fusion keys show` prints it)")  # fmt: skip
+        if _BASE64URL.fullmatch(raw) is None:
+            raise invalid
         try:
             der = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
         except (ValueError, TypeError):
-            raise IdentityError(f"{where}: public key is not valid base64url") from None
-        _check_cert(der, where)
+            raise invalid from None
+        _check_cert(der, where)  # a cut line: "not a certificate"
+        if PublicId(der).line() != text:  # other bits in the last character: another line for the same key
+            raise invalid
         return PublicId(der)
 
 
@@ -136,13 +152,13 @@ class Identity:
     @staticmethod
     def load(path: str | Path) -> Identity:
         p = Path(path)
-        try:
-            data = p.read_bytes()
-        except FileNotFoundError:
-            raise IdentityError(f"key file not found: {p}") from None
-        except OSError as e:
-            raise IdentityError(f"{p}: cannot read ({e.strerror or e})") from None
-        return Identity.from_pem(data, str(p))
+        data, mode = read_small_file(p, MAX_KEY_FILE, "key file", IdentityError)
+        ident = Identity.from_pem(data, str(p))  # a file that is no key gets its one line, not a warning too
+        if mode & 0o044:  # group- or world-readable
+            print(f"fusion: warning: key file {p} is readable by {'others' if mode & 0o004 else 'its group'} "
+                  f"(mode {mode & 0o777:03o}): whoever reads it can act as this participant; chmod 600 it",
+                  file=sys.stderr)  # fmt: skip
+        return ident
 
     def save(self, path: str | Path) -> None:
         """Write the key file, readable by its owner only; never overwrites an existing file."""
@@ -155,6 +171,41 @@ class Identity:
             raise IdentityError(f"{p}: cannot create ({e.strerror or e})") from None
         with os.fdopen(fd, "wb") as f:
             f.write(self.pem_bundle())
+
+
+def read_small_file(path: Path, limit: int, what: str, error: type[Exception]) -> tuple[bytes, int]:
+    """The bytes and permission bits of a regular file of at most `limit` bytes; else `error`, one
+    line. Opened without blocking (a FIFO would wait for a writer) and checked with fstat before
+    any byte is read; at most limit + 1 bytes are ever read (a file that grows meanwhile too)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, FIFO or socket)"
+            raise error(f"{path}: {what} is {kind}: refused")
+        if st.st_size > limit:
+            raise error(f"{path}: {what} is {st.st_size} bytes, more than the {limit} a {what} can be: refused")
+        os.set_blocking(fd, True)
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise error(f"{path}: {what} is more than the {limit} bytes a {what} can be: refused")
+    return data, stat.S_IMODE(st.st_mode)
 
 
 def subject_name(raw_public_key: bytes) -> str:

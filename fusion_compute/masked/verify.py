@@ -49,6 +49,10 @@ from .worker import read_rows
 
 BASIS_ROWS = 4  # D: rows of U per linear (a wrong product passes each with probability <= 2^-16)
 U_BITS, LIMB, N_LIMBS = 16, 16, 4
+# The check's bound, stated once (the gateway's `fusion.verified` text and the docs quote it): a wrong
+# product passes all D rows with probability <= 2^-(U_BITS * D) = 2^-64, per linear and token column.
+ESCAPE_BITS = U_BITS * BASIS_ROWS
+ESCAPE_BOUND = f"2^-{ESCAPE_BITS}"
 SIGN = np.int64(-(1 << 63))  # x ^ SIGN, read as unsigned, is x + 2^63
 OFFSET = 1 << 63
 SHIFTS = [1 << (LIMB * p) for p in range(2 * N_LIMBS - 1)]  # 2^(16 p), limb positions 0..6
