@@ -115,6 +115,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {a.workers}")
     plan = make_plan(open_weights(a.model).config, a.workers, O.capacities(a.capacity))
+    if a.picture:
+        from .picture import plan_picture, write_svg
+
+        try:
+            write_svg(plan_picture(plan), a.picture)
+        except OSError as e:
+            raise InputError(f"--picture {a.picture}: {e.strerror or e}") from None
     print(plan.to_json())
     return 0
 
@@ -180,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     pl.add_argument("--workers", type=int, required=True)
     pl.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
+    pl.add_argument("--picture", metavar="FILE", help="also write the ownership map as SVG to FILE")
     pl.set_defaults(func=cmd_plan)
 
     w = sub.add_parser("worker", help="run one worker: join a client (--topology FILE --key FILE, or --master)")
