@@ -55,13 +55,11 @@ class Sequence:
 
 
 class BatchRunner:
-    """Runs up to `max_batch` sessions at once on one engine (which must support batching)."""
+    """Runs up to `max_batch` sessions at once on one engine."""
 
     def __init__(self, engine: EngineBase, max_batch: int):
         if max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {max_batch}")
-        if not engine.supports_batch:
-            raise ValueError(f"the {engine.mode} mode runs one session at a time (no batching)")
         self.engine = engine
         self.max_batch = max_batch
         engine.batch_slots = max_batch  # made at the first session's reset (and kept, zeroed, after)

@@ -351,7 +351,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             engine.reset()
             ep.rec.new_session()
             t1 = time.perf_counter()
-            ep.rec.begin_step(len(prompt), engine.pos)
+            ep.rec.begin_step(len(prompt), engine.slot_pos.get(0, 0))
             logits = engine.forward(prompt)
             ep.rec.end_step()
             ttft = time.perf_counter() - t1
@@ -369,12 +369,12 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                     history = list(engine.history)
                     engine.reset()
                     ep.rec.new_session()
-                    ep.rec.begin_step(len(history), engine.pos)  # the replay: the new epoch's first step
+                    ep.rec.begin_step(len(history), engine.slot_pos.get(0, 0))  # the replay: the new epoch's first step
                     logits = engine.forward(history)
                     ep.rec.end_step()
                     replay_ok = int(torch.argmax(logits)) == tokens[-1]  # exact: the same next token
                     replay_s = time.perf_counter() - t3
-                ep.rec.begin_step(1, engine.pos)
+                ep.rec.begin_step(1, engine.slot_pos.get(0, 0))
                 logits = engine.forward([tokens[-1]])
                 ep.rec.end_step()
                 tokens.append(int(torch.argmax(logits)))
