@@ -54,17 +54,30 @@ class Sequence:
         )  # fmt: skip
 
 
-class BatchRunner:
-    """Runs up to `max_batch` sessions at once on one engine (which must support batching)."""
+@dataclass(frozen=True)
+class StepHooks:
+    """Calls around the loop's engine work, for a caller that records every step (the audit runner):
+    `before(spans)` ahead of each step, its (slot, position, T) per session; `after()` once the
+    step's logits are back (before any token is sampled); `released(slot)` after a session's slot
+    was zeroed."""
 
-    def __init__(self, engine: EngineBase, max_batch: int):
+    before: Callable[[list[tuple[int, int, int]]], None] = lambda spans: None
+    after: Callable[[], None] = lambda: None
+    released: Callable[[int], None] = lambda slot: None
+
+
+class BatchRunner:
+    """Runs up to `max_batch` sessions at once on one engine."""
+
+    def __init__(self, engine: EngineBase, max_batch: int, hooks: StepHooks | None = None):
         if max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {max_batch}")
-        if not engine.supports_batch:
-            raise ValueError(f"the {engine.mode} mode runs one session at a time (no batching)")
         self.engine = engine
         self.max_batch = max_batch
-        engine.batch_slots = max_batch  # made at the first session's reset (and kept, zeroed, after)
+        self.hooks = hooks or StepHooks()
+        # made at the first session's reset (and kept, zeroed, after); a runner of one (generate) keeps
+        # the slots a batch made
+        engine.batch_slots = max(max_batch, engine.batch_slots) if max_batch == 1 else max_batch
         self.active: dict[int, Sequence] = {}  # slot -> session
         self._samplers: dict[int, Sampler] = {}
         self._stops: dict[int, set[int]] = {}
@@ -74,16 +87,19 @@ class BatchRunner:
     def room(self) -> int:
         return self.max_batch - len(self.active)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, fresh: bool = False) -> None:
         """Admit a session; its prefill runs at the next step. Raises errors.InputError for a
-        prompt the model cannot run, ValueError when the batch is full."""
+        prompt the model cannot run, ValueError when the batch is full. `fresh`: into an empty
+        batch, start afresh (every slot zeroed) even when the engine still has sessions open."""
         if self.room <= 0:
             raise ValueError(f"the batch is full ({self.max_batch} sessions)")
         check_prompt(seq.prompt_ids, self.engine.config.vocab, self.engine.context, seq.max_new_tokens)
         seq.slot = min(set(range(self.max_batch)) - set(self.active))
-        seq.t0 = time.perf_counter()
-        if not self.active and not self.engine.slot_history:
+        if not self.active and (fresh or not self.engine.slot_history):
+            seen = len(self.engine.recoveries)
             self.engine.reset()  # the first session of a batch: every slot zeroed, every position 0
+            seq.recoveries += self.engine.recoveries[seen:]  # noticed while idle, recovered at the reset
+        seq.t0 = time.perf_counter()
         self.active[seq.slot] = seq
         self._samplers[seq.slot] = Sampler(seq.sampling)
         self._stops[seq.slot] = set(seq.stop_ids)
@@ -96,7 +112,9 @@ class BatchRunner:
         seqs = list(self.active.values())
         items = [(s.slot, list(s.prompt_ids) if not s.out else [s.out[-1]]) for s in seqs]
         seen = len(self.engine.recoveries)
+        self.hooks.before([(slot, len(self.engine.slot_history.get(slot, ())), len(ids)) for slot, ids in items])
         logits = self.engine.forward_batch(items)
+        self.hooks.after()
         self.steps += 1
         for seq in seqs:
             seq.recoveries += self.engine.recoveries[seen:]
@@ -119,6 +137,7 @@ class BatchRunner:
         seq.t_end = time.perf_counter()
         del self.active[seq.slot], self._samplers[seq.slot], self._stops[seq.slot]
         self.engine.release(seq.slot)  # hygiene: its KV slot is zeroed now, not when it is reused
+        self.hooks.released(seq.slot)
 
     def abort(self) -> list[Sequence]:
         """A step failed: every session ends here (slots zeroed where the workers still answer)."""

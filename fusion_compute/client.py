@@ -25,7 +25,6 @@ class Engine(EngineBase):
     """Client side of a structural job: the session's position and the sharded forward."""
 
     mode = "structural"
-    supports_batch = True
 
     def plan_for(self, order: list[int]) -> Plan:
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
@@ -57,8 +56,7 @@ class Engine(EngineBase):
                                  if ok == 0 else f"{who} answered the plan handshake with word {ok} and fingerprint "
                                  f"{wfp:x}, not 1 and {fp:x}: refused")  # fmt: skip
             info.append({"rank": s.rank, "load_s": load_ms / 1000, "peak_rss_mb": rss_kb / 1024})
-        self.pos = 0
-        self.slot_pos: dict[int, int] = {}  # a batch's slots: the position of each one's next token
+        self.slot_pos: dict[int, int] = {}  # each open slot: the position of each one's next token
         return info
 
     def ping(self) -> list[dict]:
@@ -91,7 +89,6 @@ class Engine(EngineBase):
     def _reset(self) -> None:
         """Start a new session: workers zero their KV shards (every slot of a batch too)."""
         self._control(Op.RESET, self.batch_slots, arg=self.context)
-        self.pos = 0
         self.slot_pos = {}
 
     def _release(self, slot: int) -> None:
@@ -105,36 +102,15 @@ class Engine(EngineBase):
     def shutdown(self) -> None:
         self._control(Op.SHUTDOWN)
 
-    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run tokens `ids` at the session's current position; returns logits (V,) of the last
-        token, or (T, V) with all_logits. Ingress: x[:, R_w] to worker w; egress: shards back."""
-        t = len(ids)
-        if self.pos + t > self.context:
-            raise ValueError(f"{self.pos + t} tokens exceed the context window of {self.context}")
-        x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, T), full: fine, this is the client
-        self._control(Op.FORWARD, t, self.pos)
-        for s in self.plan.workers:
-            a, b = s.residual
-            self.comm.send(x_HT[a:b], s.rank, "ingress", "embed")
-        shards = [
-            self.comm.recv(torch.empty(s.n_residual, t), s.rank, "egress", "final") for s in self.plan.workers
-        ]
-        self._check_egress(shards)
-        self.pos += t
-        x_TH = torch.cat(shards).T  # (T, H): reconstructed on the user side only
-        if not all_logits:
-            x_TH = x_TH[-1:]
-        logits = rms_norm(x_TH, self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
-        return logits if all_logits else logits[0]
-
-    def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """One step over several slots: their tokens as consecutive columns of one ingress, one
-        collective per operator for all of them (protocol.Op.FORWARD_BATCH)."""
+    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """One step over one or several slots: their tokens as consecutive columns of one ingress, one
+        collective per operator for all of them (protocol.Op.FORWARD). Ingress: x[:, R_w] to worker w;
+        egress: shards back. Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
         spans = self._batch_spans(items)
         ids = [i for _, seq in items for i in seq]
         total = len(ids)
         x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, ΣT), full: fine, this is the client
-        self._control(Op.FORWARD_BATCH, len(spans), total)
+        self._control(Op.FORWARD, len(spans), total)
         span_words = torch.tensor(spans, dtype=torch.int64).reshape(-1)
         for s in self.plan.workers:
             a, b = s.residual
@@ -145,11 +121,19 @@ class Engine(EngineBase):
         ]
         self._check_egress(shards)
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
-        last = torch.tensor(list(itertools.accumulate(t for _, _, t in spans))) - 1  # each span's last column
-        x_nH = torch.cat(shards).T[last]  # (n, H): each session's last token, on the user side only
-        # V x n rather than n x V: the BLAS streams the (V, H) head once for all n (8 rows: 12 vs 18 ms here)
-        logits_Vn = self.lm_head @ rms_norm(x_nH, self.final_norm, self.config.rms_eps).T
-        return list(logits_Vn.T)
+        ends = list(itertools.accumulate(t for _, _, t in spans))
+        cols = [list(range(e - t, e)) if slot in full else [e - 1] for (slot, _, t), e in zip(spans, ends, strict=True)]
+        x_cH = torch.cat(shards).T[torch.tensor([c for cs in cols for c in cs])]  # on the user side only
+        x_cH = rms_norm(x_cH, self.final_norm, self.config.rms_eps)
+        if len(spans) == 1:
+            logits_cV = x_cH @ self.lm_head.T  # (T or 1, V)
+        else:  # V x n rather than n x V: the BLAS streams the (V, H) head once for all n (8 rows: 12 vs 18 ms here)
+            logits_cV = (self.lm_head @ x_cH.T).T
+        out, at = [], 0
+        for (slot, _, _), cs in zip(spans, cols, strict=True):
+            out.append(logits_cV[at : at + len(cs)] if slot in full else logits_cV[at])
+            at += len(cs)
+        return out
 
     def _check_egress(self, shards: list[torch.Tensor]) -> None:
         """Every egress shard must be finite: a NaN or infinity from a worker would become token 0

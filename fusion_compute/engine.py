@@ -25,8 +25,8 @@ session's tokens as a prefill: every worker's state is a function of those token
 nothing has to leave a worker and nothing is gathered. Greedy output continues as if nothing happened.
 
 Epoch changes (recovery, revocation, standbys, expelling a liar) are membership.py's `Membership`,
-which `EngineBase` inherits. A mode subclasses `EngineBase` with its plan (`plan_for`), its handshake (`hello`), `_forward`,
-`_reset`, `_wipe`, `ping` and `shutdown`: client.Engine (structural) and masked.client.MaskedEngine.
+which `EngineBase` inherits. A mode subclasses `EngineBase` with its plan (`plan_for`), its handshake (`hello`), `_forward_batch`,
+`_release`, `_reset`, `_wipe`, `ping` and `shutdown`: client.Engine (structural) and masked.client.MaskedEngine.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,7 @@ class EngineBase(Membership):
         self.final_norm = self.src.read(arch.FINAL_NORM)
         self.lm_head = arch.read_lm_head(self.src, self.embed)
         self.recorder = self.prepare(recorder)
-        self.history: list[int] = []  # the session's tokens so far: what a replay runs again
-        self.slot_history: dict[int, list[int]] = {}  # a batch's sessions (forward_batch): tokens per KV slot
+        self.slot_history: dict[int, list[int]] = {}  # each open session's tokens, per KV slot: what a replay runs again
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
@@ -150,9 +150,6 @@ class EngineBase(Membership):
         """Extra command-line arguments for spawned workers."""
         return list(self.opts.extra_worker_args)
 
-    def _forward(self, ids: list[int], all_logits: bool) -> torch.Tensor:
-        raise NotImplementedError
-
     def _reset(self) -> None:
         raise NotImplementedError
 
@@ -171,90 +168,82 @@ class EngineBase(Membership):
     def group_of(self, rank: int) -> str | None:
         return self.seats[self.order[rank - 1]].group
 
-    # ---- the session, with recovery ----
+    # ---- sessions, with recovery: a single session is a batch of one, in slot 0 ----
+
+    # KV slots the workers make at a session's start: BatchRunner sets its max batch, and it stays (a
+    # later run then zeroes that many slots at its start)
+    batch_slots = 1
+    slot_pos: dict[int, int]  # each open slot's position of its next token (set by the mode)
+
+    @property
+    def history(self) -> list[int]:
+        """Slot 0's tokens so far: a single session's (the one `forward` runs)."""
+        return list(self.slot_history.get(0, ()))
 
     def reset(self) -> None:
-        """Start a new session (workers zero their KV shards)."""
-        self.history = []
+        """Start afresh: workers zero their KV shards, every slot of them."""
+        self.slot_history = {}
         self._with_recovery(self._reset)
 
     def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run tokens `ids` at the session's position; logits (V,) of the last token, or (T, V).
-        A lost worker costs a new epoch and a replay of the session, not the request."""
-        if not ids:
-            raise ValueError("no tokens to run")
+        """One session's step: `forward_batch` with slot 0 alone. Logits (V,) of the last token, or
+        (T, V) of every one with all_logits."""
+        return self.forward_batch([(0, list(ids))], all_logits={0} if all_logits else ())[0]
 
-        def replay() -> torch.Tensor:
-            t0 = time.perf_counter()
-            self._reset()
-            logits = self._forward(self.history + list(ids), all_logits)
-            if self.recoveries:
-                self.recoveries[-1]["replay_s"] = round(time.perf_counter() - t0, 3)
-            return logits[-len(ids) :] if all_logits else logits
-
-        out = self._with_recovery(lambda: self._forward(list(ids), all_logits), replay)
-        self.history += list(ids)
-        return out
-
-    # ---- several sessions at once (continuous batching, batching.py) ----
-
-    supports_batch = False  # a mode that implements _forward_batch and _release sets it
-    # KV slots the workers make at a session's start: BatchRunner sets its max batch, and it stays (a
-    # later single session then zeroes that many slots at its start)
-    batch_slots = 1
-    slot_pos: dict[int, int]  # a batch's slots: the position of each one's next token (set by the mode)
-
-    def forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """One step for several sessions, each in its own KV slot: `items` are (slot, ids), the ids run
-        at that slot's position (a new slot starts at 0: its prefill). Returns each item's last-token
-        logits (V,). A lost worker costs a new epoch and one batched replay of every open slot."""
-        if not self.supports_batch:
-            raise ValueError(f"the {self.mode} mode runs one session at a time")
+    def forward_batch(self, items: list[tuple[int, list[int]]], all_logits: Collection[int] = ()) -> list[torch.Tensor]:
+        """One step for one or several sessions, each in its own KV slot: `items` are (slot, ids), the
+        ids run at that slot's position (a new slot starts at 0: its prefill). Returns each item's
+        last-token logits (V,), or (T, V) for every token of a slot in `all_logits` (parity tests,
+        a prompt's logprobs). A lost worker costs a new epoch and one replay of every open slot."""
         if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
-            raise ValueError("a batch step needs distinct slots, each with tokens to run")
+            raise ValueError("a step needs distinct slots, each with tokens to run")
+        full = frozenset(all_logits) & {s for s, _ in items}
 
         def replay() -> list[torch.Tensor]:
             t0 = time.perf_counter()
             logits: dict[int, torch.Tensor] = {}
-            replayed = self._replay_slots(dict(items), logits)
+            replayed = self._replay_slots(dict(items), logits, full)
             if self.recoveries:
                 self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3), replayed_tokens=replayed)
             return [logits[slot] for slot, _ in items]
 
-        out = self._with_recovery(lambda: self._forward_batch(items), replay)
+        out = self._with_recovery(lambda: self._forward_batch(items, full), replay)
         for slot, ids in items:
             self.slot_history.setdefault(slot, []).extend(ids)
         return out
 
-    def _replay_slots(self, new: dict[int, list[int]], logits: dict[int, torch.Tensor] | None = None) -> int:
+    def _replay_slots(self, new: dict[int, list[int]], logits: dict[int, torch.Tensor] | None = None,
+                      full: frozenset[int] = frozenset()) -> int:  # fmt: skip
         """A fresh epoch's batch: every slot zeroed, then each open session's tokens (plus `new`, the
         step being retried) run again as a prefill in its own slot, one session per step (a step's
-        size stays what one session's replay would be). Returns the tokens replayed."""
+        size stays what one session's replay would be). `logits` gets each retried slot's result:
+        of its `new` tokens only (all of them for a slot in `full`). Returns the tokens replayed."""
         self._reset()
         runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}
         runs.update({slot: ids for slot, ids in new.items() if slot not in runs})
         for slot, ids in runs.items():
-            out = self._forward_batch([(slot, ids)])[0]
-            if logits is not None:
-                logits[slot] = out
+            out = self._forward_batch([(slot, ids)], full & {slot})[0]
+            if logits is not None and slot in new:
+                logits[slot] = out[-len(new[slot]) :] if slot in full else out
         return sum(len(h) for h in self.slot_history.values())
 
     def release(self, slot: int) -> None:
-        """One session of a batch is over: its KV slot is zeroed on every worker now. Best effort: a
-        worker that cannot be told (lost, or the epoch being replaced) zeroes its memory when the next
-        epoch resets it or its process ends."""
+        """One session is over: its KV slot is zeroed on every worker now. Best effort: a worker that
+        cannot be told (lost, or the epoch being replaced) zeroes its memory when the next epoch
+        resets it or its process ends."""
         self.slot_history.pop(slot, None)
         try:
             self._release(slot)  # also without an epoch: the client's own memory (masked mode) is wiped
         except CommError:
             pass
 
-    def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """The mode's step: each item's last-token logits (V,), or (T, V) for a slot in `full`."""
         raise NotImplementedError
 
     def _batch_spans(self, items: list[tuple[int, list[int]]]) -> list[tuple[int, int, int]]:
-        """(slot, position, T) of each item of a batch step, checked: the slot is one of the batch's
-        and its tokens fit the context. A mode's `slot_pos` holds each slot's next position."""
+        """(slot, position, T) of each item of a step, checked: the slot is one of the batch's and
+        its tokens fit the context. A mode's `slot_pos` holds each slot's next position."""
         spans = []
         for slot, ids in items:
             if not 0 <= slot < self.batch_slots:
@@ -270,7 +259,7 @@ class EngineBase(Membership):
 
     def end_session(self) -> None:
         """The session is over: wipe its state everywhere now (not at the next session's start)."""
-        self.history = []
+        self.slot_history = {}
         try:
             self._wipe()
         except PeerError:

@@ -1,15 +1,19 @@
-"""The generation loop on the client: prefill, then one sharded forward per new token."""
+"""What a generation returns, the prompt's checks and the stop rule; `generate` runs one session
+through the batching loop (batching.py), the one generation loop: a prefill, then one sharded step
+per new token."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .engine import EngineBase
 from .errors import InputError
-from .sampling import Sampler
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .batching import StepHooks
 
 
 @dataclass
@@ -64,42 +68,25 @@ def generate(
     sampling: SamplingParams,
     stop_ids: Iterable[int] = (),
     on_token: Callable[[int], bool | None] | None = None,
+    hooks: StepHooks | None = None,
 ) -> GenerationResult:
-    """Generate after `prompt_ids` in a fresh session. `on_token(id)` is called for every new token;
-    returning True stops early (e.g. a stop string matched)."""
+    """Generate after `prompt_ids` in a fresh session: the batching loop (batching.BatchRunner) with
+    one sequence, in slot 0. `on_token(id)` is called for every new token; returning True stops
+    early (e.g. a stop string matched). `hooks`: calls around every step (batching.StepHooks)."""
+    from .batching import BatchRunner, Sequence
+
     check_prompt(prompt_ids, engine.config.vocab, engine.context, max_new_tokens)
-    stop = set(stop_ids)
-    budget = min(max_new_tokens, engine.context - len(prompt_ids))
-    sampler = Sampler(sampling)
     recovered_before = len(engine.recoveries)
-    engine.reset()
-    t0 = time.perf_counter()
-    out: list[int] = []
-    finish = "length"
-    t_first = t0
-    steps = 1
+    runner = BatchRunner(engine, 1, hooks)
+    seq = Sequence(list(prompt_ids), max_new_tokens, sampling, stop_ids, on_token)
+    runner.add(seq, fresh=True)  # a fresh session: every slot zeroed
     try:
-        logits = engine.forward(prompt_ids)
-        while True:
-            tok = sampler(logits)
-            out.append(tok)
-            if len(out) == 1:
-                t_first = time.perf_counter()
-            why = next_finish(tok, out, stop, on_token, budget)
-            if why is not None:
-                finish = why
-                break
-            logits = engine.forward([tok])
-            steps += 1
-    finally:
-        engine.end_session()  # hygiene: the session's KV shards are zeroed now, not at the next request
-    t_end = time.perf_counter()
-    return GenerationResult(
-        token_ids=out,
-        prompt_tokens=len(prompt_ids),
-        finish_reason=finish,
-        ttft_s=t_first - t0,
-        decode_s=t_end - t_first,
-        steps=steps,
-        recoveries=engine.recoveries[recovered_before:],
-    )
+        while runner.active:
+            runner.step()  # the session's slot is zeroed as it finishes (hygiene: not at the next request)
+    except BaseException:
+        runner.abort()
+        engine.end_session()  # whatever the failed step left, wiped now
+        raise
+    res = seq.result()
+    res.recoveries = engine.recoveries[recovered_before:]
+    return res

@@ -68,7 +68,7 @@ class Membership:
     def _expel(self, err: WorkerMisbehaved) -> None:
         """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
         and they leave the job now, replaced by standbys where there are any."""
-        self.history = []
+        self.slot_history = {}
         self.opts.log(f"{err}: removing {'them' if len(err.pids) > 1 else 'it'} from the job")
         self.convicted |= set(err.pids) & set(self.order)
         try:
@@ -194,16 +194,13 @@ class Membership:
         self.order = order
         record = {"epoch": self.epoch, "lost": [pid], "revoked": [pid], "order": order,
                   "reason": f"worker {pid} revoked by the user", "noticed_unix": round(noticed, 3),
-                  "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": len(self.history)}  # fmt: skip
-        if self.history and replay:  # the open session moves to the new epoch now
-            t1 = time.perf_counter()
-            self._reset()
-            self._forward(list(self.history), False)
-            record["replay_s"] = round(time.perf_counter() - t1, 3)
-        elif self.slot_history and replay:  # a batch's open sessions, each in its slot
+                  "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": 0}  # fmt: skip
+        if self.slot_history and replay:  # the open sessions move to the new epoch now, each in its slot
             t1 = time.perf_counter()
             record["replayed_tokens"] = self._replay_slots({})
             record["replay_s"] = round(time.perf_counter() - t1, 3)
+        else:
+            record["replayed_tokens"] = sum(len(h) for h in self.slot_history.values())
         self.recoveries.append(record)
 
     def add_standby(self, key: PublicId | None = None, host: str | None = None, group: str | None = None) -> int:

@@ -15,8 +15,10 @@ MAX_SLOTS = 256  # KV slots (sessions of one batch) a worker accepts
 
 class Op(IntEnum):
     HELLO = 1  # [HELLO, context, plan fingerprint, 0] -> reply [ok, fingerprint, load_ms, rss_kb]
-    FORWARD = 2  # [FORWARD, T, pos, 0], then ingress (d_w, T); reply egress (d_w, T)
-    RESET = 3  # [RESET, slots, 0, context]: drop and re-zero the KV shards; `slots` sessions (0: one) for a batch
+    FORWARD = 2  # [FORWARD, n, ΣT, 0], then spans (n, 3) int64 rows [slot, pos, T] (control), then
+    #             ingress (d_w, ΣT), the spans' tokens as consecutive columns; reply egress (d_w, ΣT).
+    #             One session is one span (slot 0); several are continuous batching's step
+    RESET = 3  # [RESET, slots, 0, context]: drop and re-zero the KV shards; `slots` KV slots (0: one)
     PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]
     SHUTDOWN = 5
     STATS = 6  # [STATS, ...] -> [collectives, peer_bytes_sent, client_bytes, rss_kb] (benchmark)
@@ -24,9 +26,8 @@ class Op(IntEnum):
     #              workers (random data, not state) -> [median ns, min ns, max ns, 0] (benchmark)
     WIPE = 8  # [WIPE, ...]: the session is over: zero the KV shards now (hygiene)
     PROBE = 9  # [PROBE, ...] -> [max |KV| * 1e6 as int, 0, 0, rss_kb]: hygiene tests read the buffers
-    FORWARD_BATCH = 10  # [FORWARD_BATCH, n, ΣT, 0], then spans (n, 3) int64 rows [slot, pos, T] (control),
-    #                    then ingress (d_w, ΣT), the spans' tokens as consecutive columns; reply egress (d_w, ΣT)
-    RELEASE = 11  # [RELEASE, slot, 0, 0]: that session of a batch is over: zero its KV slot now (hygiene)
+    # 10 was FORWARD_BATCH, now FORWARD's only form
+    RELEASE = 11  # [RELEASE, slot, 0, 0]: that slot's session is over: zero its KV slot now (hygiene)
 
 
 def fingerprint_int(plan: Plan) -> int:

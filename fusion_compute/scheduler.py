@@ -1,8 +1,8 @@
 """The engine's queue: callers submit, one engine thread runs jobs in order and reports each job's
-events. With `max_batch` 1 a request runs alone from start to end; with more (`fusion serve
---max-batch B`), up to B requests decode together, joining and leaving the batch between steps
-(batching.BatchRunner). Membership changes (the admin endpoint) run on the same thread, between
-requests (after a running batch drains), through `call`.
+events. Up to `max_batch` requests (`fusion serve --max-batch B`) decode together, joining and
+leaving the batch between steps (batching.BatchRunner); `max_batch` 1 is the same loop with room for
+one, so a request runs alone from start to end. Membership changes (the admin endpoint) run on the
+same thread, between requests (after a running batch drains), through `call`.
 
 Errors: a request that fails for its own reasons (a bad value that got past the checks: 400; anything
 else: 500) fails alone; in a batch, an error during a step fails every request of that step. A
@@ -54,19 +54,16 @@ class Scheduler:
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0
-        self.running = False  # a job (or, batched, at least one request) is on the engine
-        self.batch: dict[int, tuple[Job, Any]] = {}  # batched: slot -> (job, its Answer)
+        self.running = False  # a job (a membership call, or at least one request) is on the engine
+        self.batch: dict[int, tuple[Job, Any]] = {}  # slot -> (job, its Answer)
         self.degraded: str | None = None  # why the last request could not run (a lost worker not replaced)
         self.stopping = False
         self.served = 0
-        self.runner = None
-        if max_batch > 1:  # refused here, not in the engine thread, when the engine cannot batch
-            from .batching import BatchRunner
+        from .batching import BatchRunner
 
-            self.runner = BatchRunner(gateway.engine, max_batch)
+        self.runner = BatchRunner(gateway.engine, max_batch)  # refused here, not in the engine thread
         self._logged_epochs: set[int] = set()
-        loop = self._loop if max_batch == 1 else self._batch_loop
-        self._thread = threading.Thread(target=loop, name="fusion-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="fusion-engine", daemon=True)
         self._thread.start()
 
     def submit(self, req: Request, on_event: Callable[[JobEvent], None]) -> Job:
@@ -81,41 +78,11 @@ class Scheduler:
             self._q.put(job)
         return job
 
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            with self._lock:
-                self.waiting -= 1
-                self.running = True
-            try:
-                if self.stopping:
-                    self._send(job, ("error", unavailable("the server is shutting down")))
-                elif job.work is not None:  # an engine call (membership), between requests
-                    self._call(job)
-                elif not job.cancelled.is_set():  # a caller that hung up while waiting is skipped
-                    self._run(job)
-            finally:
-                with self._lock:
-                    self.running = False
-
     def _send(self, job: Job, event: JobEvent) -> None:
         try:
             job.on_event(event)
         except Exception:  # the caller's side is gone (e.g. its event loop closed): stop generating for it
             job.cancelled.set()
-
-    def _run(self, job: Job) -> None:
-        job.t_started = time.perf_counter()
-        try:
-            out = self.gateway.run(
-                job.req, lambda text: self._send(job, ("delta", text)), lambda: job.cancelled.is_set() or self.stopping
-            )
-        except Exception as e:
-            self._send(job, ("error", self._failure(e)))
-            return
-        self._done(job, out)
 
     def _failure(self, e: Exception) -> ApiError:
         """The answer for a request that failed with `e` (logged; a lost worker also marks the engine degraded)."""
@@ -153,9 +120,9 @@ class Scheduler:
         self.served += 1
         self._send(job, ("done", out))
 
-    # ---- continuous batching (--max-batch > 1) ----
+    # ---- the loop: continuous batching (a single request is a batch of one) ----
 
-    def _batch_loop(self) -> None:
+    def _loop(self) -> None:
         """Requests join the running batch between steps while it has room (their prefill joins the
         next step), leave it when they finish; a membership call waits for the batch to drain (it
         may replay or change the epoch), and requests behind it wait for it (FIFO)."""
@@ -264,8 +231,8 @@ class Scheduler:
 
     @property
     def running_requests(self) -> int:
-        """Requests on the engine now (a batch's sessions, or the one running request)."""
-        return len(self.batch) if self.max_batch > 1 else int(self.running)
+        """Requests on the engine now (the batch's sessions)."""
+        return len(self.batch)
 
     def health(self) -> tuple[str, str | None]:
         """("ok" | "degraded", why): degraded when the last request could not run, or when the

@@ -216,9 +216,9 @@ def run(o: WorkerOptions) -> None:
 
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
-    """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD,
-    FORWARD_BATCH (several sessions, each in its KV slot), RELEASE (zero one slot), RESET, WIPE,
-    SHUTDOWN (protocol.Op).
+    """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD
+    (one or several sessions, each in its KV slot), RELEASE (zero one slot), RESET, WIPE, SHUTDOWN
+    (protocol.Op).
 
     audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
     per step; the worker's options name the negative control (`--inject-leak`, audit/inject.py) and
@@ -249,15 +249,15 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
-        if op in (Op.FORWARD, Op.FORWARD_BATCH):
-            if op == Op.FORWARD:  # one session, in slot 0
-                spans, batch = [Span(0, pos, t)], None
-            else:  # several sessions' tokens in one step (continuous batching): [op, n, ΣT, 0], then spans
-                words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
-                spans = [Span(*w) for w in words]
-                if sum(s.t for s in spans) != pos or any(s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans):
-                    raise RuntimeError(f"malformed batch: {spans} for {pos} tokens")
-                t, pos, batch = pos, spans[0].pos, words  # T = ΣT; the record's pos: the first span's
+        if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, 0]
+            words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
+            spans = [Span(*w) for w in words]
+            if sum(s.t for s in spans) != pos or any(s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans):
+                raise RuntimeError(f"malformed step: {spans} for {pos} tokens")
+            t, pos = pos, spans[0].pos  # T = ΣT; the record's pos: the first span's
+            # the record names the spans when the KV holds several sessions; one slot holds one session,
+            # slot 0, from a RESET to the next (audit/verify/sessions.py)
+            batch = words if model.n_slots > 1 else None
             if audit is not None:
                 audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")

@@ -189,3 +189,28 @@ def test_masked_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
         assert len({tuple(t) for t in alone}) > 1
         assert eng.kv_abs_max() == 0.0 and eng.slot_history == {}
 
+
+
+def test_one_session_path_every_column_per_span_and_step_hooks(tiny_llama):
+    """A single session is slot 0 of the batch path: every column's logits is a per-span option of a
+    mixed step (the others get their last token's), and generate() is the batching loop with one
+    sequence, whose hooks see every step's spans and the slot's release."""
+    from fusion_compute.batching import StepHooks
+
+    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=64)) as eng:
+        alone = logits_alone(eng, PROMPTS[:2])
+        eng.batch_slots = 2
+        eng.reset()
+        full, last = eng.forward_batch([(1, PROMPTS[0] + [11, 12]), (0, PROMPTS[1] + [11, 12])], all_logits={1})
+        assert full.shape == alone[0].shape and last.shape == alone[1][-1].shape
+        assert close(full, alone[0]) and close(last, alone[1][-1])
+        eng.reset()
+        assert torch.equal(eng.forward(PROMPTS[1] + [11, 12], all_logits=True), alone[1])  # slot 0, every column
+        assert eng.history == PROMPTS[1] + [11, 12] == eng.slot_history[0]
+        seen: list = []
+        res = generate(eng, PROMPTS[0], max_new_tokens=4, sampling=GREEDY,
+                       hooks=StepHooks(seen.append, lambda: seen.append("end"), lambda s: seen.append(("rel", s))))  # fmt: skip
+        n = len(PROMPTS[0])
+        assert seen == [[(0, 0, n)], "end"] + [x for i in range(3) for x in ([(0, n + i, 1)], "end")] + [("rel", 0)]
+        assert res.steps == 4 and len(res.token_ids) == 4
+        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]  # released at the end: zeroed

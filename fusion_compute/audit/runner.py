@@ -2,8 +2,9 @@
 
 Each cold start is fresh processes: a client (this process, rank 0) and N spawned workers (plus
 standbys), each recording its own hash-chained log of every plan epoch into OUT/coldK/epoch{E}/.
-One session: a prefill of the prompt, then `steps` decode steps with greedy sampling and forced
-continuation (EOS does not stop it, so every decode step really runs). With `revoke_at` the runner
+One session, through `generate()` (StepHooks record each step): a prefill of the prompt, then
+`steps` decode steps with greedy sampling and forced continuation (EOS does not stop it, so every
+decode step really runs), its slot released at the end. With `revoke_at` the runner
 revokes a worker before that decode step, as a user would (`engine.revoke`): the session moves to
 epoch 1 (a standby in its seat), whose first step is the replay of the session's tokens, recorded
 like any step. Around each epoch's steps, and at the revocation, the runner samples the kernel's
@@ -268,44 +269,43 @@ def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], 
     Session i's prompt is the first len(prompt) - i tokens, so the sessions differ. Every step and
     release is recorded with its spans. Returns each session's tokens, the first step's time and the
     time of the rest."""
-    import torch
+    from ..batching import BatchRunner, Sequence, StepHooks
+    from ..sampling_params import SamplingParams
 
     prompts = [prompt[: max(1, len(prompt) - i)] for i in range(cfg.sessions)]
-    out: list[list[int]] = [[] for _ in prompts]
-    engine.batch_slots = cfg.batch
-    engine.reset()
-    rec.new_session()
-    active: dict[int, tuple[int, int]] = {}  # slot -> (session, position reached)
-    waiting = list(range(cfg.sessions))
-    step, ttft, t0 = 0, 0.0, time.perf_counter()
-    while waiting or active:
-        free = sorted(set(range(cfg.batch)) - set(active))
-        if waiting and free and (waiting[0] <= step or not active):
-            active[free[0]] = (waiting.pop(0), 0)
-        items = [(slot, prompts[i] if not out[i] else [out[i][-1]]) for slot, (i, _) in active.items()]
-        spans = [[slot, active[slot][1], len(ids)] for slot, ids in items]
-        rec.begin_step(sum(n for _, _, n in spans), spans[0][1], spans)
-        logits = engine.forward_batch(items)
+    at = {"steps": 0, "ttft": 0.0, "t0": time.perf_counter()}
+
+    def before(spans: list[tuple[int, int, int]]) -> None:
+        if at["steps"] == 0:  # the session record follows the RESET of the first admission
+            rec.new_session()
+        rec.begin_step(sum(n for _, _, n in spans), spans[0][1], [list(sp) for sp in spans])
+
+    def after() -> None:
         rec.end_step()
         _no_recovery(engine, epochs)
-        if step == 0:
-            ttft, t0 = time.perf_counter() - t0, time.perf_counter()
-        for (slot, ids), lg in zip(items, logits, strict=True):
-            i, pos = active[slot]
-            out[i].append(int(torch.argmax(lg)))
-            active[slot] = (i, pos + len(ids))
-            if len(out[i]) == cfg.steps + 1:
-                del active[slot]
-                engine.release(slot)
-                rec.release(slot)
-        step += 1
-    return out, ttft, time.perf_counter() - t0
+        if at["steps"] == 0:
+            at["ttft"], at["t0"] = time.perf_counter() - at["t0"], time.perf_counter()
+        at["steps"] += 1
+
+    # the loop of `fusion serve --max-batch` and generate(), session i admitted at step i (or when
+    # none runs); forced continuation: no stop ids, every session runs cfg.steps decode steps
+    runner = BatchRunner(engine, cfg.batch, StepHooks(before, after, rec.release))
+    seqs = [Sequence(p, cfg.steps + 1, SamplingParams()) for p in prompts]
+    waiting = list(range(cfg.sessions))
+    while waiting or runner.active:
+        if waiting and runner.room and (waiting[0] <= at["steps"] or not runner.active):
+            runner.add(seqs[waiting.pop(0)])
+        runner.step()
+    return [s.out for s in seqs], at["ttft"], time.perf_counter() - at["t0"]
 
 
 def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> dict:
     import torch
 
+    from ..batching import StepHooks
     from ..client import Engine, EngineOptions
+    from ..generate import generate
+    from ..sampling_params import SamplingParams
 
     d = cfg.out / f"cold{index}"
     if d.exists():
@@ -348,18 +348,28 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             tokens = [t for out in sessions for t in out]
             decode_tokens = len(tokens) - 1  # every token after the first step's
         else:
-            engine.reset()
-            ep.rec.new_session()
-            t1 = time.perf_counter()
-            ep.rec.begin_step(len(prompt), engine.pos)
-            logits = engine.forward(prompt)
-            ep.rec.end_step()
-            ttft = time.perf_counter() - t1
-            tokens.append(int(torch.argmax(logits)))
-            _no_recovery(engine, epochs)
-            t2 = time.perf_counter()
-            for i in range(cfg.steps):  # forced continuation: EOS does not stop an audit run
-                if i == cfg.revoke_at:
+            at = {"t1": 0.0, "t2": 0.0, "steps": 0}
+
+            def before(spans: list[tuple[int, int, int]]) -> None:
+                ((_, pos, t),) = spans
+                if at["steps"] == 0:  # the session's record follows the RESET the loop sent
+                    ep.rec.new_session()
+                    at["t1"] = time.perf_counter()
+                ep.rec.begin_step(t, pos)
+
+            def after() -> None:
+                ep.rec.end_step()
+                at["steps"] += 1
+
+            def on_token(tok: int) -> None:
+                nonlocal ep, ttft, replay_s, replay_ok
+                tokens.append(tok)
+                if len(tokens) == 1:
+                    ttft = time.perf_counter() - at["t1"]
+                _no_recovery(engine, epochs)
+                if len(tokens) == 1:
+                    at["t2"] = time.perf_counter()
+                if len(tokens) - 1 == cfg.revoke_at and len(tokens) <= cfg.steps:  # before decode step revoke_at
                     t3 = time.perf_counter()
                     ep.after = sockets.take()
                     if ep.after is None:
@@ -369,17 +379,17 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                     history = list(engine.history)
                     engine.reset()
                     ep.rec.new_session()
-                    ep.rec.begin_step(len(history), engine.pos)  # the replay: the new epoch's first step
+                    ep.rec.begin_step(len(history), 0)  # the replay: the new epoch's first step
                     logits = engine.forward(history)
                     ep.rec.end_step()
                     replay_ok = int(torch.argmax(logits)) == tokens[-1]  # exact: the same next token
                     replay_s = time.perf_counter() - t3
-                ep.rec.begin_step(1, engine.pos)
-                logits = engine.forward([tokens[-1]])
-                ep.rec.end_step()
-                tokens.append(int(torch.argmax(logits)))
-                _no_recovery(engine, epochs)
-            decode_s = time.perf_counter() - t2 - replay_s
+
+            # forced continuation (no stop ids): EOS does not stop an audit run
+            ttft = 0.0
+            generate(engine, prompt, max_new_tokens=cfg.steps + 1, sampling=SamplingParams(), on_token=on_token,
+                     hooks=StepHooks(before, after, lambda slot: ep.rec.release(slot)))  # fmt: skip
+            decode_s = time.perf_counter() - at["t2"] - replay_s
         ep.after = sockets.take()
     finally:
         engine.close()

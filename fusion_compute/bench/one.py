@@ -93,6 +93,8 @@ def measure_rtt(a: argparse.Namespace) -> dict:
 def measure_engine(model: str, a: argparse.Namespace) -> dict:
     from ..audit import netcount
     from ..client import Engine, EngineOptions
+    from ..generate import generate
+    from ..sampling_params import SamplingParams
 
     # The client embeds and runs the LM head while the workers wait, and waits while they compute:
     # the two never overlap, so it gets the whole budget, as `fusion generate` gives it by default.
@@ -110,27 +112,32 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
             t = time.perf_counter()
             eng.forward(ids)
             out[f"prefill_{n}_s"] = time.perf_counter() - t
-        eng.reset()
         ids = _prompt(a.decode_prompt, vocab, 7)
         before = eng.stats()
-        t0 = time.perf_counter()
-        tok = int(eng.forward(ids).argmax())
-        out["ttft_s"] = time.perf_counter() - t0
-        mid = eng.stats()
         pids = eng.procs.pids if eng.procs is not None else []
         sockets = netcount.available() and pids
-        if sockets:
-            netcount.settle(0.1)
-            s0 = netcount.sample(pids, eng.watch.endpoints())
-        t = time.perf_counter()
-        for _ in range(a.decode_tokens):
-            tok = int(eng.forward([tok]).argmax())
-        out["decode_s"] = time.perf_counter() - t
-        if sockets:  # kernel-counted bytes each worker put on its sockets per decode token (all peers)
-            netcount.settle(0.1)
-            moved = netcount.delta(s0, netcount.sample(pids, eng.watch.endpoints()))
-            out["wire_bytes_per_token"] = max(m["sent"] for m in moved.values()) / a.decode_tokens
-        after = eng.stats()
+        at: dict = {}
+
+        def on_token(_tok: int) -> None:  # the measurements' boundaries: the first token, the last one
+            at["n"] = at.get("n", 0) + 1
+            if at["n"] == 1:
+                out["ttft_s"] = time.perf_counter() - t0
+                at["mid"] = eng.stats()
+                if sockets:
+                    netcount.settle(0.1)
+                    at["s0"] = netcount.sample(pids, eng.watch.endpoints())
+                at["t"] = time.perf_counter()
+            elif at["n"] == a.decode_tokens + 1:
+                out["decode_s"] = time.perf_counter() - at["t"]
+                if sockets:  # kernel-counted bytes each worker put on its sockets per decode token (all peers)
+                    netcount.settle(0.1)
+                    moved = netcount.delta(at["s0"], netcount.sample(pids, eng.watch.endpoints()))
+                    out["wire_bytes_per_token"] = max(m["sent"] for m in moved.values()) / a.decode_tokens
+                at["after"] = eng.stats()  # before the session's release: its counters are the decode's
+
+        t0 = time.perf_counter()
+        generate(eng, ids, max_new_tokens=a.decode_tokens + 1, sampling=SamplingParams(), on_token=on_token)
+        mid, after = at["mid"], at["after"]
         if a.workers > 1:  # the reduce-scatter verb alone: 300 fp32 rows per peer, as in the issue's figures
             out["collective_us"] = max(w["median_us"] for w in eng.bench_collective(300, 2000))
         # Per decode token, per worker: collectives among workers and bytes each worker sent to

@@ -52,7 +52,7 @@ def _proc_cpu_s(pids: list[int]) -> float:
 
 def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, verify: bool = True) -> dict:
     from ..client import Engine, EngineOptions
-    from ..sampling import Sampler
+    from ..generate import generate
     from ..sampling_params import SamplingParams
     from .client import MaskedEngine, MaskedOptions
 
@@ -66,22 +66,27 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, veri
     load_s = time.perf_counter() - t_load
     with eng:
         check = getattr(eng, "verifier", None)
-        sampler = Sampler(SamplingParams())
-        eng.reset()
-        logits = eng.forward(ids)
-        out = [sampler(logits)]
         pids = eng.procs.pids if eng.procs is not None else []
-        s0, r0, w0 = rec.sent, rec.received, _proc_cpu_s(pids)
-        c0, t0 = time.process_time(), time.perf_counter()
-        k0 = check.check_s if check is not None else 0.0
-        while len(out) < tokens:  # past an end-of-turn token too: a fixed number of decode steps
-            out.append(sampler(eng.forward([out[-1]])))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        at: dict = {}
+
+        def on_token(_tok: int) -> None:  # the measurements' boundaries: after the first token, at the last
+            at["n"] = at.get("n", 0) + 1
+            if at["n"] == 1:
+                at["start"] = rec.sent, rec.received, _proc_cpu_s(pids), time.process_time(), time.perf_counter(), (
+                    check.check_s if check is not None else 0.0)  # fmt: skip
+            if at["n"] == tokens:
+                s0, r0, w0, c0, t0, k0 = at["start"]
+                at["end"] = (time.perf_counter() - t0, time.process_time() - c0, rec.sent - s0, rec.received - r0,
+                             _proc_cpu_s(pids) - w0, check.check_s - k0 if check is not None else 0.0)  # fmt: skip
+
+        # past an end-of-turn token too: a fixed number of decode steps
+        res = generate(eng, ids, max_new_tokens=tokens, sampling=SamplingParams(), on_token=on_token)
+        out = res.token_ids
+        wall, cpu, sent, received, workers_cpu, check_s = at["end"]
         steps = len(out) - 1
-        workers_cpu = _proc_cpu_s(pids) - w0
         verified = {
             "verify": check is not None,
-            "check_ms_per_token": 1000 * (check.check_s - k0) / steps if check is not None else 0.0,
+            "check_ms_per_token": 1000 * check_s / steps if check is not None else 0.0,
             "precompute_s": check.precompute_s if check is not None else None,
             "load_s": load_s,  # engine start-up: workers spawned, joined, weights loaded (precompute overlaps)
         }
@@ -91,8 +96,8 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, veri
         **verified,
         "decode_tokens": steps,
         "decode_tokens_per_s": steps / wall,
-        "client_to_workers_bytes_per_token": (rec.sent - s0) / steps,
-        "workers_to_client_bytes_per_token": (rec.received - r0) / steps,
+        "client_to_workers_bytes_per_token": sent / steps,
+        "workers_to_client_bytes_per_token": received / steps,
         "client_cpu_ms_per_token": 1000 * cpu / steps,
         "workers_cpu_ms_per_token": 1000 * workers_cpu / steps,
         "token_ids": out,

@@ -19,10 +19,10 @@ W_fx r_g from each mask group g's stream for this layer, subtracts in the ring, 
 (ring.py). Each r_g comes from group g's session stream (masks.py), label (step, layer, op), never
 reused, never sent: A reads nothing unless it holds a member of every mask group.
 
-`MaskedEngine` has the structural `Engine`'s interface (config, context, reset, forward, ping,
-close), so `generate()` and the CLI drive it unchanged; and its batch interface (forward_batch,
-release), so `fusion serve --max-batch` runs several sessions in one masked step. A batch is the
-workers' business only as a wider T: every session's new tokens are columns of the same masked
+`MaskedEngine` has the structural `Engine`'s interface (config, context, reset, forward_batch,
+release, ping, close), so `generate()`, the CLI and `fusion serve --max-batch` drive it unchanged: one
+session is a step of one span (slot 0), several run in one masked step. A batch is the workers'
+business only as a wider T: every session's new tokens are columns of the same masked
 products (one round per linear for all of them), while the positions, the causal masks and the KV
 caches, one per session's slot, stay on the client, which does the attention of each session apart.
 """
@@ -74,7 +74,6 @@ class MaskedEngine(EngineBase):
 
     mode = "masked"
     opts: MaskedOptions
-    supports_batch = True
 
     def group_names(self) -> tuple[str, ...]:
         """A, then the job's mask groups (B, or B1..Bk)."""
@@ -131,11 +130,11 @@ class MaskedEngine(EngineBase):
         # The check's secret vectors, computed from the client's own copy of the weights while the
         # workers load theirs.
         self.verifier = ProductCheck(self.plan, self.src) if self.opts.verify else None
-        self.session, self.step, self.pos = -1, 0, 0
+        self.session, self.step = -1, 0
         self.streams: list | None = None  # one mask stream per mask group
         self._pending: list = []  # sends whose delivery is still to be waited for
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # KV slot -> the client's cache (0: one session)
-        self.slot_pos: dict[int, int] = {}  # a batch's slots: the position of each one's next token
+        self.slot_pos: dict[int, int] = {}  # each open slot's position of its next token
         self.costs: list[dict] = []  # per forward: tokens, wall_s, client_cpu_s, bytes by direction
         return self.tally
 
@@ -218,7 +217,7 @@ class MaskedEngine(EngineBase):
         self._drain()
         self._wipe()
         self.session += 1
-        self.step = self.pos = 0
+        self.step = 0
         self.slot_pos = {}
         keys = [new_key() for _ in self.plan.mask_groups]
         self.streams = [make_stream(MASK_KINDS[self.opts.masks], key, guard=True) for key in keys]
@@ -248,31 +247,26 @@ class MaskedEngine(EngineBase):
 
     # ---- one forward ----
 
-    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run tokens `ids` at the session's position; logits (V,) of the last token, or (T, V)."""
-        t = len(ids)
-        if self.streams is None:
-            self._reset()
-        if self.pos + t > self.context:
-            raise ValueError(f"{self.pos + t} tokens exceed the context window of {self.context}")
-        rows = None if all_logits else torch.tensor([t - 1])
-        logits = self._one_thread(lambda: self._masked_step(ids, [(0, self.pos, t)], rows))
-        self.pos += t
-        return logits if all_logits else logits[0]
-
-    def _forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """One masked step over several sessions: their tokens are consecutive columns of every
-        masked product; each one's attention runs over its own slot's cache at its own position."""
+    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """One masked step over one or several sessions: their tokens are consecutive columns of every
+        masked product; each one's attention runs over its own slot's cache at its own position.
+        Each session's last-token logits (V,), or (T, V) for a slot in `full`."""
         if self.streams is None:
             if self.slot_pos:  # a rejected product ended the mask session: the caches no longer match it
                 raise RuntimeError("the masked session ended mid-batch (a rejected product): "
                                    "its sessions must start again")  # fmt: skip
             self._reset()
         spans = self._batch_spans(items)
-        ends = torch.tensor([t for _, _, t in spans]).cumsum(0) - 1  # each session's last token
-        logits = self._one_thread(lambda: self._masked_step([i for _, ids in items for i in ids], spans, ends))
+        ends = torch.tensor([t for _, _, t in spans]).cumsum(0).tolist()
+        cols = [list(range(e - t, e)) if slot in full else [e - 1] for (slot, _, t), e in zip(spans, ends, strict=True)]
+        rows = torch.tensor([c for cs in cols for c in cs])
+        logits = self._one_thread(lambda: self._masked_step([i for _, ids in items for i in ids], spans, rows))
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
-        return list(logits)
+        out, at = [], 0
+        for (slot, _, _), cs in zip(spans, cols, strict=True):
+            out.append(logits[at : at + len(cs)] if slot in full else logits[at])
+            at += len(cs)
+        return out
 
     @staticmethod
     def _one_thread(step: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -286,9 +280,9 @@ class MaskedEngine(EngineBase):
             torch.set_num_threads(threads)
 
     def _masked_step(self, ids: list[int], spans: list[tuple[int, int, int]],
-                     rows: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                     rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Every layer over the tokens `ids` of the sessions `spans` ((slot, position, T), in the
-        order of `ids`); the logits (R, V) of the tokens at `rows` (None: every token)."""
+        order of `ids`); the logits (R, V) of the tokens at `rows`."""
         t = len(ids)
         wall0, cpu0, bytes0 = time.perf_counter(), time.process_time(), dict(self.tally.bytes)
         plan, c = self.plan, self.config
@@ -321,8 +315,7 @@ class MaskedEngine(EngineBase):
         if self.audit is not None:
             self.audit.end_step()
         self.step += 1
-        if rows is not None:
-            x_TH = x_TH[rows]
+        x_TH = x_TH[rows]
         logits = rms_norm(x_TH, self.final_norm, c.rms_eps) @ self.lm_head.T  # (R, V)
         self.costs.append({
             "tokens": t, "wall_s": time.perf_counter() - wall0, "client_cpu_s": time.process_time() - cpu0,

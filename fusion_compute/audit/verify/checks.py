@@ -154,9 +154,10 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
 
 
 def check_spans_message(record: dict, spans: list | None, where: dict, res: Result, violate) -> None:
-    """A batched step's spans arrive as one control message of 3 int64 per session, before the step."""
+    """A step's spans arrive as one control message of 3 int64 per session, before the step (a
+    record without spans: one session, slot 0)."""
     got = [sum(e.received) for e in map(read_event, record.get("control") or []) if e.op == S.SPANS_OP]
-    want = [S.SPANS_WORDS * len(spans)] if spans else []
+    want = [S.SPANS_WORDS * (len(spans) if spans else 1)]
     res.checks["accounting"] += 1
     if got != want:
         violate(Violation("accounting", f"spans control messages of {got} words, expected {want}", **where))

@@ -221,10 +221,10 @@ _OP, _RECEIVED = S.LogEvent._fields.index("op"), S.LogEvent._fields.index("recei
 
 def control_received(record: dict) -> list[int]:
     """Payload bytes of each control message a rank received since the previous record (they travel
-    outside any step): a control word, or a batched step's spans, 3 int64 per session of the step
-    (predicted from the step's own spans, not from the event)."""
+    outside any step): a control word, or a step's spans, 3 int64 per session of the step (predicted
+    from the step's own spans, not from the event; a record without spans: one session, slot 0)."""
     spans = record.get("spans")
-    spans = S.SPANS_WORDS * 8 * (len(spans) if isinstance(spans, list) else 0)
+    spans = S.SPANS_WORDS * 8 * (len(spans) if isinstance(spans, list) else 1)
     return [
         spans if e[_OP] == S.SPANS_OP else S.CONTROL_BYTES
         for e in record.get("control") or []
