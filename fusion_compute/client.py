@@ -97,7 +97,8 @@ class Engine(EngineBase):
             self._control(Op.RELEASE, slot)
 
     def _wipe(self) -> None:
-        self._control(Op.WIPE)
+        if self.comm is not None:  # else no epoch (a failed epoch change): the next one's reset zeroes them
+            self._control(Op.WIPE)
 
     def shutdown(self) -> None:
         self._control(Op.SHUTDOWN)

@@ -8,6 +8,10 @@
   hello-fingerprint@1      the worker answers the plan handshake yes, stating another plan fingerprint
                            than the one it computed (STEP must be 1: there is one handshake per epoch).
 
+  never-join@N      from the N-th word to join a later epoch on, the worker ignores the word (it logs
+                    it and waits for the next one) while its pulse keeps beating: a listed worker
+                    that holds an epoch change hostage until the client's join deadline.
+
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
   lie-one@STEP      one element of the step's last linear is off by one (the smallest lie there is)
@@ -23,12 +27,14 @@ set down in a namespace): tests/test_faults.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .comm import CommError
 from .errors import UsageError
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", *LIES)
+KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *LIES)
 
 
 @dataclass(frozen=True)
@@ -46,3 +52,20 @@ def parse_fault(spec: str) -> Fault:
     if kind not in KINDS or not sep or not step.isdigit() or int(step) < 1:
         raise UsageError(f"--inject-fault {spec!r}: expected KIND@STEP (STEP >= 1), KIND one of {', '.join(KINDS)}")
     return Fault(kind, int(step))
+
+
+def rejoin(fault: Fault | None, join: Callable) -> Callable:
+    """The worker's join for later epochs: `join` itself, or (never-join) one that refuses from the
+    fault's N-th call on, the way a join the client abandoned fails (worker.run then waits for the
+    next word): the honest loop is not branched, the faulty join is composed in at start-up."""
+    if fault is None or fault.kind != "never-join":
+        return join
+    calls = [0]
+
+    def never(cred, epoch, deadline, log):
+        calls[0] += 1
+        if calls[0] < fault.step:
+            return join(cred, epoch, deadline, log)
+        raise CommError(f"fault never-join: ignoring the word to join epoch {epoch}")
+
+    return never

@@ -27,6 +27,10 @@ from .comm import Comm, CommError, Identity, Member, PeerError, PublicId
 from .errors import UsageError, WorkerMisbehaved
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 class TooFewWorkers(CommError):
     """A new epoch would have fewer workers than --min-workers: refused, never traded for availability."""
 
@@ -49,6 +53,10 @@ class Membership:
     """Epoch changes of a job (see the module docstring for the state it relies on)."""
 
     def _with_recovery(self, step: Callable[[], Any], replay: Callable[[], Any] | None = None) -> Any:
+        if self.comm is None:  # the last epoch change failed: open one over who is left before any work
+            self._reopen()
+            if replay is not None:
+                return self._with_recovery(replay)
         if self.convicted & set(self.order):
             self._replace_convicted()  # a liar that could not be replaced before: no work until it is
         if self.watch.failure() is not None and set(self.watch.failed()) & set(self.order):
@@ -86,10 +94,7 @@ class Membership:
         for pid in gone:
             self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
         order = self._next_order(gone, why="removing the worker that lied leaves")
-        self.epoch += 1
-        self.plan = self.plan_for(order)
-        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
-        self.order = order
+        self._switch_epoch(order)
         self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
                                 "reason": "returned a wrong product (caught by the check)",
                                 "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
@@ -129,10 +134,7 @@ class Membership:
             raise TooFewWorkers(f"{lost}; {e}") from err
         self.opts.log(f"{lost}; epoch {self.epoch + 1} over {order}")
         self._retire(failed)
-        self.epoch += 1
-        self.plan = self.plan_for(order)
-        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
-        self.order = order
+        self._switch_epoch(order)
         self.recoveries.append({"epoch": self.epoch, "lost": sorted(failed), "order": order, "reason": reason,
                                 "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
                                 "replayed_tokens": len(self.history)})  # fmt: skip
@@ -145,7 +147,7 @@ class Membership:
         failed, watched = self.watch.failed(), set(self.watch.ranks)
         out = []
         for pid, seat in sorted(self.seats.items()):
-            rank = self.order.index(pid) + 1 if pid in self.order else None
+            rank = self.order.index(pid) + 1 if pid in self.order and pid not in self.removed else None
             if pid in self.removed:
                 state = "removed"
             elif pid in failed:
@@ -188,10 +190,7 @@ class Membership:
             order = self._next_order({pid}, why="revoking it would leave")
         t0, noticed = time.perf_counter(), time.time()
         self._retire(set() if keep else {pid})
-        self.epoch += 1
-        self.plan = self.plan_for(order)
-        self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
-        self.order = order
+        self._switch_epoch(order)
         record = {"epoch": self.epoch, "lost": [pid], "revoked": [pid], "order": order,
                   "reason": f"worker {pid} revoked by the user", "noticed_unix": round(noticed, 3),
                   "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": 0}  # fmt: skip
@@ -261,8 +260,9 @@ class Membership:
         return "; ".join(why) or str(err)
 
     def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
+        failed = set(failed) | {p for p in self.order if p in self.removed}  # a failed epoch change's leftovers
         alive_spares = [p for p, s in self.seats.items() if s.standby and p not in self.order and p in self.watch.ranks
-                        and p not in self.watch.failed()]  # fmt: skip
+                        and p not in self.watch.failed() and p not in self.removed]  # fmt: skip
         order = []
         for p in self.order:
             if p not in failed:
@@ -299,6 +299,61 @@ class Membership:
         if self.comm is not None:
             self.comm.close(grace_s=0)
             self.comm = None
+
+    def _switch_epoch(self, order: list[int]) -> None:
+        """Open the next epoch over `order` (the previous one already retired): membership, order,
+        plan, comm and the watch's scope move forward together, or the engine is left with no open
+        epoch (`comm` None) that the next request, revocation or addition opens anew.
+
+        On failure the epoch number stays spent (an epoch is never reused: a late JOIN for it is
+        answered as a standby's), the epoch's links are closed, every worker that joined is told to
+        abort (it waits for the next word; worker.run), and a worker that was told to join but never
+        did while still beating is removed from the job: it cannot hold every later epoch hostage.
+        `order` becomes the attempted epoch's, so the next one keeps each seat's place (masked
+        groups) and fills the vacated ones with standbys (`_next_order` skips removed workers)."""
+        self.epoch += 1
+        try:
+            self.plan = self.plan_for(order)
+            self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+        except BaseException as e:
+            self._abandon(order, e)
+            raise
+        self.order = order
+
+    def _abandon(self, order: list[int], err: BaseException) -> None:
+        """The epoch being opened over `order` failed (`err`): leave no half-open epoch behind."""
+        if self.comm is not None:
+            self.comm.close(grace_s=0)
+            self.comm = None
+        stuck = {p for p in getattr(err, "missing", ()) if p in order}
+        self.order = order
+        for p in order:
+            if p not in stuck:
+                self.watch.tell(p, {"abort": self.epoch})
+        if stuck:
+            self._retire(stuck, epoch_over=False)
+        why = (f"; removed worker{'s' if len(stuck) > 1 else ''} {', '.join(map(str, sorted(stuck)))} from the job"
+               if stuck else "")  # fmt: skip
+        self.opts.log(f"epoch {self.epoch} over {order} did not open ({_first_line(err)}){why}; "
+                      "the next request opens a new epoch")  # fmt: skip
+        if isinstance(err, CommError) and not isinstance(err, TooFewWorkers):
+            err.args = (f"epoch {self.epoch} over {order} did not open: {_first_line(err)}{why}",)
+
+    def _reopen(self) -> None:
+        """No epoch is open (the last change failed): open one over the workers still alive, each
+        departed seat taken by a standby where there is one (one added since, too)."""
+        failed = self.watch.failed()
+        gone = {p for p in self.order if p in self.removed or p in failed or p in self.convicted}
+        t0, noticed = time.perf_counter(), time.time()
+        for p in sorted(gone):
+            self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
+        order = self._next_order(gone, why="reopening the job would leave")
+        self._retire(gone - self.removed, epoch_over=False)
+        self.opts.log(f"no open epoch: epoch {self.epoch + 1} over {order}")
+        self._switch_epoch(order)
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
+                                "reason": "the previous epoch change failed", "noticed_unix": round(noticed, 3),
+                                "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": len(self.history)})  # fmt: skip
 
     def _open_epoch(self, order: list[int], deadline: float) -> list[dict]:
         """Admit, link and greet the epoch's workers; returns their HELLO info."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm, CommError, Credentials, Identity, PublicId, Pulse, join_epoch, open_pulse
-from .faults import parse_fault
+from .faults import parse_fault, rejoin
 from .ops import Span
 from .plan import Plan, make_plan
 from .progress import CountingSource, WorkerReporter, worker_elements
@@ -64,7 +64,9 @@ class Worker:
         self.links: dict = {}
         self.words: queue.Queue[dict] = queue.Queue()
         self._links_lock = threading.Lock()
-        self.fault = parse_fault(o.inject_fault) if o.inject_fault else None
+        fault = parse_fault(o.inject_fault) if o.inject_fault else None
+        self.join_fault = fault if fault is not None and fault.kind == "never-join" else None  # faults.rejoin
+        self.fault = fault if self.join_fault is None else None  # a step's fault (serve)
         self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
         self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
@@ -191,11 +193,12 @@ def run(o: WorkerOptions) -> None:
     cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
     welcome, links = join_epoch(cred, None, time.monotonic() + o.join_timeout_s, o.log)
     me = Worker(o, src, report)
+    join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
     pulse = Pulse(open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s), me.on_word,
                   me.on_client_gone)  # fmt: skip
     try:
         while True:
-            if not welcome.get("standby"):
+            if welcome is not None and not welcome.get("standby"):
                 try:
                     if me.serve_epoch(welcome, links):
                         return
@@ -209,7 +212,11 @@ def run(o: WorkerOptions) -> None:
                 word = me.words.get()
             if "join" not in word:  # stop, or revoke: the job is over for this worker
                 return
-            welcome, links = join_epoch(cred, int(word["join"]), time.monotonic() + o.join_timeout_s, o.log)
+            try:
+                welcome, links = join(cred, int(word["join"]), time.monotonic() + o.join_timeout_s, o.log)
+            except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
+                o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
+                welcome, links = None, {}
     finally:
         me.wipe()
         pulse.close()

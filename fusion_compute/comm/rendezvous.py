@@ -382,10 +382,12 @@ class Admission:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [self.roster[p].label() for p in pids if p not in got]
-                    raise CommError(
+                    err = CommError(
                         f"rendezvous at {self.address}: {len(missing)} of {len(pids)} workers did not join in time: "
                         f"{'; '.join(missing)}" + (f" (refused: {n})" if (n := self.refusals.total()) else "")
                     )
+                    err.missing = [p for p in pids if p not in got]  # who the engine's next epoch leaves out
+                    raise err
                 try:
                     j = self._arrived.get(timeout=min(left, 0.25))
                 except queue.Empty:
