@@ -77,7 +77,12 @@ def load_key(path: str | None) -> Identity | None:
     if path is None:
         return None
     if path == "-":
-        return Identity.from_pem(sys.stdin.buffer.read(), "key on stdin")
+        from .comm.identity import MAX_KEY_FILE, IdentityError
+
+        data = sys.stdin.buffer.read(MAX_KEY_FILE + 1)  # bounded: stdin may be /dev/zero
+        if len(data) > MAX_KEY_FILE:
+            raise IdentityError(f"key on stdin: more than the {MAX_KEY_FILE} bytes a key file can be: refused")
+        return Identity.from_pem(data, "key on stdin")
     return Identity.load(path)
 
 

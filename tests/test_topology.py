@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import fusion, reap, run
+from procs import FUSION, fusion, reap, run
 from test_serve import build_chat_model
 
 from fusion_compute.comm import Identity, free_port
@@ -311,6 +311,11 @@ def test_hostile_input_files_refused_in_one_line(tmp_path, capsys):
         assert needle in err and len(err.splitlines()) == 1, (args, err)
         assert time.monotonic() - t0 < 10, args
     assert Topology.load(good).n_workers == 2  # the bound leaves an ordinary file alone
+    with open("/dev/zero", "rb") as zero:  # --key - (how a local client hands a worker its key) is bounded too
+        r = subprocess.run([*FUSION, "worker", "--topology", str(good), "--key", "-"], stdin=zero,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and f"key on stdin: more than the {MAX_KEY_FILE} bytes" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_key_lines_are_strict_base64url(tmp_path):
