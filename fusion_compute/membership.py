@@ -120,7 +120,7 @@ class Membership:
         if err is not None and err.watched:
             failed.add(err.rank)
         elif not failed and err is not None and 1 <= err.rank <= len(self.order):
-            failed.add(self.order[err.rank - 1])
+            failed |= self._blame(self.order[err.rank - 1])
         if not failed:
             raise err or CommError("a worker failed")
         reason = self._loss_reason(failed, err)
@@ -138,6 +138,50 @@ class Membership:
         self.recoveries.append({"epoch": self.epoch, "lost": sorted(failed), "order": order, "reason": reason,
                                 "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
                                 "replayed_tokens": len(self.history)})  # fmt: skip
+
+    def _blame(self, suspect: int) -> set[int]:
+        """Who to remove when a data link failed (`suspect`: the worker whose link the client was
+        reading) and every pulse still beats: the workers' own accounts decide, not the link alone.
+
+        Each worker of the epoch is asked what it saw (liveness.Witness): the peer whose link failed
+        its epoch, or a peer that kept it blocked for at least a quarter of the per-message timeout
+        lately. A worker accused by a peer that itself accuses nobody (it keeps beating, silent,
+        while its peers report it) is removed when the evidence comes from two sides: the accuser,
+        and the client's own (its failed link was the accused one's, or the accuser's, whose failure
+        the accusation explains); or when a majority of the others accuse it. Otherwise the evidence
+        is ambiguous (two workers accusing each other): said in a log line, and the link's worker is
+        the one removed, as when nobody reports anything."""
+        order, window = self.order, self.opts.timeout_s
+        saw = self.watch.ask(order, self.epoch, window)
+        accuses: dict[int, int] = {}
+        for q, answer in saw.items():
+            if answer.get("epoch") != self.epoch:
+                continue
+            rank = answer.get("lost")
+            if not isinstance(rank, int):
+                waits = {int(r): float(s) for r, s in (answer.get("waits") or {}).items() if str(r).isdigit()}
+                slow = max(waits, key=waits.get, default=None)
+                rank = slow if slow is not None and waits[slow] >= max(window / 4, 0.5) else None
+            if isinstance(rank, int) and 1 <= rank <= len(order) and order[rank - 1] != q:
+                accuses[q] = order[rank - 1]
+        if not accuses:
+            return {suspect}
+        said = ", ".join(f"worker {q} names worker {p}" for q, p in sorted(accuses.items()))
+        blamed = set()
+        for p in set(accuses.values()):
+            sides = {q for q, a in accuses.items() if a == p}
+            others = [q for q in order if q != p]
+            if p not in accuses and (suspect == p or suspect in sides):
+                sides.add(0)  # the client's side: its own failed link agrees
+            if (p not in accuses and len(sides) >= 2) or (len(sides - {0}) >= 2 and len(sides - {0}) * 2 > len(others)):
+                blamed.add(p)
+        if blamed:
+            self.opts.log(f"the link to worker {suspect} failed; by the workers' accounts ({said}): blaming "
+                          f"worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}")  # fmt: skip
+            return blamed
+        self.opts.log(f"the link to worker {suspect} failed; the workers' accounts are ambiguous ({said}): "
+                      f"removing worker {suspect}, whose link failed")  # fmt: skip
+        return {suspect}
 
     # ---- membership, by the user ----
 
