@@ -12,6 +12,14 @@
                     it and waits for the next one) while its pulse keeps beating: a listed worker
                     that holds an epoch change hostage until the client's join deadline.
 
+A listed worker that disrupts its peers while it keeps beating (structural mode; the client must
+blame it by its peers' evidence, not the honest worker whose link it was reading):
+
+  cut-peer@N        at its N-th reduce-scatter (over its life), it shuts its links to every peer and
+                    stalls: it drops what the client sends until the client ends its epoch
+  slow-rs@N         from its N-th reduce-scatter on, it waits SLOW_S before each one (each under the
+                    per-message timeout, the step far over it)
+
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
   lie-one@STEP      one element of the step's last linear is off by one (the smallest lie there is)
@@ -27,14 +35,21 @@ set down in a namespace): tests/test_faults.py.
 
 from __future__ import annotations
 
+import math
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from .comm import CommError
 from .errors import UsageError
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *LIES)
+COMM_FAULTS = ("cut-peer", "slow-rs")
+KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *COMM_FAULTS, *LIES)
+SLOW_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -69,3 +84,35 @@ def rejoin(fault: Fault | None, join: Callable) -> Callable:
         raise CommError(f"fault never-join: ignoring the word to join epoch {epoch}")
 
     return never
+
+
+def comm_fault(fault: Fault | None) -> Callable:
+    """What the worker does to each epoch's Comm: nothing (the identity), or, for a cut-peer or
+    slow-rs fault, wrap that Comm's reduce-scatter (the honest code path is not branched)."""
+    if fault is None or fault.kind not in COMM_FAULTS:
+        return lambda comm: comm
+    calls = [0]
+
+    def patch(comm):
+        honest = comm.reduce_scatter_from
+
+        def faulty(chunk, sizes, op):
+            calls[0] += 1
+            if calls[0] >= fault.step and fault.kind == "slow-rs":
+                time.sleep(SLOW_S)
+            elif calls[0] == fault.step:  # cut-peer
+                for rank, link in comm.links.items():
+                    if rank not in (0, comm.rank):
+                        try:
+                            link.sock.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                word = torch.zeros(4, dtype=torch.int64)
+                while True:  # stall (beating) until the client cuts this epoch's links
+                    comm.recv(word, 0, "control", "stall", wait_s=math.inf)
+            return honest(chunk, sizes, op)
+
+        comm.reduce_scatter_from = faulty
+        return comm
+
+    return patch

@@ -109,8 +109,9 @@ class Membership:
         # Who failed is the watch's call: when one worker dies, its peers drop the epoch and close their
         # links too, so a link error alone does not say whose fault it was. Wait for the watch to see a
         # failure (a dead pulse is seen at once, a silent one after --liveness); a link error nobody's
-        # pulse explains by then counts against that link's worker.
+        # pulse explains by then is judged by the workers' own accounts (_blame), not by the link alone.
         deadline = time.monotonic() + self.opts.liveness_s + 1.0
+        accounts = None  # the workers' accounts, when they named whom to remove (_blame)
         failed = {p for p in self.watch.failed() if p in self.order}
         while not failed and time.monotonic() < deadline and not (err is not None and err.watched):
             time.sleep(0.05)
@@ -120,10 +121,11 @@ class Membership:
         if err is not None and err.watched:
             failed.add(err.rank)
         elif not failed and err is not None and 1 <= err.rank <= len(self.order):
-            failed.add(self.order[err.rank - 1])
+            blamed, accounts = self._blame(self.order[err.rank - 1])
+            failed |= blamed
         if not failed:
             raise err or CommError("a worker failed")
-        reason = self._loss_reason(failed, err)
+        reason = accounts or self._loss_reason(failed, err)
         if self.procs is not None:  # a local spare still starting up (a failure early in the job) is worth the wait
             for p in sorted(failed):
                 self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
@@ -138,6 +140,51 @@ class Membership:
         self.recoveries.append({"epoch": self.epoch, "lost": sorted(failed), "order": order, "reason": reason,
                                 "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
                                 "replayed_tokens": len(self.history)})  # fmt: skip
+
+    def _blame(self, suspect: int) -> tuple[set[int], str | None]:
+        """Who to remove when a data link failed (`suspect`: the worker whose link the client was
+        reading) and every pulse still beats: the workers' own accounts decide, not the link alone.
+
+        Each worker of the epoch is asked what it saw (liveness.Witness): the peer whose link failed
+        its epoch, or a peer that kept it blocked for at least a quarter of the per-message timeout
+        lately. A worker accused by a peer that itself accuses nobody (it keeps beating, silent,
+        while its peers report it) is removed when the evidence comes from two sides: the accuser,
+        and the client's own (its failed link was the accused one's, or the accuser's, whose failure
+        the accusation explains); or when a majority of the others accuse it. Otherwise the evidence
+        is ambiguous (two workers accusing each other): said in a log line, and the link's worker is
+        the one removed, as when nobody reports anything. Returns who, and the accounts when they
+        decided (the recovery's reason)."""
+        order, window = self.order, self.opts.timeout_s
+        saw = self.watch.ask(order, self.epoch, window)
+        accuses: dict[int, int] = {}
+        for q, answer in saw.items():
+            if answer.get("epoch") != self.epoch:
+                continue
+            rank = answer.get("lost")
+            if not isinstance(rank, int):
+                waits = {int(r): float(s) for r, s in (answer.get("waits") or {}).items() if str(r).isdigit()}
+                slow = max(waits, key=waits.get, default=None)
+                rank = slow if slow is not None and waits[slow] >= max(window / 4, 0.5) else None
+            if isinstance(rank, int) and 1 <= rank <= len(order) and order[rank - 1] != q:
+                accuses[q] = order[rank - 1]
+        if not accuses:
+            return {suspect}, None
+        said = ", ".join(f"worker {q} names worker {p}" for q, p in sorted(accuses.items()))
+        blamed = set()
+        for p in set(accuses.values()):
+            sides = {q for q, a in accuses.items() if a == p}
+            others = [q for q in order if q != p]
+            if p not in accuses and (suspect == p or suspect in sides):
+                sides.add(0)  # the client's side: its own failed link agrees
+            if (p not in accuses and len(sides) >= 2) or (len(sides - {0}) >= 2 and len(sides - {0}) * 2 > len(others)):
+                blamed.add(p)
+        if blamed:
+            self.opts.log(f"the link to worker {suspect} failed; by the workers' accounts ({said}): blaming "
+                          f"worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}")  # fmt: skip
+            return blamed, f"named by its peers' accounts ({said}); the client's link to worker {suspect} failed"
+        self.opts.log(f"the link to worker {suspect} failed; the workers' accounts are ambiguous ({said}): "
+                      f"removing worker {suspect}, whose link failed")  # fmt: skip
+        return {suspect}, None
 
     # ---- membership, by the user ----
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Comm, CommError, Credentials, Identity, PublicId, Pulse, join_epoch, open_pulse
-from .faults import parse_fault, rejoin
+from .comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
+from .faults import COMM_FAULTS, comm_fault, parse_fault, rejoin
 from .ops import Span
 from .plan import Plan, make_plan
 from .progress import CountingSource, WorkerReporter, worker_elements
@@ -66,7 +66,9 @@ class Worker:
         self._links_lock = threading.Lock()
         fault = parse_fault(o.inject_fault) if o.inject_fault else None
         self.join_fault = fault if fault is not None and fault.kind == "never-join" else None  # faults.rejoin
-        self.fault = fault if self.join_fault is None else None  # a step's fault (serve)
+        self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a disruptive peer's (faults.py)
+        self.fault = fault if fault is not None and fault.kind not in ("never-join", *COMM_FAULTS) else None  # serve()'s
+        self.witness = Witness()  # what this worker saw of its peers, for the client's questions
         self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
         self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
@@ -113,6 +115,7 @@ class Worker:
         o, rank, n = self.o, int(welcome["rank"]), int(welcome["n_workers"])
         with self._links_lock:
             self.links = links
+        self.witness.start(welcome.get("epoch"), links)
         try:
             if welcome.get("mode") == "masked":
                 from .masked.worker import run_member
@@ -143,6 +146,7 @@ class Worker:
             engine = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
             comm = Comm(rank, n, links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
                         fabric=fabric, device=fabric.device if fabric else None, engine=engine)  # fmt: skip
+            comm = self.sabotage(comm)
             try:
                 serve(self, plan, rank - 1, comm, audit=audit)
                 return True
@@ -150,6 +154,10 @@ class Worker:
                 comm.close()
                 if audit is not None:
                     audit.close()
+        except PeerError as e:  # the peer whose link failed the epoch: this worker's evidence if asked
+            if not e.watched:
+                self.witness.lost_peer(e.rank)
+            raise
         finally:
             self.fabric = None
             with self._links_lock:
@@ -195,7 +203,7 @@ def run(o: WorkerOptions) -> None:
     me = Worker(o, src, report)
     join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
     pulse = Pulse(open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s), me.on_word,
-                  me.on_client_gone)  # fmt: skip
+                  me.on_client_gone, witness=me.witness)  # fmt: skip
     try:
         while True:
             if welcome is not None and not welcome.get("standby"):

@@ -20,7 +20,7 @@ from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
 from .links import wire_bytes
-from .liveness import Pulse, Watch
+from .liveness import Pulse, Watch, Witness
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the ot
 __all__ = [
     "Admission", "Comm", "CommError", "Counters", "Credentials", "ENGINES", "Event", "Identity", "IdentityError",
     "Joined", "Member", "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Pulse", "Recorder",
-    "WORKER_COLLECTIVES", "Watch", "free_port", "join_epoch", "open_pulse", "wire_bytes",
+    "WORKER_COLLECTIVES", "Watch", "Witness", "free_port", "join_epoch", "open_pulse", "wire_bytes",
 ]  # fmt: skip
 
 

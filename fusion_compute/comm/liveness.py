@@ -2,7 +2,7 @@
 that stops (dead, frozen, cut off) within a deadline, names it, and tells the others what to do.
 
   worker  `Pulse`: a thread that sends a beat every `interval_s` on the pulse link and obeys the
-          client's words on it: `abort` (give up the current epoch: every data link is shut down at
+          client's words on it: `ask` (what did you see: answered by its `Witness`), `abort` (give up the current epoch: every data link is shut down at
           once, so a wait on a vanished peer ends now), `stop` (the job is over), `revoke` (wipe and
           leave). A client that goes away closes the pulse link: the worker leaves at once.
   client  `Watch`: a thread that reads every worker's pulse link. A worker has failed when its
@@ -22,6 +22,7 @@ import json
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from .errors import CommError, PeerLost, PeerTimeout
@@ -48,8 +49,10 @@ class Pulse:
         on_word: Callable[[dict], None],
         on_client_gone: Callable[[], None],
         interval_s: float = BEAT_S,
+        witness: Witness | None = None,
     ):
         self.link, self.on_word, self.on_client_gone, self.interval_s = link, on_word, on_client_gone, interval_s
+        self.witness = witness  # answers the client's `ask` (this thread sends it: no lock with the beats)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fusion-pulse", daemon=True)
         self._thread.start()
@@ -69,7 +72,12 @@ class Pulse:
                         ready, _, _ = select.select([self.link.sock], [], [], left)
                         if not ready:
                             break
-                    self.on_word(_recv(self.link, 5.0))
+                    word = _recv(self.link, 5.0)
+                    if "ask" in word:
+                        if self.witness is not None:
+                            _send(self.link, {"saw": self.witness.answer(word["ask"], float(word.get("window", 10)))})
+                    else:
+                        self.on_word(word)
         except (CommError, OSError, ValueError):
             if not self._stop.is_set():
                 self.on_client_gone()
@@ -77,6 +85,49 @@ class Pulse:
     def close(self) -> None:
         self._stop.set()
         self.link.close()
+
+
+class Witness:
+    """What a worker saw of its peers in its current epoch, for the client to ask before it blames
+    anyone (docs/resilience.md, "Blame by evidence"): the peer whose link failed the epoch, and how
+    long each peer kept it waiting lately (every receive tick spent blocked on a peer's link counts
+    one TICK; a healthy exchange never blocks a whole tick). It is the worker's own account, sent on
+    its pulse link; the client weighs it against the others'."""
+
+    TICK_S = 0.25  # links.TICK_S: a blocked receive calls its check this often
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.epoch: int | None = None
+        self.lost: int | None = None
+        self._ticks: deque[tuple[float, int]] = deque(maxlen=8192)
+
+    def start(self, epoch: int | None, links: dict[int, Link]) -> None:
+        """A new epoch: forget the last one's account, count the waits on each peer's link."""
+        with self._lock:
+            self.epoch, self.lost = epoch, None
+            self._ticks.clear()
+        for rank, link in links.items():
+            if rank != 0:  # waiting for the client is what an idle worker does
+                link.check = lambda rank=rank: self._ticks.append((time.monotonic(), rank))
+
+    def lost_peer(self, rank: int) -> None:
+        with self._lock:
+            if rank != 0 and self.lost is None:
+                self.lost = rank
+
+    def answer(self, epoch: int, window_s: float) -> dict:
+        """{"epoch", "lost": the rank whose link failed (or None), "waits": {rank: seconds blocked on
+        it in the last `window_s`}} for `epoch` (another epoch's question gets an empty account)."""
+        now = time.monotonic()
+        with self._lock:
+            if epoch != self.epoch:
+                return {"epoch": epoch, "lost": None, "waits": {}}
+            waits: dict[str, float] = {}
+            for t, rank in list(self._ticks):
+                if t >= now - window_s:
+                    waits[str(rank)] = waits.get(str(rank), 0.0) + self.TICK_S
+            return {"epoch": epoch, "lost": self.lost, "waits": waits}
 
 
 class Watch:
@@ -89,6 +140,7 @@ class Watch:
         self._seen: dict[int, float] = {}
         self._failed: dict[int, str] = {}
         self._ignored: set[int] = set()
+        self._saw: dict[int, dict] = {}  # each worker's last answer to `ask`
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fusion-watch", daemon=True)
@@ -176,6 +228,23 @@ class Watch:
         except CommError:
             return False
 
+    def ask(self, pids: list[int], epoch: int, window_s: float, wait_s: float = 2.0) -> dict[int, dict]:
+        """Ask `pids` what they saw in `epoch` (Witness.answer); returns the answers that came within
+        `wait_s`, by participant id. A worker that does not answer is left out (silence is not an
+        accusation of anyone)."""
+        with self._guard:
+            for p in pids:
+                self._saw.pop(p, None)
+        asked = [p for p in pids if self.tell(p, {"ask": epoch, "window": window_s})]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with self._guard:
+                if all(p in self._saw for p in asked):
+                    break
+            time.sleep(0.05)
+        with self._guard:
+            return {p: self._saw[p] for p in asked if p in self._saw}
+
     # ---- the thread ----
 
     def _run(self) -> None:
@@ -199,8 +268,11 @@ class Watch:
                     continue
                 try:
                     with lock:
-                        _recv(link, 2.0)
+                        msg = _recv(link, 2.0)
                     self._seen[rank] = now
+                    if isinstance(msg, dict) and isinstance(msg.get("saw"), dict):
+                        with self._guard:
+                            self._saw[rank] = msg["saw"]
                 except (CommError, OSError, ValueError) as e:
                     self._fail(rank, f"{link.label} exited: its connection closed ({e})")
             for rank, link in links.items():
