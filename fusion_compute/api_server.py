@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .admin_api import add_admin_routes
+from .control_page import add_control_routes
 from .gateway import ApiError, Gateway, Outcome, chat_request, completion_request
 from .gateway import Request as GatewayRequest
 from .http_limits import AccessLog, ApiKey, BodyLimit, JsonBody, limited_protocol, note, printable
@@ -125,6 +126,7 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
         return await answer(gateway, scheduler, req, request)
 
     add_admin_routes(app, gateway, scheduler, admin)
+    add_control_routes(app, gateway, scheduler, admin)  # GET /control: the page (control_page.py)
     add_error_handlers(app)
     app.openapi = lambda: openapi_without_422(app)  # type: ignore[method-assign]
     return app

