@@ -37,10 +37,10 @@ class Engine(EngineBase):
     def _control(self, op: Op, t: int = 0, pos: int = 0, arg: int = 0) -> None:
         msg = control_word(op, t, pos, arg)
         for s in self.plan.workers:
-            self.comm.send(msg, s.rank, "control", op.name.lower())
+            self.wire.send(msg, s.rank, "control", op.name.lower())
 
     def _replies(self, op: str, wait_s: float | None = None) -> list[torch.Tensor]:
-        return [self.comm.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", op, wait_s)
+        return [self.wire.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", op, wait_s)
                 for s in self.plan.workers]  # fmt: skip
 
     def hello(self, deadline: float, order: list[int]) -> list[dict]:
@@ -77,7 +77,7 @@ class Engine(EngineBase):
     def bench_collective(self, rows: int = 300, iters: int = 1000) -> list[dict]:
         """Per worker: median / min / max µs of one reduce-scatter of `rows` fp32 per peer (T = 1)."""
         self._control(Op.BENCH_RS, rows, iters)
-        wait = self.comm.timeout_s + iters  # the workers run them all before answering
+        wait = self.wire.timeout_s + iters  # the workers run them all before answering
         return [{"rank": s.rank, "median_us": int(r[0]) / 1000, "min_us": int(r[1]) / 1000, "max_us": int(r[2]) / 1000}
                 for s, r in zip(self.plan.workers, self._replies("bench", wait), strict=True)]  # fmt: skip
 
@@ -115,10 +115,10 @@ class Engine(EngineBase):
         span_words = torch.tensor(spans, dtype=torch.int64).reshape(-1)
         for s in self.plan.workers:
             a, b = s.residual
-            self.comm.send(span_words, s.rank, "control", "spans")
-            self.comm.send(x_HT[a:b], s.rank, "ingress", "embed")
+            self.wire.send(span_words, s.rank, "control", "spans")
+            self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
         shards = [
-            self.comm.recv(torch.empty(s.n_residual, total), s.rank, "egress", "final") for s in self.plan.workers
+            self.wire.recv(torch.empty(s.n_residual, total), s.rank, "egress", "final") for s in self.plan.workers
         ]
         self._check_egress(shards)
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})

@@ -158,6 +158,14 @@ class EngineBase(Membership):
         raise NotImplementedError
 
     @property
+    def wire(self) -> Comm:
+        """The open epoch's comm. With none open (an epoch change failed and nothing has reopened one
+        yet) a step gets a CommError saying so, never an AttributeError on None."""
+        if self.comm is None:
+            raise CommError("no epoch is open: the last change of workers failed (the next request opens one)")
+        return self.comm
+
+    @property
     def n_workers(self) -> int:
         return self.plan.n
 

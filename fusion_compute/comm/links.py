@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .identity import Identity, PublicId
@@ -106,8 +107,9 @@ class Link:
         self.tls = tls
         self.rank = rank
         self.label = label  # "worker 2 (10.0.0.3, key 3f2a9c0d1e4b)", for errors
-        self._inc: ssl.MemoryBIO | None = getattr(tls, "_fusion_inc", None)
-        self._out: ssl.MemoryBIO | None = getattr(tls, "_fusion_out", None)
+        # the TLS object's memory BIOs (handshake() makes them); a plaintext link never touches them
+        self._inc: ssl.MemoryBIO = getattr(tls, "_fusion_inc", None) or ssl.MemoryBIO()
+        self._out: ssl.MemoryBIO = getattr(tls, "_fusion_out", None) or ssl.MemoryBIO()
         self._raw = bytearray(RAW_CHUNK)
         self._hdr = bytearray(HEADER.size)
         self._lock = threading.Lock()
@@ -242,7 +244,7 @@ class Link:
             return
         while got < want:
             try:
-                k = self.tls.read(want - got, view[got:])
+                k = cast(int, self.tls.read(want - got, view[got:]))  # with a buffer: the count read
             except ssl.SSLWantReadError:
                 k = -1
             except ssl.SSLError as e:

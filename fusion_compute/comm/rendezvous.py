@@ -191,6 +191,15 @@ class Greeters:
                 pass
 
 
+class NotJoined(CommError):
+    """Workers did not join an epoch in time; `missing`: their participant ids (whom the engine's next
+    epoch leaves out)."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
 @dataclass
 class Joined:
     """One data connection admitted for an epoch: the link, the member and what it announced."""
@@ -230,7 +239,7 @@ class Admission:
         self.sock = _listen(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
-        self.ctx = tls_context(me, [m.key for m in roster], server=True) if me is not None else None
+        self.ctx = tls_context(me, [m.key for m in roster if m.key is not None], server=True) if me is not None else None
         self.refusals = Refusals(log)  # refused connections, counted by reason (tests read them)
         self.greeters = Greeters("the client", self.refusals)
         self._lock = threading.Lock()
@@ -282,7 +291,7 @@ class Admission:
             return
         member = None
         if tls is not None:
-            member = self.by_cert.get(peer_certificate(tls))
+            member = self.by_cert.get(peer_certificate(tls) or b"")
             if member is None:  # chained to a listed certificate but not itself listed
                 conn.close()
                 self._refuse("certificate not in the roster", f"connection from {where}: its certificate is not one of the roster's")
@@ -351,7 +360,8 @@ class Admission:
             self.roster[member.pid] = member
             if member.key is not None:
                 self.by_cert[member.key.cert_der] = member
-                self.ctx.load_verify_locations(cadata=member.key.pem())
+                if self.ctx is not None:  # a secure job (an insecure one enrolls no keys)
+                    self.ctx.load_verify_locations(cadata=member.key.pem())
 
     # ---- epochs (the engine's thread) ----
 
@@ -382,12 +392,11 @@ class Admission:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [self.roster[p].label() for p in pids if p not in got]
-                    err = CommError(
+                    raise NotJoined(
                         f"rendezvous at {self.address}: {len(missing)} of {len(pids)} workers did not join in time: "
-                        f"{'; '.join(missing)}" + (f" (refused: {n})" if (n := self.refusals.total()) else "")
+                        f"{'; '.join(missing)}" + (f" (refused: {n})" if (n := self.refusals.total()) else ""),
+                        [p for p in pids if p not in got],
                     )
-                    err.missing = [p for p in pids if p not in got]  # who the engine's next epoch leaves out
-                    raise err
                 try:
                     j = self._arrived.get(timeout=min(left, 0.25))
                 except queue.Empty:
@@ -411,7 +420,7 @@ class Admission:
         links = {r: joined[pid].link for r, pid in enumerate(order, start=1)}
         peers = {
             str(r): {"host": joined[pid].host, "port": joined[pid].port,
-                     "key": self.roster[pid].key.line() if self.roster[pid].key else None}
+                     "key": k.line() if (k := self.roster[pid].key) else None}
             for r, pid in enumerate(order, start=1)
         }  # fmt: skip
         try:
@@ -500,7 +509,7 @@ def _open_tls(host: str, port: int, ctx: ssl.SSLContext | None, deadline: float,
 def _client_link(cred: Credentials, deadline: float) -> Link:
     host, port = cred.master
     try:
-        ctx = tls_context(cred.me, [cred.client_key], server=False) if cred.me is not None else None
+        ctx = tls_context(cred.me, [k for k in (cred.client_key,) if k is not None], server=False) if cred.me is not None else None
         sock, tls = _open_tls(host, port, ctx, deadline, "the client")
     except CommError:
         raise
@@ -509,7 +518,7 @@ def _client_link(cred: Credentials, deadline: float) -> Link:
                         "is this the client's public key?") from None  # fmt: skip
     if not cred.listen_ip:
         cred.listen_ip = cred.listen_host or sock.getsockname()[0]
-    if tls is not None and peer_certificate(tls) != cred.client_key.cert_der:
+    if tls is not None and (cred.client_key is None or peer_certificate(tls) != cred.client_key.cert_der):
         sock.close()
         raise CommError(f"the client at {host}:{port} presented another key than the one pinned")
     return Link(sock, tls, 0, f"the client [{host}:{port}]")
@@ -576,7 +585,7 @@ def _link_peers(
         key = PublicId.parse(p["key"], f"worker {r}'s key") if p.get("key") else None
         table[int(r)] = (p["host"], int(p["port"]), key)
     higher = {r: table[r] for r in table if r > rank}
-    ctx = tls_context(me, [t[2] for t in higher.values()], server=True) if me is not None and higher else None
+    ctx = tls_context(me, [t[2] for t in higher.values() if t[2] is not None], server=True) if me is not None and higher else None
     by_cert = {t[2].cert_der: r for r, t in higher.items() if t[2] is not None}
     refusals = Refusals(log)
     greeters = Greeters(f"worker {rank}", refusals)
@@ -600,7 +609,7 @@ def _link_peers(
             refusals.add("no valid hello", f"connection from {where} to worker {rank}: {_tls_refusal(e)}")
             return
         q = hello.get("link")
-        expected = by_cert.get(peer_certificate(tls)) if tls is not None else q
+        expected = by_cert.get(peer_certificate(tls) or b"") if tls is not None else q
         if not isinstance(q, int) or q not in higher or q != expected:
             link.close()
             refusals.add("claimed another worker",
@@ -632,13 +641,13 @@ def _link_peers(
             host, port, key = table[q]
             label = f"worker {q} [{host}:{port}" + (f", key {key.fingerprint}]" if key else "]")
             try:
-                cctx = tls_context(me, [key], server=False) if me is not None else None
+                cctx = tls_context(me, [key] if key is not None else [], server=False) if me is not None else None
                 sock, tls = _open_tls(host, port, cctx, deadline, f"worker {q}")
             except CommError:
                 raise
             except Exception as e:
                 raise CommError(f"TLS handshake with {label} failed ({_tls_refusal(e)})") from None
-            if tls is not None and peer_certificate(tls) != key.cert_der:
+            if tls is not None and (key is None or peer_certificate(tls) != key.cert_der):
                 sock.close()
                 raise CommError(f"{label} presented another key than the one pinned")
             link = Link(sock, tls, q, label)

@@ -141,7 +141,7 @@ class MaskedEngine(EngineBase):
     # ---- handshake: public quantization metadata from every group ----
 
     def hello(self, deadline: float, order: list[int]) -> list[dict]:
-        plan, c = self.plan, self.comm
+        plan, c = self.plan, self.wire
         if self.audit is not None:
             self.audit.epoch(self.epoch, plan.sizes, list(order))
         fp = P.fingerprint_int(plan)
@@ -189,7 +189,7 @@ class MaskedEngine(EngineBase):
     # ---- sessions ----
 
     def _isend(self, tensor: torch.Tensor, rank: int, kind: str, op: str) -> None:
-        self._pending.append(self.comm.isend(tensor, rank, kind, op))
+        self._pending.append(self.wire.isend(tensor, rank, kind, op))
 
     def _drain(self) -> None:
         for work in self._pending:
@@ -301,7 +301,7 @@ class MaskedEngine(EngineBase):
             for r in mask_ranks:
                 g, m = plan.group_of(r)
                 buf = torch.empty(plan.rows_per_layer(g, m), t, dtype=torch.int64)
-                bufs[r] = (self.comm.irecv(buf, r, P.KIND_OUT, P.op_name(layer, "mask")), buf)
+                bufs[r] = (self.wire.irecv(buf, r, P.KIND_OUT, P.op_name(layer, "mask")), buf)
             self._b_in.append(bufs)
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
@@ -354,17 +354,19 @@ class MaskedEngine(EngineBase):
         shape = plan.shapes[op]
         t, name = x_TK.shape[0], P.op_name(layer, shape.name)
         x_fx, s = ring.encode(x_TK.T, self.w_norm_max[layer][op])  # (K, T) int64, (T,)
+        assert self.streams is not None  # made at the session's reset, before any step
         r_g = [st.draw(self.step, layer, op, shape.k * t).view(shape.k, t) for st in self.streams]
         if self.audit is not None:
             self.audit.mask(self.session, self.step, layer, op)
         m_KT = x_fx.clone(memory_format=torch.contiguous_format)
         for r in r_g:
             m_KT += r  # wraps mod 2^64: uniform, whatever x is, unless every r_g is known
-        sends, outs = [], {}
+        sends: list = []
+        outs = {}
         for rank in plan.ranks("A"):  # every member gets the whole masked input, returns its rows
-            sends.append(self.comm.isend(m_KT, rank, P.KIND_MASKED, name))
+            sends.append(self.wire.isend(m_KT, rank, P.KIND_MASKED, name))
             buf = torch.empty(plan.n_rows("A", plan.group_of(rank)[1], op), t, dtype=torch.int64)
-            outs[rank] = (self.comm.irecv(buf, rank, P.KIND_OUT, name), buf)
+            outs[rank] = (self.wire.irecv(buf, rank, P.KIND_OUT, name), buf)
         y_mask = self._mask_rows(layer, op)  # {rank: its rows}: usually already here, mask groups work ahead
         for work in sends:
             work.wait()
@@ -388,6 +390,7 @@ class MaskedEngine(EngineBase):
         weights), record it, and stop the step before any token comes of it."""
         plan = self.plan
         name = P.op_name(layer, plan.shapes[op].name)
+        assert self.verifier is not None  # only a checked product is rejected
         blamed = self.verifier.blame(plan, layer, op, y_a, y_mask, m_KT, dict(zip(plan.mask_groups, r_g, strict=True)))
         who = [f"group {g} member {m} (rank {r}, participant {self.order[r - 1]})" for g, m, r in blamed]
         if self.audit is not None:
@@ -431,17 +434,18 @@ class MaskedEngine(EngineBase):
         msg = control_word(P.Op.PING)
         out = []
         for r in range(1, self.plan.n + 1):
-            self.comm.send(msg, r, P.KIND_CONTROL, "ping")
-            reply = self.comm.recv(torch.zeros(P.CONTROL_LEN, dtype=torch.int64), r, P.KIND_CONTROL, "pong")
+            self.wire.send(msg, r, P.KIND_CONTROL, "ping")
+            reply = self.wire.recv(torch.zeros(P.CONTROL_LEN, dtype=torch.int64), r, P.KIND_CONTROL, "pong")
             out.append({"rank": r, "group": self.plan.group_of(r)[0], "peak_rss_mb": int(reply[3]) / 1024})
         return out
 
     def shutdown(self) -> None:
         self._drain()
         for r in range(1, self.plan.n + 1):
-            self.comm.send(control_word(P.Op.SHUTDOWN), r, P.KIND_CONTROL, "shutdown")
+            self.wire.send(control_word(P.Op.SHUTDOWN), r, P.KIND_CONTROL, "shutdown")
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "audit", None) is not None:
-            self.audit.close()
+        audit = getattr(self, "audit", None)  # (absent when start-up failed before prepare)
+        if audit is not None:
+            audit.close()
