@@ -41,7 +41,8 @@ MOVES = {
     "sampling_params": "generation.sampling_params",
     "gateway": "serving.gateway", "scheduler": "serving.scheduler", "api_server": "serving.api_server",
     "openai_protocol": "serving.openai_protocol", "http_limits": "serving.http_limits",
-    "admin_api": "serving.admin_api",
+    "admin_api": "serving.admin_api", "control_page": "serving.control_page",
+    "picture": "structural.picture",
     "cli": "cli.main", "options": "cli.options", "serve": "cli.serve", "chat": "cli.chat",
 }  # fmt: skip
 
