@@ -13,7 +13,7 @@ why the tests compare greedy tokens, not bits).
     runner.add(Sequence(prompt_ids, max_new_tokens=64, sampling=params, stop_ids=eos, on_token=cb))
     while runner.active:
         for seq in runner.step():   # the sessions that finished at this step
-            seq.result()            # a generate.GenerationResult
+            seq.result()            # a result.GenerationResult
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .engine import EngineBase
-from .generate import GenerationResult, check_prompt, next_finish
+from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
 

@@ -44,7 +44,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     path = resolve_model_path(a.model)
 
     from .engine_options import effective_context
-    from .generate import check_prompt, generate
+    from .generate import generate
+    from .result import check_prompt
     from .weights import open_weights
 
     src = open_weights(path)

@@ -146,4 +146,5 @@ class Engine(EngineBase):
             if not bool(torch.isfinite(shard).all()):
                 bad, pid = int((~torch.isfinite(shard)).sum()), self.order[s.rank - 1]
                 raise WorkerMisbehaved(f"worker {s.rank} (participant {pid}) sent an egress shard holding {bad} NaN "
-                                       f"or infinite value(s) of {shard.numel()}", [pid])  # fmt: skip
+                                       f"or infinite value(s) of {shard.numel()}", [pid],
+                                       reason="sent a non-finite egress shard (caught by the finiteness check)")  # fmt: skip

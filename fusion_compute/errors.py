@@ -25,6 +25,7 @@ class WorkerMisbehaved(FusionError):
     """A worker answered, but wrongly (a product that fails the client's check): `pids` names the
     participants found at fault. The request fails; the engine removes them from the job."""
 
-    def __init__(self, message: str, pids: list[int]):
+    def __init__(self, message: str, pids: list[int], reason: str = "returned a wrong product (caught by the check)"):
         super().__init__(message)
         self.pids = pids
+        self.reason = reason  # what the recovery record says of them

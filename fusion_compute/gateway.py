@@ -172,7 +172,7 @@ def completion_request(body: CompletionRequest, card: ModelCard) -> Request:
 
 def _request(body: GenerationRequest, card: ModelCard, kind: str, prompt_ids: list[int]) -> Request:
     from .errors import InputError
-    from .generate import check_prompt
+    from .result import check_prompt
     from .sampling_params import SamplingError, SamplingParams
 
     t = body.temperature or 0.0
@@ -284,7 +284,7 @@ class Answer:
         return self.matcher.stopped
 
     def outcome(self, res: Any) -> Outcome:
-        """`res`: the generate.GenerationResult of the session."""
+        """`res`: the result.GenerationResult of the session."""
         if not self.matcher.stopped:
             self._out(self.matcher.push(self.stream.flush()))
             self._out(self.matcher.flush())

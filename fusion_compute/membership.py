@@ -80,11 +80,11 @@ class Membership:
         self.opts.log(f"{err}: removing {'them' if len(err.pids) > 1 else 'it'} from the job")
         self.convicted |= set(err.pids) & set(self.order)
         try:
-            self._replace_convicted()
+            self._replace_convicted(err.reason)
         except TooFewWorkers as e:
             raise TooFewWorkers(f"{err}; and {e}") from err
 
-    def _replace_convicted(self) -> None:
+    def _replace_convicted(self, reason: str = "returned a wrong product (caught by the check)") -> None:
         """End the epoch the liars were part of and open the next one without them (refused, with
         the job waiting for a replacement, when that would leave too few)."""
         gone = self.convicted & set(self.order)
@@ -96,7 +96,7 @@ class Membership:
         order = self._next_order(gone, why="removing the worker that lied leaves")
         self._switch_epoch(order)
         self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
-                                "reason": "returned a wrong product (caught by the check)",
+                                "reason": reason,
                                 "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
                                 "replayed_tokens": 0})  # fmt: skip
 

@@ -38,7 +38,7 @@ MOVES = {
     "launch": "runtime.launch", "topology": "runtime.topology", "faults": "runtime.faults",
     "progress": "runtime.progress",
     "generate": "generation.generate", "batching": "generation.batching", "sampling": "generation.sampling",
-    "sampling_params": "generation.sampling_params",
+    "sampling_params": "generation.sampling_params", "result": "generation.result",
     "gateway": "serving.gateway", "scheduler": "serving.scheduler", "api_server": "serving.api_server",
     "openai_protocol": "serving.openai_protocol", "http_limits": "serving.http_limits",
     "admin_api": "serving.admin_api", "control_page": "serving.control_page",

@@ -21,6 +21,7 @@ def test_nan_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):
             run(eng)
         assert e.value.pids == [2]
         assert 2 not in eng.order and 3 in eng.order and eng.recoveries[-1]["lost"] == [2]
+        assert "non-finite egress" in eng.recoveries[-1]["reason"], eng.recoveries[-1]
         assert run(eng).token_ids == ref  # the next request runs on the new epoch, with the no-fault tokens
 
 
