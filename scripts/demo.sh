@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m fusion_compute.cli generate --workers "${WORKERS:-3}" --chat \
+exec python3 -m fusion_compute generate --workers "${WORKERS:-3}" --chat \
   --prompt "${PROMPT:-What is the capital of France?}" --max-new-tokens "${MAX_NEW_TOKENS:-64}"

@@ -22,13 +22,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
-    from fusion_compute.weights import default_model_path
+    from fusion_compute.weights.loader import default_model_path
 
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def smollm_ref(smollm_path):
-    from fusion_compute.reference import load_reference
+    from fusion_compute.model.reference import load_reference
 
     return load_reference(smollm_path)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from fusion_compute.launch import terminate_all
+from fusion_compute.runtime.launch import terminate_all
 
 FUSION = [sys.executable, "-m", "fusion_compute"]
 

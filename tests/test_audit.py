@@ -22,7 +22,7 @@ from fusion_compute.audit import netcount
 from fusion_compute.audit import schema as S
 from fusion_compute.audit.runner import RunConfig, run_audit, run_cold_start
 from fusion_compute.audit.verify import verify_dir
-from fusion_compute.cli import main
+from fusion_compute.cli.main import main
 
 STEPS = 4
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
@@ -305,7 +305,7 @@ def test_run_bad_input_is_one_line(tiny_qwen2, tmp_path, capsys):
 
 def test_cli_is_one_line_without_traceback(tmp_path):
     p = subprocess.run(
-        [sys.executable, "-m", "fusion_compute.cli", "audit", "verify", str(tmp_path / "missing")],
+        [sys.executable, "-m", "fusion_compute.cli.main", "audit", "verify", str(tmp_path / "missing")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -20,7 +20,7 @@ from test_audit import PROMPT, STEPS, _rechain, _records, _steps, assert_tamper_
 from fusion_compute.audit.runner import AuditRunError, RunConfig, run_audit, run_cold_start
 from fusion_compute.audit.verify import verify_dir
 from fusion_compute.audit.verify.expectation import score_elements
-from fusion_compute.cli import main
+from fusion_compute.cli.main import main
 
 SLOTS = 3
 

@@ -18,7 +18,7 @@ from fusion_compute.audit import netcount
 from fusion_compute.audit import schema as S
 from fusion_compute.audit.runner import RunConfig, run_cold_start
 from fusion_compute.audit.verify import RunResult, verify_dir
-from fusion_compute.cli import main
+from fusion_compute.cli.main import main
 
 STEPS, REVOKE_AT = 4, 2
 

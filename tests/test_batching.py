@@ -15,10 +15,10 @@ import signal
 import pytest
 import torch
 
-from fusion_compute.batching import BatchRunner, Sequence, run_batch
-from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.generate import generate
-from fusion_compute.sampling_params import SamplingParams
+from fusion_compute.generation.batching import BatchRunner, Sequence, run_batch
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.structural.client import Engine, EngineOptions
 
 PROMPTS = [[5, 17, 33, 2, 99], [1, 2, 3], [7] * 9, [100, 101, 102, 103, 104, 105, 106], [9, 8], [3, 4, 5, 6]]
 GREEDY = SamplingParams()
@@ -195,7 +195,7 @@ def test_one_session_path_every_column_per_span_and_step_hooks(tiny_llama):
     """A single session is slot 0 of the batch path: every column's logits is a per-span option of a
     mixed step (the others get their last token's), and generate() is the batching loop with one
     sequence, whose hooks see every step's spans and the slot's release."""
-    from fusion_compute.batching import StepHooks
+    from fusion_compute.generation.batching import StepHooks
 
     with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=64)) as eng:
         alone = logits_alone(eng, PROMPTS[:2])

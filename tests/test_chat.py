@@ -118,7 +118,7 @@ def test_chat_in_a_terminal(long_chat_model):
 
 
 def test_chat_bad_args_one_line(capsys):
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     for args, needle in [
         (["--model", "/no/such/model", "--temperature", "-1"], "temperature"),
@@ -134,7 +134,7 @@ def test_history_trimmed_to_fit_the_context():
     """When the conversation no longer fits, the oldest turns go (the system prompt stays)."""
     import io
 
-    from fusion_compute.chat import ChatError, chat_loop
+    from fusion_compute.cli.chat import ChatError, chat_loop
 
     class Backend:
         model, workers = "fake", 2
@@ -163,9 +163,9 @@ def test_local_backend_reports_bad_values_and_a_full_context(tmp_path):
     reported as such, which is what lets the loop drop old turns."""
     from test_serve import FlakyEngine
 
-    from fusion_compute.chat import ChatError, LocalBackend
-    from fusion_compute.gateway import Gateway, ModelCard
-    from fusion_compute.tokenizer import load_tokenizer
+    from fusion_compute.cli.chat import ChatError, LocalBackend
+    from fusion_compute.serving.gateway import Gateway, ModelCard
+    from fusion_compute.weights.tokenizer import load_tokenizer
 
     tok = load_tokenizer(build_chat_model(tmp_path / "m"))
     card = ModelCard(id="tiny", tokenizer=tok, context=64, vocab=tok.vocab_size, eos_ids=tok.eos_ids)

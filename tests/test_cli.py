@@ -16,7 +16,7 @@ import pytest
 
 from fusion_compute.comm import free_port
 
-FUSION = [sys.executable, "-m", "fusion_compute.cli"]
+FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -243,7 +243,7 @@ def test_a_worker_failing_at_start_up_says_why(tiny_qwen2, tmp_path, no_new_work
 def test_a_workers_own_error_line_is_its_last_words():
     """What the client reports of a worker that exited: its own error line even when a native library
     printed after it (MPICH's C++ runtime does at exit), else its last line, else its exit code."""
-    from fusion_compute.launch import last_words
+    from fusion_compute.runtime.launch import last_words
 
     log = "@fusion-progress 3/9\nfusion worker: error: RuntimeError: out of memory\nterminate called without an active exception\n"
     assert last_words(log, -6) == "fusion worker: error: RuntimeError: out of memory"
@@ -257,8 +257,8 @@ def test_min_workers_above_the_run_is_refused_by_the_library_too():
     """`EngineOptions.check` refuses it, so a library user gets the command line's refusal; the default
     floor (2) still lets a one-worker run start."""
     from fusion_compute.comm import CommError
-    from fusion_compute.engine_options import EngineOptions
     from fusion_compute.masked.options import MaskedOptions
+    from fusion_compute.runtime.engine_options import EngineOptions
 
     for opts in (EngineOptions(n_workers=2, min_workers=3), MaskedOptions(n_a=1, n_b=1, min_workers=3)):
         with pytest.raises(CommError, match="--min-workers 3 is more than the 2 workers of this run"):
@@ -270,8 +270,8 @@ def test_min_workers_above_the_run_is_refused_by_the_library_too():
 def test_cuda_defaults_to_nccl_only_among_local_workers():
     """NCCL is plaintext and local-only: with --device cuda a local run gets it, a run across hosts
     keeps the links (tls, or tcp when --insecure is asked for)."""
-    from fusion_compute import options as O
-    from fusion_compute.cli import build_parser
+    from fusion_compute.cli.main import build_parser
+    from fusion_compute.cli.main import options as O
 
     def engine(*flags: str) -> str:
         return O.engine_options(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])).engine

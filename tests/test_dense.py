@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fusion_compute import reference
-from fusion_compute.dense import DenseModel
-from fusion_compute.weights import open_weights
+from fusion_compute.model import reference
+from fusion_compute.model.dense import DenseModel
+from fusion_compute.weights.loader import open_weights
 
 # Against float64 the twin's fp32 error on these 3-layer models measured 2.3e-7 (logits ~0.5); 1e-4
 # is 400x that, and 100x below what a wrong norm, bias, RoPE pair or mask does (> 1e-2).
@@ -51,7 +51,7 @@ def test_a_stored_lm_head_wins_over_a_tied_config(tmp_path):
     from safetensors.torch import load_file, save_file
     from tiny_models import build
 
-    from fusion_compute import architecture as arch
+    from fusion_compute.model import architecture as arch
 
     path = build(tmp_path / "tied", "llama")  # LLAMA_TINY ties its embeddings
     weights = load_file(path / "model.safetensors")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from test_faults import NEW, run, structural
 
-from fusion_compute.config import ModelError
 from fusion_compute.errors import WorkerMisbehaved
+from fusion_compute.model.config import ModelError
 
 
 def test_nan_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_compute import reference
 from fusion_compute.audit.attack import vocab_match
 from fusion_compute.audit.exposure import analyse, fused_weight, observation_matrix, rank_of, reconstruct, summarize
-from fusion_compute.cli import main
-from fusion_compute.dense import DenseModel
-from fusion_compute.plan import make_plan
-from fusion_compute.weights import open_weights
+from fusion_compute.cli.main import main
+from fusion_compute.model import reference
+from fusion_compute.model.dense import DenseModel
+from fusion_compute.structural.plan import make_plan
+from fusion_compute.weights.loader import open_weights
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8, 9, 10]
 LAYER = 1

@@ -17,11 +17,11 @@ from netns import Hosts, available
 from procs import children, fusion, reap, wait_gone
 from test_topology import keys, write_keys
 
-from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.comm import CommError
-from fusion_compute.generate import generate
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.sampling_params import SamplingParams
+from fusion_compute.structural.client import Engine, EngineOptions
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 NEW = 48
@@ -168,11 +168,11 @@ NS = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]
 
 CUT_CLIENT = r"""
 import json, sys
-from fusion_compute.client import Engine, EngineOptions
+from fusion_compute.structural.client import Engine, EngineOptions
 from fusion_compute.comm import Identity
-from fusion_compute.generate import generate
-from fusion_compute.sampling_params import SamplingParams
-from fusion_compute.topology import Topology
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.runtime.topology import Topology
 topo, key, prompt, cut = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")], sys.argv[4] == "cut"
 t = Topology.load(topo)
 opts = EngineOptions(topology=t, key=Identity.load(key), context=1024, liveness_s=2.0, timeout_s=30)

@@ -13,11 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-import fusion_compute.gguf as gguf_source
-from fusion_compute.config import ModelError, RopeConfig
-from fusion_compute.gguf import GGUFWeights, hf_name
-from fusion_compute.gguf_index import ArrayRef
-from fusion_compute.weights import default_model_path
+import fusion_compute.weights.gguf as gguf_source
+from fusion_compute.model.config import ModelError, RopeConfig
+from fusion_compute.weights.gguf import GGUFWeights, hf_name
+from fusion_compute.weights.gguf_index import ArrayRef
+from fusion_compute.weights.loader import default_model_path
 
 # transformers dequantizes with its own kernels; both are fp32 reconstructions of the same blocks.
 DEQUANT_ATOL = 1e-6

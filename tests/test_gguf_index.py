@@ -12,8 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from fusion_compute.config import ModelError
-from fusion_compute.gguf_index import ArrayRef, GGUFIndex
+from fusion_compute.model.config import ModelError
+from fusion_compute.weights.gguf_index import ArrayRef, GGUFIndex
 
 TOKENS = ["<unk>", "a", "b", "ab", "héllo", "中文", ""]
 

@@ -16,9 +16,9 @@ import pytest
 from procs import children, wait_gone
 from test_faults import LIVENESS_S, run
 
-from fusion_compute.client import Engine, EngineOptions
 from fusion_compute.comm import CommError
-from fusion_compute.membership import TooFewWorkers
+from fusion_compute.runtime.membership import TooFewWorkers
+from fusion_compute.structural.client import Engine, EngineOptions
 
 JOIN_S = 20.0  # the join deadline of every epoch (start-up's too): what the stuck standby costs once
 

@@ -13,7 +13,7 @@ import pytest
 from procs import children
 from test_faults import LIVENESS_S, run
 
-from fusion_compute.client import Engine, EngineOptions
+from fusion_compute.structural.client import Engine, EngineOptions
 
 TIMEOUT_S = 5.0  # the per-message timeout: the slow liar's 2 s stays under it, its step does not
 STEP_RS = 6  # reduce-scatters per step on the tiny Qwen2 (3 layers: attention out, MLP down)

@@ -12,7 +12,7 @@ from chance import chance_hits_bound
 from fusion_compute.masked import attack, audit
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
 from fusion_compute.masked.masks import MaskReuseError
-from fusion_compute.weights import open_weights
+from fusion_compute.weights.loader import open_weights
 
 
 def test_sessions_are_isolated_and_masks_never_reused(tiny_qwen2):
@@ -78,7 +78,7 @@ def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
 def test_audit_negative_control_unchecked_products(tiny_qwen2, tmp_path):
     """The client's check records are the evidence that every product was verified: drop some and
     the audit fails (rule 6); the CLI verifier says so with exit 1."""
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     d, _ = _audited_run(tiny_qwen2, tmp_path, (1, 1, 1))
     assert main(["audit", "verify", str(d)]) == 0
@@ -102,7 +102,7 @@ def test_audit_negative_control_a_talks_to_b(tiny_qwen2, tmp_path):
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
     """`fusion ...` in this process (bad flags never spawn; the good run spawns its workers)."""
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     code = main(list(args))
     out = capsys.readouterr()

@@ -13,14 +13,14 @@ import json
 import torch
 from chance import FALSE_FAILURE_RATE, chance_hits_bound
 
-from fusion_compute import reference
-from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.generate import generate
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.masked import attack, audit
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.sampling_params import SamplingParams
-from fusion_compute.tokenizer import load_tokenizer
-from fusion_compute.weights import open_weights
+from fusion_compute.model import reference
+from fusion_compute.structural.client import Engine, EngineOptions
+from fusion_compute.weights.loader import open_weights
+from fusion_compute.weights.tokenizer import load_tokenizer
 
 QUESTION = "What is the capital of France?"
 NEW_TOKENS = 16

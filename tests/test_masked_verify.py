@@ -17,8 +17,8 @@ from fusion_compute.masked import audit, ring
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
 from fusion_compute.masked.plan import make_masked_plan
 from fusion_compute.masked.verify import ProductCheck, ProductRejected
-from fusion_compute.membership import TooFewWorkers
-from fusion_compute.weights import open_weights
+from fusion_compute.runtime.membership import TooFewWorkers
+from fusion_compute.weights.loader import open_weights
 
 IDS = [1, 5, 9, 200, 3, 77, 12]
 

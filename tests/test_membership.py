@@ -14,10 +14,10 @@ import urllib.request
 import pytest
 from procs import fusion, reap, wait_gone
 
-from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.generate import generate
-from fusion_compute.membership import TooFewWorkers, UnknownWorker
-from fusion_compute.sampling_params import SamplingParams
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.runtime.membership import TooFewWorkers, UnknownWorker
+from fusion_compute.structural.client import Engine, EngineOptions
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 

@@ -153,9 +153,9 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
 
 def test_membership_changes_are_refused(tmp_path):
     """Revoking or adding a worker would need a new MPI world: refused in one line, nothing changed."""
-    from fusion_compute.client import EngineOptions
-    from fusion_compute.membership import Membership, UnknownWorker
-    from fusion_compute.topology import Topology
+    from fusion_compute.runtime.membership import Membership, UnknownWorker
+    from fusion_compute.runtime.topology import Topology
+    from fusion_compute.structural.client import EngineOptions
 
     topo, _ = topology(tmp_path)
     m = Membership.__new__(Membership)  # the refusal comes before any worker is touched

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_compute import reference
-from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.generate import generate
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.sampling_params import SamplingParams
+from fusion_compute.model import reference
+from fusion_compute.structural.client import Engine, EngineOptions
 
 # The runtime's own fp32 error against float64: sums in another order (per-worker partials, then
 # the reduce-scatter), the norm after the matmul, and in masked mode fixed-point ring products

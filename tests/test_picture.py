@@ -14,9 +14,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fusion_compute.config import ModelConfig
-from fusion_compute.picture import LANE_W, LEFT, ROLES, plan_picture, render_svg
-from fusion_compute.plan import make_plan
+from fusion_compute.model.config import ModelConfig
+from fusion_compute.structural.picture import LANE_W, LEFT, ROLES, plan_picture, render_svg
+from fusion_compute.structural.plan import make_plan
 
 SMOLLM = ModelConfig("llama", 576, 1536, 30, 9, 3, 64, 49152, 8192, 1e-5)
 NS = "{http://www.w3.org/2000/svg}"

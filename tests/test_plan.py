@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fusion_compute.config import ModelConfig
-from fusion_compute.plan import PlanError, apportion, make_plan
+from fusion_compute.model.config import ModelConfig
+from fusion_compute.structural.plan import PlanError, apportion, make_plan
 
 SMOLLM = ModelConfig("llama", 576, 1536, 30, 9, 3, 64, 49152, 8192, 1e-5)
 QWEN15B = ModelConfig("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, 32768, 1e-6, qkv_bias=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.generate import generate
-from fusion_compute.sampling_params import SamplingParams
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.structural.client import Engine, EngineOptions
 
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8, 9, 10, 11, 200, 3]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_compute.sampling import NonFiniteLogits, Sampler
-from fusion_compute.sampling_params import SamplingParams
+from fusion_compute.generation.sampling import NonFiniteLogits, Sampler
+from fusion_compute.generation.sampling_params import SamplingParams
 
 TINY = 5e-324  # the smallest positive double
 

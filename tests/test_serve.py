@@ -24,7 +24,7 @@ import openai  # a test dependency: missing must fail, not skip
 import pytest
 from pydantic import ValidationError
 
-from fusion_compute.gateway import (
+from fusion_compute.serving.gateway import (
     TEMPERATURE_FLOOR,
     ApiError,
     ModelCard,
@@ -33,9 +33,9 @@ from fusion_compute.gateway import (
     completion_request,
     longest_token_bytes,
 )
-from fusion_compute.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from fusion_compute.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
-FUSION = [sys.executable, "-m", "fusion_compute.cli"]
+FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]
 API_KEY = "test-key"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -207,7 +207,7 @@ def test_completions_text_ids_and_stop(tiny_server):
 
 
 def test_token_id_prompt(tiny_server, chat_model):
-    from fusion_compute.tokenizer import load_tokenizer
+    from fusion_compute.weights.tokenizer import load_tokenizer
 
     ids = load_tokenizer(chat_model).encode("the quick brown fox")
     c = tiny_server.client()
@@ -361,7 +361,7 @@ def test_disconnect_mid_stream_cancels(tiny_server):
 
 @pytest.fixture(scope="module")
 def card(chat_model):
-    from fusion_compute.tokenizer import load_tokenizer
+    from fusion_compute.weights.tokenizer import load_tokenizer
 
     tok = load_tokenizer(chat_model)
     return ModelCard(id="tiny", tokenizer=tok, context=256, vocab=tok.vocab_size, eos_ids=tok.eos_ids)
@@ -550,9 +550,9 @@ def test_a_failing_request_fails_alone(card):
     request with 503 and marks the engine degraded; the gateway stays up, and the next request that
     runs clears it."""
     from fusion_compute.comm import CommError
-    from fusion_compute.gateway import Gateway
-    from fusion_compute.sampling_params import SamplingError
-    from fusion_compute.scheduler import Scheduler
+    from fusion_compute.generation.sampling_params import SamplingError
+    from fusion_compute.serving.gateway import Gateway
+    from fusion_compute.serving.scheduler import Scheduler
 
     engine = FlakyEngine(card)
     logged: list[str] = []
@@ -597,8 +597,8 @@ def test_the_batch_loop_runs_requests_together_and_fails_them_together(card):
     import threading
 
     from fusion_compute.comm import CommError
-    from fusion_compute.gateway import Gateway
-    from fusion_compute.scheduler import Scheduler
+    from fusion_compute.serving.gateway import Gateway
+    from fusion_compute.serving.scheduler import Scheduler
 
     engine = FlakyEngine(card)
     engine.steps = []
@@ -677,7 +677,7 @@ def test_kept_alive_connection_survives_errors(tiny_server):
 def test_serve_bad_args_one_line(capsys):
     import socket
 
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -721,9 +721,9 @@ def test_admin_call_behind_a_long_request_leaves_the_loop_free(card):
 
     import uvicorn
 
-    from fusion_compute.api_server import _Server, create_app
-    from fusion_compute.gateway import Gateway
-    from fusion_compute.scheduler import Scheduler
+    from fusion_compute.serving.api_server import _Server, create_app
+    from fusion_compute.serving.gateway import Gateway
+    from fusion_compute.serving.scheduler import Scheduler
 
     engine = SlowEngine(card)
     scheduler = Scheduler(Gateway(engine, card), log=lambda line: None)
@@ -784,8 +784,8 @@ def test_the_verified_bound_is_the_one_the_check_gives(card):
     2^-64. One bound, in masked/verify.py: 2^-(U_BITS * BASIS_ROWS), which the gateway quotes."""
     from types import SimpleNamespace
 
-    from fusion_compute.gateway import Gateway
     from fusion_compute.masked import verify
+    from fusion_compute.serving.gateway import Gateway
 
     assert verify.ESCAPE_BOUND == f"2^-{verify.U_BITS * verify.BASIS_ROWS}" == "2^-64"
     plan = SimpleNamespace(n=2, n_a=1, sizes=(1, 1), mask_groups=("B",), fingerprint=lambda: "test")

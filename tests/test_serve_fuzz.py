@@ -18,7 +18,7 @@ import pytest
 import requests
 from test_serve import API_KEY, Live, build_chat_model, start_server, stop_server
 
-from fusion_compute.api_server import MAX_BODY
+from fusion_compute.serving.api_server import MAX_BODY
 
 TIMEOUT_S = 2  # --request-timeout of the server under test
 MAX_CONNECTIONS = 8

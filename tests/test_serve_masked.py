@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_serve import API_KEY, build_chat_model, start_server, stop_server
 
-from fusion_compute import reference
-from fusion_compute.tokenizer import load_tokenizer
+from fusion_compute.model import reference
+from fusion_compute.weights.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("max_batch", [1, 4])  # one request at a time (queued), or decoded together

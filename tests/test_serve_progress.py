@@ -14,7 +14,7 @@ import time
 import torch
 from test_serve import FUSION
 
-from fusion_compute.progress import PREFIX, CountingSource, WorkerReporter, parse_progress
+from fusion_compute.runtime.progress import PREFIX, CountingSource, WorkerReporter, parse_progress
 
 
 def test_worker_reporter_modes():

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from fusion_compute import reference
-from fusion_compute.client import Engine, EngineOptions
-from fusion_compute.generate import generate
-from fusion_compute.sampling_params import SamplingParams
-from fusion_compute.tokenizer import load_tokenizer
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.model import reference
+from fusion_compute.structural.client import Engine, EngineOptions
+from fusion_compute.weights.tokenizer import load_tokenizer
 
 NEW_TOKENS = 20
 QUESTION = "What is the capital of France?"
@@ -39,7 +39,7 @@ def test_greedy_identical_to_transformers(smollm_path, chat_ids, n):
 
 def test_cli_json_answers_paris(smollm_path, smollm_ref):
     out = subprocess.run(
-        [sys.executable, "-m", "fusion_compute.cli", "generate", "--workers", "3", "--chat", "--prompt", QUESTION,
+        [sys.executable, "-m", "fusion_compute.cli.main", "generate", "--workers", "3", "--chat", "--prompt", QUESTION,
          "--max-new-tokens", "16", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

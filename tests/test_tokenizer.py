@@ -9,12 +9,12 @@ import gguf
 import pytest
 import transformers  # noqa: E402  (a test dependency: missing must fail, not skip)
 
-from fusion_compute.config import ModelError
-from fusion_compute.gguf import GGUFWeights
-from fusion_compute.gguf_index import GGUFIndex
-from fusion_compute.options import tokenizer_for
-from fusion_compute.tokenizer import Tokenizer, load_tokenizer
-from fusion_compute.weights import default_model_path
+from fusion_compute.cli.options import tokenizer_for
+from fusion_compute.model.config import ModelError
+from fusion_compute.weights.gguf import GGUFWeights
+from fusion_compute.weights.gguf_index import GGUFIndex
+from fusion_compute.weights.loader import default_model_path
+from fusion_compute.weights.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world!",

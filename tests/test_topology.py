@@ -14,7 +14,7 @@ from procs import FUSION, fusion, reap, run
 from test_serve import build_chat_model
 
 from fusion_compute.comm import Identity, free_port
-from fusion_compute.topology import Topology, TopologyError, check_here, is_local_address
+from fusion_compute.runtime.topology import Topology, TopologyError, check_here, is_local_address
 
 
 def keys(n: int) -> list[Identity]:
@@ -120,7 +120,7 @@ def test_this_machine():
 def test_keys_command(tmp_path, capsys):
     """`fusion keys new` as a user runs it (a process: the key line alone on stdout); the rest through
     the same `main` in this process (each `fusion` process costs a Python start-up)."""
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     r = run("keys", "new", str(tmp_path / "w.key"))
     assert r.returncode == 0, r.stderr
@@ -139,7 +139,7 @@ def test_keys_command(tmp_path, capsys):
 
 
 def test_cli_topology_errors_one_line(tmp_path, capsys):
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     ids = keys(3)
     kf = write_keys(tmp_path, ids)
@@ -177,8 +177,8 @@ def _workers(topo: Path, key_files: list[Path]) -> list:
 
 
 def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
-    from fusion_compute.plan import make_plan
-    from fusion_compute.weights import open_weights
+    from fusion_compute.structural.plan import make_plan
+    from fusion_compute.weights.loader import open_weights
 
     ids = keys(3)
     kf = write_keys(tmp_path, ids)
@@ -280,9 +280,9 @@ def test_hostile_input_files_refused_in_one_line(tmp_path, capsys):
     exit 2 (the command line names something that cannot work), nothing read beyond the bound."""
     import os
 
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
     from fusion_compute.comm.identity import MAX_KEY_FILE
-    from fusion_compute.topology import MAX_TOPOLOGY_FILE
+    from fusion_compute.runtime.topology import MAX_TOPOLOGY_FILE
 
     ids = keys(3)
     kf = write_keys(tmp_path, ids)
@@ -352,7 +352,7 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def test_a_key_file_others_can_read_is_warned_about(tmp_path, capsys):
-    from fusion_compute.cli import main
+    from fusion_compute.cli.main import main
 
     path = write_keys(tmp_path, keys(1))[0]
     line = Identity.load(path).public.line()

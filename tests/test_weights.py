@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from fusion_compute.bench.models import build_random
-from fusion_compute.config import ModelError
-from fusion_compute.weights import open_weights
+from fusion_compute.model.config import ModelError
+from fusion_compute.weights.loader import open_weights
 
 TINY = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 48, "intermediate_size": 80,
@@ -44,7 +44,7 @@ def test_sharded_bf16_slices_equal_full_load(sharded):
 
 
 def test_chunked_reads_cover_every_row(sharded, monkeypatch):
-    import fusion_compute.weights as w
+    import fusion_compute.weights.loader as w
 
     monkeypatch.setattr(w, "READ_CHUNK_BYTES", 7 * 48 * 2)  # 7 rows per chunk: 80 rows -> 12 chunks
     name = "model.layers.1.mlp.gate_proj.weight"

@@ -36,8 +36,8 @@ PORT = 29500
 
 def ingress_needles(model, ids: list[int], n_workers: int = 2, window: int = 32, step: int = 64) -> list[bytes]:
     """Windows of the exact bytes each worker receives at ingress: x[:, R_w] of the prompt, fp32."""
-    from fusion_compute.plan import make_plan
-    from fusion_compute.weights import open_weights
+    from fusion_compute.structural.plan import make_plan
+    from fusion_compute.weights.loader import open_weights
 
     src = open_weights(model)
     x_HT = src.read("model.embed_tokens.weight")[torch.tensor(ids)].T.contiguous()  # (H, T)
@@ -100,7 +100,7 @@ MASKED_CLIENT = r"""
 import json, sys
 from fusion_compute.comm import Identity
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.topology import Topology
+from fusion_compute.runtime.topology import Topology
 model, audit, mode, arg = sys.argv[1:5]
 kw = dict(topology=Topology.load(arg), key=Identity.load(sys.argv[5])) if mode == "tls" else \
      dict(master=arg, insecure=True)
@@ -179,8 +179,8 @@ def test_readme_multihost_steps_run_as_written(tmp_path):
     """The README's three-machine steps, verbatim, on three namespaces with the bundled model."""
     import shlex
 
-    from fusion_compute.tokenizer import Tokenizer
-    from fusion_compute.weights import default_model_path
+    from fusion_compute.weights.loader import default_model_path
+    from fusion_compute.weights.tokenizer import Tokenizer
 
     steps, template = readme_steps()
     hosts_in_doc = [h for h, _ in steps]

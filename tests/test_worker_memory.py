@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from fusion_compute.engine_options import effective_context
-from fusion_compute.plan import make_plan
-from fusion_compute.progress import worker_elements
-from fusion_compute.weights import open_weights
+from fusion_compute.runtime.engine_options import effective_context
+from fusion_compute.runtime.progress import worker_elements
+from fusion_compute.structural.plan import make_plan
+from fusion_compute.weights.loader import open_weights
 
 MIB = 1 << 20
 ALLOWANCE = 300_000_000  # bytes: the interpreter and torch (~220 MiB measured) plus transients

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dense import DenseModel
+from ..model.dense import DenseModel
 
 
 @dataclass

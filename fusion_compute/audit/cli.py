@@ -1,4 +1,4 @@
-"""`fusion audit run | verify | exposure`. Registered by fusion_compute.cli via `add_audit_parser`.
+"""`fusion audit run | verify | exposure`. Registered by fusion_compute.cli.main via `add_audit_parser`.
 
 Bad input ends in one line on stderr and a non-zero exit: 2 for usage errors, 1 for a failed audit.
 """
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..protocol import MAX_SLOTS
+from ..structural.protocol import MAX_SLOTS
 
 EXIT_FAIL = 1
 EXIT_USAGE = 2
@@ -33,8 +33,8 @@ def _ints(text: str | None, what: str) -> list[int] | None:
 
 
 def _capacities(text: str | None) -> tuple[float, ...] | None:
+    from ..cli.options import capacities
     from ..errors import UsageError
-    from ..options import capacities
 
     try:
         return capacities(text)
@@ -46,8 +46,8 @@ def _guard(name: str, func):
     """Run a subcommand; expected failures become one line on stderr."""
 
     def run(a: argparse.Namespace) -> int:
-        from ..config import ModelError
-        from ..plan import PlanError
+        from ..model.config import ModelError
+        from ..structural.plan import PlanError
         from .inject import LeakSpecError
         from .runner import AuditRunError
         from .verify import AuditFormatError
@@ -185,8 +185,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_exposure(a: argparse.Namespace) -> int:
-    from ..plan import make_plan
-    from ..weights import open_weights
+    from ..structural.plan import make_plan
+    from ..weights.loader import open_weights
     from .exposure import analyse, summarize, to_rows
 
     if a.workers < 1:
@@ -235,7 +235,7 @@ def cmd_exposure(a: argparse.Namespace) -> int:
 
 
 def _attack(a: argparse.Namespace, src, plan) -> list[dict]:
-    from ..dense import DenseModel
+    from ..model.dense import DenseModel
     from .attack import vocab_match
 
     c = src.config
@@ -245,8 +245,8 @@ def _attack(a: argparse.Namespace, src, plan) -> list[dict]:
     if a.attack_prompt_ids:
         ids = _ints(a.attack_prompt_ids, "--attack-prompt-ids")
     else:
-        from ..tokenizer import load_tokenizer
-        from ..weights import resolve_model_path
+        from ..weights.loader import resolve_model_path
+        from ..weights.tokenizer import load_tokenizer
 
         try:
             ids = load_tokenizer(resolve_model_path(a.model)).encode(a.attack_prompt)

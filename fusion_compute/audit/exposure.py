@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import architecture as arch
-from ..plan import Plan
-from ..weights import WeightSource
+from ..model import architecture as arch
+from ..structural.plan import Plan
+from ..weights.loader import WeightSource
 
 POINTS = {
     # point -> (the fused linear read there: architecture.py, plan row map)

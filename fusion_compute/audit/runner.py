@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..protocol import MAX_SLOTS
+from ..structural.protocol import MAX_SLOTS
 from . import netcount
 from . import schema as S
 from .recorder import AuditRecorder, model_dims
@@ -80,7 +80,7 @@ def resolve_prompt(cfg: RunConfig, model_path: Path, vocab: int) -> tuple[list[i
         return list(cfg.prompt_ids), "ids"
     text = cfg.prompt or DEFAULT_PROMPT
     try:
-        from ..tokenizer import load_tokenizer
+        from ..weights.tokenizer import load_tokenizer
 
         ids = load_tokenizer(model_path).encode(text)
         if ids:
@@ -130,7 +130,7 @@ class Prepared:
 
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve the model and the prompt once per run (opening a GGUF takes seconds)."""
-    from ..weights import open_weights, resolve_model_path
+    from ..weights.loader import open_weights, resolve_model_path
 
     if cfg.workers < 1:
         raise AuditRunError(f"--workers must be >= 1, got {cfg.workers}")
@@ -165,7 +165,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         from .inject import parse_leak
 
         parse_leak(cfg.inject_leak, config.n_layers)
-    from ..plan import make_plan
+    from ..structural.plan import make_plan
 
     make_plan(config, cfg.workers, cfg.capacities)  # fail here, with the plan's message, not in a worker
     prompt, prompt_src = resolve_prompt(cfg, model_path, config.vocab)
@@ -269,8 +269,8 @@ def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], 
     Session i's prompt is the first len(prompt) - i tokens, so the sessions differ. Every step and
     release is recorded with its spans. Returns each session's tokens, the first step's time and the
     time of the rest."""
-    from ..batching import BatchRunner, Sequence, StepHooks
-    from ..sampling_params import SamplingParams
+    from ..generation.batching import BatchRunner, Sequence, StepHooks
+    from ..generation.sampling_params import SamplingParams
 
     prompts = [prompt[: max(1, len(prompt) - i)] for i in range(cfg.sessions)]
     at = {"steps": 0, "ttft": 0.0, "t0": time.perf_counter()}
@@ -302,10 +302,10 @@ def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], 
 def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> dict:
     import torch
 
-    from ..batching import StepHooks
-    from ..client import Engine, EngineOptions
-    from ..generate import generate
-    from ..sampling_params import SamplingParams
+    from ..generation.batching import StepHooks
+    from ..generation.generate import generate
+    from ..generation.sampling_params import SamplingParams
+    from ..structural.client import Engine, EngineOptions
 
     d = cfg.out / f"cold{index}"
     if d.exists():
@@ -550,8 +550,8 @@ def exposure_section(cfg: RunConfig, prep: Prepared) -> dict:
     """What holding does not prove, for this model and N: the rank of what each worker observes
     (exposure.py) and the vocabulary-matching attack on each worker's layer-0 residual shard,
     run on this audit's own prompt (attack.py)."""
-    from ..dense import DenseModel
-    from ..plan import make_plan
+    from ..model.dense import DenseModel
+    from ..structural.plan import make_plan
     from .attack import vocab_match
     from .exposure import analyse, summarize
 

@@ -24,10 +24,10 @@ def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int,
             repeats: int, log=lambda s: None, opts=None) -> dict:  # fmt: skip
     """`opts`: the job's EngineOptions (bench/rtt.py: workers named by a topology; MaskedOptions: the
     masked mode, `fusion bench --batch B --masked A+B`); default: n local workers on `engine`."""
-    from ..batching import Sequence, run_batch
-    from ..client import Engine, EngineOptions
-    from ..generate import generate
-    from ..sampling_params import SamplingParams
+    from ..generation.batching import Sequence, run_batch
+    from ..generation.generate import generate
+    from ..generation.sampling_params import SamplingParams
+    from ..structural.client import Engine, EngineOptions
 
     greedy = SamplingParams()
     if opts is None:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import uuid
 
-from ..launch import terminate_all
+from ..runtime.launch import terminate_all
 
 DELAYS = ("netem", "nfqueue")
 NFQ_RULE = ["iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]

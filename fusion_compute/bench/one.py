@@ -26,7 +26,7 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def measure_transformers(model: str, a: argparse.Namespace) -> dict:
-    from ..reference import load_reference
+    from ..model.reference import load_reference
 
     torch.set_num_threads(a.threads)
     ref = load_reference(model, torch.float32)  # the speed comparison runs transformers as users do: fp32
@@ -92,9 +92,9 @@ def measure_rtt(a: argparse.Namespace) -> dict:
 
 def measure_engine(model: str, a: argparse.Namespace) -> dict:
     from ..audit import netcount
-    from ..client import Engine, EngineOptions
-    from ..generate import generate
-    from ..sampling_params import SamplingParams
+    from ..generation.generate import generate
+    from ..generation.sampling_params import SamplingParams
+    from ..structural.client import Engine, EngineOptions
 
     # The client embeds and runs the LM head while the workers wait, and waits while they compute:
     # the two never overlap, so it gets the whole budget, as `fusion generate` gives it by default.

@@ -23,9 +23,9 @@ import torch
 
 
 def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, liveness_s: float) -> dict:
-    from ..client import Engine, EngineOptions
-    from ..generate import generate
-    from ..sampling_params import SamplingParams
+    from ..generation.generate import generate
+    from ..generation.sampling_params import SamplingParams
+    from ..structural.client import Engine, EngineOptions
 
     opts = EngineOptions(n_workers=n, standby=1, context=len(prompt) + new_tokens + 8, liveness_s=liveness_s,
                          log=lambda line: None)  # fmt: skip
@@ -53,9 +53,9 @@ def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, li
 
 
 def reference(model: str, n: int, prompt: list[int], new_tokens: int) -> list[int]:
-    from ..client import Engine, EngineOptions
-    from ..generate import generate
-    from ..sampling_params import SamplingParams
+    from ..generation.generate import generate
+    from ..generation.sampling_params import SamplingParams
+    from ..structural.client import Engine, EngineOptions
 
     with Engine(model, EngineOptions(n_workers=n, context=len(prompt) + new_tokens + 8, log=lambda line: None)) as eng:
         return generate(eng, prompt, max_new_tokens=new_tokens, sampling=SamplingParams()).token_ids
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--liveness", type=float, default=5.0)
     p.add_argument("--out", default="out/recovery")
     a = p.parse_args(argv)
-    from ..weights import resolve_model_path
+    from ..weights.loader import resolve_model_path
 
     model = str(resolve_model_path(a.model))
     torch.manual_seed(0)

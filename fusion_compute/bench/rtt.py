@@ -99,9 +99,9 @@ def one(model: str, n: int, rtt_ms: float, variant: str, prompt_len: int, tokens
 def client(argv: list[str]) -> int:
     """The client job, run in the client's host: one session alone, then `batch` sessions together
     (bench/batch.py's workload, once), on the workers the topology names; prints one JSON line."""
-    from ..client import EngineOptions
-    from ..options import load_key
-    from ..topology import Topology
+    from ..cli.options import load_key
+    from ..runtime.topology import Topology
+    from ..structural.client import EngineOptions
     from .batch import measure
 
     topo_path, key, prompt_len, tokens, batch = argv
@@ -149,8 +149,8 @@ def rounds_per_token(model: str, n: int, variant: str) -> int:
     """Sequential network exchanges per decode step: the client's ingress and egress, plus the
     collectives among workers per layer (fusion: 4 reduce-scatters; megatron: 2 all-reduces) and, in
     both, the score sums of split KV groups (the most any worker makes: they run one after another)."""
-    from ..plan import make_plan
-    from ..weights import open_weights
+    from ..structural.plan import make_plan
+    from ..weights.loader import open_weights
 
     config = open_weights(model).config
     if n == 1:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["client"]:
         return client(argv[1:])
-    from ..weights import resolve_model_path
+    from ..weights.loader import resolve_model_path
 
     p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.rtt", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")

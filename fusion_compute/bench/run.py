@@ -66,7 +66,7 @@ def run_bench(
     log=lambda s: None,
     timeout_s: float = 1800,
 ) -> dict:
-    from ..weights import open_weights, resolve_model_path
+    from ..weights.loader import open_weights, resolve_model_path
 
     path = resolve_model_path(model)
 

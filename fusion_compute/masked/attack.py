@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import architecture as arch
-from ..kernels import rms_norm
-from ..weights import WeightSource
+from ..model import architecture as arch
+from ..model.kernels import rms_norm
+from ..weights.loader import WeightSource
 
 
 def vocab_match(view_TK: torch.Tensor, table_VK: torch.Tensor, batch: int = 8192) -> list[int]:

@@ -51,9 +51,9 @@ def _proc_cpu_s(pids: list[int]) -> float:
 
 
 def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, verify: bool = True) -> dict:
-    from ..client import Engine, EngineOptions
-    from ..generate import generate
-    from ..sampling_params import SamplingParams
+    from ..generation.generate import generate
+    from ..generation.sampling_params import SamplingParams
+    from ..structural.client import Engine, EngineOptions
     from .client import MaskedEngine, MaskedOptions
 
     rec = _Bytes()
@@ -108,7 +108,7 @@ def kernels(model) -> list[dict]:
     """Time the ring product W_fx m (mod 2^64) for the model's shapes: float64 limbs (β = 13, 16, 22)
     against torch's int64 matmul (W converted per call, as `RingMatrix.matmul` does), with fp32
     W x as the yardstick. Single thread, best of N."""
-    from ..weights import open_weights
+    from ..weights.loader import open_weights
     from .plan import linear_shapes
     from .ring import RingMatrix, limit_blas_threads, quantize_rows, weight_bits
 
@@ -148,8 +148,8 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
     of fp32 W x (what transformers computes), both against float64, as max |err| / rms(W x).
     End to end: prefill logits of the masked engine for each limb width, of the structural engine
     and of transformers fp32, against transformers float64."""
-    from ..client import Engine, EngineOptions
-    from ..reference import load_reference
+    from ..model.reference import load_reference
+    from ..structural.client import Engine, EngineOptions
     from .client import MaskedEngine, MaskedOptions
     from .ring import RingMatrix, decode, encode, inverse_scales, quantize_rows, weight_bits
 
@@ -228,7 +228,7 @@ def check_only(model, tokens: int = 32) -> dict:
     (U and V for every linear) and the check of every linear of `tokens` decode steps (T = 1), on
     inputs encoded as the client encodes them and their exact products. For models whose masked run
     does not fit this machine (every member of a one-member group holds all rows as float64)."""
-    from ..weights import open_weights
+    from ..weights.loader import open_weights
     from . import ring
     from .plan import make_masked_plan
     from .verify import ProductCheck
@@ -263,8 +263,8 @@ def check_only(model, tokens: int = 32) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..tokenizer import load_tokenizer
-    from ..weights import resolve_model_path
+    from ..weights.loader import resolve_model_path
+    from ..weights.tokenizer import load_tokenizer
     from .plan import parse_groups
 
     p = argparse.ArgumentParser(prog="python -m fusion_compute.masked.bench", description=__doc__.splitlines()[0])

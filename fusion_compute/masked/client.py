@@ -36,10 +36,10 @@ from collections.abc import Callable
 import torch
 
 from ..comm import Event, Recorder
-from ..config import ModelError
-from ..dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
-from ..engine import EngineBase, control_word
-from ..kernels import causal_mask, inv_freq_tensor, rms_norm
+from ..model.config import ModelError
+from ..model.dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
+from ..model.kernels import causal_mask, inv_freq_tensor, rms_norm
+from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
 from . import ring
 from .masks import make_stream, new_key

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine_options import EngineOptions
 from ..errors import UsageError
+from ..runtime.engine_options import EngineOptions
 from . import protocol as P
 from .plan import parse_groups
 

@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..config import ModelConfig
-from ..plan import PlanError, apportion, contiguous_ranges
+from ..model.config import ModelConfig
+from ..structural.plan import PlanError, apportion, contiguous_ranges
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 ELEMENT_BYTES = 8  # int64 ring elements on the wire

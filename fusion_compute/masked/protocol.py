@@ -21,7 +21,7 @@ Nothing flows between workers. Event kinds: "control", "key" (client -> B), "mas
 
 from __future__ import annotations
 
-from ..protocol import CONTROL_LEN, Op, fingerprint_int
+from ..structural.protocol import CONTROL_LEN, Op, fingerprint_int
 
 __all__ = ["CONTROL_LEN", "Op", "fingerprint_int", "KIND_CONTROL", "KIND_KEY", "KIND_MASKED", "KIND_OUT", "KIND_META",
            "MASK_CHACHA20", "MASK_ZERO", "op_name"]  # fmt: skip

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import WorkerMisbehaved
-from ..weights import WeightSource
+from ..weights.loader import WeightSource
 from .plan import MaskedPlan
 from .ring import RingMatrix, quantize_rows, weight_bits
 from .worker import read_rows

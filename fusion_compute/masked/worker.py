@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from .. import architecture as arch
 from ..comm import Comm
 from ..errors import UsageError
-from ..faults import Fault, parse_fault
-from ..weights import WeightSource
+from ..model import architecture as arch
+from ..runtime.faults import Fault, parse_fault
+from ..weights.loader import WeightSource
 from . import protocol as P
 from .masks import make_stream
 from .plan import MaskedPlan, make_masked_plan

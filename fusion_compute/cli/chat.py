@@ -1,0 +1,435 @@
+"""`fusion chat`: an interactive terminal chat with history and streaming.
+
+Local (default): this process is the client role, as in `fusion generate` (it spawns the workers,
+or joins them with --topology / --master). Remote: `--url http://127.0.0.1:8000` talks to a running
+`fusion serve` (the gateway is then the client role; keep it on your own machine).
+
+Each turn sends the whole conversation through the model's chat template; when it no longer fits
+the context window, the oldest turns are dropped (the system prompt stays). Ctrl-C stops a reply
+(the engine finishes its current step, so the workers stay in step); Ctrl-C or Ctrl-D at the prompt
+leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, Any
+
+HELP = """commands:
+  /reset          start a new conversation (keeps the system prompt)
+  /system TEXT    set the system prompt (and start over)
+  /history        show the conversation so far
+  /set KEY VALUE  max_tokens, temperature, top_p, top_k or seed for the next turns
+  /workers        who holds the conversation: every worker, its rank, group and state
+  /revoke ID      remove worker ID now (it wipes and leaves; a standby takes its place, if any)
+  /add [KEY [HOST]] [GROUP]
+                  enroll a standby: local runs spawn one; otherwise name its public key (and host);
+                  masked jobs name its group (A, B or B1..Bk)
+  /exit, /quit    leave (Ctrl-D too)
+Ctrl-C stops a reply."""
+
+
+class ChatError(Exception):
+    """A turn failed; `context_full` when the conversation no longer fits the context window."""
+
+    def __init__(self, message: str, context_full: bool = False):
+        super().__init__(message)
+        self.context_full = context_full
+
+
+class LocalBackend:
+    """Generation in this process, through the same request checks and loop as `fusion serve`
+    (gateway.py), without HTTP."""
+
+    def __init__(self, gateway: Any):
+        self.gateway = gateway
+        self.model = gateway.card.id
+        self.workers = gateway.n_workers
+
+    def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:
+        from pydantic import ValidationError
+
+        from ..serving.gateway import ApiError, chat_request
+        from ..serving.openai_protocol import ChatCompletionRequest, describe_validation_error
+
+        try:
+            req = chat_request(ChatCompletionRequest.model_validate({**body, "model": self.model}), self.gateway.card)
+        except ValidationError as e:
+            raise ChatError(describe_validation_error(e.errors(include_url=False))[0]) from None
+        except ApiError as e:
+            raise ChatError(e.message, context_full=e.code == "context_length_exceeded") from None
+        out = self.gateway.run(req, emit, cancelled)
+        return {"finish_reason": out.finish_reason, "usage": out.usage(), "fusion": self.gateway.protection(out),
+                "timing": out.timing}  # fmt: skip
+
+    def membership(self, action: str, **kw: Any) -> dict:
+        """workers | revoke(pid) | add(key, host, group) on the engine in this process."""
+        from ..comm import CommError, IdentityError, PublicId
+        from ..errors import UsageError
+
+        engine = self.gateway.engine
+        try:
+            if action == "revoke":
+                engine.revoke(kw["pid"])
+            elif action == "add":
+                key = PublicId.parse(kw["key"], "key") if kw.get("key") else None
+                engine.add_standby(key, kw.get("host"), kw.get("group"))
+        except (CommError, IdentityError, UsageError) as e:
+            raise ChatError(str(e)) from None
+        return {"epoch": engine.epoch, "workers": engine.workers()}
+
+    def close(self) -> None:
+        self.gateway.engine.close()
+
+
+class HttpBackend:
+    """A running `fusion serve`: streamed chat completions over HTTP (standard library only)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url if "://" in url else f"http://{url}")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ChatError(f"--url must be http://HOST:PORT, got {url!r}")
+        self.scheme, self.host, self.port = u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80)
+        self.base = u.path.rstrip("/")
+        if not self.base.endswith("/v1"):
+            self.base += "/v1"
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._conn: Any = None
+        models = self._get("/models")
+        try:
+            self.model = models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise ChatError(f"{url}: /v1/models lists no model") from None
+        try:  # the gateway's /health names the worker count (informational only)
+            self.workers = self._get("/health", root=True).get("workers")
+        except (ChatError, ValueError):
+            self.workers = None
+
+    def _connection(self) -> Any:
+        import http.client
+
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=self.timeout_s)
+
+    def _headers(self) -> dict:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def _request(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """One request on a fresh connection: (status, body); ChatError when the server is unreachable."""
+        conn = self._connection()
+        try:
+            conn.request(method, url, body=body, headers=self._headers())
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        except OSError as e:
+            raise ChatError(f"cannot reach {self.host}:{self.port}: {e}") from None
+        finally:
+            conn.close()
+
+    def _get(self, path: str, root: bool = False) -> dict:
+        status, data = self._request("GET", (self.base.removesuffix("/v1") if root else self.base) + path)
+        if status != 200:
+            raise ChatError(f"GET {path}: HTTP {status}: {_error_message(data)}")
+        return json.loads(data)
+
+    def membership(self, action: str, **kw: Any) -> dict:
+        """The server's /admin endpoints (it must run with --api-key)."""
+        root = self.base.removesuffix("/v1")
+        if action == "workers":
+            method, path, body = "GET", "/admin/workers", None
+        elif action == "revoke":
+            method, path, body = "POST", f"/admin/workers/{kw['pid']}/revoke", b""
+        else:
+            body = json.dumps({k: v for k, v in kw.items() if v is not None}).encode()
+            method, path = "POST", "/admin/workers"
+        status, data = self._request(method, root + path, body)
+        if status not in (200, 201):
+            raise ChatError(f"HTTP {status}: {_error_message(data)}")
+        return json.loads(data)
+
+    def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:
+        conn = self._connection()
+        self._conn = conn
+        info: dict = {}
+        try:
+            payload = {**body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+            conn.request("POST", self.base + "/chat/completions", body=json.dumps(payload), headers=self._headers())
+            resp = conn.getresponse()
+            if resp.status != 200:
+                data = resp.read()
+                err = _error_body(data)
+                raise ChatError(f"HTTP {resp.status}: {err.get('message', data[:200])}",
+                                context_full=err.get("code") == "context_length_exceeded")  # fmt: skip
+            for raw in resp:  # bounded: the server ends every stream with [DONE] (or closes it)
+                if cancelled():
+                    info["finish_reason"] = "cancelled"
+                    break  # closing the connection tells the server to stop generating
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise ChatError(obj["error"].get("message", "error"))
+                for choice in obj.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        emit(text)
+                    if choice.get("finish_reason"):
+                        info["finish_reason"] = choice["finish_reason"]
+                if "usage" in obj and obj["usage"]:
+                    info["usage"] = obj["usage"]
+                if "fusion" in obj:
+                    info["fusion"] = obj["fusion"]
+                    info["timing"] = obj["fusion"].get("timing", {})
+        except OSError as e:
+            raise ChatError(f"connection to {self.host}:{self.port} failed: {e}") from None
+        finally:
+            conn.close()
+            self._conn = None
+        return info
+
+    def close(self) -> None:
+        pass
+
+
+def _error_body(data: bytes) -> dict:
+    try:
+        return json.loads(data).get("error") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return {}
+
+
+def _error_message(data: bytes) -> str:
+    return _error_body(data).get("message") or data[:200].decode(errors="replace")
+
+
+class _Interrupt:
+    """While a reply streams, Ctrl-C sets a flag instead of raising: the engine must finish the
+    step it is in, or client and workers would fall out of step."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self._old: Any = None
+
+    def __enter__(self) -> _Interrupt:
+        self.flag.clear()
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, lambda *_: self.flag.set())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def chat_loop(
+    backend: Any, params: dict, system: str | None, stdin: IO[str], stdout: IO[str], stderr: IO[str],
+    interactive: bool,
+) -> int:  # fmt: skip
+    """Read a line, answer it with the whole conversation as context, print the reply as it streams."""
+    history: list[dict] = []
+    prompt = "you> " if interactive else ""
+    if interactive:
+        try:
+            import readline  # noqa: F401 - line editing and up-arrow history for input()
+        except ImportError:
+            pass
+        stderr.write(f"fusion chat: {backend.model}" + (f" on {backend.workers} workers" if backend.workers else "")
+                     + ". /help for commands, Ctrl-D to leave.\n")  # fmt: skip
+        stderr.flush()
+    while True:
+        try:
+            if interactive and stdin is sys.stdin:
+                line = input(prompt)
+            else:
+                stdout.write(prompt)
+                stdout.flush()
+                line = stdin.readline()
+                if not line:
+                    raise EOFError
+        except (EOFError, KeyboardInterrupt):
+            stdout.write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/exit", "/quit"):
+                return 0
+            if cmd == "/help":
+                stdout.write(HELP + "\n")
+            elif cmd == "/reset":
+                history.clear()
+                stdout.write("(new conversation)\n")
+            elif cmd == "/system":
+                system = arg.strip() or None
+                history.clear()
+                stdout.write(f"(system prompt {'set' if system else 'cleared'}; new conversation)\n")
+            elif cmd == "/set":
+                stdout.write(_set_param(params, arg) + "\n")
+            elif cmd in ("/workers", "/revoke", "/add"):
+                stdout.write(_membership(backend, cmd, arg) + "\n")
+            elif cmd == "/history":
+                if system:
+                    stdout.write(f"[system] {system}\n")
+                for m in history:
+                    stdout.write(f"[{m['role']}] {m['content']}\n")
+                if not history:
+                    stdout.write("(empty)\n")
+            else:
+                stdout.write(f"unknown command {cmd}; /help lists them\n")
+            stdout.flush()
+            continue
+        history.append({"role": "user", "content": text})
+        reply = _turn(backend, params, system, history, stdout, stderr, interactive)
+        if reply is None:
+            history.pop()  # the turn failed: forget the question too
+        else:
+            history.append({"role": "assistant", "content": reply})
+
+
+def _membership(backend: Any, cmd: str, arg: str) -> str:
+    """/workers, /revoke ID, /add [KEY [HOST]] [GROUP]: the answer to print (errors included)."""
+    from ..runtime.topology import GROUP_NAME
+
+    words = arg.split()
+    try:
+        if cmd == "/workers":
+            state = backend.membership("workers")
+        elif cmd == "/revoke":
+            if len(words) != 1 or not words[0].isdigit():
+                return "/revoke takes a worker id (/workers lists them)"
+            state = backend.membership("revoke", pid=int(words[0]))
+        else:
+            group = words.pop() if words and GROUP_NAME.match(words[-1]) else None
+            if len(words) > 2:
+                return "/add takes [KEY [HOST]] [GROUP: A, B or B1..Bk]"
+            key, host = (words + [None, None])[:2]
+            state = backend.membership("add", key=key, host=host, group=group)
+    except ChatError as e:
+        return f"({e})"
+    rows = [f"epoch {state['epoch']}:"]
+    for w in state["workers"]:
+        rank = f"rank {w['rank']}" if w["rank"] else "-"
+        group = f" group {w['group']}" if w.get("group") else ""
+        rows.append(f"  worker {w['id']:<3} {rank:<8}{group} {w['state']}  {w.get('where') or ''}".rstrip())
+    return "\n".join(rows)
+
+
+_PARAMS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def _set_param(params: dict, arg: str) -> str:
+    """`/set KEY VALUE`: the value is checked by the next request, like any request parameter."""
+    key, _, value = arg.strip().partition(" ")
+    if key not in _PARAMS:
+        return f"/set takes one of {', '.join(_PARAMS)}"
+    try:
+        params[key] = _PARAMS[key](value.strip())
+    except ValueError:
+        return f"{key} takes a{'n integer' if _PARAMS[key] is int else ' number'}, got {value.strip()!r}"
+    return f"({key} = {params[key]})"
+
+
+def _turn(backend: Any, params: dict, system: str | None, history: list[dict], stdout: IO[str], stderr: IO[str],
+          interactive: bool) -> str | None:  # fmt: skip
+    parts: list[str] = []
+
+    def emit(text: str) -> None:
+        parts.append(text)
+        stdout.write(text)
+        stdout.flush()
+
+    while True:
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        try:
+            with _Interrupt() as stop:
+                info = backend.reply({"messages": messages, **params}, emit, stop.flag.is_set)
+            break
+        except ChatError as e:
+            if e.context_full and len(history) > 1 and not parts:
+                del history[: 2 if len(history) > 2 else 1]  # the oldest user/assistant pair
+                stderr.write("(dropped the oldest turn to fit the context window)\n")
+                continue
+            stdout.write("\n" if parts else "")
+            stderr.write(f"fusion chat: error: {e}\n")
+            stderr.flush()
+            return None
+    stdout.write("\n")
+    stdout.flush()
+    if info.get("finish_reason") == "cancelled":
+        stderr.write("(stopped)\n")
+    elif interactive:
+        usage = info.get("usage") or {}
+        timing = info.get("timing") or {}
+        fusion = info.get("fusion") or {}
+        audit = (fusion.get("audit") or {}).get("checked")
+        bits = [f"{usage.get('completion_tokens', '?')} tokens"]
+        if timing.get("decode_tokens_per_s"):
+            bits.append(f"{timing['decode_tokens_per_s']:.1f} tok/s")
+        if fusion.get("workers"):
+            bits.append(f"{fusion['workers']} workers, {fusion.get('steps', '?')} steps")
+        bits.append("audit " + ("checked" if audit else "not checked"))
+        stderr.write("\x1b[2m[" + " · ".join(bits) + "]\x1b[0m\n" if stderr.isatty() else "[" + ", ".join(bits) + "]\n")
+        stderr.flush()
+    return "".join(parts)
+
+
+def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
+    c = sub.add_parser("chat", help="interactive chat in the terminal (local engine, or --url of a fusion serve)")
+    add_engine(c)
+    c.add_argument("--url", help="talk to a running `fusion serve` (http://HOST:PORT) instead of starting workers")
+    c.add_argument("--api-key", help="API key for --url")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--max-tokens", type=int, help="reply length limit per turn (default 256, capped by the context)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--seed", type=int)
+    c.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(a: Any) -> int:
+    from ..errors import UsageError
+    from ..generation.sampling_params import SamplingParams
+    from ..runtime.progress import is_tty
+
+    SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # fail before spawning
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    params: dict = {"temperature": a.temperature, "top_p": a.top_p}
+    if a.top_k:
+        params["top_k"] = a.top_k
+    if a.seed is not None:
+        params["seed"] = a.seed
+    if a.max_tokens is not None:
+        params["max_tokens"] = a.max_tokens
+    interactive = is_tty(sys.stdin)
+    try:
+        if a.url:
+            backend: Any = HttpBackend(a.url, a.api_key)
+        else:
+            from ..serving.gateway import open_gateway
+
+            gateway, _ = open_gateway(a, always_log=False)
+            backend = LocalBackend(gateway)
+    except ChatError as e:
+        raise UsageError(str(e)) from None
+    try:
+        return chat_loop(backend, params, a.system, sys.stdin, sys.stdout, sys.stderr, interactive)
+    finally:
+        backend.close()

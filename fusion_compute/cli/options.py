@@ -1,0 +1,280 @@
+"""Command-line values and their assembly into engine and worker options, shared by every subcommand
+(generate, serve, chat, worker, audit, bench). Bad values raise `UsageError` with the flag's name."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..comm import ENGINES, Identity, PublicId
+from ..errors import UsageError
+from ..runtime.engine_options import EngineOptions
+from ..runtime.topology import GROUP_NAME, Topology, check_here
+
+# ---- values ----
+
+
+def capacities(text: str | None) -> tuple[float, ...] | None:
+    """--capacity 2,1,1 -> (2.0, 1.0, 1.0)."""
+    if not text:
+        return None
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--capacity must be comma-separated numbers, got {text!r}") from None
+    if any(not (0 < x < math.inf) for x in out):
+        raise UsageError(f"--capacity values must be positive, got {text!r}")
+    return out
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def host_port(text: str | None, flag: str = "--master") -> tuple[str, int] | None:
+    if text is None:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
+        raise UsageError(f"{flag} must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def workers_arg(text: str) -> int | tuple[int, ...]:
+    """--workers: N, or group sizes A+B (A+B1+...+Bk: k mask groups) for --mode masked (e.g. 2+2)."""
+    parts = text.split("+")
+    if len(parts) >= 2 and all(p.strip().isdigit() for p in parts):
+        return tuple(int(p) for p in parts)
+    if len(parts) == 1 and text.strip().lstrip("-").isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected N or A+B (masked mode: A+B1+...+Bk), got {text!r}")
+
+
+def group_arg(text: str) -> str:
+    if not GROUP_NAME.match(text):
+        raise argparse.ArgumentTypeError(f"expected a group name A, B or B1..Bk, got {text!r}")
+    return text
+
+
+def positive(value: float | int | None, flag: str, minimum: float = 0, strict: bool = True) -> None:
+    if value is None:
+        return
+    if not (value > minimum if strict else value >= minimum) or value != value:
+        raise UsageError(f"{flag} must be {'>' if strict else '>='} {minimum:g}, got {value}")
+
+
+# ---- keys ----
+
+
+def load_key(path: str | None) -> Identity | None:
+    """--key FILE (or - for stdin, how a local client hands a spawned worker its key)."""
+    if path is None:
+        return None
+    if path == "-":
+        from ..comm.identity import MAX_KEY_FILE, IdentityError
+
+        data = sys.stdin.buffer.read(MAX_KEY_FILE + 1)  # bounded: stdin may be /dev/zero
+        if len(data) > MAX_KEY_FILE:
+            raise IdentityError(f"key on stdin: more than the {MAX_KEY_FILE} bytes a key file can be: refused")
+        return Identity.from_pem(data, "key on stdin")
+    return Identity.load(path)
+
+
+# ---- engine (client side) ----
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--workers", type=workers_arg, help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked")
+    p.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
+    p.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
+    p.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
+    p.add_argument("--master", help="HOST:PORT to listen at for separately started workers (needs --insecure "
+                                    "without a topology)")  # fmt: skip
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext links and unauthenticated workers: only on a network you trust")  # fmt: skip
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="tls (default): authenticated, encrypted links; tcp: plaintext (--insecure); "
+                        "gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory "
+                        "among local workers (the [mpi] extra)")  # fmt: skip
+    p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
+    p.add_argument("--threads", type=int, help="torch threads per local worker")
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a worker, seconds (default 120)")
+    p.add_argument("--join-timeout", type=float, default=120.0,
+                   help="bound on start-up (workers joining and loading), seconds (default 120)")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
+    p.add_argument("--standby", type=int, default=0,
+                   help="local spare workers that replace a lost one (masked mode: per group); default 0")  # fmt: skip
+    p.add_argument("--min-workers", type=int, default=None,
+                   help="never continue with fewer workers than this after a loss (default 2)")  # fmt: skip
+    p.add_argument("--liveness", type=float, default=5.0,
+                   help="a worker silent this long (no heartbeat) has failed, seconds (default 5)")  # fmt: skip
+    p.add_argument("--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering")
+
+
+def _engine_name(a: argparse.Namespace) -> str:
+    if a.engine is not None:
+        return a.engine
+    if a.device == "cuda" and not (getattr(a, "topology", None) or a.master):
+        return "nccl"  # among local workers; across machines the links stay TLS (or TCP with --insecure)
+    return "tcp" if a.insecure else "tls"
+
+
+def _topology(a: argparse.Namespace) -> Topology | None:
+    if not getattr(a, "topology", None):
+        return None
+    if a.workers is not None or a.master or a.capacity:
+        raise UsageError("--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master")
+    topo = Topology.load(a.topology)
+    a.model = a.model or topo.model_for(0)
+    return topo
+
+
+def check_common(a: argparse.Namespace) -> None:
+    if a.context is not None and a.context < 2:
+        raise UsageError(f"--context must be >= 2, got {a.context}")
+    if a.threads is not None and a.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {a.threads}")
+    positive(a.timeout, "--timeout")
+    positive(a.join_timeout, "--join-timeout")
+
+
+def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions:
+    """EngineOptions (or masked.MaskedOptions) from `fusion generate|serve|chat` arguments."""
+    check_common(a)
+    topo = _topology(a)
+    common: dict[str, Any] = dict(
+        topology=topo, key=load_key(a.key), insecure=a.insecure, master=None, engine=_engine_name(a),
+        context=a.context, threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device,
+        standby=a.standby, min_workers=a.min_workers, liveness_s=a.liveness,
+        recover=not a.no_recover,
+    )  # fmt: skip
+    if a.master is not None:
+        host_port(a.master)
+        common["master"] = a.master
+    if masked:
+        from ..masked.options import masked_options
+
+        opts = masked_options(a.workers, topo, {**common, "capacities": capacities(a.capacity)})
+    else:
+        if topo is not None:
+            if topo.masked:
+                raise UsageError(f"{topo.path} names masked groups A and B: add --mode masked")
+            n, caps = topo.n_workers, topo.capacities
+        else:
+            n = 2 if a.workers is None else a.workers
+            if isinstance(n, tuple):
+                raise UsageError(f"--workers {'+'.join(map(str, n))} (groups) needs --mode masked")
+            if n < 1:
+                raise UsageError(f"--workers must be >= 1, got {n}")
+            caps = capacities(a.capacity)
+        opts = EngineOptions(n_workers=n, capacities=caps, **common)
+    try:
+        opts.check()
+    except Exception as e:
+        raise UsageError(str(e)) from None
+    if opts.insecure:
+        opts.log("warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
+                 "path reads the shards, anyone who reaches the port can join")  # fmt: skip
+    elif opts.mpi_world:
+        opts.log("note: --engine mpi across hosts: the workers' collectives are MPI's, plaintext on your "
+                 "cluster's network; the client's links stay TLS")  # fmt: skip
+    return opts
+
+
+def tokenizer_for(path: Path, src: Any, needed: bool) -> Any:
+    """The model's tokenizer; a model without one can still run --prompt-ids (text is then empty)."""
+    from ..weights.tokenizer import Tokenizer, load_tokenizer
+
+    if path.is_file():
+        # Reuse the opened index (header and tensor table already parsed); the tokenizer reads its arrays.
+        index = getattr(src, "index", None)
+        return Tokenizer.from_gguf(path if index is None else index)
+    if not (path / "tokenizer.json").is_file():
+        if needed:
+            raise UsageError(f"{path}: no tokenizer.json, so --prompt TEXT cannot be used; pass --prompt-ids")
+        return None
+    return load_tokenizer(path)
+
+
+# ---- worker ----
+
+
+def add_worker_args(w: argparse.ArgumentParser) -> None:
+    w.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    w.add_argument("--topology", help="TOML topology file: this worker finds itself in it by its --key")
+    w.add_argument("--key", help="this worker's key file (- reads it from stdin)")
+    w.add_argument("--master", help="the client's HOST:PORT (without a topology)")
+    w.add_argument("--client-key", help="the client's public key line (without a topology)")
+    w.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
+    w.add_argument("--rank", type=int, help="claim this rank (checked by the client; required with --insecure)")
+    w.add_argument("--group", type=group_arg, help="masked mode: claim this group, A, B or B1..Bk (checked by the client)")
+    w.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
+                   help="load progress on stderr: auto = a bar on a terminal, else nothing")  # fmt: skip
+    w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    w.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a peer, seconds")
+    w.add_argument("--join-timeout", type=float, default=120.0, help="bound on joining the client, seconds")
+    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
+    w.add_argument("--inject-leak", help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce "
+                                         "| keep-slots (masked: a-to-b)")  # fmt: skip
+    w.add_argument("--inject-fault", help="tests only: close-mid-message@STEP, never-join@N, cut-peer@N, slow-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)")
+    w.add_argument("--variant", choices=("sharded", "megatron"), default="sharded",
+                   help="megatron: replicated-residual baseline (benchmark / negative control)")  # fmt: skip
+
+
+def worker_options(a: argparse.Namespace) -> Any:
+    from ..structural.worker import WorkerOptions
+
+    if a.threads is not None and a.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {a.threads}")
+    positive(a.timeout, "--timeout")
+    positive(a.join_timeout, "--join-timeout")
+    key = None if a.insecure else load_key(a.key)
+    listen_host, rank, group, model = None, a.rank, a.group, a.model
+    if a.topology:
+        if a.master or a.client_key:
+            raise UsageError("--topology names the client and its key: drop --master/--client-key")
+        topo = Topology.load(a.topology)
+        if a.insecure:
+            if rank is None:
+                raise UsageError("an --insecure worker must give --rank (there is no key to find it by)")
+            me = topo.participant(rank)
+        else:
+            if key is None:
+                raise UsageError("give --key FILE: the worker finds itself in the topology by its public key")
+            topo.require_keys()
+            me = topo.by_key(key.public)
+            if me is None or me.rank == 0:
+                raise UsageError(f"this worker's key ({key.public.fingerprint}) is not one of {topo.path}'s workers")
+        check_here(me)
+        master = (topo.client.host, topo.port)
+        client_key = None if a.insecure else topo.client.key
+        listen_host, model = me.host, model or topo.model_for(me.rank)
+        rank = rank if rank is not None else me.rank
+        group = group or me.group
+    else:
+        master = host_port(a.master)
+        if master is None:
+            raise UsageError("give --master HOST:PORT and --client-key (or --topology FILE)")
+        if a.insecure:
+            if rank is None:
+                raise UsageError("an --insecure worker must give --rank")
+            client_key = None
+        else:
+            if key is None or a.client_key is None:
+                raise UsageError("give --key FILE and --client-key LINE (or --insecure)")
+            client_key = PublicId.parse(a.client_key, "--client-key")
+    if rank is not None and rank < 1:
+        raise UsageError(f"--rank must be >= 1, got {rank}")
+    return WorkerOptions(
+        master=master, key=key, client_key=client_key, model=model, listen_host=listen_host, rank=rank, group=group,
+        threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device, progress=a.progress,
+        audit_dir=a.audit_dir, inject_leak=a.inject_leak, inject_fault=a.inject_fault, variant=a.variant,
+    )  # fmt: skip

@@ -1,0 +1,165 @@
+"""Continuous batching: several sessions decode together, one sharded step for all of them.
+
+Decode at N >= 2 is bound by collective round trips, not arithmetic: a step costs about the same
+for one token as for eight. So every step carries one new token for each running session (and the
+whole prompt of each newcomer: its prefill joins the ongoing decodes in the same step), each session
+keeps its own KV slot on every worker (engine.forward_batch), and sessions join and leave between
+steps. A session's tokens are what `generate.generate` gives it alone: the same calls in the same
+order (prefill, then one token at a time), with its own sampler; only the columns next to it differ,
+and a linear layer treats columns independently (up to the BLAS kernel's summation order, which is
+why the tests compare greedy tokens, not bits).
+
+    runner = BatchRunner(engine, max_batch=8)
+    runner.add(Sequence(prompt_ids, max_new_tokens=64, sampling=params, stop_ids=eos, on_token=cb))
+    while runner.active:
+        for seq in runner.step():   # the sessions that finished at this step
+            seq.result()            # a result.GenerationResult
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ..runtime.engine import EngineBase
+from .result import GenerationResult, check_prompt, next_finish
+from .sampling import Sampler
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One request's session in a batch: its prompt, limits, sampler and what it generated."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: Iterable[int] = ()
+    on_token: Callable[[int], bool | None] | None = None  # True: stop now (a stop string matched, a hang-up)
+    slot: int = -1
+    out: list[int] = field(default_factory=list)
+    finish: str | None = None  # set when it is over: "stop" | "length" | "error" (its step failed)
+    steps: int = 0
+    t0: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    recoveries: list[dict] = field(default_factory=list)  # epochs opened while it ran (a worker lost)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            token_ids=self.out, prompt_tokens=len(self.prompt_ids), finish_reason=self.finish or "length",
+            ttft_s=self.t_first - self.t0, decode_s=self.t_end - self.t_first, steps=self.steps,
+            recoveries=self.recoveries,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Calls around the loop's engine work, for a caller that records every step (the audit runner):
+    `before(spans)` ahead of each step, its (slot, position, T) per session; `after()` once the
+    step's logits are back (before any token is sampled); `released(slot)` after a session's slot
+    was zeroed."""
+
+    before: Callable[[list[tuple[int, int, int]]], None] = lambda spans: None
+    after: Callable[[], None] = lambda: None
+    released: Callable[[int], None] = lambda slot: None
+
+
+class BatchRunner:
+    """Runs up to `max_batch` sessions at once on one engine."""
+
+    def __init__(self, engine: EngineBase, max_batch: int, hooks: StepHooks | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max batch must be >= 1, got {max_batch}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.hooks = hooks or StepHooks()
+        # made at the first session's reset (and kept, zeroed, after); a runner of one (generate) keeps
+        # the slots a batch made
+        engine.batch_slots = max(max_batch, engine.batch_slots) if max_batch == 1 else max_batch
+        self.active: dict[int, Sequence] = {}  # slot -> session
+        self._samplers: dict[int, Sampler] = {}
+        self._stops: dict[int, set[int]] = {}
+        self.steps = 0
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.active)
+
+    def add(self, seq: Sequence, fresh: bool = False) -> None:
+        """Admit a session; its prefill runs at the next step. Raises errors.InputError for a
+        prompt the model cannot run, ValueError when the batch is full. `fresh`: into an empty
+        batch, start afresh (every slot zeroed) even when the engine still has sessions open."""
+        if self.room <= 0:
+            raise ValueError(f"the batch is full ({self.max_batch} sessions)")
+        check_prompt(seq.prompt_ids, self.engine.config.vocab, self.engine.context, seq.max_new_tokens)
+        seq.slot = min(set(range(self.max_batch)) - set(self.active))
+        if not self.active and (fresh or not self.engine.slot_history):
+            seen = len(self.engine.recoveries)
+            self.engine.reset()  # the first session of a batch: every slot zeroed, every position 0
+            seq.recoveries += self.engine.recoveries[seen:]  # noticed while idle, recovered at the reset
+        seq.t0 = time.perf_counter()
+        self.active[seq.slot] = seq
+        self._samplers[seq.slot] = Sampler(seq.sampling)
+        self._stops[seq.slot] = set(seq.stop_ids)
+
+    def step(self) -> list[Sequence]:
+        """One sharded step for every active session; returns those that finished (their slots are
+        zeroed on the workers and free again)."""
+        if not self.active:
+            return []
+        seqs = list(self.active.values())
+        items = [(s.slot, list(s.prompt_ids) if not s.out else [s.out[-1]]) for s in seqs]
+        seen = len(self.engine.recoveries)
+        self.hooks.before([(slot, len(self.engine.slot_history.get(slot, ())), len(ids)) for slot, ids in items])
+        logits = self.engine.forward_batch(items)
+        self.hooks.after()
+        self.steps += 1
+        for seq in seqs:
+            seq.recoveries += self.engine.recoveries[seen:]
+        done = []
+        for seq, lg in zip(seqs, logits, strict=True):
+            seq.steps += 1
+            tok = self._samplers[seq.slot](lg)
+            seq.out.append(tok)
+            if len(seq.out) == 1:
+                seq.t_first = time.perf_counter()
+            budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+            seq.finish = next_finish(tok, seq.out, self._stops[seq.slot], seq.on_token, budget)
+            if seq.finish is not None:
+                done.append(seq)
+        for seq in done:
+            self._retire(seq)
+        return done
+
+    def _retire(self, seq: Sequence) -> None:
+        seq.t_end = time.perf_counter()
+        del self.active[seq.slot], self._samplers[seq.slot], self._stops[seq.slot]
+        self.engine.release(seq.slot)  # hygiene: its KV slot is zeroed now, not when it is reused
+        self.hooks.released(seq.slot)
+
+    def abort(self) -> list[Sequence]:
+        """A step failed: every session ends here (slots zeroed where the workers still answer)."""
+        seqs = list(self.active.values())
+        for seq in seqs:
+            seq.finish = seq.finish or "error"
+            self._retire(seq)
+        self.engine.slot_history.clear()
+        return seqs
+
+
+def run_batch(engine: EngineBase, seqs: list[Sequence], max_batch: int) -> list[GenerationResult]:
+    """Run `seqs` to completion, at most `max_batch` at once, newcomers joining as slots free up;
+    results in the order given."""
+    runner = BatchRunner(engine, max_batch)
+    waiting = list(seqs)
+    try:
+        while waiting or runner.active:
+            while waiting and runner.room:
+                runner.add(waiting.pop(0))
+            runner.step()
+    except BaseException:
+        runner.abort()
+        raise
+    return [s.result() for s in seqs]

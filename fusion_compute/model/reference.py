@@ -1,0 +1,61 @@
+"""HF transformers as the reference, on the same weights, in float64 (tests, benchmark, verify).
+
+Why float64: the runtime computes in fp32 with its own summation order (per-worker partials, the
+reduce-scatter's sum, the norm after the matmul). Against an fp32 reference the comparison measures
+two fp32 roundings against each other, so a new transformers release moving its order can cross a
+tolerance. Against float64 (~exact here) it measures only the runtime's own fp32 error, and every
+tolerance can sit orders of magnitude below what it guards (the tests say by how much).
+
+transformers is a test/benchmark dependency only: imported here, lazily, never by the runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..weights.loader import resolve_model_path
+
+
+def load_reference(model: str | Path | None, dtype: torch.dtype = torch.float64):
+    """transformers' model for an HF directory or a GGUF file (dequantized), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    if path.is_file():  # GGUF: transformers dequantizes and un-permutes Q/K itself
+        m = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return m.eval()
+
+
+@torch.no_grad()
+def logits(ref, ids: list[int]) -> torch.Tensor:
+    """(T, V) logits of a full forward over ids, in the reference's dtype."""
+    return ref(torch.tensor([ids])).logits[0]
+
+
+@torch.no_grad()
+def greedy(ref, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """Greedy continuation with transformers' own KV cache; stops after a token in stop_ids."""
+    return greedy_with_margins(ref, ids, max_new_tokens, stop_ids)[0]
+
+
+@torch.no_grad()
+def greedy_with_margins(
+    ref, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and, per step, the gap between the best and second-best logit: where a gap is
+    below the runtime's fp32 error, a different greedy choice would not be a bug."""
+    out: list[int] = []
+    gaps: list[float] = []
+    res = ref(torch.tensor([ids]), use_cache=True)
+    while True:
+        top = res.logits[0, -1].topk(2)
+        tok = int(top.indices[0])
+        out.append(tok)
+        gaps.append(float(top.values[0] - top.values[1]))
+        if tok in stop_ids or len(out) >= max_new_tokens:
+            return out, gaps
+        res = ref(torch.tensor([[tok]]), cache=res.cache, use_cache=True)

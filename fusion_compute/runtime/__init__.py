@@ -1,0 +1,5 @@
+"""A job on the client's side, common to both modes: options and their checks, the engine (start-up,
+links, epochs, close), membership changes (recovery, revocation, standbys), local worker processes,
+topology files, fault injection for the tests, start-up progress.
+
+May import: model, weights, comm, errors. Never structural, masked, generation, serving or cli."""

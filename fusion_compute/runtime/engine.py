@@ -1,0 +1,426 @@
+"""The client's side of a job, common to both modes: the model's client-side weights, who the workers
+are, starting or admitting them, the links, epochs and recovery, and an orderly close (also when
+start-up fails).
+
+Who the workers are, three ways:
+
+  local      `--workers N`: the client spawns N processes on this machine. It makes a fresh key pair
+             for itself and for each worker (in memory; a worker gets its secret on stdin), so even on
+             one machine only the processes it started can join, over TLS on loopback.
+  topology   `--topology FILE --key client.key`: the user's file lists every worker's address, share
+             and public key; the client admits exactly those keys (comm/rendezvous.py). With
+             `--engine mpi` the workers are a cluster that mpiexec started: their collectives run
+             in its MPI world (comm/mpi_fabric.py), one epoch only, and the links to the client
+             stay TLS.
+  insecure   `--master HOST:PORT --insecure`: plaintext, and whoever claims a rank gets it. Only when
+             asked for by name; a warning says so.
+
+Seats and epochs (docs/resilience.md). Every worker of the roster has a seat: a participant id for
+life, a capacity, a group (masked mode), and whether it is a standby. An epoch is an ordered list of
+seats; its plan is made from their capacities (or groups). When a worker dies, freezes (the liveness
+watch names it within `--liveness` seconds) or is revoked, the client opens the next epoch over the
+survivors plus a standby (same group in masked mode), or over the survivors alone, but never with
+fewer than `--min-workers` (default 2: one worker would hold everything). It then replays the
+session's tokens as a prefill: every worker's state is a function of those tokens and the plan, so
+nothing has to leave a worker and nothing is gathered. Greedy output continues as if nothing happened.
+
+Epoch changes (recovery, revocation, standbys, expelling a liar) are membership.py's `Membership`,
+which `EngineBase` inherits. A mode subclasses `EngineBase` with its plan (`plan_for`), its handshake (`hello`), `_forward_batch`,
+`_release`, `_reset`, `_wipe`, `ping` and `shutdown`: client.Engine (structural) and masked.client.MaskedEngine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..comm import Admission, Comm, CommError, Identity, Member, PeerError, PeerLost, Recorder, Watch, free_port
+from ..comm.mpi_fabric import WORLD as MPI_WORLD
+from ..model import architecture as arch
+from ..model.config import ModelError
+from ..weights.loader import WeightSource, open_weights, resolve_model_path
+from .engine_options import FABRICS, EngineOptions, default_threads, effective_context
+from .launch import WorkerProcs
+from .membership import Membership, Seat
+from .topology import check_here
+
+EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
+
+
+class EngineBase(Membership):
+    """Client side of one job: owns the worker processes (if local), the roster, the links of the
+    current epoch, and the session's tokens (for replay)."""
+
+    mode = "structural"
+
+    def __init__(
+        self,
+        model: str | Path | None,
+        opts: EngineOptions,
+        recorder: Recorder | None = None,
+        source: WeightSource | None = None,
+    ):
+        """`source`: an already opened `open_weights(model)`, to avoid parsing the file twice."""
+        t0 = time.perf_counter()
+        opts.check()
+        self.opts = opts
+        self.model_path = resolve_model_path(model)
+        self.src: WeightSource = source or open_weights(self.model_path)
+        self.config = c = self.src.config
+        self.seats = self.make_seats()
+        self.order = [s.pid for s in self.seats.values() if not s.standby]  # the current epoch
+        self.epoch = 0
+        self.plan = self.plan_for(self.order)
+        self.context = effective_context(c.max_positions, opts.context)
+        self.embed = self.src.read(arch.EMBED)  # (V, H)
+        if self.embed.shape != (c.vocab, c.hidden):
+            raise ModelError(f"embedding shape {tuple(self.embed.shape)} != ({c.vocab}, {c.hidden})")
+        self.final_norm = self.src.read(arch.FINAL_NORM)
+        self.lm_head = arch.read_lm_head(self.src, self.embed)
+        self.recorder = self.prepare(recorder)
+        self.slot_history: dict[int, list[int]] = {}  # each open session's tokens, per KV slot: what a replay runs again
+        self.recoveries: list[dict] = []  # one record per epoch change after start-up
+        self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
+        self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
+        self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
+        self.procs: WorkerProcs | None = None
+        self.comm: Comm | None = None
+        self._admission: Admission | None = None
+        self.watch = Watch(opts.liveness_s)
+        monitor = None
+        try:
+            roster, me, worker_keys = self._roster()
+            host, port = self._listen_address()
+            self._admission = Admission(me, roster, host, port, log=opts.log, first_epoch=self.order,
+                                        on_pulse=lambda m, link: self.watch.add(m.pid, link))  # fmt: skip
+            if opts.is_local:
+                self.procs = self._spawn(me, worker_keys)
+            monitor = opts.progress(self.procs, self.plan, self._admission.address) if opts.progress else None
+            self.worker_info = self._open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
+            if self.procs is not None:
+                self.procs.quiet = False
+        except BaseException as e:
+            try:  # (a timeout is not looked into: the worker is still running)
+                why = self._exit_words(e) if isinstance(e, PeerLost) else None
+                if why is not None:  # the link only saw the connection close; the process said why
+                    e.args = (f"{e} ({why})",)
+            finally:
+                if monitor is not None:
+                    monitor.close(ok=False)
+                    monitor = None
+                self._abort()
+            raise
+        finally:
+            if monitor is not None:
+                monitor.close(ok=True)
+        self.load_s = time.perf_counter() - t0
+
+    # ---- what a mode provides ----
+
+    def plan_for(self, order: list[int]) -> Any:
+        """The plan of an epoch whose workers are the seats `order` (rank = position + 1)."""
+        raise NotImplementedError
+
+    def hello(self, deadline: float, order: list[int]) -> list[dict]:
+        """The plan handshake with every worker of the epoch being opened (`order`: its participants in
+        rank order; `self.order` is still the previous epoch's), after the links are up; returns
+        per-worker info."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Tell every worker to stop (best effort)."""
+        raise NotImplementedError
+
+    def welcome(self) -> dict:
+        """Mode-specific WELCOME fields (the plan's parameters), beyond rank and peers."""
+        return {}
+
+    def prepare(self, recorder: Recorder | None) -> Recorder | None:
+        """Mode-specific client state, made before any worker starts; returns the comm's recorder."""
+        return recorder
+
+    def worker_args(self) -> list[str]:
+        """Extra command-line arguments for spawned workers."""
+        return list(self.opts.extra_worker_args)
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def _wipe(self) -> None:
+        """Zero what the session left in the workers' (and the client's) buffers."""
+        raise NotImplementedError
+
+    @property
+    def wire(self) -> Comm:
+        """The open epoch's comm. With none open (an epoch change failed and nothing has reopened one
+        yet) a step gets a CommError saying so, never an AttributeError on None."""
+        if self.comm is None:
+            raise CommError("no epoch is open: the last change of workers failed (the next request opens one)")
+        return self.comm
+
+    @property
+    def n_workers(self) -> int:
+        return self.plan.n
+
+    def group_names(self) -> tuple[str, ...] | None:
+        """The groups every epoch must have a worker in (masked mode), or None."""
+        return None
+
+    def group_of(self, rank: int) -> str | None:
+        return self.seats[self.order[rank - 1]].group
+
+    # ---- sessions, with recovery: a single session is a batch of one, in slot 0 ----
+
+    # KV slots the workers make at a session's start: BatchRunner sets its max batch, and it stays (a
+    # later run then zeroes that many slots at its start)
+    batch_slots = 1
+    slot_pos: dict[int, int]  # each open slot's position of its next token (set by the mode)
+
+    @property
+    def history(self) -> list[int]:
+        """Slot 0's tokens so far: a single session's (the one `forward` runs)."""
+        return list(self.slot_history.get(0, ()))
+
+    def reset(self) -> None:
+        """Start afresh: workers zero their KV shards, every slot of them."""
+        self.slot_history = {}
+        self._with_recovery(self._reset)
+
+    def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """One session's step: `forward_batch` with slot 0 alone. Logits (V,) of the last token, or
+        (T, V) of every one with all_logits."""
+        return self.forward_batch([(0, list(ids))], all_logits={0} if all_logits else ())[0]
+
+    def forward_batch(self, items: list[tuple[int, list[int]]], all_logits: Collection[int] = ()) -> list[torch.Tensor]:
+        """One step for one or several sessions, each in its own KV slot: `items` are (slot, ids), the
+        ids run at that slot's position (a new slot starts at 0: its prefill). Returns each item's
+        last-token logits (V,), or (T, V) for every token of a slot in `all_logits` (parity tests,
+        a prompt's logprobs). A lost worker costs a new epoch and one replay of every open slot."""
+        if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
+            raise ValueError("a step needs distinct slots, each with tokens to run")
+        full = frozenset(all_logits) & {s for s, _ in items}
+
+        def replay() -> list[torch.Tensor]:
+            t0 = time.perf_counter()
+            logits: dict[int, torch.Tensor] = {}
+            replayed = self._replay_slots(dict(items), logits, full)
+            if self.recoveries:
+                self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3), replayed_tokens=replayed)
+            return [logits[slot] for slot, _ in items]
+
+        out = self._with_recovery(lambda: self._forward_batch(items, full), replay)
+        for slot, ids in items:
+            self.slot_history.setdefault(slot, []).extend(ids)
+        return out
+
+    def _replay_slots(self, new: dict[int, list[int]], logits: dict[int, torch.Tensor] | None = None,
+                      full: frozenset[int] = frozenset()) -> int:  # fmt: skip
+        """A fresh epoch's batch: every slot zeroed, then each open session's tokens (plus `new`, the
+        step being retried) run again as a prefill in its own slot, one session per step (a step's
+        size stays what one session's replay would be). `logits` gets each retried slot's result:
+        of its `new` tokens only (all of them for a slot in `full`). Returns the tokens replayed."""
+        self._reset()
+        runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}
+        runs.update({slot: ids for slot, ids in new.items() if slot not in runs})
+        for slot, ids in runs.items():
+            out = self._forward_batch([(slot, ids)], full & {slot})[0]
+            if logits is not None and slot in new:
+                logits[slot] = out[-len(new[slot]) :] if slot in full else out
+        return sum(len(h) for h in self.slot_history.values())
+
+    def release(self, slot: int) -> None:
+        """One session is over: its KV slot is zeroed on every worker now. Best effort: a worker that
+        cannot be told (lost, or the epoch being replaced) zeroes its memory when the next epoch
+        resets it or its process ends."""
+        self.slot_history.pop(slot, None)
+        try:
+            self._release(slot)  # also without an epoch: the client's own memory (masked mode) is wiped
+        except CommError:
+            pass
+
+    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """The mode's step: each item's last-token logits (V,), or (T, V) for a slot in `full`."""
+        raise NotImplementedError
+
+    def _batch_spans(self, items: list[tuple[int, list[int]]]) -> list[tuple[int, int, int]]:
+        """(slot, position, T) of each item of a step, checked: the slot is one of the batch's and
+        its tokens fit the context. A mode's `slot_pos` holds each slot's next position."""
+        spans = []
+        for slot, ids in items:
+            if not 0 <= slot < self.batch_slots:
+                raise ValueError(f"slot {slot} outside the batch's 0..{self.batch_slots - 1}")
+            pos = self.slot_pos.get(slot, 0)
+            if pos + len(ids) > self.context:
+                raise ValueError(f"{pos + len(ids)} tokens exceed the context window of {self.context}")
+            spans.append((slot, pos, len(ids)))
+        return spans
+
+    def _release(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def end_session(self) -> None:
+        """The session is over: wipe its state everywhere now (not at the next session's start)."""
+        self.slot_history = {}
+        try:
+            self._wipe()
+        except PeerError:
+            pass  # a lost worker's memory is its process's; the next request recovers
+
+    # ---- start-up ----
+
+    def make_seats(self) -> dict[int, Seat]:
+        """Every worker of the roster: the topology's, or N local ones plus --standby spares."""
+        opts = self.opts
+        if opts.topology is not None:
+            return {p.rank: Seat(p.rank, p.capacity, p.group, p.standby) for p in opts.topology.all_workers}
+        caps = opts.capacities or (1.0,) * opts.n_workers
+        seats = {r: Seat(r, caps[r - 1], self.initial_group(r)) for r in range(1, opts.n_workers + 1)}
+        spare_groups = self.spare_groups()
+        for i, g in enumerate(spare_groups * opts.standby):
+            pid = opts.n_workers + 1 + i
+            seats[pid] = Seat(pid, min(caps), g, standby=True)
+        return seats
+
+    def initial_group(self, pid: int) -> str | None:
+        """A local worker's group (masked mode)."""
+        return None
+
+    def spare_groups(self) -> list[str | None]:
+        """One local standby per entry, for each --standby (masked mode: one per group)."""
+        return [None]
+
+    def _roster(self) -> tuple[list[Member], Identity | None, dict[int, Identity]]:
+        opts, secure = self.opts, not self.opts.insecure
+        if opts.topology is not None:
+            roster = [Member(p.rank, p.host, p.key if secure else None, p.group, p.name, p.standby)
+                      for p in opts.topology.all_workers]  # fmt: skip
+            return roster, opts.key if secure else None, {}
+        seats = self.seats.values()
+        if opts.master is not None:  # insecure, separately started: hosts come from their JOINs
+            return [Member(s.pid, "", None, s.group, None, s.standby) for s in seats], None, {}
+        me = Identity.new() if secure else None
+        keys = {s.pid: Identity.new() for s in seats} if secure else {}
+        roster = [Member(s.pid, "127.0.0.1", keys[s.pid].public if secure else None, s.group, None, s.standby)
+                  for s in seats]  # fmt: skip
+        return roster, me, keys
+
+    def _listen_address(self) -> tuple[str, int]:
+        opts = self.opts
+        if opts.topology is not None:
+            check_here(opts.topology.client)
+            return opts.topology.client.host, opts.topology.port
+        if opts.master is not None:
+            host, _, port = opts.master.rpartition(":")
+            return host.strip("[]"), int(port)
+        return "127.0.0.1", 0
+
+    def _welcome(self, member: Member) -> dict:
+        out = {"mode": self.mode, "n_workers": self.n_workers, "timeout_s": self.opts.timeout_s, **self.welcome()}
+        if self.opts.mpi_world:  # workers that mpiexec started together
+            out["fabric"] = {"backend": "mpi", "store": MPI_WORLD}
+        elif self.opts.engine == "mpi":  # one rendezvous directory per epoch (ports are not reused)
+            out["fabric"] = {"backend": "mpi", "store": os.path.join(self._store, f"epoch{self.epoch}")}
+        elif self.opts.engine in FABRICS:
+            out["fabric"] = {"backend": self.opts.engine, "store": self._store}
+        return out
+
+    def _spawn(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerProcs:
+        opts = self.opts
+        threads = opts.threads or default_threads(self.n_workers)
+        if opts.engine == "mpi":  # the fabric's rendezvous: a directory only this user can enter
+            self._store = tempfile.mkdtemp(prefix="fusion-mpi-")
+        elif opts.engine in FABRICS:
+            self._store = f"127.0.0.1:{free_port()}"
+        args = [
+            "--master", self._admission.address, "--model", str(self.model_path), "--threads", str(threads),
+            "--timeout", str(opts.timeout_s), "--join-timeout", str(opts.join_timeout_s), "--device", opts.device,
+        ]  # fmt: skip
+        args += ["--client-key", me.public.line(), "--key", "-"] if me is not None else ["--insecure"]
+        if opts.progress is not None:
+            args += ["--progress", "lines"]  # workers report load progress into their logs
+        args += self.worker_args()
+        env = self.worker_env(threads)
+
+        def argv(rank: int) -> list[str]:
+            return args + list(opts.args_for_worker.get(rank, ())) + ([] if me is not None else ["--rank", str(rank)])
+
+        self._keys = dict(keys)
+        stdin = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
+        return WorkerProcs(argv, len(self.seats), env, stdin_for_rank=stdin)
+
+    def _exit_words(self, err: PeerLost) -> str | None:
+        """Why a start-up link closed when a local worker's process ended: "worker K exited: <its own
+        last words>", for the link's worker if it exited, else for the first local worker that did (a
+        worker whose peer died closes its links and stays up). Waits up to EXIT_WAIT_S: a process
+        exits after its connections close. None for a remote worker, or when none exited."""
+        if self.procs is None or not 1 <= err.rank <= len(self.order):
+            return None
+        seat = err.rank if err.watched else self.order[err.rank - 1]
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while time.monotonic() < deadline:
+            if (exited := self.procs.exit_reason(seat)) is not None:
+                return exited
+            if (dead := self.procs.failure()) is not None:
+                return self.procs.exit_reason(dead[0])
+            time.sleep(0.05)
+        return None
+
+    def _spawn_failure(self) -> str | None:
+        dead = self.procs.failure() if self.procs is not None else None
+        return f"worker {dead[0]} exited before joining: {dead[1]}" if dead else None
+
+    def worker_env(self, threads: int) -> dict[str, str]:
+        return dict(self.opts.worker_env)
+
+    # ---- lifetime ----
+
+    def _abort(self) -> None:
+        """Start-up failed: stop whatever was started, then let the error through."""
+        if self.procs is not None:
+            self.procs.stop(grace_s=0)
+        if self._admission is not None:
+            self._admission.close()
+        if self.comm is not None:
+            self.comm.close(grace_s=0)
+        self.watch.close()
+
+    def close(self) -> None:
+        """Wipe, shut every worker down (standbys too), stop what we started."""
+        if self.procs is not None:
+            self.procs.closing = True  # from here on a worker's exit is expected, not a failure to report
+        if self.comm is not None:
+            try:
+                self._wipe()
+                self.shutdown()
+                self.comm.flush()
+            except Exception:
+                pass
+        for p in self.watch.ranks:  # standbys, and anyone an abandoned epoch left waiting
+            self.watch.tell(p, {"stop": True})
+        if self.procs is not None:
+            self.procs.stop()
+        if self.opts.engine == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
+            shutil.rmtree(self._store, ignore_errors=True)
+        if self.comm is not None:
+            self.comm.close()
+        if self._admission is not None:
+            self._admission.close()
+        self.watch.close()
+
+    def __enter__(self) -> EngineBase:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def control_word(op: int, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
+    """[op, a, b, c] as the int64 vector every control message is."""
+    return torch.tensor([int(op), a, b, c], dtype=torch.int64)

@@ -1,0 +1,125 @@
+"""The options of one job (`EngineOptions`), and the checks that refuse combinations that cannot
+work. Free of torch: the command line checks a run's options and refuses a bad one before it loads
+torch or the model (options.py); engine.py runs the job they describe."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..comm import ENGINES, CommError, Identity
+from ..comm.liveness import DEADLINE_S
+from .topology import Topology
+
+MIN_WORKERS = 2  # an epoch's default floor: one worker would hold everything
+DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
+FABRICS = ("gloo", "nccl", "mpi")  # engines whose worker-to-worker collectives run on a fabric of their own
+LOCAL_FABRICS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
+
+
+def effective_context(model_window: int, requested: int | None) -> int:
+    """KV positions per session: the request (or DEFAULT_CONTEXT), never beyond the model's window."""
+    return min(model_window, requested or DEFAULT_CONTEXT)
+
+
+def warn(line: str) -> None:
+    sys.stderr.write(f"fusion: {line}\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class EngineOptions:
+    n_workers: int = 2
+    capacities: tuple[float, ...] | None = None
+    topology: Topology | None = None
+    key: Identity | None = None  # the client's own key (topology runs); local runs make a fresh one
+    insecure: bool = False  # plaintext links, unauthenticated claims: asked for by name only
+    master: str | None = None  # HOST:PORT to listen at for separately started workers (insecure only)
+    engine: str = "tls"  # tls | tcp (insecure) | gloo, nccl (torch.distributed among workers) | mpi
+    context: int | None = None
+    threads: int | None = None  # torch threads per worker; None = cores // N, >= 1
+    timeout_s: float = 120.0  # bound on every wait for a peer during the session
+    join_timeout_s: float = 120.0  # bound on start-up: rendezvous, then the workers' loading
+    device: str = "cpu"
+    standby: int = 0  # local runs: spare workers spawned to replace a lost one (per group in masked mode)
+    min_workers: int | None = None  # an epoch never has fewer workers; None: MIN_WORKERS (`floor`)
+    liveness_s: float = DEADLINE_S  # a worker silent this long has failed
+    recover: bool = True  # on a lost worker: a new epoch and a replay (False: fail the request)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    extra_worker_args: tuple[str, ...] = ()
+    args_for_worker: dict[int, tuple[str, ...]] = field(default_factory=dict)  # more, for one local worker
+    # Start-up display (progress.load_monitor): called as progress(procs, plan, master) before the
+    # rendezvous, closed after the handshake. None = quiet.
+    progress: Callable[..., Any] | None = None
+    log: Callable[[str], None] = warn  # refused connections, recoveries and other notices
+    # TEST ONLY, the audit's negative control for revocation: "keep-revoked" makes `revoke` record the
+    # user's revocation but keep the worker in the next epoch (a client bug that lets a revoked worker
+    # keep receiving state). `fusion audit verify` must fail on it (docs/audit.md). None: no bug.
+    audit_negative_control: str | None = None
+
+    def check(self) -> None:
+        """Option combinations that cannot work; raises CommError naming the fix."""
+        if self.engine not in ENGINES:
+            raise CommError(f"unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
+        vouched = (self.engine in LOCAL_FABRICS and self.is_local) or self.mpi_world  # asked for by engine name
+        if self.engine != "tls" and not self.insecure and not vouched:
+            raise CommError(f"--engine {self.engine} is plaintext: add --insecure to ask for it by name")
+        if self.engine == "nccl" and self.device != "cuda":
+            raise CommError("--engine nccl runs among GPU workers: add --device cuda (on CPUs: tls, or mpi)")
+        if self.engine in FABRICS and not self.is_local:
+            if not self.mpi_world:
+                raise CommError(f"--engine {self.engine} runs on one machine only (spawned workers); across hosts, "
+                                "--engine mpi runs with a --topology on workers that mpiexec started")  # fmt: skip
+            if self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
+                raise CommError("--engine mpi across hosts: the workers share one mpiexec world, whose size is "
+                                f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}")  # fmt: skip
+            if self.recover:
+                raise CommError("--engine mpi across hosts cannot replace a lost worker (an mpiexec world has a "
+                                "fixed size): add --no-recover")  # fmt: skip
+        if self.master and self.topology is None and not self.insecure:
+            raise CommError("--master without --topology cannot pin the workers' keys: use --topology FILE "
+                            "(with every participant's key) or --insecure")  # fmt: skip
+        if self.topology is not None and not self.insecure:
+            self.topology.require_keys()
+            if self.key is None:
+                raise CommError("a --topology run needs the client's key: --key FILE (its public line is in the file)")
+            if self.topology.client.key is not None and self.topology.client.key != self.key.public:
+                raise CommError(f"--key is not the client's key of {self.topology.path} "
+                                f"(file: {self.topology.client.key.fingerprint}, --key: {self.key.public.fingerprint})")  # fmt: skip
+        if self.standby < 0:
+            raise CommError(f"--standby must be >= 0, got {self.standby}")
+        if self.standby and not self.is_local:
+            raise CommError("--standby N spawns local spares; a topology names its standbys (role = \"standby\")")
+        if self.capacities is not None and len(self.capacities) != self.n_workers:
+            raise CommError(f"{len(self.capacities)} capacities given for {self.n_workers} workers")
+        if self.min_workers is not None and self.min_workers < 1:
+            raise CommError(f"--min-workers must be >= 1, got {self.min_workers}")
+        if self.min_workers is not None and self.min_workers > self.n_workers:
+            raise CommError(f"--min-workers {self.min_workers} is more than the {self.n_workers} workers of this run "
+                            "(an epoch never has more): any lost worker would end it")  # fmt: skip
+        if not (self.liveness_s > 0):
+            raise CommError(f"--liveness must be > 0, got {self.liveness_s}")
+
+    @property
+    def floor(self) -> int:
+        """The fewest workers an epoch may have: --min-workers, else MIN_WORKERS. A run asked for with
+        fewer workers than the default floor (`--workers 1`) starts, and ends at its first loss."""
+        return MIN_WORKERS if self.min_workers is None else self.min_workers
+
+    @property
+    def mpi_world(self) -> bool:
+        """Workers on several hosts that mpiexec started together, one MPI world as their fabric: the
+        user's own cluster, a trust domain they vouch for by asking for it (the client's links stay
+        TLS; the workers' collectives are MPI's, plaintext on the cluster's network)."""
+        return self.engine == "mpi" and self.topology is not None
+
+    @property
+    def is_local(self) -> bool:
+        return self.topology is None and self.master is None
+
+
+def default_threads(n_workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // n_workers)

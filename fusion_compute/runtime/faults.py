@@ -1,0 +1,118 @@
+"""Fault injection for the tests (worker flag `--inject-fault SPEC`, never used otherwise).
+
+  close-mid-message@STEP   at its STEP-th forward (counted from 1 over the worker's life), the worker
+                           sends the client the header and half of its egress shard, closes its
+                           connections and exits: a process dying in the middle of a message.
+  nan-egress@STEP          at its STEP-th forward, the worker sends its egress shard full of NaN (and
+                           goes on serving): a liar the structural client's finiteness check must name.
+  hello-fingerprint@1      the worker answers the plan handshake yes, stating another plan fingerprint
+                           than the one it computed (STEP must be 1: there is one handshake per epoch).
+
+  never-join@N      from the N-th word to join a later epoch on, the worker ignores the word (it logs
+                    it and waits for the next one) while its pulse keeps beating: a listed worker
+                    that holds an epoch change hostage until the client's join deadline.
+
+A listed worker that disrupts its peers while it keeps beating (structural mode; the client must
+blame it by its peers' evidence, not the honest worker whose link it was reading):
+
+  cut-peer@N        at its N-th reduce-scatter (over its life), it shuts its links to every peer and
+                    stalls: it drops what the client sends until the client ends its epoch
+  slow-rs@N         from its N-th reduce-scatter on, it waits SLOW_S before each one (each under the
+                    per-message timeout, the step far over it)
+
+Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
+
+  lie-one@STEP      one element of the step's last linear is off by one (the smallest lie there is)
+  lie-bias@STEP     every element of every linear of the step is off by 2^40: a systematic bias that
+                    moves the output yet stays far inside the ±2^62 bound the consistency check knows
+  lie-stale@STEP    every linear returns the previous step's result for it (a lazy or replaying worker)
+  lie-zeros@STEP    every linear returns zeros
+  lie-shape@STEP    the step's first linear comes back one row short (a malformed answer)
+
+The other faults the suite injects come from outside the process (kill -9, SIGSTOP, a network link
+set down in a namespace): tests/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import CommError
+from ..errors import UsageError
+
+LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
+COMM_FAULTS = ("cut-peer", "slow-rs")
+KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *COMM_FAULTS, *LIES)
+SLOW_S = 2.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+
+    @property
+    def lie(self) -> bool:
+        return self.kind in LIES
+
+
+def parse_fault(spec: str) -> Fault:
+    kind, sep, step = spec.strip().partition("@")
+    if kind not in KINDS or not sep or not step.isdigit() or int(step) < 1:
+        raise UsageError(f"--inject-fault {spec!r}: expected KIND@STEP (STEP >= 1), KIND one of {', '.join(KINDS)}")
+    return Fault(kind, int(step))
+
+
+def rejoin(fault: Fault | None, join: Callable) -> Callable:
+    """The worker's join for later epochs: `join` itself, or (never-join) one that refuses from the
+    fault's N-th call on, the way a join the client abandoned fails (worker.run then waits for the
+    next word): the honest loop is not branched, the faulty join is composed in at start-up."""
+    if fault is None or fault.kind != "never-join":
+        return join
+    calls = [0]
+
+    def never(cred, epoch, deadline, log):
+        calls[0] += 1
+        if calls[0] < fault.step:
+            return join(cred, epoch, deadline, log)
+        raise CommError(f"fault never-join: ignoring the word to join epoch {epoch}")
+
+    return never
+
+
+def comm_fault(fault: Fault | None) -> Callable:
+    """What the worker does to each epoch's Comm: nothing (the identity), or, for a cut-peer or
+    slow-rs fault, wrap that Comm's reduce-scatter (the honest code path is not branched)."""
+    if fault is None or fault.kind not in COMM_FAULTS:
+        return lambda comm: comm
+    calls = [0]
+
+    def patch(comm):
+        honest = comm.reduce_scatter_from
+
+        def faulty(chunk, sizes, op):
+            calls[0] += 1
+            if calls[0] >= fault.step and fault.kind == "slow-rs":
+                time.sleep(SLOW_S)
+            elif calls[0] == fault.step:  # cut-peer
+                for rank, link in comm.links.items():
+                    if rank not in (0, comm.rank):
+                        try:
+                            link.sock.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                word = torch.zeros(4, dtype=torch.int64)
+                while True:  # stall (beating) until the client cuts this epoch's links
+                    comm.recv(word, 0, "control", "stall", wait_s=math.inf)
+            return honest(chunk, sizes, op)
+
+        comm.reduce_scatter_from = faulty
+        return comm
+
+    return patch

@@ -1,0 +1,419 @@
+"""Who takes part in which epoch: recovery from a lost worker, revocation, standbys, and the
+removal of a worker caught lying (docs/resilience.md).
+
+`Membership` is the part of the client's engine (`engine.EngineBase`, which inherits it) that changes
+the epoch's participants. It relies on the engine's state: `opts`, `seats` (every participant of the
+roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
+`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
+`_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
+`slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
+and `convicted`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
+`_reset`, `_welcome` and `_spawn_failure`.
+
+Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
+masked mode), never fewer than `--min-workers` (TooFewWorkers otherwise: the invariant is not traded
+for availability), fresh links, the plan handshake again, then the session's replay (a prefill over
+its tokens) when there is one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..comm import Comm, CommError, Identity, Member, PeerError, PublicId
+from ..errors import UsageError, WorkerMisbehaved
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+class TooFewWorkers(CommError):
+    """A new epoch would have fewer workers than --min-workers: refused, never traded for availability."""
+
+
+class UnknownWorker(UsageError):
+    """A membership change names a participant the job does not have."""
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A worker of the roster, for the life of the job."""
+
+    pid: int  # participant id: its rank in the first epoch (standbys come after the active workers)
+    capacity: float = 1.0
+    group: str | None = None  # "A" / "B" (masked mode)
+    standby: bool = False
+
+
+class Membership:
+    """Epoch changes of a job (see the module docstring for the state it relies on)."""
+
+    def _with_recovery(self, step: Callable[[], Any], replay: Callable[[], Any] | None = None) -> Any:
+        if self.comm is None:  # the last epoch change failed: open one over who is left before any work
+            self._reopen()
+            if replay is not None:
+                return self._with_recovery(replay)
+        if self.convicted & set(self.order):
+            self._replace_convicted()  # a liar that could not be replaced before: no work until it is
+        if self.watch.failure() is not None and set(self.watch.failed()) & set(self.order):
+            self.recover(None)  # noticed while idle
+            if replay is not None:
+                return self._with_recovery(replay)
+        for attempt in range(len(self.seats) + 1):
+            try:
+                return step() if attempt == 0 else (replay or step)()
+            except PeerError as e:
+                self.recover(e)
+            except WorkerMisbehaved as e:
+                self._expel(e)
+                raise
+        raise CommError("gave up after as many recoveries as there are workers")
+
+    def _expel(self, err: WorkerMisbehaved) -> None:
+        """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
+        and they leave the job now, replaced by standbys where there are any."""
+        self.slot_history = {}
+        self.opts.log(f"{err}: removing {'them' if len(err.pids) > 1 else 'it'} from the job")
+        self.convicted |= set(err.pids) & set(self.order)
+        try:
+            self._replace_convicted(err.reason)
+        except TooFewWorkers as e:
+            raise TooFewWorkers(f"{err}; and {e}") from err
+
+    def _replace_convicted(self, reason: str = "returned a wrong product (caught by the check)") -> None:
+        """End the epoch the liars were part of and open the next one without them (refused, with
+        the job waiting for a replacement, when that would leave too few)."""
+        gone = self.convicted & set(self.order)
+        t0, noticed = time.perf_counter(), time.time()
+        if self.comm is not None:  # the abandoned step's epoch is over, whatever comes next
+            self._retire(gone)
+        for pid in gone:
+            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+        order = self._next_order(gone, why="removing the worker that lied leaves")
+        self._switch_epoch(order)
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
+                                "reason": reason,
+                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
+                                "replayed_tokens": 0})  # fmt: skip
+
+    def recover(self, err: PeerError | None) -> None:
+        """Open the next epoch without the failed workers (replaced by standbys where there are
+        any), or raise when that would leave too few. `err`: the failure a data link reported."""
+        if not self.opts.recover:
+            raise err or CommError("a worker failed")
+        t0, noticed = time.perf_counter(), time.time()
+        # Who failed is the watch's call: when one worker dies, its peers drop the epoch and close their
+        # links too, so a link error alone does not say whose fault it was. Wait for the watch to see a
+        # failure (a dead pulse is seen at once, a silent one after --liveness); a link error nobody's
+        # pulse explains by then is judged by the workers' own accounts (_blame), not by the link alone.
+        deadline = time.monotonic() + self.opts.liveness_s + 1.0
+        accounts = None  # the workers' accounts, when they named whom to remove (_blame)
+        failed = {p for p in self.watch.failed() if p in self.order}
+        while not failed and time.monotonic() < deadline and not (err is not None and err.watched):
+            time.sleep(0.05)
+            failed = {p for p in self.watch.failed() if p in self.order}
+        time.sleep(0.2)  # a second process that went down with the first one shows up now
+        failed |= {p for p in self.watch.failed() if p in self.order}
+        if err is not None and err.watched:
+            failed.add(err.rank)
+        elif not failed and err is not None and 1 <= err.rank <= len(self.order):
+            blamed, accounts = self._blame(self.order[err.rank - 1])
+            failed |= blamed
+        if not failed:
+            raise err or CommError("a worker failed")
+        reason = accounts or self._loss_reason(failed, err)
+        if self.procs is not None:  # a local spare still starting up (a failure early in the job) is worth the wait
+            for p in sorted(failed):
+                self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
+        lost = f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason})"
+        try:
+            order = self._next_order(failed)
+        except TooFewWorkers as e:  # say why they were lost too: the usual cause is in their own error
+            raise TooFewWorkers(f"{lost}; {e}") from err
+        self.opts.log(f"{lost}; epoch {self.epoch + 1} over {order}")
+        self._retire(failed)
+        self._switch_epoch(order)
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(failed), "order": order, "reason": reason,
+                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
+                                "replayed_tokens": len(self.history)})  # fmt: skip
+
+    def _blame(self, suspect: int) -> tuple[set[int], str | None]:
+        """Who to remove when a data link failed (`suspect`: the worker whose link the client was
+        reading) and every pulse still beats: the workers' own accounts decide, not the link alone.
+
+        Each worker of the epoch is asked what it saw (liveness.Witness): the peer whose link failed
+        its epoch, or a peer that kept it blocked for at least a quarter of the per-message timeout
+        lately. A worker accused by a peer that itself accuses nobody (it keeps beating, silent,
+        while its peers report it) is removed when the evidence comes from two sides: the accuser,
+        and the client's own (its failed link was the accused one's, or the accuser's, whose failure
+        the accusation explains); or when a majority of the others accuse it. Otherwise the evidence
+        is ambiguous (two workers accusing each other): said in a log line, and the link's worker is
+        the one removed, as when nobody reports anything. Returns who, and the accounts when they
+        decided (the recovery's reason)."""
+        order, window = self.order, self.opts.timeout_s
+        saw = self.watch.ask(order, self.epoch, window)
+        accuses: dict[int, int] = {}
+        for q, answer in saw.items():
+            if answer.get("epoch") != self.epoch:
+                continue
+            rank = answer.get("lost")
+            if not isinstance(rank, int):
+                waits = {int(r): float(s) for r, s in (answer.get("waits") or {}).items() if str(r).isdigit()}
+                slow = max(waits, key=waits.get, default=None)
+                rank = slow if slow is not None and waits[slow] >= max(window / 4, 0.5) else None
+            if isinstance(rank, int) and 1 <= rank <= len(order) and order[rank - 1] != q:
+                accuses[q] = order[rank - 1]
+        if not accuses:
+            return {suspect}, None
+        said = ", ".join(f"worker {q} names worker {p}" for q, p in sorted(accuses.items()))
+        blamed = set()
+        for p in set(accuses.values()):
+            sides = {q for q, a in accuses.items() if a == p}
+            others = [q for q in order if q != p]
+            if p not in accuses and (suspect == p or suspect in sides):
+                sides.add(0)  # the client's side: its own failed link agrees
+            if (p not in accuses and len(sides) >= 2) or (len(sides - {0}) >= 2 and len(sides - {0}) * 2 > len(others)):
+                blamed.add(p)
+        if blamed:
+            self.opts.log(f"the link to worker {suspect} failed; by the workers' accounts ({said}): blaming "
+                          f"worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}")  # fmt: skip
+            return blamed, f"named by its peers' accounts ({said}); the client's link to worker {suspect} failed"
+        self.opts.log(f"the link to worker {suspect} failed; the workers' accounts are ambiguous ({said}): "
+                      f"removing worker {suspect}, whose link failed")  # fmt: skip
+        return {suspect}, None
+
+    # ---- membership, by the user ----
+
+    def workers(self) -> list[dict]:
+        """Every participant: id, rank in the current epoch (None for a spare), group, capacity, and
+        state: active, standby, failed (its pulse stopped) or removed (revoked or replaced)."""
+        failed, watched = self.watch.failed(), set(self.watch.ranks)
+        out = []
+        for pid, seat in sorted(self.seats.items()):
+            rank = self.order.index(pid) + 1 if pid in self.order and pid not in self.removed else None
+            if pid in self.removed:
+                state = "removed"
+            elif pid in failed:
+                state = "failed"
+            elif rank is not None:
+                state = "active"
+            else:
+                state = "standby" if pid in watched else "standby (not joined)"
+            member = self._admission.roster.get(pid)
+            out.append({"id": pid, "rank": rank, "group": seat.group, "capacity": seat.capacity, "state": state,
+                        "where": member.label() if member else None})  # fmt: skip
+        return out
+
+    def _fixed_world(self, what: str) -> None:
+        if self.opts.mpi_world:
+            raise UnknownWorker(f"cannot {what}: the workers share one mpiexec world, whose members are fixed "
+                                "(--engine mpi across hosts)")  # fmt: skip
+
+    def revoke(self, pid: int, replay: bool = True) -> None:
+        """Remove a participant now: it is told to wipe and leave, it may never rejoin, and the
+        session (if one is open) is replayed on the next epoch, with a standby in its place when
+        there is one. Refused, session unharmed, when it would leave fewer than --min-workers.
+        `replay=False`: open the next epoch only; the caller replays (the audit runner does, inside a
+        recorded step: `reset()` then `forward(history)`)."""
+        if pid not in self.seats or pid in self.removed:
+            live = [str(p) for p in self.seats if p not in self.removed]
+            raise UnknownWorker(f"no worker {pid} to revoke (workers: {', '.join(live)})")
+        self._fixed_world("revoke a worker")
+        if pid not in self.order:  # a standby: nothing to re-plan
+            self._retire({pid}, epoch_over=False)
+            return
+        keep = self.opts.audit_negative_control == "keep-revoked"
+        if self.opts.audit_negative_control not in (None, "keep-revoked"):
+            raise ValueError(f"unknown audit negative control {self.opts.audit_negative_control!r}")
+        if keep:  # NEGATIVE CONTROL (tests only): the revocation is recorded, the worker stays
+            self.opts.log(f"audit negative control keep-revoked: worker {pid} stays in epoch {self.epoch + 1}")
+            order = list(self.order)
+        else:
+            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+            order = self._next_order({pid}, why="revoking it would leave")
+        t0, noticed = time.perf_counter(), time.time()
+        self._retire(set() if keep else {pid})
+        self._switch_epoch(order)
+        record = {"epoch": self.epoch, "lost": [pid], "revoked": [pid], "order": order,
+                  "reason": f"worker {pid} revoked by the user", "noticed_unix": round(noticed, 3),
+                  "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": 0}  # fmt: skip
+        if self.slot_history and replay:  # the open sessions move to the new epoch now, each in its slot
+            t1 = time.perf_counter()
+            record["replayed_tokens"] = self._replay_slots({})
+            record["replay_s"] = round(time.perf_counter() - t1, 3)
+        else:
+            record["replayed_tokens"] = sum(len(h) for h in self.slot_history.values())
+        self.recoveries.append(record)
+
+    def add_standby(self, key: PublicId | None = None, host: str | None = None, group: str | None = None) -> int:
+        """Enroll one more participant as a standby; returns its id. Local runs spawn it (a fresh
+        key); otherwise the user names its public key (and host), and starts it there with
+        `fusion worker --master ... --client-key ... --key ...`. Migration = add, then revoke."""
+        self._fixed_world("add a standby")
+        pid = max(self.seats) + 1
+        capacity = min(s.capacity for s in self.seats.values())
+        names = self.group_names()
+        if names is not None and group not in names:
+            raise UnknownWorker(f"a masked job's standby needs its group: {' or '.join(names)}")
+        if names is None and group is not None:
+            raise UnknownWorker("groups are for masked jobs only")
+        if self.opts.is_local:
+            if key is not None:
+                raise UnknownWorker("a local run spawns its own workers: add takes no key")
+            ident = Identity.new() if not self.opts.insecure else None
+            member = Member(pid, "127.0.0.1", ident.public if ident else None, group, None, True)
+            if ident is not None:
+                self._keys[pid] = ident
+        else:
+            if key is None and not self.opts.insecure:
+                raise UnknownWorker("name the new worker's public key (fc1....): the user decides who takes part")
+            member = Member(pid, host or "", key if not self.opts.insecure else None, group, None, True)
+        self._admission.enroll(member)
+        self.seats[pid] = Seat(pid, capacity, group, standby=True)
+        if self.opts.is_local:
+            self.procs.spawn(pid)
+        return pid
+
+    def _await_spare(self, group: str | None, deadline: float) -> None:
+        """When a standby of `group` was enrolled but has not joined yet (just added), wait for it."""
+        def pending() -> set[int]:
+            return {p for p, s in self.seats.items() if s.standby and s.group == group and p not in self.order
+                    and p not in self.removed and p not in self.watch.ranks and p not in self.watch.failed()}  # fmt: skip
+
+        def ready() -> bool:
+            return any(s.standby and s.group == group and p not in self.order and p in self.watch.ranks
+                       and p not in self.watch.failed() for p, s in self.seats.items())  # fmt: skip
+
+        while (waiting := pending()) and not ready() and time.monotonic() < deadline:
+            if self.procs is not None and waiting <= {rank for rank, _ in self.procs.failures}:
+                break  # the local spares that have not joined died before joining: they will not come
+            time.sleep(0.1)
+
+    def _loss_reason(self, failed: set[int], err: PeerError | None) -> str:
+        """Why each failed worker was lost: a local process's own last error where it exited (what
+        went wrong), else what the watch saw (its connection closed, its heartbeat stopped)."""
+        seen = self.watch.failed()
+        why = []
+        for p in sorted(failed):
+            exited = self.procs.exit_reason(p) if self.procs is not None else None
+            if exited is not None:
+                why.append(exited)
+            elif p in seen:
+                why.append(seen[p])
+        return "; ".join(why) or str(err)
+
+    def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
+        failed = set(failed) | {p for p in self.order if p in self.removed}  # a failed epoch change's leftovers
+        alive_spares = [p for p, s in self.seats.items() if s.standby and p not in self.order and p in self.watch.ranks
+                        and p not in self.watch.failed() and p not in self.removed]  # fmt: skip
+        order = []
+        for p in self.order:
+            if p not in failed:
+                order.append(p)
+                continue
+            spare = next((q for q in alive_spares if self.seats[q].group == self.seats[p].group), None)
+            if spare is not None:
+                alive_spares.remove(spare)
+                order.append(spare)
+        if len(order) < self.opts.floor:
+            raise TooFewWorkers(f"{why} {len(order)} worker{'s' if len(order) != 1 else ''}: fewer than "
+                            f"--min-workers {self.opts.floor} (no standby left to take its place; one worker "
+                            "alone would hold the whole state)")  # fmt: skip
+        missing = [g for g in self.group_names() or () if g not in {self.seats[p].group for p in order}]
+        if missing:
+            raise TooFewWorkers(f"{why} no worker in group {missing[0]}: a masked epoch needs every group")
+        return order
+
+    def _retire(self, gone: set[int], epoch_over: bool = True) -> None:
+        """The `gone` workers may never come back (told to wipe and leave); when the epoch is over,
+        the others drop its links."""
+        for p in gone:
+            self._admission.remove(p)
+            self.removed.add(p)
+            if self.procs is not None:
+                self.procs.retired.add(p)
+            self.watch.tell(p, {"revoke": self.epoch})
+            self.watch.forget(p)
+        if not epoch_over:
+            return
+        for p in self.order:
+            if p not in gone:
+                self.watch.tell(p, {"abort": self.epoch})
+        if self.comm is not None:
+            self.comm.close(grace_s=0)
+            self.comm = None
+
+    def _switch_epoch(self, order: list[int]) -> None:
+        """Open the next epoch over `order` (the previous one already retired): membership, order,
+        plan, comm and the watch's scope move forward together, or the engine is left with no open
+        epoch (`comm` None) that the next request, revocation or addition opens anew.
+
+        On failure the epoch number stays spent (an epoch is never reused: a late JOIN for it is
+        answered as a standby's), the epoch's links are closed, every worker that joined is told to
+        abort (it waits for the next word; worker.run), and a worker that was told to join but never
+        did while still beating is removed from the job: it cannot hold every later epoch hostage.
+        `order` becomes the attempted epoch's, so the next one keeps each seat's place (masked
+        groups) and fills the vacated ones with standbys (`_next_order` skips removed workers)."""
+        self.epoch += 1
+        try:
+            self.plan = self.plan_for(order)
+            self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+        except BaseException as e:
+            self._abandon(order, e)
+            raise
+        self.order = order
+
+    def _abandon(self, order: list[int], err: BaseException) -> None:
+        """The epoch being opened over `order` failed (`err`): leave no half-open epoch behind."""
+        if self.comm is not None:
+            self.comm.close(grace_s=0)
+            self.comm = None
+        stuck = {p for p in getattr(err, "missing", ()) if p in order}
+        self.order = order
+        for p in order:
+            if p not in stuck:
+                self.watch.tell(p, {"abort": self.epoch})
+        if stuck:
+            self._retire(stuck, epoch_over=False)
+        why = (f"; removed worker{'s' if len(stuck) > 1 else ''} {', '.join(map(str, sorted(stuck)))} from the job"
+               if stuck else "")  # fmt: skip
+        self.opts.log(f"epoch {self.epoch} over {order} did not open ({_first_line(err)}){why}; "
+                      "the next request opens a new epoch")  # fmt: skip
+        if isinstance(err, CommError) and not isinstance(err, TooFewWorkers):
+            err.args = (f"epoch {self.epoch} over {order} did not open: {_first_line(err)}{why}",)
+
+    def _reopen(self) -> None:
+        """No epoch is open (the last change failed): open one over the workers still alive, each
+        departed seat taken by a standby where there is one (one added since, too)."""
+        failed = self.watch.failed()
+        gone = {p for p in self.order if p in self.removed or p in failed or p in self.convicted}
+        t0, noticed = time.perf_counter(), time.time()
+        for p in sorted(gone):
+            self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
+        order = self._next_order(gone, why="reopening the job would leave")
+        self._retire(gone - self.removed, epoch_over=False)
+        self.opts.log(f"no open epoch: epoch {self.epoch + 1} over {order}")
+        self._switch_epoch(order)
+        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
+                                "reason": "the previous epoch change failed", "noticed_unix": round(noticed, 3),
+                                "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": len(self.history)})  # fmt: skip
+
+    def _open_epoch(self, order: list[int], deadline: float) -> list[dict]:
+        """Admit, link and greet the epoch's workers; returns their HELLO info."""
+        adm = self._admission
+        adm.expect(self.epoch, order)
+        if self.epoch > 0:
+            for p in order:
+                self.watch.tell(p, {"join": self.epoch})
+        joined = adm.collect(order, deadline, abort=self._spawn_failure if self.epoch == 0 else lambda: None)
+        links = adm.welcome(self.epoch, order, joined, deadline, self._welcome)
+        self.comm = Comm(0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder,
+                         engine=self.opts.engine)  # fmt: skip
+        active = set(order)
+        for link in links.values():
+            link.check = lambda: self.watch.check(only=active)
+        return self.hello(deadline, order)

@@ -1,0 +1,7 @@
+"""The structural mode: the plan (who owns which coordinates, as data), the sharded operators,
+one worker's sharded model and its serve loop, the client's side of a step, the control words, and
+the Megatron-style baseline (the forbidden layout, for the benchmark and the audit's negative control).
+
+May import: model, weights, comm, errors, runtime (the client is an engine; the worker process uses
+its faults and progress), audit (a worker writes its audit log), masked (the worker process serves
+the mode the client names). masked/ is its sibling."""

@@ -1,0 +1,325 @@
+"""Sharded operators: one decoder layer as small explicit steps over one worker's shards.
+
+Layout of local tensors is feature-major, (rows, T): a linear is then `W @ x` with no transposes,
+and a reduce-scatter chunk is a contiguous block of rows. Names carry ownership (STYLE.md):
+lowercase = this worker's shard, uppercase = full extent.
+
+  step            input            output            placement change
+  qkv             x_dT  (R shard)  qkv_aT (A shard)  S(R) -> P -> S(A)   norm fused, bias after
+  rope            q, k  (A)        q, k   (A)        local
+  attention       q, k, v (A)      o_aT   (A)        local (+ score sum among a split group's owners)
+  o_proj          o_aT  (A)        y_dT   (R)        S(A) -> P -> S(R)
+  gate_up         x_dT  (R)        gu_mT  (M)        S(R) -> P -> S(M)   norm fused
+  swiglu          gu_mT (M)        h_mT   (M)        local
+  down            h_mT  (M)        y_dT   (R)        S(M) -> P -> S(R)
+  residual add    x_dT, y_dT       x_dT              local
+
+A step may carry several sessions (continuous batching, batching.py): their tokens are consecutive
+columns (`Step.spans`), every linear and collective runs once over all of them, and attention runs
+per session against that session's KV slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Comm
+from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate
+from .plan import AttnBlock
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., 2P, T), feature-major: rows are the owned pairs' first halves then second halves,
+    cos/sin (P, T) (kernels.rotate along the feature dim)."""
+    return rotate(x, cos, sin, dim=-2)
+
+
+@dataclass(frozen=True)
+class LayerIndex:
+    """The coordinates this worker's tensors stand for, as the index maps its weights were cut with.
+
+    Inputs are the columns a weight was sliced by; outputs the rows of the fused output space that
+    the scatter delivers to this worker. The audit records these (not the plan) at every step.
+    """
+
+    resid_in: list[int]  # residual coords of x_dT: columns of qkv_w / gu_w, in [0, H)
+    qkv_out: list[int]  # rows of [q; k; v] in this worker's qkv chunk, in [0, n_h d + 2 n_kv d)
+    attn_in: list[int]  # columns of o_proj = q coords of o_aT, in [0, n_h d)
+    resid_out: list[int]  # rows of the o / down scatter chunk delivered here, in [0, H)
+    gu_out: list[int]  # rows of [gate; up] in this worker's chunk, in [0, 2I)
+    h_in: list[int]  # columns of down_proj = MLP coords of h_mT, in [0, I)
+
+
+@dataclass
+class LayerShard:
+    """One worker's weights for one decoder layer (norm gains folded into the columns)."""
+
+    qkv_w: torch.Tensor  # (Σ_q (qkv_q + 1), d_r): rows grouped by owner, a zero row per owner for Σx²
+    qkv_b: torch.Tensor | None  # (qkv_me,) own rows only: added once, after the scatter
+    o_w: torch.Tensor  # (H, a_r)
+    gu_w: torch.Tensor  # (Σ_q (2 m_q + 1), d_r)
+    down_w: torch.Tensor  # (H, m_r)
+    index: LayerIndex | None = None  # what the rows/columns above stand for (audit)
+
+
+@dataclass
+class BlockCache:
+    """KV cache of one attention block: (slots, n_groups, S_max, dims), preallocated per job; a slot
+    per session of a batch (one for a single session)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """k and v coordinates held per token position: 2 · n_groups · dims."""
+        return 2 * self.k.shape[1] * self.k.shape[3]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One session's tokens in a step: its KV slot, the position of its first token, how many."""
+
+    slot: int
+    pos: int
+    t: int
+
+
+@dataclass(frozen=True)
+class Decodes:
+    """The single-token spans of a batched step, attended together (ShardedLayer.attention): their
+    columns, slots and positions, the RoPE tables of their columns, the range of slots they fall in,
+    and the mask of positions past each one's own (they are padded to the longest)."""
+
+    cols: torch.Tensor  # (B,) their columns
+    slots: torch.Tensor  # (B,)
+    pos: torch.Tensor  # (B,)
+    cos: torch.Tensor  # (d/2, B)
+    sin: torch.Tensor
+    lo: int  # they lie in slots lo..hi-1
+    hi: int
+    rows: torch.Tensor | None  # slot - lo of each; None when they are exactly lo..hi-1 in order
+    pad: torch.Tensor  # (B, 1, 1, S) True past each one's own position; S = max(pos) + 1
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer needs about one forward step: the sessions' spans, in column order (their
+    tokens are consecutive columns of the step's (rows, ΣT) tensors), RoPE tables for every column,
+    each span's causal mask (None for a single token), and, when several spans decode one token
+    each, those spans together (`decodes`; the others are `singles`, attended one by one)."""
+
+    spans: tuple[Span, ...]
+    offsets: tuple[int, ...]  # each span's first column
+    cos: torch.Tensor  # (d/2, ΣT)
+    sin: torch.Tensor
+    masks: tuple[torch.Tensor | None, ...]
+    singles: tuple[int, ...]
+    decodes: Decodes | None
+
+
+def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
+    offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
+    cos_Tp, sin_Tp = rope_tables(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
+    cos, sin = cos_Tp.T, sin_Tp.T  # (d/2, T): feature-major, like every tensor here
+    masks = tuple(causal_mask(s.pos, s.t) for s in spans)
+    index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
+    decodes = None
+    if index:
+        cols = torch.tensor([offsets[i] for i in index])
+        slots = torch.tensor([spans[i].slot for i in index])
+        pos = torch.tensor([spans[i].pos for i in index])
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        dense = slots.tolist() == list(range(lo, hi))
+        pad = torch.arange(int(pos.max()) + 1)[None, :] > pos[:, None]
+        decodes = Decodes(cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo,
+                          pad[:, None, None, :])  # fmt: skip
+    singles = tuple(i for i in range(len(spans)) if i not in index)
+    return Step(tuple(spans), offsets, cos, sin, masks, singles, decodes)
+
+
+def norm_linear_scatter(
+    comm: Comm,
+    x_dT: torch.Tensor,
+    w_aug: torch.Tensor,
+    sizes_aug: list[int],
+    hidden: int,
+    eps: float,
+    op: str,
+) -> torch.Tensor:
+    """y = W · RMSNorm(x), norm fused into the scatter (DESIGN.md §4).
+
+    W diag(g) x / s with s = sqrt(Σ_r ‖x_r‖² / H + ε): every worker appends its local Σx² (one
+    scalar per token) to each chunk it sends, so the owner gets the global Σx² in the same
+    collective and divides its chunk by s. Returns (sizes[me], T) without bias.
+    """
+    ss = (x_dT * x_dT).sum(0)  # local sum of squares, one row per destination
+    starts = [0, *itertools.accumulate(sizes_aug)]
+
+    def chunk(q: int) -> torch.Tensor:  # the rows addressed to worker q: a pending sum (P)
+        part = w_aug[starts[q] : starts[q + 1]] @ x_dT
+        part[-1] = ss
+        return part
+
+    y_aug = comm.reduce_scatter_from(chunk, sizes_aug, op)  # (n + 1, T)
+    inv_s = torch.rsqrt(y_aug[-1] / hidden + eps)
+    return y_aug[:-1] * inv_s
+
+
+class ShardedLayer:
+    """One decoder layer on one worker."""
+
+    def __init__(
+        self,
+        index: int,
+        weights: LayerShard,
+        blocks: tuple[AttnBlock, ...],
+        *,
+        comm: Comm,
+        me: int,
+        qkv_sizes_aug: list[int],
+        gu_sizes_aug: list[int],
+        res_sizes: list[int],
+        hidden: int,
+        head_dim: int,
+        group_size: int,
+        eps: float,
+    ):
+        self.i = index
+        self.w = weights
+        self.blocks = blocks
+        self.comm = comm
+        self.me = me
+        self.qkv_sizes_aug = qkv_sizes_aug
+        self.gu_sizes_aug = gu_sizes_aug
+        self.res_sizes = res_sizes
+        self.res_starts = [0, *itertools.accumulate(res_sizes)]
+        self.hidden = hidden
+        self.head_dim = head_dim
+        self.gs = group_size
+        self.eps = eps
+        self.scale = head_dim**-0.5
+        self.caches: list[BlockCache] = []  # per attention block: every slot's KV
+        self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
+
+    def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
+        self.caches = [
+            BlockCache(torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
+                       torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device))
+            for b in self.blocks
+        ]  # fmt: skip
+
+    def attention(self, qkv_aT: torch.Tensor, step: Step) -> torch.Tensor:
+        """Local attention over the worker's KV shards, each span against its own slot; returns o_aT
+        (a_r, ΣT) in q-row order. A split group's partial scores are completed in one exchange for
+        every span of the step (one round per split block, whatever the batch). Single-token spans
+        (decodes) are computed together, padded to the longest and masked; prefill spans one by one."""
+        outs, row = [], 0
+        spans, offsets, dec = step.spans, step.offsets, step.decodes
+        for b, cache in zip(self.blocks, self.caches, strict=True):
+            ng, dl, gs = b.n_groups, b.dims, self.gs
+            nq, nk = ng * gs * dl, ng * dl
+            p0, p1 = b.p0, b.p1
+            cos, sin = step.cos[p0:p1], step.sin[p0:p1]
+            q_all = qkv_aT[row : row + nq]
+            k_all = qkv_aT[row + nq : row + nq + nk]
+            v_all = qkv_aT[row + nq + nk : row + nq + 2 * nk]
+            row += nq + 2 * nk
+            scores, values = [], []
+            for i in step.singles:
+                span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
+                t, pos, sl = span.t, span.pos, span.slot
+                q = apply_rope(q_all[:, cols].reshape(ng, gs, dl, t), cos[:, cols], sin[:, cols])  # (ng, gs, dl, T)
+                k = apply_rope(k_all[:, cols].reshape(ng, dl, t), cos[:, cols], sin[:, cols])  # (ng, dl, T)
+                cache.k[sl, :, pos : pos + t] = k.transpose(1, 2)
+                cache.v[sl, :, pos : pos + t] = v_all[:, cols].reshape(ng, dl, t).transpose(1, 2)
+                q_g = q.permute(0, 1, 3, 2).reshape(ng, gs * t, dl)  # (ng, gs*T, dl)
+                scores.append(q_g @ cache.k[sl, :, : pos + t].transpose(-1, -2))  # (ng, gs*T, S)
+                values.append(cache.v[sl, :, : pos + t])
+            if dec is not None:
+                scores.append(self._decode_scores(cache, dec, q_all, k_all, v_all, (p0, p1), ng, gs, dl))
+            if b.split:
+                # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
+                scores = self._sum_scores(scores, b.g0)
+            o_aT = qkv_aT.new_empty(nq, qkv_aT.shape[1])
+            for i, sc, v in zip(step.singles, scores, values, strict=False):
+                t = spans[i].t
+                o = attend_scored(sc, v, step.masks[i], gs, t, self.scale)  # (ng, gs*T, dl)
+                o_aT[:, offsets[i] : offsets[i] + t] = o.view(ng, gs, t, dl).permute(0, 1, 3, 2).reshape(nq, t)
+            if dec is not None:
+                o_aT[:, dec.cols] = self._decode_finish(cache, dec, scores[-1], ng, gs, dl)
+            outs.append(o_aT)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def _decode_scores(self, cache: BlockCache, dec: Decodes, q_all, k_all, v_all, pairs: tuple[int, int],
+                       ng: int, gs: int, dl: int) -> torch.Tensor:  # fmt: skip
+        """Several sessions' single new tokens: rope, KV writes and q·k for all of them at once, over
+        the cache's slots lo..hi-1 (a view, no copy) and their first max(pos)+1 positions (positions
+        past a session's own are masked in _decode_finish). Returns scores (B, ng, gs, S)."""
+        c, s = dec.cos[pairs[0] : pairs[1]], dec.sin[pairs[0] : pairs[1]]
+        q = apply_rope(q_all[:, dec.cols].reshape(ng, gs, dl, -1), c, s).permute(3, 0, 1, 2)  # (B, ng, gs, dl)
+        k = apply_rope(k_all[:, dec.cols].reshape(ng, dl, -1), c, s)  # (ng, dl, B)
+        cache.k[dec.slots, :, dec.pos] = k.permute(2, 0, 1)  # (B, ng, dl) into each slot's own position
+        cache.v[dec.slots, :, dec.pos] = v_all[:, dec.cols].reshape(ng, dl, -1).permute(2, 0, 1)
+        keys = cache.k[dec.lo : dec.hi, :, : dec.pad.shape[-1]].transpose(-1, -2)
+        if dec.rows is None:
+            return q @ keys
+        q_r = q.new_zeros(dec.hi - dec.lo, ng, gs, dl)  # rows of slots not in this step stay zero, dropped
+        q_r[dec.rows] = q
+        return (q_r @ keys)[dec.rows]
+
+    def _decode_finish(self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int,
+                       dl: int) -> torch.Tensor:  # fmt: skip
+        """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
+        p = torch.softmax((scores * self.scale).masked_fill(dec.pad, float("-inf")), dim=-1)
+        values = cache.v[dec.lo : dec.hi, :, : dec.pad.shape[-1]]
+        if dec.rows is None:
+            o = p @ values
+        else:
+            p_r = p.new_zeros(dec.hi - dec.lo, *p.shape[1:])
+            p_r[dec.rows] = p
+            o = (p_r @ values)[dec.rows]  # (B, ng, gs, dl)
+        return o.permute(1, 2, 3, 0).reshape(ng * gs * dl, -1)
+
+    def _sum_scores(self, scores: list[torch.Tensor], g: int) -> list[torch.Tensor]:
+        op = f"L{self.i}.scores.g{g}"
+        if len(scores) == 1:
+            return [self.comm.sum_scores(scores[0], g, op)]
+        flat = self.comm.sum_scores(torch.cat([s.reshape(-1) for s in scores]), g, op)
+        return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in scores]), scores, strict=True)]
+
+    def forward(self, x_dT: torch.Tensor, step: Step) -> torch.Tensor:
+        L, w, c, a = self.i, self.w, self.comm, self.audit
+        qkv_aT = norm_linear_scatter(
+            c, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv"
+        )
+        if w.qkv_b is not None:
+            # Bias once, by the owner, after the scatter: added to partials it would count N times.
+            qkv_aT = qkv_aT + w.qkv_b[:, None]
+        o_aT = self.attention(qkv_aT, step)
+        y_dT = c.reduce_scatter_from(lambda q: w.o_w[self.res_starts[q] : self.res_starts[q + 1]] @ o_aT,
+                                     self.res_sizes, f"L{L}.o")  # fmt: skip
+        if a is not None:  # holdings at this step, from the index maps the tensors were built with
+            ix = w.index
+            a.hold(L, "resid.in", ix.resid_in, x_dT.shape[0])
+            a.hold(L, "qkv", ix.qkv_out, qkv_aT.shape[0])
+            a.hold(L, "kv", ix.qkv_out, sum(ch.rows for ch in self.caches))
+            a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
+            a.hold(L, "resid.mid", ix.resid_out, y_dT.shape[0])
+        x_dT = x_dT + y_dT
+        gu_mT = norm_linear_scatter(
+            c, x_dT, w.gu_w, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up"
+        )
+        m = gu_mT.shape[0] // 2
+        h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
+        y_dT = c.reduce_scatter_from(lambda q: w.down_w[self.res_starts[q] : self.res_starts[q + 1]] @ h_mT,
+                                     self.res_sizes, f"L{L}.down")  # fmt: skip
+        if a is not None:
+            ix = w.index
+            a.hold(L, "gate_up", ix.gu_out, gu_mT.shape[0])
+            a.hold(L, "h", ix.h_in, h_mT.shape[0])
+            a.hold(L, "resid.out", ix.resid_out, y_dT.shape[0])
+        return x_dT + y_dT

@@ -1,0 +1,147 @@
+"""The sharded model of one worker: its weight slices, its residual and KV shards, every layer.
+
+`ShardedModel.forward(x_dT, spans)` maps this worker's residual shard at ingress to its residual
+shard at egress, for one session or a batch of them (one `ops.Span` each: KV slot, position, token
+count); the state is never gathered in between (ops.py has the operators, comm.py the wire).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..model import architecture as arch
+from ..model.kernels import inv_freq_tensor
+from ..weights.loader import WeightSource
+from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, make_step
+from .plan import Plan, runs
+
+
+def augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
+    """Rows of `fused` regrouped by owner, each owner's chunk followed by one zero row (the slot
+    where the sender writes its local sum of squares)."""
+    zero = fused.shape[0]
+    padded = torch.cat([fused, fused.new_zeros(1, fused.shape[1])])
+    index = [r for rows in plan_rows for r in rows + [zero]]
+    return padded.index_select(0, torch.tensor(index))
+
+
+def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
+    """Worker w's slices of one layer: every linear's input columns that it holds (norm gain folded),
+    output rows regrouped by owner (plan.py); the Megatron-style baseline's own is megatron.load_layer."""
+    share = plan.workers[w]
+    a, b = share.residual
+    cols = [(a, b)]
+    n = plan.n
+
+    qkv_rows = [plan.qkv_rows(q) for q in range(n)]
+    gu_rows = [plan.gate_up_rows(q) for q in range(n)]
+    o_cols = plan.o_cols(w)
+    res_off = sum(plan.residual_sizes[:w])  # o / down outputs are split in natural row order
+    index = LayerIndex(
+        resid_in=list(range(a, b)),
+        qkv_out=qkv_rows[w],
+        attn_in=o_cols,
+        resid_out=list(range(res_off, res_off + plan.residual_sizes[w])),
+        gu_out=gu_rows[w],
+        h_in=list(range(*share.mlp)),
+    )
+
+    # the norm's gain folds into the columns this worker holds (DESIGN.md §4: RMSNorm fused into the linear)
+    qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
+    qkv_w = augmented(qkv, qkv_rows)
+    del qkv
+    bias = arch.read_bias(src, layer, "qkv")
+    qkv_b = None if bias is None else bias[torch.tensor(qkv_rows[w])].contiguous()
+    o_w = arch.read_weight(src, layer, "o", cols=runs(o_cols))
+
+    gu = arch.read_weight(src, layer, "gate_up", cols=cols) * arch.read_norm(src, layer, "gate_up")[a:b]
+    gu_w = augmented(gu, gu_rows)
+    del gu
+    down_w = arch.read_weight(src, layer, "down", cols=[share.mlp])
+    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
+
+
+class ShardedModel:
+    """All layers of one worker. `forward(x_dT, spans)` maps this worker's residual shard at
+    ingress to its residual shard at egress; the state is never gathered in between."""
+
+    def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
+        c = plan.config
+        self.plan, self.w, self.comm = plan, w, comm
+        qkv_aug = [s + 1 for s in plan.qkv_sizes]
+        gu_aug = [s + 1 for s in plan.gate_up_sizes]
+        res = list(plan.residual_sizes)
+        self.layers = [
+            ShardedLayer(
+                i,
+                load_layer(src, plan, w, i),
+                plan.workers[w].attention,
+                comm=comm,
+                me=w,
+                qkv_sizes_aug=qkv_aug,
+                gu_sizes_aug=gu_aug,
+                res_sizes=res,
+                hidden=c.hidden,
+                head_dim=c.head_dim,
+                group_size=c.group_size,
+                eps=c.rms_eps,
+            )
+            for i in range(c.n_layers)
+        ]
+        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.max_seq = self.n_slots = 0
+        self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
+
+    def attach_audit(self, audit) -> None:
+        for layer in self.layers:
+            layer.audit = audit
+
+    def reset(self, max_seq: int, slots: int = 1) -> None:
+        """Zeroed KV shards for a new session (or a batch of `slots` sessions): the old ones are
+        zeroed in place (and replaced only when the size changes), so no earlier session's keys or
+        values stay in memory."""
+        self.wipe()
+        if (max_seq, slots) != (self.max_seq, self.n_slots):
+            self.max_seq, self.n_slots = max_seq, slots
+            for layer in self.layers:
+                layer.caches = []  # the old buffers go before the new ones are made
+            for layer in self.layers:
+                layer.alloc_cache(max_seq, torch.float32, self.comm.device, slots)
+
+    def wipe(self, slot: int | None = None) -> None:
+        """Zero every KV shard in place (session end, revocation, shutdown), or one slot's."""
+        for layer in self.layers:
+            for cache in layer.caches:
+                for t in (cache.k, cache.v):
+                    (t if slot is None else t[slot]).zero_()
+
+    def kv_abs_max(self, slot: int | None = None) -> float:
+        """Largest |value| left in the KV shards, or in one slot's (0 after a wipe): hygiene tests
+        and the audit's release records read it."""
+        caches = [t if slot is None else t[slot] for layer in self.layers for c in layer.caches for t in (c.k, c.v)]
+        return max((float(t.abs().max()) for t in caches if t.numel()), default=0.0)
+
+    def rebind(self, comm: Comm) -> None:
+        """Use another epoch's links with the same plan and rank (the weights stay loaded)."""
+        self.comm = comm
+        for layer in self.layers:
+            layer.comm = comm
+
+    def _step(self, spans: list[Span]) -> Step:
+        """RoPE tables for every column and each span's causal mask, after checking the KV capacity."""
+        for s in spans:
+            if s.pos + s.t > self.max_seq:
+                raise ValueError(f"position {s.pos + s.t} beyond the session's KV capacity {self.max_seq}")
+            if s.slot >= self.n_slots:
+                raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
+        return make_step(spans, self.inv_freq)
+
+    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
+        step = self._step(spans)
+        for layer in self.layers:
+            if self.leak is not None:
+                self.leak(layer.i, x_dT)
+            x_dT = layer.forward(x_dT, step)
+        return x_dT

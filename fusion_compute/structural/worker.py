@@ -1,0 +1,346 @@
+"""A worker process: who it is, joining the client, then serving in the mode the client names.
+
+It never receives token ids or text. In the structural mode (`serve` below) it gets its ingress
+shard of the embeddings, control words (operation, token count, position) and the partials
+addressed to its own chunks; in the masked mode (masked/worker.py), masked ring elements or a mask
+key. Every byte arrives over links that authenticated the client (and its peers) by their pinned
+keys, unless the user asked for --insecure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import resource
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
+from ..runtime.faults import COMM_FAULTS, comm_fault, parse_fault, rejoin
+from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
+from ..weights.loader import WeightSource, open_weights
+from .ops import Span
+from .plan import Plan, make_plan
+from .protocol import CONTROL_LEN, MAX_SLOTS, Op, fingerprint_int
+from .sharded import ShardedModel
+
+
+@dataclass
+class WorkerOptions:
+    master: tuple[str, int]  # the client's rendezvous address
+    key: Identity | None  # this worker's key; None = insecure
+    client_key: PublicId | None  # the client's pinned public key; None = insecure
+    model: str | None = None
+    listen_host: str | None = None  # where to listen for peers (topology address); None = as seen by the client
+    rank: int | None = None  # a claim the client checks (topology, --rank); required when insecure
+    group: str | None = None  # a claim (masked topology, --group)
+    threads: int | None = None
+    timeout_s: float = 120.0
+    join_timeout_s: float = 120.0
+    device: str = "cpu"
+    progress: str = "auto"
+    audit_dir: str | None = None
+    inject_leak: str | None = None
+    inject_fault: str | None = None  # tests only: faults.py
+    variant: str = "sharded"
+    log: Callable[[str], None] = lambda line: sys.stderr.write(f"fusion worker: {line}\n")
+
+
+class Worker:
+    """One worker process for the life of the job: its weights, its pulse, and one epoch at a time
+    (docs/resilience.md). Between epochs it waits for the client's word on the pulse link."""
+
+    def __init__(self, o: WorkerOptions, src: WeightSource, report: WorkerReporter):
+        self.o, self.src, self.report = o, src, report
+        self.model: ShardedModel | None = None
+        self.model_key: tuple | None = None  # (plan fingerprint, rank, variant) the weights were cut for
+        self.links: dict = {}
+        self.words: queue.Queue[dict] = queue.Queue()
+        self._links_lock = threading.Lock()
+        fault = parse_fault(o.inject_fault) if o.inject_fault else None
+        self.join_fault = fault if fault is not None and fault.kind == "never-join" else None  # faults.rejoin
+        self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a disruptive peer's (faults.py)
+        self.fault = fault if fault is not None and fault.kind not in ("never-join", *COMM_FAULTS) else None  # serve()'s
+        self.witness = Witness()  # what this worker saw of its peers, for the client's questions
+        self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
+        self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
+        self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
+
+    # ---- words from the client (the pulse thread) ----
+
+    def on_word(self, word: dict) -> None:
+        if "abort" in word or "stop" in word or "revoke" in word:
+            self._cut()  # a wait on a peer that will never answer ends now
+        if "revoke" in word:
+            self.wipe()
+        self.words.put(word)
+
+    def on_client_gone(self) -> None:
+        """The client's pulse link closed: the job is over for this worker, whatever it was doing."""
+        self.wipe()
+        for log in self.audit_logs:  # what it recorded so far is the audit's (a revoked worker's too)
+            try:
+                log.flush()
+            except (OSError, ValueError):  # closed meanwhile by the main thread: already written
+                pass
+        os._exit(0)
+
+    def _cut(self) -> None:
+        fabric = self.fabric
+        if fabric is not None:
+            fabric.abort()
+        with self._links_lock:
+            links = list(self.links.values())
+        for link in links:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def wipe(self) -> None:
+        if self.model is not None:
+            self.model.wipe()
+
+    # ---- epochs ----
+
+    def serve_epoch(self, welcome: dict, links: dict) -> bool:
+        """Serve one epoch; True when the client ended the job (SHUTDOWN)."""
+        o, rank, n = self.o, int(welcome["rank"]), int(welcome["n_workers"])
+        with self._links_lock:
+            self.links = links
+        self.witness.start(welcome.get("epoch"), links)
+        try:
+            if welcome.get("mode") == "masked":
+                from ..masked.worker import run_member
+
+                run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append)
+                return True
+            plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
+            audit = None
+            if o.audit_dir:
+                from ..audit.recorder import AuditRecorder
+
+                audit = AuditRecorder.for_epoch(o.audit_dir, int(welcome.get("epoch") or 0), rank,
+                                                participant=int(welcome["pid"]))  # fmt: skip
+                self.audit_logs.append(audit)
+            fabric = None
+            if welcome.get("fabric"):
+                f = welcome["fabric"]
+                if f["backend"] == "mpi":
+                    from ..comm.mpi_fabric import MpiFabric
+
+                    fabric = MpiFabric(rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners)
+                else:
+                    from ..comm.torch_fabric import TorchFabric
+
+                    fabric = TorchFabric(f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s,
+                                         score_groups=plan.group_owners)  # fmt: skip
+                self.fabric = fabric  # an abort word ends its waits
+            engine = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
+            comm = Comm(rank, n, links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
+                        fabric=fabric, device=fabric.device if fabric else None, engine=engine)  # fmt: skip
+            comm = self.sabotage(comm)
+            try:
+                serve(self, plan, rank - 1, comm, audit=audit)
+                return True
+            finally:
+                comm.close()
+                if audit is not None:
+                    audit.close()
+        except PeerError as e:  # the peer whose link failed the epoch: this worker's evidence if asked
+            if not e.watched:
+                self.witness.lost_peer(e.rank)
+            raise
+        finally:
+            self.fabric = None
+            with self._links_lock:
+                self.links = {}
+
+    def model_for(self, plan: Plan, w: int, comm: Comm, variant: str) -> ShardedModel:
+        """This epoch's model: the loaded one when plan and rank are unchanged (a replaced peer, a
+        new session), else its new slices read from the weights file."""
+        key = (plan.fingerprint(), w, variant)
+        if self.model is not None and self.model_key == key:
+            self.model.rebind(comm)
+            return self.model
+        if self.model is not None:
+            self.model.wipe()
+        self.model = self.model_key = None
+        src = CountingSource(self.src, worker_elements(plan, w),
+                             lambda done, total: self.report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
+        if variant == "megatron":
+            from .megatron import MegatronModel
+
+            model = MegatronModel(src, plan, w, comm)
+        else:
+            model = ShardedModel(src, plan, w, comm)
+        release_freed_memory()  # the load's transient copies (measured ~25 MiB per worker) go back now
+        self.model, self.model_key = model, key
+        return model
+
+
+def run(o: WorkerOptions) -> None:
+    """Open the model, join, serve epoch after epoch until the client ends the job."""
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    report = WorkerReporter(o.progress, label="fusion worker")
+    report.phase("open")
+    src = open_weights(o.model)
+    if o.inject_leak and o.inject_leak != "a-to-b":  # a-to-b: the masked mode's own (masked/worker.py)
+        from ..audit.inject import parse_leak
+
+        parse_leak(o.inject_leak, src.config.n_layers)  # a bad spec fails before joining
+    report.phase("join")
+    cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
+    welcome, links = join_epoch(cred, None, time.monotonic() + o.join_timeout_s, o.log)
+    me = Worker(o, src, report)
+    join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
+    pulse = Pulse(open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s), me.on_word,
+                  me.on_client_gone, witness=me.witness)  # fmt: skip
+    try:
+        while True:
+            if welcome is not None and not welcome.get("standby"):
+                try:
+                    if me.serve_epoch(welcome, links):
+                        return
+                except CommError as e:  # a peer died or the client aborted the epoch: wait for its word
+                    o.log(f"epoch {welcome.get('epoch')} ended: {e}")
+                finally:
+                    for link in links.values():
+                        link.close()
+            word = me.words.get()
+            while "abort" in word:  # already acted on (links cut); the next word says what comes next
+                word = me.words.get()
+            if "join" not in word:  # stop, or revoke: the job is over for this worker
+                return
+            try:
+                welcome, links = join(cred, int(word["join"]), time.monotonic() + o.join_timeout_s, o.log)
+            except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
+                o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
+                welcome, links = None, {}
+    finally:
+        me.wipe()
+        pulse.close()
+
+
+def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
+    """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD
+    (one or several sessions, each in its KV slot), RELEASE (zero one slot), RESET, WIPE, SHUTDOWN
+    (protocol.Op).
+
+    audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
+    per step; the worker's options name the negative control (`--inject-leak`, audit/inject.py) and
+    the variant: "sharded" or "megatron" (the replicated-residual baseline, same protocol)."""
+    rank, leak, variant = w + 1, me.o.inject_leak, me.o.variant
+    ctrl = torch.zeros(CONTROL_LEN, dtype=torch.int64)
+    comm.recv(ctrl, 0, "control", "hello")
+    op, context, fp, _ = (int(v) for v in ctrl)
+    mine = fingerprint_int(plan)
+    if op != Op.HELLO or fp != mine:
+        comm.send(torch.tensor([0, mine, 0, 0]), 0, "control", "hello")
+        comm.flush()
+        raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model file?")
+    t0 = time.perf_counter()
+    model = me.model_for(plan, w, comm, variant)
+    model.reset(context)
+    if leak:
+        from ..audit.inject import install_leak
+
+        install_leak(model, leak)
+    if audit is not None:
+        model.attach_audit(audit)
+        audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
+    load_ms = int((time.perf_counter() - t0) * 1000)
+    stated = mine ^ 1 if me.fault is not None and me.fault.kind == "hello-fingerprint" else mine  # FAULT (tests)
+    comm.send(torch.tensor([1, stated, load_ms, rss_kb()]), 0, "control", "hello")
+    n_res = plan.workers[w].n_residual
+    while True:
+        comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
+        op, t, pos, arg = (int(v) for v in ctrl)
+        if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, 0]
+            words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
+            spans = [Span(*w) for w in words]
+            if sum(s.t for s in spans) != pos or any(s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans):
+                raise RuntimeError(f"malformed step: {spans} for {pos} tokens")
+            t, pos = pos, spans[0].pos  # T = ΣT; the record's pos: the first span's
+            # the record names the spans when the KV holds several sessions; one slot holds one session,
+            # slot 0, from a RESET to the next (audit/verify/sessions.py)
+            batch = words if model.n_slots > 1 else None
+            if audit is not None:
+                audit.begin_step(t, pos, spans=batch)
+            x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
+            x_dT = model.forward(x_dT.to(comm.device), spans)
+            me.forwards += 1
+            if me.fault is not None and me.forwards == me.fault.step:  # FAULT INJECTION (tests only)
+                if me.fault.kind == "nan-egress":
+                    x_dT = torch.full_like(x_dT, math.nan)
+                else:
+                    comm.send_truncated(x_dT, 0, 0.5)
+                    os._exit(3)
+            comm.send(x_dT, 0, "egress", "final")
+            if audit is not None:
+                audit.end_step()
+        elif op == Op.RELEASE:
+            if 0 <= t < model.n_slots:
+                model.wipe(t)
+                if audit is not None:  # measured, not assumed: the slot reads all zeros now
+                    audit.release(t, zeroed=model.kv_abs_max(t) == 0.0)
+        elif op == Op.RESET:
+            model.reset(arg or model.max_seq, min(max(1, t), MAX_SLOTS))
+            if audit is not None:
+                audit.new_session()
+        elif op == Op.WIPE:
+            model.wipe()
+        elif op == Op.PROBE:
+            comm.send(torch.tensor([1, int(model.kv_abs_max() * 1e6), 0, rss_kb()]), 0, "control", "probe")
+        elif op == Op.PING:
+            comm.send(torch.tensor([1, rank, 0, rss_kb()]), 0, "control", "pong")
+        elif op == Op.BENCH_RS:
+            comm.send(bench_reduce_scatter(comm, plan.n, t, pos), 0, "control", "bench")
+        elif op == Op.STATS:
+            k = comm.counters
+            comm.send(torch.tensor([k.collectives, k.peer_bytes_sent, k.client_bytes, rss_kb()]), 0, "control", "stats")
+        elif op == Op.SHUTDOWN:
+            model.wipe()
+            if audit is not None:
+                audit.close()
+            return
+        else:
+            raise RuntimeError(f"unknown control op {op}")
+
+
+def bench_reduce_scatter(comm: Comm, n: int, rows: int, iters: int) -> torch.Tensor:
+    """Latency of the reduce-scatter verb alone: `iters` of them on random (rows * n, 1) partials
+    (no state involved), timed back to back after one warm-up; [median, min, max] in ns."""
+    partial = torch.randn(rows * n, 1)
+    times = []
+    for i in range(iters + 1):
+        t0 = time.perf_counter_ns()
+        comm.reduce_scatter(partial, [rows] * n, "bench")
+        if i:
+            times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    return torch.tensor([times[len(times) // 2], times[0], times[-1], 0], dtype=torch.int64)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere), so peak RSS
+    reflects what the worker holds, not the transients of cutting its slices."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss_kb() -> int:
+    """Peak resident set size of this process, kB (Linux ru_maxrss)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
