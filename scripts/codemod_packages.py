@@ -27,29 +27,53 @@ PKG = "fusion_compute"
 
 # old top-level module -> new dotted path under fusion_compute
 MOVES = {
-    "config": "model.config", "architecture": "model.architecture", "kernels": "model.kernels",
-    "dense": "model.dense", "reference": "model.reference",
-    "source": "weights.source", "weights": "weights.loader", "gguf": "weights.gguf",
-    "gguf_index": "weights.gguf_index", "tokenizer": "weights.tokenizer",
-    "plan": "structural.plan", "ops": "structural.ops", "sharded": "structural.sharded",
-    "megatron": "structural.megatron", "worker": "structural.worker", "client": "structural.client",
+    "config": "model.config",
+    "architecture": "model.architecture",
+    "kernels": "model.kernels",
+    "dense": "model.dense",
+    "reference": "model.reference",
+    "source": "weights.source",
+    "weights": "weights.loader",
+    "gguf": "weights.gguf",
+    "gguf_index": "weights.gguf_index",
+    "tokenizer": "weights.tokenizer",
+    "plan": "structural.plan",
+    "ops": "structural.ops",
+    "sharded": "structural.sharded",
+    "megatron": "structural.megatron",
+    "worker": "structural.worker",
+    "client": "structural.client",
     "protocol": "structural.protocol",
-    "engine": "runtime.engine", "engine_options": "runtime.engine_options", "membership": "runtime.membership",
-    "launch": "runtime.launch", "topology": "runtime.topology", "faults": "runtime.faults",
+    "engine": "runtime.engine",
+    "engine_options": "runtime.engine_options",
+    "membership": "runtime.membership",
+    "launch": "runtime.launch",
+    "topology": "runtime.topology",
+    "faults": "runtime.faults",
     "progress": "runtime.progress",
-    "generate": "generation.generate", "batching": "generation.batching", "sampling": "generation.sampling",
-    "sampling_params": "generation.sampling_params", "result": "generation.result",
-    "gateway": "serving.gateway", "scheduler": "serving.scheduler", "api_server": "serving.api_server",
-    "openai_protocol": "serving.openai_protocol", "http_limits": "serving.http_limits",
-    "admin_api": "serving.admin_api", "control_page": "serving.control_page",
+    "generate": "generation.generate",
+    "batching": "generation.batching",
+    "sampling": "generation.sampling",
+    "sampling_params": "generation.sampling_params",
+    "result": "generation.result",
+    "gateway": "serving.gateway",
+    "scheduler": "serving.scheduler",
+    "api_server": "serving.api_server",
+    "openai_protocol": "serving.openai_protocol",
+    "http_limits": "serving.http_limits",
+    "admin_api": "serving.admin_api",
+    "control_page": "serving.control_page",
     "picture": "structural.picture",
-    "cli": "cli.main", "options": "cli.options", "serve": "cli.serve", "chat": "cli.chat",
-}  # fmt: skip
+    "cli": "cli.main",
+    "options": "cli.options",
+    "serve": "cli.serve",
+    "chat": "cli.chat",
+}
 
 PACKAGES = {
     "model": '"""The model, knowing nothing of sharding: its config, the architecture table every consumer reads,\n'
     "the kernels every layer shares, the dense twin, and transformers as the reference.\n\n"
-    'May import: errors, weights (to read tensors; weights imports only model.config back). Nothing that\n'
+    "May import: errors, weights (to read tensors; weights imports only model.config back). Nothing that\n"
     'shards or runs a job."""\n',
     "weights": '"""Where weights and tokenizers come from: model paths and the WeightSource protocol, safetensors\n'
     "directories, GGUF files (per-slice dequantization), the tokenizer and chat template.\n\n"
@@ -136,7 +160,11 @@ def rewrite_imports(text: str, cur_old: str | None, is_pkg: bool, mods: dict[str
         if cur_old is None and node.module != PKG:
             continue
         target = resolve(cur_old, is_pkg, node) if cur_old is not None else PKG
-        if target in mods and mods[target].name == "__init__.py" and all(f"{target}.{a.name}" in mods for a in node.names):
+        if (
+            target in mods
+            and mods[target].name == "__init__.py"
+            and all(f"{target}.{a.name}" in mods for a in node.names)
+        ):
             moved = {new_name(f"{target}.{a.name}").rsplit(".", 1)[0] for a in node.names}
             if any(new_name(f"{target}.{a.name}").rsplit(".", 1)[1] != a.name for a in node.names) or len(moved) != 1:
                 raise SystemExit(f"{cur_old}: cannot rewrite 'from {target} import {[a.name for a in node.names]}'")
@@ -196,12 +224,17 @@ def main() -> int:
         print("already moved: nothing to do")
         return 0
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.split()  # fmt: skip
+    untracked = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     changed = 0
     for rel in tracked + untracked:
         p = ROOT / rel
-        if p.suffix not in (".py", ".md", ".toml", ".sh", ".txt") or rel == "scripts/codemod_packages.py" or not p.exists():
+        if (
+            p.suffix not in (".py", ".md", ".toml", ".sh", ".txt")
+            or rel == "scripts/codemod_packages.py"
+            or not p.exists()
+        ):
             continue
         text = p.read_text()
         new = text

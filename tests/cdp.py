@@ -24,9 +24,10 @@ class WebSocket:
         u = urlparse(url)
         self.sock = socket.create_connection((u.hostname, u.port), timeout=timeout_s)
         key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall(f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
-                          f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-                          .encode())  # fmt: skip
+        self.sock.sendall(
+            f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             chunk = self.sock.recv(1)
@@ -48,9 +49,13 @@ class WebSocket:
     def send(self, text: str) -> None:
         data, mask = text.encode(), os.urandom(4)
         n = len(data)
-        head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else
-                                bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536 else
-                                bytes([0x80 | 127]) + n.to_bytes(8, "big"))  # fmt: skip
+        head = bytes([0x81]) + (
+            bytes([0x80 | n])
+            if n < 126
+            else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+            if n < 65536
+            else bytes([0x80 | 127]) + n.to_bytes(8, "big")
+        )
         self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
 
     def recv(self) -> str:
@@ -94,7 +99,7 @@ class Browser:
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-        )  # fmt: skip  (its own process group: close() ends the renderers and helpers with it)
+        )  # its own process group: close() ends the renderers and helpers with it)
         try:
             self._attach(profile, timeout_s)
         except BaseException:

@@ -64,13 +64,28 @@ class Capture:
         self.dir.mkdir()
         self.out, self.stop = self.dir / "frames", self.dir / "stop"
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", hosts.switch, sys.executable, "-c", CAPTURE, str(self.out), str(self.stop),
-             str(limit_s)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                hosts.switch,
+                sys.executable,
+                "-c",
+                CAPTURE,
+                str(self.out),
+                str(self.stop),
+                str(limit_s),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 10
         while not Path(str(self.out) + ".ready").exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"capture did not start: {self.proc.stderr.read() if self.proc.poll() is not None else ''}")
+                raise RuntimeError(
+                    f"capture did not start: {self.proc.stderr.read() if self.proc.poll() is not None else ''}"
+                )
             time.sleep(0.05)
         self.payloads: list[bytes] = []
         self.flows: dict[tuple[str, str], int] = {}  # (source, destination) address -> payload bytes

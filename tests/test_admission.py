@@ -20,8 +20,20 @@ PROMPT = "5,17,33,2,99"
 
 
 def _rogue(port: int, client_line: str, key_file, *claims: str):
-    return fusion("worker", "--master", f"127.0.0.1:{port}", "--client-key", client_line, "--key", str(key_file),
-                  "--join-timeout", "20", "--threads", "1", *claims)  # fmt: skip
+    return fusion(
+        "worker",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--client-key",
+        client_line,
+        "--key",
+        str(key_file),
+        "--join-timeout",
+        "20",
+        "--threads",
+        "1",
+        *claims,
+    )
 
 
 def _wait_for(path, needle: str, proc, timeout: float = 30) -> str:
@@ -43,9 +55,23 @@ def test_rogues_are_refused_and_the_run_proceeds(tiny_qwen2, tmp_path):
     stranger = tmp_path / "stranger.key"
     Identity.new().save(stranger)
     log = tmp_path / "client.err"
-    client = fusion("generate", "--topology", str(topo), "--key", str(kf[0]), "--prompt-ids", PROMPT,
-                    "--max-new-tokens", "8", "--json", "--timeout", "60", "--join-timeout", "90",
-                    stderr=open(log, "w"))  # fmt: skip
+    client = fusion(
+        "generate",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--timeout",
+        "60",
+        "--join-timeout",
+        "90",
+        stderr=open(log, "w"),
+    )
     procs = [client]
     try:
         time.sleep(1.0)  # the client is listening
@@ -69,15 +95,24 @@ def test_rogues_are_refused_and_the_run_proceeds(tiny_qwen2, tmp_path):
     text = log.read_text()
     # The client says what it refused, one line each, naming the key (fingerprint) and the claim.
     assert "refused: connection from 127.0.0.1" in text and "TLS handshake failed" in text, text
-    assert f"key {ids[2].public.fingerprint}] presented itself as rank 1, but the roster lists its key as rank 2" in text
+    assert (
+        f"key {ids[2].public.fingerprint}] presented itself as rank 1, but the roster lists its key as rank 2" in text
+    )
     # Each rogue got one line and a non-zero exit, and never a WELCOME (so never a byte of state).
     assert unlisted.returncode != 0 and len(u_err.strip().splitlines()) == 1, u_err
     assert "TLS handshake with the client" in u_err or "did not admit this worker" in u_err, u_err
-    assert wrong_rank.returncode != 0 and "the client refused this worker" in r_err and len(r_err.strip().splitlines()) == 1
+    assert (
+        wrong_rank.returncode != 0
+        and "the client refused this worker" in r_err
+        and len(r_err.strip().splitlines()) == 1
+    )
     res = json.loads(out)
     assert client.returncode == 0 and len(res["token_ids"]) == 8
-    plain = json.loads(fusion("generate", "--model", str(tiny_qwen2), "--prompt-ids", PROMPT, "--max-new-tokens", "8",
-                              "--json").communicate(timeout=120)[0])  # fmt: skip
+    plain = json.loads(
+        fusion(
+            "generate", "--model", str(tiny_qwen2), "--prompt-ids", PROMPT, "--max-new-tokens", "8", "--json"
+        ).communicate(timeout=120)[0]
+    )
     assert res["token_ids"] == plain["token_ids"]
 
 
@@ -88,8 +123,23 @@ def test_wrong_group_is_refused(tiny_qwen2, tmp_path):
     topo = tmp_path / "t.toml"
     topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], groups=["A", "B"], model=tiny_qwen2, port=port))
     log = tmp_path / "client.err"
-    client = fusion("generate", "--mode", "masked", "--topology", str(topo), "--key", str(kf[0]), "--prompt-ids",
-                    PROMPT, "--max-new-tokens", "4", "--json", "--join-timeout", "5", stderr=open(log, "w"))  # fmt: skip
+    client = fusion(
+        "generate",
+        "--mode",
+        "masked",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--join-timeout",
+        "5",
+        stderr=open(log, "w"),
+    )
     procs = [client]
     try:
         time.sleep(1.0)

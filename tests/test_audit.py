@@ -116,8 +116,12 @@ def _rechain(d: Path, rank: int, records: list[dict]) -> None:
     m = json.loads((d / S.MANIFEST).read_text())
     m["chains"][str(rank)] = prev
     (d / S.MANIFEST).write_text(json.dumps(m))
-    redigest(d.parent, d.name, S.MANIFEST, lambda c, h: next(e for e in c["epochs"] if e["dir"] == d.name).update(
-        manifest_sha256=h))  # fmt: skip
+    redigest(
+        d.parent,
+        d.name,
+        S.MANIFEST,
+        lambda c, h: next(e for e in c["epochs"] if e["dir"] == d.name).update(manifest_sha256=h),
+    )
 
 
 def redigest(cold: Path, sub: str, name: str, put) -> None:
@@ -347,8 +351,14 @@ def test_verifier_imports_only_the_schema():
     for f in files:
         assert verifier_import_errors(f.read_text(), siblings) == [], f.name
     # the scan can fail: each of these would let runtime code into the verifier
-    for src in ("from ..plan import make_plan", "from .. import recorder, schema", "from ... import comm",
-                "from fusion_compute import plan", "import torch", "from . import plan"):  # fmt: skip
+    for src in (
+        "from ..plan import make_plan",
+        "from .. import recorder, schema",
+        "from ... import comm",
+        "from fusion_compute import plan",
+        "import torch",
+        "from . import plan",
+    ):
         assert verifier_import_errors(src, siblings), src
 
 

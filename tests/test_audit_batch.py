@@ -26,8 +26,17 @@ SLOTS = 3
 
 
 def batched(model: Path, out: Path, n: int, **kw) -> dict:
-    cfg = RunConfig(out=out, model=str(model), workers=n, steps=STEPS, cold_starts=1, prompt_ids=PROMPT,
-                    timeout_s=60, batch=SLOTS, **kw)  # fmt: skip
+    cfg = RunConfig(
+        out=out,
+        model=str(model),
+        workers=n,
+        steps=STEPS,
+        cold_starts=1,
+        prompt_ids=PROMPT,
+        timeout_s=60,
+        batch=SLOTS,
+        **kw,
+    )
     return run_cold_start(cfg, 0)
 
 

@@ -24,8 +24,18 @@ STEPS, REVOKE_AT = 4, 2
 
 
 def revoked_run(model: Path, out: Path, **kw) -> dict:
-    cfg = RunConfig(out=out, model=str(model), workers=2, steps=STEPS, cold_starts=1, prompt_ids=PROMPT,
-                    timeout_s=60, revoke_at=REVOKE_AT, exposure=False, **kw)  # fmt: skip
+    cfg = RunConfig(
+        out=out,
+        model=str(model),
+        workers=2,
+        steps=STEPS,
+        cold_starts=1,
+        prompt_ids=PROMPT,
+        timeout_s=60,
+        revoke_at=REVOKE_AT,
+        exposure=False,
+        **kw,
+    )
     return run_cold_start(cfg, 0)
 
 
@@ -51,11 +61,20 @@ def test_revocation_at_a_decode_step_passes_over_two_epochs(revoked):
     assert all(e["ok"] for e in r["epochs"])
     # every decode step closed, in either epoch; two prefills: the prompt, and the replay
     assert (r["closed_decode"], r["decode_steps"], r["closed_prefill"], r["prefill_steps"]) == (STEPS, STEPS, 2, 2)
-    assert r["summary"] == f"closed: {STEPS}/{STEPS} decode steps (+2/2 prefill) in 2 epochs, 3 layers each, 0 violations"
+    assert (
+        r["summary"] == f"closed: {STEPS}/{STEPS} decode steps (+2/2 prefill) in 2 epochs, 3 layers each, 0 violations"
+    )
     # the replay: epoch 1's first step, the prompt and the tokens fed so far, closed (no full holder in it)
     (replay,) = r["membership"]["replays"]
-    assert replay == {"epoch": 1, "session": 1, "step": 0, "tokens": len(PROMPT) + REVOKE_AT, "closed": True,
-                      "violations": 0, "no_full_holder_violations": 0}  # fmt: skip
+    assert replay == {
+        "epoch": 1,
+        "session": 1,
+        "step": 0,
+        "tokens": len(PROMPT) + REVOKE_AT,
+        "closed": True,
+        "violations": 0,
+        "no_full_holder_violations": 0,
+    }
     assert r["replay_same_next_token"] is True  # exact: the replay predicts the token already generated
     (dep,) = r["membership"]["departures"]
     assert dep["participant"] == 1 and dep["why"] == "revoked by the user" and dep["absent"]

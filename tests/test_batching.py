@@ -55,11 +55,17 @@ def test_a_batch_step_equals_each_session_alone(arch, n, tiny_qwen2, tiny_llama)
         step3 = eng.forward_batch([(0, [12]), (1, PROMPTS[3]), (5, [12]), (3, [11])])
         step4 = eng.forward_batch([(3, [12])])
         checks = [
-            (got[0][0][0], alone[0][len(PROMPTS[0]) - 1]), (got[0][0][1], alone[1][len(PROMPTS[1]) - 1]),
-            (step2[0], alone[2][len(PROMPTS[2]) - 1]), (step2[1], alone[0][-2]), (step2[2], alone[1][-2]),
-            (step3[0], alone[1][-1]), (step3[1], alone[3][len(PROMPTS[3]) - 1]), (step3[2], alone[0][-1]),
-            (step3[3], alone[2][-2]), (step4[0], alone[2][-1]),
-        ]  # fmt: skip
+            (got[0][0][0], alone[0][len(PROMPTS[0]) - 1]),
+            (got[0][0][1], alone[1][len(PROMPTS[1]) - 1]),
+            (step2[0], alone[2][len(PROMPTS[2]) - 1]),
+            (step2[1], alone[0][-2]),
+            (step2[2], alone[1][-2]),
+            (step3[0], alone[1][-1]),
+            (step3[1], alone[3][len(PROMPTS[3]) - 1]),
+            (step3[2], alone[0][-1]),
+            (step3[3], alone[2][-2]),
+            (step4[0], alone[2][-1]),
+        ]
         for i, (a, b) in enumerate(checks):
             assert close(a, b), (i, (a - b).abs().max())
         # a negative control for the comparison itself: another session's logits are not "close"
@@ -71,8 +77,10 @@ def test_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
     seeded sampling: every session's tokens are its tokens alone; every slot is zero afterwards."""
     sampled = [SamplingParams(temperature=0.9, top_k=40, seed=100 + i) for i in range(len(PROMPTS))]
     with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=64)) as eng:
-        alone = [generate(eng, p, max_new_tokens=12 - i, sampling=s).token_ids
-                 for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=True))]  # fmt: skip
+        alone = [
+            generate(eng, p, max_new_tokens=12 - i, sampling=s).token_ids
+            for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=True))
+        ]
         seqs = [Sequence(p, 12 - i, s) for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=True))]
         results = run_batch(eng, seqs, 4)
         assert [r.token_ids for r in results] == alone
@@ -112,11 +120,14 @@ def test_a_lost_worker_mid_batch_replays_every_slot(tiny_llama, mode):
     prompts = PROMPTS[:3]
     common = dict(timeout_s=60, context=64, liveness_s=5.0, log=lambda line: None)
     if mode == "masked":
+
         def engine(**kw):
             return MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=1, **common, **kw))
     else:
+
         def engine(**kw):
             return Engine(tiny_llama, EngineOptions(n_workers=2, **common, **kw))
+
     with engine() as eng:
         want = [r.token_ids for r in run_batch(eng, [Sequence(p, 10, GREEDY) for p in prompts], 3)]
     with engine(standby=1) as eng:
@@ -155,10 +166,15 @@ def test_masked_batch_step_equals_each_session_alone(tiny_qwen2, tmp_path):
         step2 = eng.forward_batch([(0, [11]), (1, PROMPTS[2]), (3, [11])])
         step3 = eng.forward_batch([(3, [12]), (1, [11]), (0, [12])])
         checks = [
-            (step1[0], alone[0][len(PROMPTS[0]) - 1]), (step1[1], alone[1][len(PROMPTS[1]) - 1]),
-            (step2[0], alone[1][-2]), (step2[1], alone[2][len(PROMPTS[2]) - 1]), (step2[2], alone[0][-2]),
-            (step3[0], alone[0][-1]), (step3[1], alone[2][-2]), (step3[2], alone[1][-1]),
-        ]  # fmt: skip
+            (step1[0], alone[0][len(PROMPTS[0]) - 1]),
+            (step1[1], alone[1][len(PROMPTS[1]) - 1]),
+            (step2[0], alone[1][-2]),
+            (step2[1], alone[2][len(PROMPTS[2]) - 1]),
+            (step2[2], alone[0][-2]),
+            (step3[0], alone[0][-1]),
+            (step3[1], alone[2][-2]),
+            (step3[2], alone[1][-1]),
+        ]
         for i, (a, b) in enumerate(checks):
             assert close(a, b), (i, (a - b).abs().max())
         assert not close(step3[0], alone[1][-1])  # the comparison can fail: another session's logits
@@ -181,14 +197,15 @@ def test_masked_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
 
     sampled = [SamplingParams(temperature=0.9, top_k=40, seed=200 + i) for i in range(4)]
     with MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=(1, 1), timeout_s=60, context=64)) as eng:
-        alone = [generate(eng, p, max_new_tokens=8 - i, sampling=s).token_ids
-                 for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=False))]  # fmt: skip
+        alone = [
+            generate(eng, p, max_new_tokens=8 - i, sampling=s).token_ids
+            for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=False))
+        ]
         seqs = [Sequence(p, 8 - i, s) for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=False))]
         results = run_batch(eng, seqs, 3)
         assert [r.token_ids for r in results] == alone
         assert len({tuple(t) for t in alone}) > 1
         assert eng.kv_abs_max() == 0.0 and eng.slot_history == {}
-
 
 
 def test_one_session_path_every_column_per_span_and_step_hooks(tiny_llama):
@@ -208,8 +225,13 @@ def test_one_session_path_every_column_per_span_and_step_hooks(tiny_llama):
         assert torch.equal(eng.forward(PROMPTS[1] + [11, 12], all_logits=True), alone[1])  # slot 0, every column
         assert eng.history == PROMPTS[1] + [11, 12] == eng.slot_history[0]
         seen: list = []
-        res = generate(eng, PROMPTS[0], max_new_tokens=4, sampling=GREEDY,
-                       hooks=StepHooks(seen.append, lambda: seen.append("end"), lambda s: seen.append(("rel", s))))  # fmt: skip
+        res = generate(
+            eng,
+            PROMPTS[0],
+            max_new_tokens=4,
+            sampling=GREEDY,
+            hooks=StepHooks(seen.append, lambda: seen.append("end"), lambda s: seen.append(("rel", s))),
+        )
         n = len(PROMPTS[0])
         assert seen == [[(0, 0, n)], "end"] + [x for i in range(3) for x in ([(0, n + i, 1)], "end")] + [("rel", 0)]
         assert res.steps == 4 and len(res.token_ids) == 4

@@ -6,8 +6,17 @@ from fusion_compute.bench.run import _row, ratios, systems, table
 
 
 def _runs(decode_s: list[float], prefill_s: list[float] | None = None) -> list[dict]:
-    return [{"decode_s": d, "prefill_8_s": p, "ttft_s": 0.1, "collectives_per_token": 4.0, "bytes_per_token": 1.0,
-             "peak_rss_mb": {"client": 1.0}} for d, p in zip(decode_s, prefill_s or [1.0] * len(decode_s), strict=True)]  # fmt: skip
+    return [
+        {
+            "decode_s": d,
+            "prefill_8_s": p,
+            "ttft_s": 0.1,
+            "collectives_per_token": 4.0,
+            "bytes_per_token": 1.0,
+            "peak_rss_mb": {"client": 1.0},
+        }
+        for d, p in zip(decode_s, prefill_s or [1.0] * len(decode_s), strict=True)
+    ]
 
 
 def test_decode_ratios_are_medians_of_per_repeat_ratios():
@@ -23,8 +32,17 @@ def test_decode_ratios_are_medians_of_per_repeat_ratios():
     assert abs(spread["fusion2_vs_megatron2_mpi_decode"]["max"] - 1.5) < 1e-9
     # Prefill (8 tokens): 8, 8, 2 against 4, 16, 4 tok/s: per repeat 2, 0.5, 0.5 (the medians' ratio: 2).
     assert abs(out["fusion2_vs_megatron2_mpi_prefill"] - 0.5) < 1e-9
-    report = {"model": "m", "layers": 1, "cores": 2, "decode_tokens": 8, "tcp_rtt_us": 1.0, "prompts": [8],
-              "results": [f1, mt, f2], "ratios": out, "ratio_spread": spread}  # fmt: skip
+    report = {
+        "model": "m",
+        "layers": 1,
+        "cores": 2,
+        "decode_tokens": 8,
+        "tcp_rtt_us": 1.0,
+        "prompts": [8],
+        "results": [f1, mt, f2],
+        "ratios": out,
+        "ratio_spread": spread,
+    }
     assert "| fusion2_mpi_vs_fusion1_decode | 2.000 (0.500..2.000) |" in table(report)
 
 

@@ -29,7 +29,9 @@ class Pty:
     def __init__(self, args: list[str]):
         self.master, slave = pty.openpty()
         env = {**os.environ, "TERM": "dumb"}
-        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=_controlling_tty)
+        self.proc = subprocess.Popen(
+            args, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=_controlling_tty
+        )
         os.close(slave)
         self.buf = ""
 
@@ -79,8 +81,22 @@ def long_chat_model(tmp_path_factory):
 
 
 def test_chat_in_a_terminal(long_chat_model):
-    t = Pty([*FUSION, "chat", "--model", str(long_chat_model), "--workers", "2", "--threads", "1",
-             "--max-tokens", "8", "--system", "be brief"])  # fmt: skip
+    t = Pty(
+        [
+            *FUSION,
+            "chat",
+            "--model",
+            str(long_chat_model),
+            "--workers",
+            "2",
+            "--threads",
+            "1",
+            "--max-tokens",
+            "8",
+            "--system",
+            "be brief",
+        ]
+    )
     try:
         banner = t.read_until("you> ", timeout_s=120)
         assert "fusion chat:" in banner and "2 workers" in banner
@@ -174,8 +190,12 @@ def test_local_backend_reports_bad_values_and_a_full_context(tmp_path):
     pieces: list[str] = []
     info = backend.reply({"messages": hello, "max_tokens": 3}, pieces.append, lambda: False)
     assert info["usage"]["completion_tokens"] == 3 and info["fusion"]["workers"] == 2
-    for params, needle in [({"temperature": 5.0}, "temperature"), ({"seed": 2**64}, "seed"),
-                           ({"max_tokens": 0}, "max_tokens"), ({"top_k": -1}, "top_k")]:  # fmt: skip
+    for params, needle in [
+        ({"temperature": 5.0}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+    ]:
         with pytest.raises(ChatError) as e:
             backend.reply({"messages": hello, **params}, pieces.append, lambda: False)
         assert needle in str(e.value) and not e.value.context_full, str(e.value)

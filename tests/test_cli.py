@@ -103,17 +103,22 @@ def test_bad_input_leaves_no_worker(bad_runs):
     assert bad_runs[1] == set(), "orphaned worker processes"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--max-batch", "0"], "--max-batch must be in 1..256"),
-    (["--max-batch", "257", "--mode", "masked", "--workers", "1+1"], "--max-batch must be in 1..256"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--max-batch", "0"], "--max-batch must be in 1..256"),
+        (["--max-batch", "257", "--mode", "masked", "--workers", "1+1"], "--max-batch must be in 1..256"),
+    ],
+)
 def test_serve_bad_batch_one_line(args, needle, no_new_workers):
     """Refused before any port is bound or worker started."""
     assert_one_line_error(run("serve", "--port", "0", *args), needle)
 
 
 def test_unsupported_architecture(unsupported_model, no_new_workers):
-    assert_one_line_error(run("generate", "--model", str(unsupported_model), "--prompt-ids", "1"), "unsupported architecture")
+    assert_one_line_error(
+        run("generate", "--model", str(unsupported_model), "--prompt-ids", "1"), "unsupported architecture"
+    )
     assert_one_line_error(run("plan", "--model", str(unsupported_model), "--workers", "2"), "unsupported architecture")
 
 
@@ -133,8 +138,19 @@ def test_master_needs_keys_or_insecure(tiny_qwen2, no_new_workers):
 def test_rendezvous_times_out_without_workers(tiny_qwen2, no_new_workers):
     port = free_port()
     t0 = time.monotonic()
-    r = run("generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", "--master", f"127.0.0.1:{port}",
-            "--insecure", "--join-timeout", "3", timeout=60)  # fmt: skip
+    r = run(
+        "generate",
+        "--model",
+        str(tiny_qwen2),
+        "--prompt-ids",
+        "1,2",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--insecure",
+        "--join-timeout",
+        "3",
+        timeout=60,
+    )
     assert_one_line_error(r, "workers did not join in time")
     assert "rendezvous" in r.stderr and time.monotonic() - t0 < 30
     assert "warning: --insecure" in r.stderr  # plaintext is never silent
@@ -142,8 +158,19 @@ def test_rendezvous_times_out_without_workers(tiny_qwen2, no_new_workers):
 
 def test_worker_with_unreachable_client_fails_in_time(tiny_qwen2, no_new_workers):
     t0 = time.monotonic()
-    r = run("worker", "--model", str(tiny_qwen2), "--master", f"127.0.0.1:{free_port()}", "--rank", "1",
-            "--insecure", "--join-timeout", "2", timeout=60)  # fmt: skip
+    r = run(
+        "worker",
+        "--model",
+        str(tiny_qwen2),
+        "--master",
+        f"127.0.0.1:{free_port()}",
+        "--rank",
+        "1",
+        "--insecure",
+        "--join-timeout",
+        "2",
+        timeout=60,
+    )
     assert_one_line_error(r, "could not reach the client")
     assert time.monotonic() - t0 < 20
 
@@ -155,14 +182,49 @@ def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
     master = f"127.0.0.1:{port}"
     ids = "5,17,33,2,99"
     client = subprocess.Popen(
-        [*FUSION, "generate", "--model", str(tiny_qwen2), "--workers", "2", "--master", master, "--insecure",
-         "--prompt-ids", ids, "--max-new-tokens", "8", "--json", "--timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *FUSION,
+            "generate",
+            "--model",
+            str(tiny_qwen2),
+            "--workers",
+            "2",
+            "--master",
+            master,
+            "--insecure",
+            "--prompt-ids",
+            ids,
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     workers = [
-        subprocess.Popen([*FUSION, "worker", "--model", str(tiny_qwen2), "--rank", str(r), "--insecure",
-                          "--master", master, "--threads", "1", "--timeout", "60"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [
+                *FUSION,
+                "worker",
+                "--model",
+                str(tiny_qwen2),
+                "--rank",
+                str(r),
+                "--insecure",
+                "--master",
+                master,
+                "--threads",
+                "1",
+                "--timeout",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in (1, 2)
     ]
     try:
@@ -178,8 +240,9 @@ def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
                 p.wait()
     res = json.loads(out)
     # Same answer as the default local spawn.
-    local = json.loads(run("generate", "--model", str(tiny_qwen2), "--prompt-ids", ids, "--max-new-tokens", "8",
-                           "--json").stdout)  # fmt: skip
+    local = json.loads(
+        run("generate", "--model", str(tiny_qwen2), "--prompt-ids", ids, "--max-new-tokens", "8", "--json").stdout
+    )
     assert res["token_ids"] == local["token_ids"] and len(res["token_ids"]) == 8
 
 
@@ -192,10 +255,26 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
 
     long_model = build(tmp_path / "long", "qwen2", max_position_embeddings=8192)  # minutes of decoding
     client = subprocess.Popen(
-        [*FUSION, "generate", "--model", str(long_model), "--workers", "2", "--prompt-ids", "1,2,3",
-         "--max-new-tokens", "100000", "--context", "8192", "--timeout", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *FUSION,
+            "generate",
+            "--model",
+            str(long_model),
+            "--workers",
+            "2",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "100000",
+            "--context",
+            "8192",
+            "--timeout",
+            "30",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         mine: set[int] = set()

@@ -17,7 +17,9 @@ def test_nan_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):
     with structural(tiny_qwen2, standby=1, args_for_worker={2: ("--inject-fault", "nan-egress@60")}) as eng:
         ref = run(eng).token_ids
         assert len(ref) == NEW
-        with pytest.raises(WorkerMisbehaved, match=r"worker 2 \(participant 2\) sent an egress shard holding \d+ NaN") as e:
+        with pytest.raises(
+            WorkerMisbehaved, match=r"worker 2 \(participant 2\) sent an egress shard holding \d+ NaN"
+        ) as e:
             run(eng)
         assert e.value.pids == [2]
         assert 2 not in eng.order and 3 in eng.order and eng.recoveries[-1]["lost"] == [2]
@@ -26,7 +28,10 @@ def test_nan_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):
 
 
 def test_hello_with_another_fingerprint_is_refused(tiny_qwen2):
-    with pytest.raises(ModelError, match=r"worker 2 \(participant 2\) answered the plan handshake with word 1 and "
-                                         r"fingerprint [0-9a-f]+, not 1 and [0-9a-f]+: refused"):  # fmt: skip
+    with pytest.raises(
+        ModelError,
+        match=r"worker 2 \(participant 2\) answered the plan handshake with word 1 and "
+        r"fingerprint [0-9a-f]+, not 1 and [0-9a-f]+: refused",
+    ):
         with structural(tiny_qwen2, args_for_worker={2: ("--inject-fault", "hello-fingerprint@1")}):
             pass

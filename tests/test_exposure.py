@@ -104,8 +104,22 @@ def test_exposure_cli(tiny_qwen2, capsys):
     assert main(["audit", "exposure", "--model", str(tiny_qwen2), "--workers", "3", "--layers", "7"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--layers must be in 0..2" in err
-    rc = main(["audit", "exposure", "--model", str(tiny_qwen2), "--workers", "2", "--layers", "0",
-               "--attack-layers", "0", "--attack-prompt-ids", "5,6,7"])  # fmt: skip
+    rc = main(
+        [
+            "audit",
+            "exposure",
+            "--model",
+            str(tiny_qwen2),
+            "--workers",
+            "2",
+            "--layers",
+            "0",
+            "--attack-layers",
+            "0",
+            "--attack-prompt-ids",
+            "5,6,7",
+        ]
+    )
     assert rc == 0 and "recovered 3/3 prompt tokens" in capsys.readouterr().out
 
 

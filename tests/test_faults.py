@@ -145,8 +145,19 @@ def test_workers_leave_when_the_client_dies(tiny_qwen2, tmp_path):
 
     topo = tmp_path / "t.toml"
     topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], model=tiny_qwen2))
-    client = fusion("generate", "--topology", str(topo), "--key", str(kf[0]), "--prompt-ids", "1,2,3",
-                    "--max-new-tokens", "200", "--context", "256")  # fmt: skip
+    client = fusion(
+        "generate",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "200",
+        "--context",
+        "256",
+    )
     workers = [fusion("worker", "--topology", str(topo), "--key", str(k), "--threads", "1") for k in kf[1:]]
     try:
         deadline = time.monotonic() + 60
@@ -211,10 +222,15 @@ def test_link_cut_in_a_namespace(tmp_path):
     outs = []
     with Hosts(NS) as hosts:
         for mode in ("plain", "cut"):
-            workers = [hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(k), "--threads", "1"])
-                       for h, k in zip(NS[1:], kf[1:], strict=True)]  # fmt: skip
-            client = hosts.popen(NS[0], [sys.executable, "-c", CUT_CLIENT, str(topo), str(kf[0]),
-                                         ",".join(map(str, PROMPT)), mode], stdin=subprocess.PIPE)  # fmt: skip
+            workers = [
+                hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(k), "--threads", "1"])
+                for h, k in zip(NS[1:], kf[1:], strict=True)
+            ]
+            client = hosts.popen(
+                NS[0],
+                [sys.executable, "-c", CUT_CLIENT, str(topo), str(kf[0]), ",".join(map(str, PROMPT)), mode],
+                stdin=subprocess.PIPE,
+            )
             if mode == "cut":
                 assert client.stdout.readline().strip() == "decoding", client.stderr.read()
                 hosts.link_down(NS[1])

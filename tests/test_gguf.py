@@ -241,8 +241,9 @@ def test_unsupported_quantization_and_bad_metadata(tmp_path):
     w = gguf.GGUFWriter(tmp_path / "q81.gguf", "llama")
     for key, value in META.items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key.format(arch="llama"), value)
-    w.add_tensor("token_embd.weight", np.zeros((32, H // 32 * 40), np.uint8), raw_shape=(32, H // 32 * 40),
-                 raw_dtype=Q.Q8_1)  # fmt: skip
+    w.add_tensor(
+        "token_embd.weight", np.zeros((32, H // 32 * 40), np.uint8), raw_shape=(32, H // 32 * 40), raw_dtype=Q.Q8_1
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

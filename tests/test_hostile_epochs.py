@@ -33,8 +33,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_failed_epoch_change_recovers_on_the_next_request(tiny_qwen2):
-    opts = EngineOptions(n_workers=2, standby=1, context=128, timeout_s=30, liveness_s=LIVENESS_S,
-                         join_timeout_s=JOIN_S, args_for_worker={3: ("--inject-fault", "never-join@1")})  # fmt: skip
+    opts = EngineOptions(
+        n_workers=2,
+        standby=1,
+        context=128,
+        timeout_s=30,
+        liveness_s=LIVENESS_S,
+        join_timeout_s=JOIN_S,
+        args_for_worker={3: ("--inject-fault", "never-join@1")},
+    )
     with Engine(tiny_qwen2, opts) as eng:
         ref = run(eng).token_ids
         victim, survivor, liar = eng.procs.pids[0], eng.procs.pids[1], eng.procs.pids[2]
@@ -43,7 +50,12 @@ def test_failed_epoch_change_recovers_on_the_next_request(tiny_qwen2):
         with pytest.raises(CommError) as e:
             run(eng)  # recovery calls the standby, which beats but never joins
         line = str(e.value)
-        assert "\n" not in line and "did not open" in line and "did not join" in line and "removed worker 3 from the job" in line
+        assert (
+            "\n" not in line
+            and "did not open" in line
+            and "did not join" in line
+            and "removed worker 3 from the job" in line
+        )
         assert eng.comm is None and eng.epoch == 1  # no half-open epoch; its number is spent
         time.sleep(1.0)
         assert _alive(survivor), "the honest worker that joined the abandoned epoch exited"

@@ -27,8 +27,14 @@ def reference(tiny_qwen2):
 
 @pytest.mark.parametrize("fault", ["cut-peer", "slow-rs"])
 def test_disruptive_peer_is_named_and_removed(tiny_qwen2, reference, fault, capfd):
-    opts = EngineOptions(n_workers=2, standby=1, context=128, timeout_s=TIMEOUT_S, liveness_s=LIVENESS_S,
-                         args_for_worker={2: ("--inject-fault", f"{fault}@{STEP_RS * 10 + 1}")})  # fmt: skip
+    opts = EngineOptions(
+        n_workers=2,
+        standby=1,
+        context=128,
+        timeout_s=TIMEOUT_S,
+        liveness_s=LIVENESS_S,
+        args_for_worker={2: ("--inject-fault", f"{fault}@{STEP_RS * 10 + 1}")},
+    )
     with Engine(tiny_qwen2, opts) as eng:
         res = run(eng)  # worker 2 turns on its peer at the 11th step; the client reads worker 1 first
         assert res.token_ids == reference

@@ -61,7 +61,9 @@ def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path, sizes):
     op, first = audit.read_tap(d, 1)[0]
     assert op == "L0.qkv" and first.shape[1] == len(ids)
     guesses = attack.vocab_match(torch.from_numpy(first.T.copy()), attack.masked_table(open_weights(tiny_qwen2)))
-    assert attack.recovered(guesses, ids) <= chance_hits_bound(ids, open_weights(tiny_qwen2).config.vocab)  # tests/chance.py
+    assert attack.recovered(guesses, ids) <= chance_hits_bound(
+        ids, open_weights(tiny_qwen2).config.vocab
+    )  # tests/chance.py
 
 
 def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
@@ -111,8 +113,23 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_cli_k_groups_audited_and_verified(tiny_qwen2, tmp_path, capsys):
     d = tmp_path / "aud"
-    code, out, err = _cli(capsys, "generate", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", "1+1+1",
-                          "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json", "--audit-dir", str(d))  # fmt: skip
+    code, out, err = _cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_qwen2),
+        "--mode",
+        "masked",
+        "--workers",
+        "1+1+1",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "3",
+        "--json",
+        "--audit-dir",
+        str(d),
+    )
     assert code == 0, err
     j = json.loads(out)
     assert j["groups"] == [1, 1, 1] and j["verified"]["failed"] == 0 and j["verified"]["token_checks"] == (3 + 2) * 12
@@ -122,8 +139,21 @@ def test_cli_k_groups_audited_and_verified(tiny_qwen2, tmp_path, capsys):
 
 
 def test_cli_flags(tiny_qwen2, capsys):
-    code, out, err = _cli(capsys, "generate", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", "1+2",
-                          "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json")  # fmt: skip
+    code, out, err = _cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_qwen2),
+        "--mode",
+        "masked",
+        "--workers",
+        "1+2",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "3",
+        "--json",
+    )
     assert code == 0, err
     assert '"mode": "masked"' in out and '"groups": [1, 2]' in out
     bad = [
@@ -159,4 +189,7 @@ def test_a_coalition_short_of_one_mask_group_learns_nothing(tiny_qwen2, tmp_path
     table = attack.masked_table(open_weights(tiny_qwen2))
     short = attack.recovered(attack.vocab_match((m - r1).T.contiguous(), table), ids)
     whole = attack.recovered(attack.vocab_match((m - r1 - r2).T.contiguous(), table), ids)
-    assert short <= chance_hits_bound(ids, open_weights(tiny_qwen2).config.vocab) and whole == len(ids), (short, whole)  # tests/chance.py
+    assert short <= chance_hits_bound(ids, open_weights(tiny_qwen2).config.vocab) and whole == len(ids), (
+        short,
+        whole,
+    )  # tests/chance.py

@@ -64,8 +64,10 @@ def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_pa
         eng.forward(ids)
         coords = eng.plan.workers[0].residual
     structural_hits = attack.recovered(attack.vocab_match(seen[0].T, attack.structural_table(src, coords)), ids)
-    print(f"vocabulary attack on {len(ids)} prompt tokens: masked worker 1 recovers {masked_hits}, "
-          f"structural worker 1 ({coords[1] - coords[0]} of {src.config.hidden} coordinates) {structural_hits}")  # fmt: skip
+    print(
+        f"vocabulary attack on {len(ids)} prompt tokens: masked worker 1 recovers {masked_hits}, "
+        f"structural worker 1 ({coords[1] - coords[0]} of {src.config.hidden} coordinates) {structural_hits}"
+    )
     # Chance still hits now and then (P(≥ 1) ≈ 2.7 % here, which failed a run once): allow what the binomial
     # tail explains at a false-failure rate of FALSE_FAILURE_RATE (tests/chance.py); the structural control
     # below recovers ≥ 90 %.

@@ -85,9 +85,12 @@ def test_chat_commands(tiny_qwen2, tmp_path):
 
 
 def _admin(url: str, method: str, path: str, key: str | None, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"}
-                                                                                  if key else {})})  # fmt: skip
+    req = urllib.request.Request(
+        url + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -97,8 +100,18 @@ def _admin(url: str, method: str, path: str, key: str | None, body: dict | None 
 
 def _serve(model, log, *extra: str) -> tuple[subprocess.Popen, str]:
     """`fusion serve` on 2 local workers; returns the process and its root URL once it listens (bounded)."""
-    proc = fusion("serve", "--model", str(model), "--workers", "2", "--port", "0", *extra,
-                  stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # fmt: skip
+    proc = fusion(
+        "serve",
+        "--model",
+        str(model),
+        "--workers",
+        "2",
+        "--port",
+        "0",
+        *extra,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),
+    )
     deadline = time.monotonic() + 120
     while "listening on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -50,9 +50,12 @@ def topology(tmp: Path) -> tuple[Path, list[Path]]:
         keys.append(tmp / f"k{i}.key")
         ident.save(keys[-1])
     topo = tmp / "t.toml"
-    topo.write_text(f'[client]\naddress = "{CLIENT}:29500"\nkey = "{ids[0].public.line()}"\n'
-                    + "".join(f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n'
-                              for h, k in zip(WORKERS, ids[1:], strict=True)))  # fmt: skip
+    topo.write_text(
+        f'[client]\naddress = "{CLIENT}:29500"\nkey = "{ids[0].public.line()}"\n'
+        + "".join(
+            f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n' for h, k in zip(WORKERS, ids[1:], strict=True)
+        )
+    )
     return topo, keys
 
 
@@ -66,24 +69,62 @@ def setup(hosts: Hosts, tmp: Path) -> tuple[Path, list[Path]]:
     return topo, keys
 
 
-def mpiexec(topo: Path, keys: list[Path], launcher: Path, model: Path, network: bool = True,
-            order: tuple[int, ...] = (1, 2, 3)) -> list[str]:  # fmt: skip
+def mpiexec(
+    topo: Path, keys: list[Path], launcher: Path, model: Path, network: bool = True, order: tuple[int, ...] = (1, 2, 3)
+) -> list[str]:
     """One mpiexec for the three workers: a host file with one slot per host, so rank i runs on the
     host of topology worker order[i] (the topology's order: 1, 2, 3), with that worker's key (MPMD,
     ':' — on real machines every host keeps its key at the same path and one command serves all)."""
     hostfile = launcher.parent / "hosts"
     hostfile.write_text("".join(f"{WORKERS[w - 1]}:1\n" for w in order))
-    cmd = [shutil.which("mpiexec"), "-f", str(hostfile), "-launcher", "ssh", "-launcher-exec", str(launcher),
-           "-iface", "eth0", *(NETWORK if network else [])]  # fmt: skip
+    cmd = [
+        shutil.which("mpiexec"),
+        "-f",
+        str(hostfile),
+        "-launcher",
+        "ssh",
+        "-launcher-exec",
+        str(launcher),
+        "-iface",
+        "eth0",
+        *(NETWORK if network else []),
+    ]
     for i, w in enumerate(order):
-        cmd += [*([":"] if i else []), "-n", "1", *FUSION, "worker", "--topology", str(topo), "--key",
-                str(keys[w]), "--model", str(model), "--threads", "1", "--timeout", "60"]  # fmt: skip
+        cmd += [
+            *([":"] if i else []),
+            "-n",
+            "1",
+            *FUSION,
+            "worker",
+            "--topology",
+            str(topo),
+            "--key",
+            str(keys[w]),
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--timeout",
+            "60",
+        ]
     return cmd
 
 
 def generate(model: Path, *args: str) -> list[str]:
-    return [*FUSION, "generate", "--model", str(model), "--prompt-ids", ",".join(map(str, PROMPT)),
-            "--max-new-tokens", "6", "--json", "--timeout", "60", *args]  # fmt: skip
+    return [
+        *FUSION,
+        "generate",
+        "--model",
+        str(model),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--timeout",
+        "60",
+        *args,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +145,21 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
         topo, keys = setup(hosts, tmp_path)
         with hosts.capture() as cap:
             launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, network))
-            client = hosts.popen(CLIENT, generate(tiny_qwen2, "--topology", str(topo), "--key", str(keys[0]),
-                                                  "--engine", "mpi", "--no-recover", "--join-timeout", "60"))  # fmt: skip
+            client = hosts.popen(
+                CLIENT,
+                generate(
+                    tiny_qwen2,
+                    "--topology",
+                    str(topo),
+                    "--key",
+                    str(keys[0]),
+                    "--engine",
+                    "mpi",
+                    "--no-recover",
+                    "--join-timeout",
+                    "60",
+                ),
+            )
             out, err = client.communicate(timeout=300)
             w_out, w_err = launch.communicate(timeout=120)
     assert client.returncode == 0, err + w_err[-3000:]
@@ -117,21 +171,36 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
     assert (between_workers > 100_000) == network, cap.flows  # the fabric's traffic crossed the bridge (or not)
 
 
-@pytest.mark.parametrize(("standby", "extra", "message"), [
-    (False, [], "cannot replace a lost worker (an mpiexec world has a fixed size): add --no-recover"),
-    (True, ["--no-recover"], "cannot take in a standby"),
-    (False, ["--engine", "gloo", "--insecure"], "--engine gloo runs on one machine only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("standby", "extra", "message"),
+    [
+        (False, [], "cannot replace a lost worker (an mpiexec world has a fixed size): add --no-recover"),
+        (True, ["--no-recover"], "cannot take in a standby"),
+        (False, ["--engine", "gloo", "--insecure"], "--engine gloo runs on one machine only"),
+    ],
+)
 def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
     """What a fixed-size MPI world cannot do is refused at once, in one line, before any network is
     touched (so no namespace is needed)."""
     topo, keys = topology(tmp_path)
     if standby:
-        topo.write_text(topo.read_text() + f'[[worker]]\naddress = "{WORKERS[0]}"\nrole = "standby"\n'
-                        f'key = "{Identity.new().public.line()}"\n')  # fmt: skip
-    p = subprocess.run(generate(tiny_qwen2, "--topology", str(topo), "--key", str(keys[0]),
-                                *(extra if "--engine" in extra else ["--engine", "mpi", *extra])),
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+        topo.write_text(
+            topo.read_text() + f'[[worker]]\naddress = "{WORKERS[0]}"\nrole = "standby"\n'
+            f'key = "{Identity.new().public.line()}"\n'
+        )
+    p = subprocess.run(
+        generate(
+            tiny_qwen2,
+            "--topology",
+            str(topo),
+            "--key",
+            str(keys[0]),
+            *(extra if "--engine" in extra else ["--engine", "mpi", *extra]),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
 
 
@@ -141,8 +210,21 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
     with Hosts([CLIENT, *WORKERS]) as hosts:
         topo, keys = setup(hosts, tmp_path)
         launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, order=(3, 2, 1)))
-        client = hosts.popen(CLIENT, generate(tiny_qwen2, "--topology", str(topo), "--key", str(keys[0]), "--engine",
-                                              "mpi", "--no-recover", "--join-timeout", "60"))  # fmt: skip
+        client = hosts.popen(
+            CLIENT,
+            generate(
+                tiny_qwen2,
+                "--topology",
+                str(topo),
+                "--key",
+                str(keys[0]),
+                "--engine",
+                "mpi",
+                "--no-recover",
+                "--join-timeout",
+                "60",
+            ),
+        )
         out, err = client.communicate(timeout=300)
         w_out, w_err = launch.communicate(timeout=120)
     assert client.returncode != 0 and "closed the connection" in err, err

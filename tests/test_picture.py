@@ -33,8 +33,20 @@ def expected(plan) -> dict[tuple[str, int], set[int]]:
         k = {r - q_size for r in rows if q_size <= r < q_size + kv}
         v = {r - q_size - kv for r in rows if r >= q_size + kv}
         resid, mlp = set(range(*s.residual)), set(range(*s.mlp))
-        per = {"resid.in": resid, "q": q, "k": k, "v": v, "kcache": k, "vcache": v, "attn": set(plan.o_cols(w)),
-               "resid.mid": resid, "gate": mlp, "up": mlp, "h": mlp, "resid.out": resid}  # fmt: skip
+        per = {
+            "resid.in": resid,
+            "q": q,
+            "k": k,
+            "v": v,
+            "kcache": k,
+            "vcache": v,
+            "attn": set(plan.o_cols(w)),
+            "resid.mid": resid,
+            "gate": mlp,
+            "up": mlp,
+            "h": mlp,
+            "resid.out": resid,
+        }
         for role, coords in per.items():
             out[(role, w)] = coords
     return out
@@ -42,9 +54,20 @@ def expected(plan) -> dict[tuple[str, int], set[int]]:
 
 def sizes(c: ModelConfig) -> dict[str, int]:
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    return {"resid.in": c.hidden, "q": q, "k": kv, "v": kv, "kcache": kv, "vcache": kv, "attn": q,
-            "resid.mid": c.hidden, "gate": c.intermediate, "up": c.intermediate, "h": c.intermediate,
-            "resid.out": c.hidden}  # fmt: skip
+    return {
+        "resid.in": c.hidden,
+        "q": q,
+        "k": kv,
+        "v": kv,
+        "kcache": kv,
+        "vcache": kv,
+        "attn": q,
+        "resid.mid": c.hidden,
+        "gate": c.intermediate,
+        "up": c.intermediate,
+        "h": c.intermediate,
+        "resid.out": c.hidden,
+    }
 
 
 def check_drawing(svg: str, plan) -> None:
@@ -82,8 +105,11 @@ def test_plan_picture_draws_the_plan(n, caps):
     assert [int(r.get("data-worker")) for r in legend] == list(range(n))
     assert len({r.get("fill") for r in legend}) == n  # one colour per worker
     # the transfers: ingress and egress carry the residual rows; the scatters add up to the plan's bytes
-    ingress = {int(e.get("data-worker")): int(e.get("data-elements")) for e in root.iter(f"{NS}line")
-               if e.get("class") == "ingress"}  # fmt: skip
+    ingress = {
+        int(e.get("data-worker")): int(e.get("data-elements"))
+        for e in root.iter(f"{NS}line")
+        if e.get("class") == "ingress"
+    }
     assert ingress == {s.worker: s.n_residual for s in plan.workers}
     cells = [r for r in root.iter(f"{NS}rect") if r.get("class") == "scatter"]
     assert len(cells) == n * n
@@ -117,8 +143,12 @@ def test_a_wrongly_drawn_range_is_caught():
     with pytest.raises(AssertionError, match="drawn at"):
         check_drawing(svg.replace(x0, at(290), 1), plan)
     with pytest.raises(AssertionError, match="differ from the plan"):
-        check_drawing(svg.replace('data-start="288" data-stop="432"', 'data-start="289" data-stop="433"', 1)
-                      .replace(x0, at(289), 1), plan)  # fmt: skip
+        check_drawing(
+            svg.replace('data-start="288" data-stop="432"', 'data-start="289" data-stop="433"', 1).replace(
+                x0, at(289), 1
+            ),
+            plan,
+        )
     with pytest.raises(AssertionError, match="differ from the plan"):  # a plan with other shares
         check_drawing(svg, make_plan(SMOLLM, 3, (1, 2, 1)))
 
@@ -132,16 +162,50 @@ def test_roles_are_the_audit_schema_roles():
 
 def test_fusion_plan_picture_command(tiny_qwen2, tmp_path):
     out = tmp_path / "plan.svg"
-    r = subprocess.run([sys.executable, "-m", "fusion_compute", "plan", "--model", str(tiny_qwen2), "--workers", "3",
-                        "--capacity", "2,1,1", "--picture", str(out)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusion_compute",
+            "plan",
+            "--model",
+            str(tiny_qwen2),
+            "--workers",
+            "3",
+            "--capacity",
+            "2,1,1",
+            "--picture",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     plan_json = json.loads(r.stdout)  # the JSON is still printed
     assert [s["residual"] for s in plan_json["shares"]] == [[0, 36], [36, 54], [54, 72]]
     root = ET.fromstring(out.read_text())
-    resid = {int(g.get("data-worker")): [(int(x.get("data-start")), int(x.get("data-stop"))) for x in g]
-             for g in root.iter(f"{NS}g") if g.get("class") == "hold" and g.get("data-role") == "resid.in"}  # fmt: skip
+    resid = {
+        int(g.get("data-worker")): [(int(x.get("data-start")), int(x.get("data-stop"))) for x in g]
+        for g in root.iter(f"{NS}g")
+        if g.get("class") == "hold" and g.get("data-role") == "resid.in"
+    }
     assert resid == {0: [(0, 36)], 1: [(36, 54)], 2: [(54, 72)]}
-    bad = subprocess.run([sys.executable, "-m", "fusion_compute", "plan", "--model", str(tiny_qwen2), "--workers",
-                          "2", "--picture", str(tmp_path / "no" / "dir.svg")], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusion_compute",
+            "plan",
+            "--model",
+            str(tiny_qwen2),
+            "--workers",
+            "2",
+            "--picture",
+            str(tmp_path / "no" / "dir.svg"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--picture" in bad.stderr, bad.stderr

@@ -144,8 +144,22 @@ def _run(tmp_path: Path, model: Path, attack: bool, tag: str) -> dict:
     topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], model=model, port=port))
     log = tmp_path / f"{tag}.client.err"
     common = ("--join-timeout", "60")
-    client = fusion("generate", "--topology", str(topo), "--key", str(kf[0]), "--prompt-ids", PROMPT,
-                    "--max-new-tokens", "2", "--json", "--timeout", "60", *common, stderr=open(log, "w"))  # fmt: skip
+    client = fusion(
+        "generate",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--prompt-ids",
+        PROMPT,
+        "--max-new-tokens",
+        "2",
+        "--json",
+        "--timeout",
+        "60",
+        *common,
+        stderr=open(log, "w"),
+    )
     procs, floods = [client], []
     try:
         assert _wait_until(lambda: rendezvous_port in _listening_ports(client.pid), 60, client), log.read_text()
@@ -174,8 +188,15 @@ def _run(tmp_path: Path, model: Path, attack: bool, tag: str) -> dict:
         reap(procs)
     text = log.read_text()
     tokens = json.loads(out)["token_ids"] if client.returncode == 0 else None
-    return {"took": took, "listening": listening, "rc": client.returncode, "tokens": tokens, "threads": threads,
-            "log": text, "floods": floods}  # fmt: skip
+    return {
+        "took": took,
+        "listening": listening,
+        "rc": client.returncode,
+        "tokens": tokens,
+        "threads": threads,
+        "log": text,
+        "floods": floods,
+    }
 
 
 def test_floods_do_not_stall_start_up(tiny_qwen2, tmp_path):
@@ -183,9 +204,11 @@ def test_floods_do_not_stall_start_up(tiny_qwen2, tmp_path):
     hit = _run(tmp_path, tiny_qwen2, attack=True, tag="hit")
     after = _run(tmp_path, tiny_qwen2, attack=False, tag="after")
     baseline = (base["took"] + after["took"]) / 2
-    print(f"start-up: baseline {baseline:.1f} s ({base['took']:.1f} s before, {after['took']:.1f} s after; worker 1 "
-          f"listening for peers after {base['listening']:.1f} s), flooded {hit['took']:.1f} s "
-          f"({hit['listening']:.1f} s), exit {hit['rc']}; peak threads {base['threads']} -> {hit['threads']}")  # fmt: skip
+    print(
+        f"start-up: baseline {baseline:.1f} s ({base['took']:.1f} s before, {after['took']:.1f} s after; worker 1 "
+        f"listening for peers after {base['listening']:.1f} s), flooded {hit['took']:.1f} s "
+        f"({hit['listening']:.1f} s), exit {hit['rc']}; peak threads {base['threads']} -> {hit['threads']}"
+    )
     assert base["rc"] == 0 and after["rc"] == 0, base["log"] + after["log"]
     assert hit["rc"] == 0, hit["log"][-3000:]
     assert all(f.attempts == CHURN and len(f.idle) == IDLE for f in hit["floods"])
@@ -247,8 +270,10 @@ def test_listeners_stay_bounded_in_process(tmp_path):
         for f in floods:
             f.close()
         adm.close()
-    print(f"linked in {linked:.2f} s with {IDLE} idle connections queued; threads {before} -> peak {threads_seen}; "
-          f"refusals {dict(adm.refusals.counts)}")  # fmt: skip
+    print(
+        f"linked in {linked:.2f} s with {IDLE} idle connections queued; threads {before} -> peak {threads_seen}; "
+        f"refusals {dict(adm.refusals.counts)}"
+    )
     # 50 idle connections on worker 1's peer port: linking waits for none of them.
     assert linked < rendezvous.HANDSHAKE_S, linked
     # Two listeners greeting (each at most MAX_PENDING threads), the flood's and the workers' own aside.
@@ -299,8 +324,10 @@ def test_the_cap_closes_excess_connections_at_once_and_an_honest_worker_gets_in(
         for s in idle:
             s.close()
         adm.close()
-    print(f"{closed_at_once} closed at once, {over} counted over the cap; threads {before} -> {threads_seen}; "
-          f"the listed worker admitted after {admitted:.2f} s")  # fmt: skip
+    print(
+        f"{closed_at_once} closed at once, {over} counted over the cap; threads {before} -> {threads_seen}; "
+        f"the listed worker admitted after {admitted:.2f} s"
+    )
     assert closed_at_once == over == 20, (closed_at_once, over)
     # the listed worker was itself turned away while the slots were full, retried, and got in
     assert adm.refusals.counts["too many unauthenticated connections"] > over

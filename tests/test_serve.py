@@ -109,8 +109,9 @@ def alive(pid: int) -> bool:
 
 def start_server(args: list[str], log: Path, timeout_s: float = 120) -> Live:
     f = open(log, "w")
-    proc = subprocess.Popen([*FUSION, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=f)  # fmt: skip
+    proc = subprocess.Popen(
+        [*FUSION, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f
+    )
     f.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -146,8 +147,23 @@ def stop_server(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def tiny_server(chat_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    live = start_server(["--model", str(chat_model), "--workers", "2", "--threads", "1", "--api-key", API_KEY,
-                         "--served-model-name", "tiny", "--max-tokens", "12"], log)  # fmt: skip
+    live = start_server(
+        [
+            "--model",
+            str(chat_model),
+            "--workers",
+            "2",
+            "--threads",
+            "1",
+            "--api-key",
+            API_KEY,
+            "--served-model-name",
+            "tiny",
+            "--max-tokens",
+            "12",
+        ],
+        log,
+    )
     yield live
     stop_server(live.proc)
     assert live.proc.returncode == 0, log.read_text()[-2000:]
@@ -168,8 +184,11 @@ def test_chat_streamed_equals_non_streamed(tiny_server):
     assert fusion["audit"]["checked"] is False and fusion["audit"]["reason"]  # honest: not verified per request
     assert r.system_fingerprint == "fusion-" + fusion["plan"]
 
-    chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=10, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert streamed == text
@@ -183,7 +202,7 @@ def test_sse_wire_format_ends_with_done(tiny_server):
     body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": 3, "stream": True})
     status, raw = tiny_server.raw("POST", "/v1/chat/completions", body)
     assert status == 200
-    events = [ln[len("data: "):] for ln in raw.decode().split("\n") if ln.startswith("data: ")]  # fmt: skip
+    events = [ln[len("data: ") :] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
     assert events[-1] == "[DONE]" and all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
 
 
@@ -192,8 +211,11 @@ def test_completions_text_ids_and_stop(tiny_server):
     r = c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=12)
     text = r.choices[0].text
     assert r.object == "text_completion" and r.usage.completion_tokens >= 1
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="tiny", prompt="the quick brown fox", max_tokens=12, stream=True) if ch.choices)  # fmt: skip
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=12, stream=True)
+        if ch.choices
+    )
     assert streamed == text
     assert text.strip(), "the tiny model should say something in 12 tokens"
     # stop: cut at the first occurrence of a piece of the answer, streamed or not
@@ -201,8 +223,11 @@ def test_completions_text_ids_and_stop(tiny_server):
     want = text[: text.find(cut)]
     r2 = c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=12, stop=[cut, "\x00never"])
     assert r2.choices[0].text == want and r2.choices[0].finish_reason == "stop"
-    s2 = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="tiny", prompt="the quick brown fox", max_tokens=12, stop=cut, stream=True) if ch.choices)  # fmt: skip
+    s2 = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=12, stop=cut, stream=True)
+        if ch.choices
+    )
     assert s2 == want
 
 
@@ -236,9 +261,20 @@ INVALID = [
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404, "model_not_found"),
     ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400, None),
     ("messages not a list", "/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, None),
-    ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    ("image content", "/v1/chat/completions",
-     {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, None),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        None,
+    ),
+    (
+        "image content",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        None,
+    ),
     ("max_tokens 0", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, None),
     ("max_tokens -5", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": -5}, 400, None),
     ("max_tokens not int", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": "9"}, 400, None),
@@ -253,10 +289,20 @@ INVALID = [
     ("empty stop in a list", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["a", ""]}, 400, None),
     ("n 2", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, 400, None),
     ("tools", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, None),
-    ("prompt too long", "/v1/chat/completions",
-     {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}, 400, "context_length_exceeded"),
-    ("max_tokens beyond context", "/v1/chat/completions",
-     {"model": "tiny", "messages": CHAT, "max_tokens": 1000}, 400, "context_length_exceeded"),
+    (
+        "prompt too long",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": LONG}]},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "max_tokens beyond context",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": CHAT, "max_tokens": 1000},
+        400,
+        "context_length_exceeded",
+    ),
     ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, 400, None),
     ("token id out of vocab", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, None),
     ("two prompts", "/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, None),
@@ -264,29 +310,70 @@ INVALID = [
     # strict types and bounds (issue 10): no bool-as-int, no NaN/Infinity, 64-bit seeds, valid Unicode
     ("max_tokens true", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": True}, 400, None),
     ("stream 1", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stream": 1}, 400, None),
-    ("temperature NaN", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": CHAT, "temperature": math.nan}),
-     400, None),
+    (
+        "temperature NaN",
+        "/v1/chat/completions",
+        json.dumps({"model": "tiny", "messages": CHAT, "temperature": math.nan}),
+        400,
+        None,
+    ),
     ("top_p Infinity", "/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": Infinity}', 400, None),
     ("temperature 1e400", "/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": 1e400}', 400, None),
     ("seed 2**64", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": 2**64}, 400, None),
     ("seed -2**63-1", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": -(2**63) - 1}, 400, None),
     ("lone surrogate prompt", "/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', 400, None),
-    ("lone surrogate message", "/v1/chat/completions",
-     '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
-    ("5000-digit integer", "/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
-     400, None),
+    (
+        "lone surrogate message",
+        "/v1/chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        None,
+    ),
+    (
+        "5000-digit integer",
+        "/v1/completions",
+        '{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
+        400,
+        None,
+    ),
     ("JSON nested 100000 deep", "/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None),
     ("body not UTF-8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff"}', 400, None),
-    ("stream_options without stream", "/v1/completions",
-     {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
-    ("8 MB prompt", "/v1/completions", {"model": "tiny", "prompt": "hello " * (8_000_000 // 6)}, 400,
-     "context_length_exceeded"),
-    ("more messages than the context", "/v1/chat/completions",
-     {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 300}, 400, "context_length_exceeded"),
-]  # fmt: skip
-PARAMS = {"max_tokens true": "max_tokens", "seed 2**64": "seed", "lone surrogate prompt": "prompt",
-          "lone surrogate message": "messages[0].content", "stop not strings": "stop[0]", "bad role": "messages[0].role",
-          "8 MB prompt": "prompt", "n 2": "n", "empty stop string": "stop", "empty stop in a list": "stop[1]", "temperature 2.5": "temperature", "temperature NaN": "temperature"}  # fmt: skip
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        None,
+    ),
+    (
+        "8 MB prompt",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hello " * (8_000_000 // 6)},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "more messages than the context",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 300},
+        400,
+        "context_length_exceeded",
+    ),
+]
+PARAMS = {
+    "max_tokens true": "max_tokens",
+    "seed 2**64": "seed",
+    "lone surrogate prompt": "prompt",
+    "lone surrogate message": "messages[0].content",
+    "stop not strings": "stop[0]",
+    "bad role": "messages[0].role",
+    "8 MB prompt": "prompt",
+    "n 2": "n",
+    "empty stop string": "stop",
+    "empty stop in a list": "stop[1]",
+    "temperature 2.5": "temperature",
+    "temperature NaN": "temperature",
+}
 
 
 def test_invalid_requests_get_4xx_and_server_keeps_serving(tiny_server):
@@ -333,8 +420,10 @@ def test_values_that_once_broke_the_engine(tiny_server):
 
 def test_concurrent_requests_batch_and_match_sequential(tiny_server):
     c = tiny_server.client()
-    asks = [dict(messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=8, temperature=0.8, seed=i)
-            for i in range(8)]  # fmt: skip
+    asks = [
+        dict(messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=8, temperature=0.8, seed=i)
+        for i in range(8)
+    ]
     want = [c.chat.completions.create(model="tiny", **kw).choices[0].message.content for kw in asks]
     with ThreadPoolExecutor(8) as ex:
         got = list(ex.map(lambda kw: c.chat.completions.create(model="tiny", **kw), asks))
@@ -346,8 +435,12 @@ def test_concurrent_requests_batch_and_match_sequential(tiny_server):
 def test_disconnect_mid_stream_cancels(tiny_server):
     conn = http.client.HTTPConnection(tiny_server.host, int(tiny_server.port), timeout=30)
     body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": 200, "stream": True})
-    conn.request("POST", "/v1/chat/completions", body=body,
-                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})  # fmt: skip
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=body,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     resp.readline()
@@ -381,7 +474,9 @@ def test_parse_defaults_and_aliases(card):
     assert req.sampling.temperature == 0.0 and req.max_tokens > 0 and not req.stream and req.stop == ()
     assert card.tokenizer.decode(req.prompt_ids).startswith("<|im_start|>system\nx<|im_end|>")
     # the same ids as the tokenizer's own chat_ids (the gateway tokenizes through encode_batch)
-    assert req.prompt_ids == card.tokenizer.chat_ids([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
+    assert req.prompt_ids == card.tokenizer.chat_ids(
+        [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]
+    )
     req = completion({"model": "tiny", "prompt": ["hello"], "max_completion_tokens": 5, "stop": "x"}, card)
     assert req.max_tokens == 5 and req.stop == ("x",) and req.prompt_ids == card.tokenizer.encode("hello")
     assert completion({"model": "tiny", "prompt": [[5, 6]]}, card).prompt_ids == [5, 6]
@@ -422,14 +517,15 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(card):
 
     limited = replace(card, tokenizer=NoTokenizing(), max_token_bytes=4)
     limit = limited.context * 4
-    for body in ({"model": "tiny", "prompt": "a" * (limit + 1)},
-                 {"model": "tiny", "prompt": ["é" * (limit // 2 + 1)]}):  # fmt: skip
+    for body in ({"model": "tiny", "prompt": "a" * (limit + 1)}, {"model": "tiny", "prompt": ["é" * (limit // 2 + 1)]}):
         with pytest.raises(ApiError) as e:
             completion(body, limited)
         assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     with pytest.raises(ApiError) as e:
-        chat({"model": "tiny", "messages": [{"role": "user", "content": "a" * limit}, {"role": "user", "content": "b"}]},
-             limited)  # fmt: skip
+        chat(
+            {"model": "tiny", "messages": [{"role": "user", "content": "a" * limit}, {"role": "user", "content": "b"}]},
+            limited,
+        )
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
     with pytest.raises(ApiError) as e:
         chat({"model": "tiny", "messages": [{"role": "user", "content": ""}] * card.context}, limited)
@@ -664,8 +760,11 @@ def test_kept_alive_connection_survives_errors(tiny_server):
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": 2, "pad": "x" * 5000})
     try:
-        for path, headers, status in [("/v1/nothing", auth, 404), ("/v1/chat/completions", {**auth, "Authorization": "Bearer no"}, 401),
-                                      ("/v1/chat/completions", auth, 200)]:  # fmt: skip
+        for path, headers, status in [
+            ("/v1/nothing", auth, 404),
+            ("/v1/chat/completions", {**auth, "Authorization": "Bearer no"}, 401),
+            ("/v1/chat/completions", auth, 200),
+        ]:
             conn.request("POST", path, body=body, headers=headers)
             r = conn.getresponse()
             data = json.loads(r.read())
@@ -682,8 +781,11 @@ def test_serve_bad_args_one_line(capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        for args, needle in [(["--port", str(busy.getsockname()[1])], "cannot listen"), (["--port", "70000"], "--port"),
-                             (["--workers", "0"], "--workers")]:  # fmt: skip
+        for args, needle in [
+            (["--port", str(busy.getsockname()[1])], "cannot listen"),
+            (["--port", "70000"], "--port"),
+            (["--workers", "0"], "--workers"),
+        ]:
             assert main(["serve", *args]) != 0
             err = capsys.readouterr().err.strip()
             assert needle in err and len(err.splitlines()) == 1, err
@@ -731,8 +833,9 @@ def test_admin_call_behind_a_long_request_leaves_the_loop_free(card):
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(Gateway(engine, card), scheduler, admin=True), lifespan="off",
-                            log_config=None, access_log=False)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(Gateway(engine, card), scheduler, admin=True), lifespan="off", log_config=None, access_log=False
+    )
     server = _Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -752,8 +855,9 @@ def test_admin_call_behind_a_long_request_leaves_the_loop_free(card):
             time.sleep(0.02)
         assert get("GET", "/health")[0] == 200
         with ThreadPoolExecutor(2) as ex:
-            long = ex.submit(get, "POST", "/v1/completions",
-                             json.dumps({"model": "tiny", "prompt": [1, 2], "max_tokens": 40}))  # fmt: skip
+            long = ex.submit(
+                get, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 2], "max_tokens": 40})
+            )
             while not scheduler.running and time.monotonic() < deadline:
                 time.sleep(0.01)
             admin = ex.submit(get, "GET", "/admin/workers")

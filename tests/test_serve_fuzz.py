@@ -30,9 +30,27 @@ def live(tmp_path_factory) -> Live:
     # A long window (1024), so that a generation runs long enough to be interrupted.
     model = build_chat_model(tmp_path_factory.mktemp("fuzz-model"), seed=5, max_positions=1024)
     log = tmp_path_factory.mktemp("fuzz-serve") / "serve.log"
-    server = start_server(["--model", str(model), "--workers", "2", "--threads", "1", "--api-key", API_KEY,
-                           "--served-model-name", "tiny", "--max-tokens", "4", "--request-timeout", str(TIMEOUT_S),
-                           "--max-connections", str(MAX_CONNECTIONS)], log)  # fmt: skip
+    server = start_server(
+        [
+            "--model",
+            str(model),
+            "--workers",
+            "2",
+            "--threads",
+            "1",
+            "--api-key",
+            API_KEY,
+            "--served-model-name",
+            "tiny",
+            "--max-tokens",
+            "4",
+            "--request-timeout",
+            str(TIMEOUT_S),
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+        ],
+        log,
+    )
     yield server
     stop_server(server.proc)
     assert server.proc.returncode == 0, log.read_text()[-2000:]
@@ -47,8 +65,9 @@ def still_serving(live):
 
 def good_request(live: Live) -> bool:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-    r = requests.post(live.url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60)  # fmt: skip
+    r = requests.post(
+        live.url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
     return r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -109,24 +128,45 @@ MALFORMED = [
     ("header without a colon", b"GET /health HTTP/1.1\r\nHost: x\r\nnonsense\r\n\r\n", 400),
     ("NUL in a header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400),
     ("Content-Length not a number", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1e3\r\n\r\n", 400),
-    ("Content-Length with 25 digits", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 25
-     + b"\r\n\r\n", 400),
-    ("Transfer-Encoding gzip", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
-     + b"Transfer-Encoding: gzip\r\n\r\n", 400),
-    ("bad chunk size", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
-     + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
-    ("Content-Length and chunked", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + CL
-     + b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    (
+        "Content-Length with 25 digits",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 25 + b"\r\n\r\n",
+        400,
+    ),
+    (
+        "Transfer-Encoding gzip",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: gzip\r\n\r\n",
+        400,
+    ),
+    (
+        "bad chunk size",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+        400,
+    ),
+    (
+        "Content-Length and chunked",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + CL + b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        400,
+    ),
     ("unknown method", b"BREW /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 405),
     ("OPTIONS", b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Connection: close\r\n\r\n", 405),
-    ("PUT with a body", b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + CL + b"Connection: close\r\n\r\n"
-     + BODY, 405),
+    (
+        "PUT with a body",
+        b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + CL + b"Connection: close\r\n\r\n" + BODY,
+        405,
+    ),
     ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
-    ("non-ASCII API key", b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
-     b"Connection: close\r\n\r\n", 401),
-    ("body too large (declared)", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
-     + b"Content-Length: %d\r\n\r\n{" % (MAX_BODY + 1), 413),
-]  # fmt: skip
+    (
+        "non-ASCII API key",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n",
+        401,
+    ),
+    (
+        "body too large (declared)",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: %d\r\n\r\n{" % (MAX_BODY + 1),
+        413,
+    ),
+]
 
 
 @pytest.mark.parametrize("name,data,status", MALFORMED, ids=[m[0] for m in MALFORMED])
@@ -150,8 +190,15 @@ def test_conflicting_content_length_cannot_smuggle_a_request(live):
     """The old server read the first Content-Length and took the rest of the body for a second
     request on the kept-alive connection. Now: one 400, and the connection is closed."""
     smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Connection: close\r\n\r\n"
-    data = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 5\r\n"
-            + CL + b"\r\n" + BODY + smuggled)  # fmt: skip
+    data = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        + AUTH
+        + b"Content-Length: 5\r\n"
+        + CL
+        + b"\r\n"
+        + BODY
+        + smuggled
+    )
     raw, closed = exchange(live, data)
     assert [status for status, _, _ in responses(raw)] == [400] and closed
     # the same pipelined pair, well framed, gets both answers on one connection
@@ -202,8 +249,14 @@ def test_log_lines_are_escaped(live):
     """CR, LF, NUL and ESC from a caller never reach the log raw: no forged line, no terminal escape."""
     exchange(live, b"GET /v1/%0d%0aFORGED-PATH%00%1b[31m HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Connection: close\r\n\r\n")
     body = json.dumps({"model": "x\r\nFORGED-MODEL\x00\x1b[31m", "prompt": "hi"}).encode()
-    raw, _ = exchange(live, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Connection: close\r\n"
-                      + b"Content-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+    raw, _ = exchange(
+        live,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        + AUTH
+        + b"Connection: close\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body,
+    )
     assert responses(raw)[0][0] == 404
     text = live.log.read_bytes().decode()
     assert "FORGED-PATH" in text and "FORGED-MODEL" in text
@@ -222,8 +275,13 @@ def health(live: Live) -> dict:
 def send_request(live: Live, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection((live.host, int(live.port)), timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Type: application/json\r\n"
-              + b"Content-Length: %d\r\n\r\n" % len(data) + data)  # fmt: skip
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        + AUTH
+        + b"Content-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(data)
+        + data
+    )
     return s
 
 
@@ -231,8 +289,9 @@ def send_request(live: Live, body: dict) -> socket.socket:
 def test_hanging_up_cancels_the_generation(live, stream):
     """The old server kept generating for a non-streaming caller that had hung up."""
     max_tokens = 900
-    s = send_request(live, {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": max_tokens,
-                            "stream": stream})  # fmt: skip
+    s = send_request(
+        live, {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": max_tokens, "stream": stream}
+    )
     deadline = time.monotonic() + 30
     while not health(live)["running"]:
         assert time.monotonic() < deadline, "the request never started"
@@ -278,8 +337,9 @@ def test_a_huge_prompt_does_not_stall_other_streams(live):
             time.sleep(0.02)
         big = {"model": "tiny", "prompt": "hello " * (8_000_000 // 6)}
         t_big = time.monotonic()
-        r = requests.post(live.url + "/completions", json=big, headers={"Authorization": f"Bearer {API_KEY}"},
-                          timeout=60)  # fmt: skip
+        r = requests.post(
+            live.url + "/completions", json=big, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        )
         t_answer = time.monotonic()
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         time.sleep(0.5)
@@ -319,14 +379,24 @@ def test_fuzz_from_the_schema(live):
     schema = schemathesis.openapi.from_url(root + "/openapi.json", config=schemathesis.Config())
     operations = [schema[path][method] for path in schema for method in schema[path]]
     assert len(operations) >= 5
-    cases = st.one_of([op.as_strategy(generation_mode=mode) for op in operations
-                       for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])  # fmt: skip
+    cases = st.one_of(
+        [
+            op.as_strategy(generation_mode=mode)
+            for op in operations
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+        ]
+    )
     seen: dict[int, int] = {}
     generated: dict[str, int] = {}  # 200s of the two completion routes
     session = requests.Session()
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=cases, served_model=st.booleans(), with_key=st.sampled_from([True, True, True, False]))
     def fuzz(case, served_model, with_key):
         if served_model and isinstance(case.body, dict) and "model" in case.body:
@@ -350,7 +420,9 @@ def test_fuzz_from_the_schema(live):
     t0 = time.monotonic()
     fuzz()
     took = time.monotonic() - t0
-    print(f"fuzz: {sum(seen.values())} requests in {took:.1f} s, by status {dict(sorted(seen.items()))}, "
-          f"answered with a generation: {generated}")
+    print(
+        f"fuzz: {sum(seen.values())} requests in {took:.1f} s, by status {dict(sorted(seen.items()))}, "
+        f"answered with a generation: {generated}"
+    )
     assert sum(seen.values()) >= FUZZ_EXAMPLES // 2 and 200 in seen and 400 in seen, seen
     assert live.proc.poll() is None

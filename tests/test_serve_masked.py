@@ -16,9 +16,25 @@ from fusion_compute.weights.tokenizer import load_tokenizer
 @pytest.mark.parametrize("max_batch", [1, 4])  # one request at a time (queued), or decoded together
 def test_masked_server_answers_like_transformers(tmp_path, max_batch):
     model = build_chat_model(tmp_path / "m")
-    live = start_server(["--model", str(model), "--mode", "masked", "--workers", "1+1", "--threads", "1",
-                         "--api-key", API_KEY, "--served-model-name", "tiny", "--max-batch", str(max_batch)],
-                        tmp_path / "serve.log")  # fmt: skip
+    live = start_server(
+        [
+            "--model",
+            str(model),
+            "--mode",
+            "masked",
+            "--workers",
+            "1+1",
+            "--threads",
+            "1",
+            "--api-key",
+            API_KEY,
+            "--served-model-name",
+            "tiny",
+            "--max-batch",
+            str(max_batch),
+        ],
+        tmp_path / "serve.log",
+    )
     try:
         tok = load_tokenizer(model)
         ref = reference.load_reference(model)

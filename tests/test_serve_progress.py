@@ -76,8 +76,23 @@ def _run_with_stderr_pty(args: list[str], timeout_s: float = 120) -> tuple[subpr
 
 
 def test_generate_progress_on_a_terminal_only(tiny_qwen2):
-    args = [*FUSION, "generate", "--model", str(tiny_qwen2), "--workers", "2", "--capacity", "2,1",
-            "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json", "--threads", "1"]  # fmt: skip
+    args = [
+        *FUSION,
+        "generate",
+        "--model",
+        str(tiny_qwen2),
+        "--workers",
+        "2",
+        "--capacity",
+        "2,1",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "3",
+        "--json",
+        "--threads",
+        "1",
+    ]
     r, err = _run_with_stderr_pty(args)
     assert r.returncode == 0, err
     assert json.loads(r.stdout)["workers"] == 2  # stdout: exactly the JSON object

@@ -18,8 +18,9 @@ GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
 @pytest.fixture(scope="module")
 def smollm_server(smollm_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-smollm") / "serve.log"
-    live = start_server(["--model", str(smollm_path), "--workers", "2", "--api-key", "test-key", "--max-batch", "8"],
-                        log, timeout_s=180)  # fmt: skip
+    live = start_server(
+        ["--model", str(smollm_path), "--workers", "2", "--api-key", "test-key", "--max-batch", "8"], log, timeout_s=180
+    )
     yield live
     stop_server(live.proc)
 
@@ -34,9 +35,16 @@ def test_paris_streamed_and_not(smollm_server):
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == r.choices[0].message.content
 
 
-QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?", "Name three colours.",
-             "What is 2+2?", "Write a haiku about the sea.", "Who wrote Hamlet?",
-             "What is the boiling point of water?", "Say hello in Spanish."]  # fmt: skip
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the capital of Germany?",
+    "Name three colours.",
+    "What is 2+2?",
+    "Write a haiku about the sea.",
+    "Who wrote Hamlet?",
+    "What is the boiling point of water?",
+    "Say hello in Spanish.",
+]
 
 
 def test_eight_concurrent_requests_batched_as_if_alone(smollm_server):
@@ -62,18 +70,30 @@ def test_eight_concurrent_requests_batched_as_if_alone(smollm_server):
     assert "Paris" in together[0][0] and "Berlin" in together[1][0]
     tokens = sum(a[1] for a in together)
     lat = sorted(a[2] for a in together)
-    print(f"8 questions: one after another {wall_alone:.1f} s, all at once {wall:.1f} s ({tokens} tokens; "
-          f"latency min {lat[0]:.1f} / median {lat[4]:.1f} / max {lat[-1]:.1f} s)")  # fmt: skip
+    print(
+        f"8 questions: one after another {wall_alone:.1f} s, all at once {wall:.1f} s ({tokens} tokens; "
+        f"latency min {lat[0]:.1f} / median {lat[4]:.1f} / max {lat[-1]:.1f} s)"
+    )
 
 
 def test_chat_url_keeps_history(smollm_server):
     """`fusion chat --url` against the server: the second question only makes sense with the first."""
     r = subprocess.run(
-        [*FUSION, "chat", "--url", smollm_server.url.removesuffix("/v1"), "--api-key", "test-key",
-         "--max-tokens", "16"],
+        [
+            *FUSION,
+            "chat",
+            "--url",
+            smollm_server.url.removesuffix("/v1"),
+            "--api-key",
+            "test-key",
+            "--max-tokens",
+            "16",
+        ],
         input="What is the capital of France?\nWhat about Germany?\n/history\n",
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "Paris" in lines[0] and "Berlin" in lines[1], r.stdout

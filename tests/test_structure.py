@@ -37,8 +37,11 @@ def test_only_the_comm_package_touches_the_wire():
 
 def test_scanner_catches_an_offender(tmp_path):
     """The rule above can fail: the scanner sees each spelling of the import."""
-    for src in ("import torch.distributed as dist", "from torch.distributed import all_reduce",
-                "from torch import distributed"):  # fmt: skip
+    for src in (
+        "import torch.distributed as dist",
+        "from torch.distributed import all_reduce",
+        "from torch import distributed",
+    ):
         f = tmp_path / "x.py"
         f.write_text(src + "\n")
         found = imports(f)
@@ -48,7 +51,9 @@ def test_scanner_catches_an_offender(tmp_path):
 def test_runtime_does_not_import_transformers():
     allowed = {"reference.py"}  # the test/benchmark reference, imported lazily
     offenders = [
-        p.name for p in PKG.rglob("*.py") if p.name not in allowed and any(m.startswith("transformers") for m in imports(p))
+        p.name
+        for p in PKG.rglob("*.py")
+        if p.name not in allowed and any(m.startswith("transformers") for m in imports(p))
     ]
     assert offenders == [], offenders
 
@@ -73,7 +78,11 @@ def module_graph() -> tuple[dict[str, set[str]], list[str]]:
             if isinstance(node, ast.Import):
                 targets = [(a.name, None) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                pkg = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level else (node.module or "")
+                pkg = (
+                    ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level
+                    else (node.module or "")
+                )
                 targets = [((f"{pkg}.{a.name}" if f"{pkg}.{a.name}" in mods else pkg), a.name) for a in node.names]
             for target, name in targets:
                 if target in mods and target != m:
@@ -118,7 +127,11 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_imports_form_a_dag_with_cli_on_top():
     edges, private = module_graph()
     assert cycles(edges) == [], "import cycles"
-    below = [m for m, t in edges.items() if "fusion_compute.cli.main" in t and m not in ("fusion_compute.cli.main", "fusion_compute.__main__")]
+    below = [
+        m
+        for m, t in edges.items()
+        if "fusion_compute.cli.main" in t and m not in ("fusion_compute.cli.main", "fusion_compute.__main__")
+    ]
     assert below == [], f"imported from below the command line: {below}"
     assert private == [], f"private names imported across modules: {private}"
 
@@ -143,12 +156,17 @@ def test_the_command_line_starts_without_torch():
         (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
         (["generate", "--prompt", "  "], "empty prompt"),
         (["generate", "--model", "/no/such/model", "--prompt", "hi"], "model not found"),
-        (["generate", "--mode", "masked", "--workers", "1+1", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+        (
+            ["generate", "--mode", "masked", "--workers", "1+1", "--prompt", "hi", "--max-new-tokens", "0"],
+            "max-new-tokens",
+        ),
         (["generate", "--mode", "masked", "--workers", "2", "--prompt", "hi"], "--mode masked needs group sizes"),
-    ]  # fmt: skip
-    code = ("import json, sys; from fusion_compute.cli.main import build_parser, main; build_parser(); "
-            f"codes = [main(args) for args in {[args for args, _ in refused]!r}]; "
-            "print(json.dumps([codes, 'torch' in sys.modules]))")  # fmt: skip
+    ]
+    code = (
+        "import json, sys; from fusion_compute.cli.main import build_parser, main; build_parser(); "
+        f"codes = [main(args) for args in {[args for args, _ in refused]!r}]; "
+        "print(json.dumps([codes, 'torch' in sys.modules]))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     codes, torch_loaded = json.loads(r.stdout)
     assert not torch_loaded, r.stderr

@@ -75,20 +75,31 @@ BAD = [
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a:99'\n", "host only"),
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\ncapacity = 0\n", "positive"),
     ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\ncapasity = 1\n", "unknown key 'capasity'"),
-    ("[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\nname = 'x'\n[[worker]]\naddress = 'b'\n"
-     "name = 'x'\n", "duplicate name"),  # fmt: skip
+    (
+        "[client]\naddress = '127.0.0.1:1234'\n[[worker]]\naddress = 'a'\nname = 'x'\n[[worker]]\naddress = 'b'\n"
+        "name = 'x'\n",
+        "duplicate name",
+    ),
     ("workers = 3\n", "unknown key 'workers'"),
     ("[client\n", "not valid TOML"),
     ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = 'abc'\n", "not a Fusion public key"),
     ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = 'fc1.AAAA'\n", "not a certificate"),
-    (f"[client]\naddress = '127.0.0.1:1'\nkey = '{A_KEY}'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY}'\n", "duplicate key"),
+    (
+        f"[client]\naddress = '127.0.0.1:1'\nkey = '{A_KEY}'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY}'\n",
+        "duplicate key",
+    ),
     (f"[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\nkey = '{A_KEY[:-8]}'\n", "not a certificate"),
     ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'C'\n", 'group must be "A", "B"'),
-    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n",
-     "either every worker has a group"),  # fmt: skip
+    (
+        "[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n",
+        "either every worker has a group",
+    ),
     ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n", "one mask group B"),
-    ("[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n"
-     "group = 'B2'\n", "mask groups B1..Bk"),  # fmt: skip
+    (
+        "[client]\naddress = '127.0.0.1:1'\n[[worker]]\naddress = 'a'\ngroup = 'A'\n[[worker]]\naddress = 'b'\n"
+        "group = 'B2'\n",
+        "mask groups B1..Bk",
+    ),
 ]
 
 
@@ -130,9 +141,11 @@ def test_keys_command(tmp_path, capsys):
     assert main(["keys", "show", str(tmp_path / "w.key")]) == 0
     assert capsys.readouterr().out.strip() == line
     (tmp_path / "junk.key").write_text("hello\n")
-    for args, needle in ((["new", str(tmp_path / "w.key")], "refusing to overwrite"),  # never overwrites a key
-                         (["show", str(tmp_path / "junk.key")], "not a Fusion key file"),
-                         (["show", str(tmp_path / "none.key")], "key file not found")):  # fmt: skip
+    for args, needle in (
+        (["new", str(tmp_path / "w.key")], "refusing to overwrite"),  # never overwrites a key
+        (["show", str(tmp_path / "junk.key")], "not a Fusion key file"),
+        (["show", str(tmp_path / "none.key")], "key file not found"),
+    ):
         assert main(["keys", *args]) != 0
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, (args, err)
@@ -162,8 +175,10 @@ def test_cli_topology_errors_one_line(tmp_path, capsys):
         (["generate", "--topology", str(tmp_path / "nope.toml"), "--prompt-ids", "1"], "not found"),
         (["generate", "--topology", str(good), "--prompt-ids", "1"], "needs the client's key"),
         (["generate", "--topology", str(good), "--key", str(kf[1]), "--prompt-ids", "1"], "not the client's key"),
-        (["generate", "--topology", str(good), "--mode", "masked", "--key", str(kf[0]), "--prompt-ids", "1"],
-         "names no groups"),  # fmt: skip
+        (
+            ["generate", "--topology", str(good), "--mode", "masked", "--key", str(kf[0]), "--prompt-ids", "1"],
+            "names no groups",
+        ),
     ]
     for args, needle in cases:
         assert main(args) != 0
@@ -172,8 +187,10 @@ def test_cli_topology_errors_one_line(tmp_path, capsys):
 
 
 def _workers(topo: Path, key_files: list[Path]) -> list:
-    return [fusion("worker", "--topology", str(topo), "--key", str(k), "--threads", "1", "--timeout", "60")
-            for k in key_files]  # fmt: skip
+    return [
+        fusion("worker", "--topology", str(topo), "--key", str(k), "--threads", "1", "--timeout", "60")
+        for k in key_files
+    ]
 
 
 def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
@@ -185,8 +202,20 @@ def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     topo = tmp_path / "t.toml"
     topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], caps=[2, 1], model=tiny_qwen2))
     prompt = "5,17,33,2,99"
-    client = fusion("generate", "--topology", str(topo), "--key", str(kf[0]), "--prompt-ids", prompt,
-                    "--max-new-tokens", "8", "--json", "--timeout", "60")  # fmt: skip
+    client = fusion(
+        "generate",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--timeout",
+        "60",
+    )
     workers = _workers(topo, kf[1:])
     try:
         out, err = client.communicate(timeout=120)
@@ -203,8 +232,20 @@ def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     # The file's capacities made the plan (client and workers agreed on it at the handshake).
     assert res["plan"] == make_plan(open_weights(tiny_qwen2).config, 2, (2.0, 1.0)).fingerprint()
     # The same tokens as a local run: separately started, keyed workers change nothing but who joins.
-    local = json.loads(run("generate", "--model", str(tiny_qwen2), "--capacity", "2,1", "--prompt-ids", prompt,
-                           "--max-new-tokens", "8", "--json").stdout)  # fmt: skip
+    local = json.loads(
+        run(
+            "generate",
+            "--model",
+            str(tiny_qwen2),
+            "--capacity",
+            "2,1",
+            "--prompt-ids",
+            prompt,
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ).stdout
+    )
     assert res["token_ids"] == local["token_ids"]
 
 
@@ -214,9 +255,24 @@ def test_masked_run_with_topology_groups(tiny_qwen2, tmp_path):
     topo = tmp_path / "t.toml"
     topo.write_text(topo_text(ids, ["127.0.0.1"] * 3, groups=["A", "B", "A"], model=tiny_qwen2))
     # --join-timeout below the test's own bound: a worker that never joins makes the client say why
-    client = fusion("generate", "--mode", "masked", "--topology", str(topo), "--key", str(kf[0]),
-                    "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json", "--timeout", "60",
-                    "--join-timeout", "60")  # fmt: skip
+    client = fusion(
+        "generate",
+        "--mode",
+        "masked",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--prompt-ids",
+        "5,17,33",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--timeout",
+        "60",
+        "--join-timeout",
+        "60",
+    )
     workers = _workers(topo, kf[1:])
     out = err = ""
     try:
@@ -233,8 +289,22 @@ def test_masked_run_with_topology_groups(tiny_qwen2, tmp_path):
     assert [w.returncode for w in workers] == [0] * len(workers), said
     res = json.loads(out)
     assert res["mode"] == "masked" and res["groups"] == [2, 1]
-    local = json.loads(run("generate", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", "2+1",
-                           "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json").stdout)  # fmt: skip
+    local = json.loads(
+        run(
+            "generate",
+            "--model",
+            str(tiny_qwen2),
+            "--mode",
+            "masked",
+            "--workers",
+            "2+1",
+            "--prompt-ids",
+            "5,17,33",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ).stdout
+    )
     assert res["token_ids"] == local["token_ids"]
 
 
@@ -248,8 +318,19 @@ def test_serve_with_topology_and_separate_workers(tmp_path):
     topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"], caps=[1, 3], model=model))
     workers: list = []
     log = tmp_path / "serve.log"
-    proc = fusion("serve", "--topology", str(topo), "--key", str(kf[0]), "--port", "0", "--timeout", "60",
-                  stdout=None, stderr=open(log, "w"))  # fmt: skip
+    proc = fusion(
+        "serve",
+        "--topology",
+        str(topo),
+        "--key",
+        str(kf[0]),
+        "--port",
+        "0",
+        "--timeout",
+        "60",
+        stdout=None,
+        stderr=open(log, "w"),
+    )
     try:
         workers = _workers(topo, kf[1:])
         deadline = time.monotonic() + 120
@@ -261,8 +342,9 @@ def test_serve_with_topology_and_separate_workers(tmp_path):
         assert f"worker 2 (127.0.0.1, key {ids[2].public.fingerprint}, capacity 3)" in text, text
         url = text.split("listening on ", 1)[1].split()[0]
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-        r = c.chat.completions.create(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}],
-                                      max_tokens=4)  # fmt: skip
+        r = c.chat.completions.create(
+            model=c.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert r.model_extra["fusion"]["workers"] == 2 and r.usage.completion_tokens >= 1
         reap([proc], grace_s=30)
         assert proc.returncode == 0
@@ -312,8 +394,13 @@ def test_hostile_input_files_refused_in_one_line(tmp_path, capsys):
         assert time.monotonic() - t0 < 10, args
     assert Topology.load(good).n_workers == 2  # the bound leaves an ordinary file alone
     with open("/dev/zero", "rb") as zero:  # --key - (how a local client hands a worker its key) is bounded too
-        r = subprocess.run([*FUSION, "worker", "--topology", str(good), "--key", "-"], stdin=zero,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [*FUSION, "worker", "--topology", str(good), "--key", "-"],
+            stdin=zero,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 2 and f"key on stdin: more than the {MAX_KEY_FILE} bytes" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -357,8 +444,13 @@ def test_a_key_file_others_can_read_is_warned_about(tmp_path, capsys):
     path = write_keys(tmp_path, keys(1))[0]
     line = Identity.load(path).public.line()
     capsys.readouterr()
-    for mode, warning in [(0o600, None), (0o400, None), (0o640, "readable by its group"), (0o644, "readable by others"),
-                          (0o604, "readable by others")]:  # fmt: skip
+    for mode, warning in [
+        (0o600, None),
+        (0o400, None),
+        (0o640, "readable by its group"),
+        (0o644, "readable by others"),
+        (0o604, "readable by others"),
+    ]:
         path.chmod(mode)
         assert main(["keys", "show", str(path)]) == 0
         out, err = capsys.readouterr()
@@ -366,4 +458,6 @@ def test_a_key_file_others_can_read_is_warned_about(tmp_path, capsys):
         if warning is None:
             assert err == "", (oct(mode), err)
         else:
-            assert warning in err and f"mode {mode:03o}" in err and "chmod 600" in err and len(err.splitlines()) == 1, err
+            assert warning in err and f"mode {mode:03o}" in err and "chmod 600" in err and len(err.splitlines()) == 1, (
+                err
+            )

@@ -13,11 +13,20 @@ from fusion_compute.model.config import ModelError
 from fusion_compute.weights.loader import open_weights
 
 TINY = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 48, "intermediate_size": 80,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 97, "tie_word_embeddings": True,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "vocab_size": 97,
+    "tie_word_embeddings": True,
     "hidden_act": "silu",
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")

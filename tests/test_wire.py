@@ -66,17 +66,38 @@ def structural_run(hosts: Hosts, model, tmp: Path, secure: bool) -> tuple:
         topo = tmp / "t.toml"
         topo.write_text(
             f'[client]\naddress = "{CLIENT}:{PORT}"\nkey = "{ids[0].public.line()}"\n'
-            + "".join(f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n' for h, k in ((W1, ids[1]), (W2, ids[2])))
-        )  # fmt: skip
-        workers = [hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(tmp / f"k{r}.key"), *base])
-                   for r, h in ((1, W1), (2, W2))]  # fmt: skip
+            + "".join(
+                f'[[worker]]\naddress = "{h}"\nkey = "{k.public.line()}"\n' for h, k in ((W1, ids[1]), (W2, ids[2]))
+            )
+        )
+        workers = [
+            hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(tmp / f"k{r}.key"), *base])
+            for r, h in ((1, W1), (2, W2))
+        ]
         client_args = ["--topology", str(topo), "--key", str(tmp / "k0.key")]
     else:
-        workers = [hosts.popen(h, [*FUSION, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure",
-                                   *base]) for r, h in ((1, W1), (2, W2))]  # fmt: skip
+        workers = [
+            hosts.popen(h, [*FUSION, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure", *base])
+            for r, h in ((1, W1), (2, W2))
+        ]
         client_args = ["--master", f"{CLIENT}:{PORT}", "--workers", "2", "--insecure"]
-    client = hosts.popen(CLIENT, [*FUSION, "generate", "--model", str(model), *client_args, "--prompt-ids",
-                                  ",".join(map(str, PROMPT)), "--max-new-tokens", "6", "--json", "--timeout", "60"])  # fmt: skip
+    client = hosts.popen(
+        CLIENT,
+        [
+            *FUSION,
+            "generate",
+            "--model",
+            str(model),
+            *client_args,
+            "--prompt-ids",
+            ",".join(map(str, PROMPT)),
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--timeout",
+            "60",
+        ],
+    )
     return finish([client, *workers])
 
 
@@ -145,15 +166,36 @@ def test_masked_session_key_on_the_wire(tiny_qwen2, tmp_path, secure):
                 f'[[worker]]\naddress = "{W1}"\ngroup = "A"\nkey = "{ids[1].public.line()}"\n'
                 f'[[worker]]\naddress = "{W2}"\ngroup = "B"\nkey = "{ids[2].public.line()}"\n'
             )
-            workers = [hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(tmp_path / f"k{r}.key"),
-                                       *base]) for r, h in ((1, W1), (2, W2))]  # fmt: skip
-            client = hosts.popen(CLIENT, [sys.executable, "-c", MASKED_CLIENT, str(tiny_qwen2), str(audit_dir), "tls",
-                                          str(topo), str(tmp_path / "k0.key")])  # fmt: skip
+            workers = [
+                hosts.popen(
+                    h, [*FUSION, "worker", "--topology", str(topo), "--key", str(tmp_path / f"k{r}.key"), *base]
+                )
+                for r, h in ((1, W1), (2, W2))
+            ]
+            client = hosts.popen(
+                CLIENT,
+                [
+                    sys.executable,
+                    "-c",
+                    MASKED_CLIENT,
+                    str(tiny_qwen2),
+                    str(audit_dir),
+                    "tls",
+                    str(topo),
+                    str(tmp_path / "k0.key"),
+                ],
+            )
         else:
-            workers = [hosts.popen(h, [*FUSION, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r),
-                                       "--insecure", *base]) for r, h in ((1, W1), (2, W2))]  # fmt: skip
-            client = hosts.popen(CLIENT, [sys.executable, "-c", MASKED_CLIENT, str(tiny_qwen2), str(audit_dir), "tcp",
-                                          f"{CLIENT}:{PORT}"])  # fmt: skip
+            workers = [
+                hosts.popen(
+                    h, [*FUSION, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure", *base]
+                )
+                for r, h in ((1, W1), (2, W2))
+            ]
+            client = hosts.popen(
+                CLIENT,
+                [sys.executable, "-c", MASKED_CLIENT, str(tiny_qwen2), str(audit_dir), "tcp", f"{CLIENT}:{PORT}"],
+            )
         results = finish([client, *workers])
     for rc, _, err in results:
         assert rc == 0, err
@@ -197,7 +239,9 @@ def test_readme_multihost_steps_run_as_written(tmp_path):
     assert fusion_bin, "the `fusion` command is not installed (scripts/setup.sh installs it)"
     with Hosts([CLIENT, W1, W2]) as hosts:
         lines = []
-        keygen = [hosts.popen(host, shlex.split(cmd), cwd=dirs[host]) for host, cmd in steps[:3]]  # 1. keys, one per machine
+        keygen = [
+            hosts.popen(host, shlex.split(cmd), cwd=dirs[host]) for host, cmd in steps[:3]
+        ]  # 1. keys, one per machine
         for p in keygen:
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, err

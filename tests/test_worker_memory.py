@@ -21,10 +21,25 @@ ALLOWANCE = 300_000_000  # bytes: the interpreter and torch (~220 MiB measured) 
 @pytest.mark.parametrize("n", [3])
 def test_worker_peak_rss_within_share(smollm_path, n):
     out = subprocess.run(
-        [sys.executable, "-m", "fusion_compute", "generate", "--model", str(smollm_path), "--workers", str(n),
-         "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fusion_compute",
+            "generate",
+            "--model",
+            str(smollm_path),
+            "--workers",
+            str(n),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     peaks = json.loads(out.stdout)["worker_peak_rss_mb"]  # ru_maxrss: MiB
     c = open_weights(smollm_path).config

@@ -9,14 +9,30 @@ import torch
 # Shapes chosen to exercise uneven splits: hidden 72 and intermediate 100 divide by neither 3 nor 7;
 # 2 KV heads so N = 3, 4 split groups by RoPE pairs (head_dim 16 -> 8 pairs per group).
 QWEN2_TINY = dict(
-    vocab_size=256, hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, head_dim=12, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=72,
+    intermediate_size=100,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=12,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 LLAMA_TINY = dict(
-    vocab_size=300, hidden_size=64, intermediate_size=120, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=4, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=120,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
     rope_theta=50000.0,
-)  # fmt: skip
+)
 
 
 def build(path: Path, arch: str, seed: int = 0, **overrides) -> Path:

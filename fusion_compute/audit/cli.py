@@ -113,8 +113,11 @@ def cmd_run(a: argparse.Namespace) -> int:
         batch=a.batch,
     )
     summary = run_audit(cfg, log=lambda s: print(s, file=sys.stderr))
-    epochs = (f" (2 epochs each: worker {cfg.revoke_worker} revoked before decode step {cfg.revoke_at})"
-              if cfg.revoke_at is not None else "")  # fmt: skip
+    epochs = (
+        f" (2 epochs each: worker {cfg.revoke_worker} revoked before decode step {cfg.revoke_at})"
+        if cfg.revoke_at is not None
+        else ""
+    )
     if cfg.batch > 1:
         closed = sum(r["closed_sessions"] for r in summary["runs"])
         epochs = f" ({cfg.sessions} sessions each on {cfg.batch} KV slots; {closed} sessions closed)"
@@ -135,13 +138,20 @@ def _masked_text(d: Path, r: dict) -> str:
     for e in r["epochs"]:
         lines.append(f"  epoch {e['epoch']}: groups {'+'.join(map(str, e['groups']))}, participants {e.get('order')}")
     if v["on"]:
-        lines.append(f"  product checks: {v['products_checked']:,} products ({v['token_checks']:,} token columns), "
-                     f"{v['failed']} failed")  # fmt: skip
+        lines.append(
+            f"  product checks: {v['products_checked']:,} products ({v['token_checks']:,} token columns), "
+            f"{v['failed']} failed"
+        )
     else:
         lines.append("  product checks: off (the client did not verify what it unmasked)")
     for det in v["detections"]:
-        who = ", ".join(f"group {b['group']} member {b['member']} (rank {b['rank']}, participant {b['participant']})"
-                        for b in det["blamed"]) or "nobody (no member's rows differed)"  # fmt: skip
+        who = (
+            ", ".join(
+                f"group {b['group']} member {b['member']} (rank {b['rank']}, participant {b['participant']})"
+                for b in det["blamed"]
+            )
+            or "nobody (no member's rows differed)"
+        )
         lines.append(f"  DETECTION session {det['session']} step {det['step']} {det['op']}: wrong product from {who}")
     lines += [f"  VIOLATION {m}" for m in r["violations"]]
     return "\n".join(lines)
@@ -153,8 +163,17 @@ def cmd_verify_masked(root: Path, as_json: bool) -> int:
 
     r = masked_audit.verify(root)
     if as_json:
-        print(json.dumps({"ok": r["ok"], "violations": r["violations"], "verification": r["verification"],
-                          "epochs": r["epochs"]}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "ok": r["ok"],
+                    "violations": r["violations"],
+                    "verification": r["verification"],
+                    "epochs": r["epochs"],
+                },
+                indent=2,
+            )
+        )
     else:
         print(_masked_text(root, r))
     return 0 if r["ok"] else EXIT_FAIL
@@ -290,8 +309,9 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--out", required=True, help="output directory (one subdirectory per cold start)")
     r.add_argument("--prompt", help="prompt text (tokenized on the client)")
     r.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    r.add_argument("--inject-leak",
-                   help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots")  # fmt: skip
+    r.add_argument(
+        "--inject-leak", help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots"
+    )
     r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
     r.add_argument("--threads", type=int, help="torch threads per worker")
     r.add_argument("--timeout", type=float, default=120.0)
@@ -304,12 +324,20 @@ def add_audit_parser(sub) -> None:
         help="revoke worker 1 before decode step STEP (0-based), as a user would: the session moves to "
         "a second epoch by replay, and the audit checks both and that worker 1 receives nothing more",
     )
-    r.add_argument("--batch", type=int, default=1, metavar="B",
-                   help="continuous batching: B + 1 sessions share every step on B KV slots (joining, leaving, "
-                   "a slot reused); the audit checks each session's slot, positions and release (default 1)")  # fmt: skip
+    r.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="B",
+        help="continuous batching: B + 1 sessions share every step on B KV slots (joining, leaving, "
+        "a slot reused); the audit checks each session's slot, positions and release (default 1)",
+    )
     r.add_argument("--standby", type=int, help="local standby workers (default: 1 with --revoke-at, else 0)")
-    r.add_argument("--negative-control", choices=["keep-revoked"],
-                   help="with --revoke-at: a client bug that keeps the revoked worker in the next epoch (must FAIL)")  # fmt: skip
+    r.add_argument(
+        "--negative-control",
+        choices=["keep-revoked"],
+        help="with --revoke-at: a client bug that keeps the revoked worker in the next epoch (must FAIL)",
+    )
     r.set_defaults(func=_guard("run", cmd_run))
 
     v = asub.add_parser("verify", help="independent verifier of an audit directory (exit 0 only if every check passes)")

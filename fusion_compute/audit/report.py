@@ -36,10 +36,14 @@ def _epochs_section(summary: dict) -> list[str]:
         for d in m.get("departures", []):
             k = d.get("kernel")
             kern = f", kernel {k['received']:,} B in / {k['sent']:,} B out after" if k else ", kernel not measured"
-            deps.append(f"worker {d['participant']} {d['why']} before epoch {d['epoch']}"
-                        f"{'' if d['absent'] else ', TAKES PART after'}{kern}")  # fmt: skip
-        reps = "; ".join(f"epoch {x['epoch']} step {x['step']} ({x['tokens']} tokens): "
-                         f"{'closed' if x['closed'] else 'NOT closed'}" for x in m.get("replays", []))  # fmt: skip
+            deps.append(
+                f"worker {d['participant']} {d['why']} before epoch {d['epoch']}"
+                f"{'' if d['absent'] else ', TAKES PART after'}{kern}"
+            )
+        reps = "; ".join(
+            f"epoch {x['epoch']} step {x['step']} ({x['tokens']} tokens): {'closed' if x['closed'] else 'NOT closed'}"
+            for x in m.get("replays", [])
+        )
         verdict = f"{'pass' if m.get('ok') else 'FAIL'} ({m.get('checked', 0)} checks)"
         lines.append(f"| {r['cold_start']} | {eps} | {'; '.join(deps) or 'none'} | {reps or 'none'} | {verdict} |")
     lines.append("")
@@ -52,10 +56,12 @@ def _per_cold_start(summary: dict) -> str:
         return f"- per cold start: 1 prefill + {summary['steps']} decode steps (greedy, forced continuation)"
     closed = sum(r.get("closed_sessions", 0) for r in summary["runs"])
     total = sum(r.get("batched_sessions", 0) for r in summary["runs"])
-    return (f"- per cold start: {b + 1} sessions batched on {b} KV slots (continuous batching: session i joins at "
-            f"step i, the last one reuses the first freed slot), each 1 prefill + {summary['steps']} decode steps "
-            f"(greedy, forced continuation); sessions closed (every step they ran in closed, their slot zeroed at "
-            f"release on every worker): {closed}/{total}")  # fmt: skip
+    return (
+        f"- per cold start: {b + 1} sessions batched on {b} KV slots (continuous batching: session i joins at "
+        f"step i, the last one reuses the first freed slot), each 1 prefill + {summary['steps']} decode steps "
+        f"(greedy, forced continuation); sessions closed (every step they ran in closed, their slot zeroed at "
+        f"release on every worker): {closed}/{total}"
+    )
 
 
 def render(summary: dict) -> str:

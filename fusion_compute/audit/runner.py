@@ -156,8 +156,10 @@ def prepare(cfg: RunConfig) -> Prepared:
         if not (1 <= cfg.revoke_worker <= cfg.workers):
             raise AuditRunError(f"the revoked worker must be in 1..{cfg.workers}, got {cfg.revoke_worker}")
         if cfg.workers - 1 + min(cfg.spares, 1) < 2 and not cfg.negative_control:
-            raise AuditRunError(f"revoking one of {cfg.workers} workers without a standby leaves fewer than 2: "
-                                "use --standby 1 or more workers")  # fmt: skip
+            raise AuditRunError(
+                f"revoking one of {cfg.workers} workers without a standby leaves fewer than 2: "
+                "use --standby 1 or more workers"
+            )
     model_path = resolve_model_path(cfg.model)
     src = open_weights(model_path)
     config = src.config
@@ -258,8 +260,9 @@ def _revoke(cfg: RunConfig, engine, d: Path, ep: _Epoch, sockets: _Sockets) -> _
 
 def _no_recovery(engine, epochs: list[_Epoch]) -> None:
     if len(engine.recoveries) != len(epochs) - 1:
-        raise AuditRunError("a worker was lost during the audited run; the runner audits epochs opened by a "
-                            "revocation, not by recovery")  # fmt: skip
+        raise AuditRunError(
+            "a worker was lost during the audited run; the runner audits epochs opened by a revocation, not by recovery"
+        )
 
 
 def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], epochs: list[_Epoch]):
@@ -387,8 +390,14 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
 
             # forced continuation (no stop ids): EOS does not stop an audit run
             ttft = 0.0
-            generate(engine, prompt, max_new_tokens=cfg.steps + 1, sampling=SamplingParams(), on_token=on_token,
-                     hooks=StepHooks(before, after, lambda slot: ep.rec.release(slot)))  # fmt: skip
+            generate(
+                engine,
+                prompt,
+                max_new_tokens=cfg.steps + 1,
+                sampling=SamplingParams(),
+                on_token=on_token,
+                hooks=StepHooks(before, after, lambda slot: ep.rec.release(slot)),
+            )
             decode_s = time.perf_counter() - at["t2"] - replay_s
         ep.after = sockets.take()
     finally:
@@ -407,9 +416,11 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                 "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
                 "interval": "after the epoch's HELLO handshake, until its last step: the session and its steps",
                 "excluded": "each worker's pulse connection (heartbeats: no state; their count depends on time)",
-                "ranks": {str(r): {"pid": pid_of[p], "participant": p, **moved.get(pid_of[p], {})}
-                          for r, p in enumerate(e.order, 1)},
-            }  # fmt: skip
+                "ranks": {
+                    str(r): {"pid": pid_of[p], "participant": p, **moved.get(pid_of[p], {})}
+                    for r, p in enumerate(e.order, 1)
+                },
+            }
             (sub / S.NETCOUNT).write_text(json.dumps(net, indent=2))
         chains = {}
         for rank in range(len(e.order) + 1):
@@ -431,13 +442,20 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             "netcount_sha256": hashlib.sha256((sub / S.NETCOUNT).read_bytes()).hexdigest() if net else None,
         }
         (sub / S.MANIFEST).write_text(json.dumps(manifest, indent=2))
-        entries.append({"epoch": e.index, "dir": S.epoch_dir(e.index),
-                        "manifest_sha256": hashlib.sha256((sub / S.MANIFEST).read_bytes()).hexdigest()})  # fmt: skip
+        entries.append(
+            {
+                "epoch": e.index,
+                "dir": S.epoch_dir(e.index),
+                "manifest_sha256": hashlib.sha256((sub / S.MANIFEST).read_bytes()).hexdigest(),
+            }
+        )
     membership = {
         "by": "the client (this runner): each epoch's participants in rank order, who left before it and why",
-        "epochs": [{"epoch": e.index, "order": e.order, "left": e.left or [], "replayed_tokens": e.replayed_tokens}
-                   for e in epochs],
-    }  # fmt: skip
+        "epochs": [
+            {"epoch": e.index, "order": e.order, "left": e.left or [], "replayed_tokens": e.replayed_tokens}
+            for e in epochs
+        ],
+    }
     (d / S.MEMBERSHIP).write_text(json.dumps(membership, indent=2))
     run_net = None
     if sockets.on and len(epochs) > 1:
@@ -450,10 +468,10 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         run_net = {
             "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
             "interval": "from the sample just before the worker left (revocation) to the last step, summed over "
-                        "every sample in between; a process that exited has no sockets and counts 0",
+            "every sample in between; a process that exited has no sockets and counts 0",
             "excluded": "every pulse connection the client has watched",
             "departed": departed,
-        }  # fmt: skip
+        }
         (d / S.NETCOUNT).write_text(json.dumps(run_net, indent=2))
     manifest = {
         "schema": S.SCHEMA_VERSION,
@@ -522,7 +540,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                 "notes": r.notes,
             }
             for e, r in zip(epochs, result.epochs, strict=False)
-        ],  # fmt: skip
+        ],
         "membership": {
             "ok": not result.counts()["membership"],
             "checked": result.checks["membership"],
@@ -561,8 +579,9 @@ def exposure_section(cfg: RunConfig, prep: Prepared) -> dict:
     attacks = []
     for share in plan.workers:
         r = vocab_match(dense, prep.prompt, 0, list(range(*share.residual)))
-        attacks.append({"worker": share.worker, "layer": 0, "coords": r.coords, "recovered": r.recovered,
-                        "positions": r.positions})  # fmt: skip
+        attacks.append(
+            {"worker": share.worker, "layer": 0, "coords": r.coords, "recovered": r.recovered, "positions": r.positions}
+        )
     return {"ranks": ranks, "attack": attacks}
 
 

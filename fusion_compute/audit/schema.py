@@ -115,7 +115,7 @@ def parse_op(op: str) -> tuple[int, str]:
 
 
 def step_phase(t: int, pos: int, spans: list[list[int]] | None = None) -> str:
-    """"decode" when every session in the step runs one token past its prompt, else "prefill"."""
+    """ "decode" when every session in the step runs one token past its prompt, else "prefill"."""
     if spans is None:
         return "decode" if t == 1 and pos > 0 else "prefill"
     return "decode" if all(n == 1 and p > 0 for _, p, n in spans) else "prefill"

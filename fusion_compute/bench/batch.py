@@ -20,8 +20,17 @@ import statistics
 import torch
 
 
-def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int, new_tokens: int,
-            repeats: int, log=lambda s: None, opts=None) -> dict:  # fmt: skip
+def measure(
+    model: str | None,
+    n: int,
+    engine: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    log=lambda s: None,
+    opts=None,
+) -> dict:
     """`opts`: the job's EngineOptions (bench/rtt.py: workers named by a topology; MaskedOptions: the
     masked mode, `fusion bench --batch B --masked A+B`); default: n local workers on `engine`."""
     from ..generation.batching import Sequence, run_batch
@@ -52,12 +61,19 @@ def measure(model: str | None, n: int, engine: str, batch: int, prompt_len: int,
             same &= results[0].token_ids == alone.token_ids
     ratios = [b / s for s, b in zip(singles, batches, strict=True)]
     return {
-        "model": str(eng.model_path), "workers": "+".join(map(str, opts.sizes)) if masked else n,
-        "engine": "masked" if masked else engine, "batch": batch, "prompt_tokens": prompt_len,
-        "new_tokens": new_tokens, "repeats": repeats,
-        "single_decode_tokens_per_s": _summary(singles), "batch_decode_tokens_per_s": _summary(batches),
-        "ratio": _summary(ratios), "same_tokens_as_alone": same, "tokens": alone.token_ids,
-    }  # fmt: skip
+        "model": str(eng.model_path),
+        "workers": "+".join(map(str, opts.sizes)) if masked else n,
+        "engine": "masked" if masked else engine,
+        "batch": batch,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "single_decode_tokens_per_s": _summary(singles),
+        "batch_decode_tokens_per_s": _summary(batches),
+        "ratio": _summary(ratios),
+        "same_tokens_as_alone": same,
+        "tokens": alone.token_ids,
+    }
 
 
 def _summary(values: list[float]) -> dict:
@@ -66,13 +82,15 @@ def _summary(values: list[float]) -> dict:
 
 def table(r: dict) -> str:
     s, b, q = r["single_decode_tokens_per_s"], r["batch_decode_tokens_per_s"], r["ratio"]
-    return "\n".join([
-        f"continuous batching: N = {r['workers']} ({r['engine']}), prompts of {r['prompt_tokens']} tokens, "
-        f"{r['new_tokens']} new tokens each, {r['repeats']} alternating repeats",
-        "| workload | decode tokens/s, median (min..max) |",
-        "|---|---|",
-        f"| 1 session | {s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}) |",
-        f"| {r['batch']} sessions, aggregate | {b['median']:.2f} ({b['min']:.2f}..{b['max']:.2f}) |",
-        f"| ratio, per repeat | **{q['median']:.2f}×** ({q['min']:.2f}..{q['max']:.2f}) |",
-        f"session 0's tokens in the batch equal its tokens alone: {r['same_tokens_as_alone']}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"continuous batching: N = {r['workers']} ({r['engine']}), prompts of {r['prompt_tokens']} tokens, "
+            f"{r['new_tokens']} new tokens each, {r['repeats']} alternating repeats",
+            "| workload | decode tokens/s, median (min..max) |",
+            "|---|---|",
+            f"| 1 session | {s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f}) |",
+            f"| {r['batch']} sessions, aggregate | {b['median']:.2f} ({b['min']:.2f}..{b['max']:.2f}) |",
+            f"| ratio, per repeat | **{q['median']:.2f}×** ({q['min']:.2f}..{q['max']:.2f}) |",
+            f"session 0's tokens in the batch equal its tokens alone: {r['same_tokens_as_alone']}",
+        ]
+    )

@@ -55,8 +55,10 @@ def workload() -> float:
 def next_to_waiting(ranks: int, mode: str, sleep_s: float) -> float:
     top = Path(tempfile.mkdtemp(prefix="fusion-busy-"))
     where = top / "epoch0"
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(ranks), str(where), mode, str(sleep_s)])
-             for r in range(ranks)]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK, str(r), str(ranks), str(where), mode, str(sleep_s)])
+        for r in range(ranks)
+    ]
     try:
         time.sleep(1.5)  # joined, and all but the last are waiting
         return workload()

@@ -49,8 +49,11 @@ def available(netem: bool = False, delay: str = "netem") -> str | None:
         return f"cannot create a network namespace: {r.stderr.strip()}"
     try:
         if netem and delay == "netem":
-            r = subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-                               capture_output=True, text=True)  # fmt: skip
+            r = subprocess.run(
+                ["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode != 0:
                 return f"cannot add a netem delay: {r.stderr.strip()}"
         elif netem:
@@ -105,8 +108,23 @@ class Hosts:
                 ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
                 ip("link", "set", "eth0", "up", ns=ns)
                 if self.delay == "netem" and self.one_way_ms > 0:  # limit: well above a bulk transfer's packets
-                    _run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "delay",
-                          f"{self.one_way_ms}ms", "limit", "100000"])  # fmt: skip
+                    _run(
+                        [
+                            "tc",
+                            "-n",
+                            ns,
+                            "qdisc",
+                            "add",
+                            "dev",
+                            "eth0",
+                            "root",
+                            "netem",
+                            "delay",
+                            f"{self.one_way_ms}ms",
+                            "limit",
+                            "100000",
+                        ]
+                    )
                 elif self.delay == "nfqueue":
                     self._queue_delay(ns)
         except BaseException:
@@ -117,9 +135,23 @@ class Hosts:
     def _queue_delay(self, ns: str) -> None:
         """Start the host's delay reader (it must be bound first: a queue nobody reads drops), then
         send everything leaving eth0 to it."""
-        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "fusion_compute.bench.nfq_delay",
-                              "--ms", str(self.one_way_ms)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+        p = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "fusion_compute.bench.nfq_delay",
+                "--ms",
+                str(self.one_way_ms),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.delayers.append(p)
         ready = select.select([p.stdout], [], [], 30)[0] and p.stdout.readline().strip() == "ready"
         if not ready:

@@ -101,8 +101,15 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.client_threads)
     extra = ("--variant", "megatron") if a.system == "megatron-tp" else ()
     ctx = max(max(a.prompts), a.decode_prompt + a.decode_tokens) + 8
-    opts = EngineOptions(n_workers=a.workers, context=ctx, threads=a.threads, extra_worker_args=extra,
-                         engine=a.engine, insecure=a.engine in ("tcp", "gloo"), log=lambda line: None)  # fmt: skip
+    opts = EngineOptions(
+        n_workers=a.workers,
+        context=ctx,
+        threads=a.threads,
+        extra_worker_args=extra,
+        engine=a.engine,
+        insecure=a.engine in ("tcp", "gloo"),
+        log=lambda line: None,
+    )
     out: dict = {"system": a.system, "workers": a.workers, "engine": a.engine}
     with Engine(model, opts) as eng:
         vocab = eng.config.vocab
@@ -143,12 +150,18 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
         # Per decode token, per worker: collectives among workers and bytes each worker sent to
         # other workers (ingress/egress/control with the client excluded; they are listed apart).
         k = a.decode_tokens
-        out["collectives_per_token"] = max((w1["collectives"] - w0["collectives"]) / k for w0, w1 in zip(mid, after, strict=False))
-        out["bytes_per_token"] = max((w1["peer_bytes_sent"] - w0["peer_bytes_sent"]) / k for w0, w1 in zip(mid, after, strict=False))
+        out["collectives_per_token"] = max(
+            (w1["collectives"] - w0["collectives"]) / k for w0, w1 in zip(mid, after, strict=False)
+        )
+        out["bytes_per_token"] = max(
+            (w1["peer_bytes_sent"] - w0["peer_bytes_sent"]) / k for w0, w1 in zip(mid, after, strict=False)
+        )
         out["client_bytes_per_token"] = sum(
             (w1["client_bytes"] - w0["client_bytes"]) / k for w0, w1 in zip(mid, after, strict=False)
         )
-        out["prefill_collectives"] = max(w1["collectives"] - w0["collectives"] for w0, w1 in zip(before, mid, strict=False))
+        out["prefill_collectives"] = max(
+            w1["collectives"] - w0["collectives"] for w0, w1 in zip(before, mid, strict=False)
+        )
         if a.system == "fusion":
             out["plan_bytes_per_token"] = max(
                 eng.plan.bytes_per_token_layer(w) * eng.config.n_layers for w in range(eng.plan.n)

@@ -27,8 +27,9 @@ def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, li
     from ..generation.sampling_params import SamplingParams
     from ..structural.client import Engine, EngineOptions
 
-    opts = EngineOptions(n_workers=n, standby=1, context=len(prompt) + new_tokens + 8, liveness_s=liveness_s,
-                         log=lambda line: None)  # fmt: skip
+    opts = EngineOptions(
+        n_workers=n, standby=1, context=len(prompt) + new_tokens + 8, liveness_s=liveness_s, log=lambda line: None
+    )
     with Engine(model, opts) as eng:
         victim, when = eng.procs.pids[0], []
 
@@ -46,10 +47,15 @@ def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, li
             os.kill(victim, signal.SIGCONT)  # it finds itself removed and leaves
     rec = res.recoveries[0] if res.recoveries else {}
     return {
-        "fault": fault, "context": len(prompt), "tokens": res.token_ids, "wall_s": wall,
+        "fault": fault,
+        "context": len(prompt),
+        "tokens": res.token_ids,
+        "wall_s": wall,
         "detect_s": rec.get("noticed_unix", float("nan")) - when[0] if when and rec else None,
-        "epoch_s": rec.get("epoch_s"), "replay_s": rec.get("replay_s"), "recovered": bool(rec),
-    }  # fmt: skip
+        "epoch_s": rec.get("epoch_s"),
+        "replay_s": rec.get("replay_s"),
+        "recovered": bool(rec),
+    }
 
 
 def reference(model: str, n: int, prompt: list[int], new_tokens: int) -> list[int]:
@@ -83,27 +89,35 @@ def main(argv: list[str] | None = None) -> int:
             got = [trial(model, a.workers, prompt, fault, a.new_tokens, a.liveness) for _ in range(a.repeats)]
             for g in got:
                 g["identical"] = g["tokens"] == want
-                print(f"{fault} context {length}: detect {g['detect_s']:.2f} s, epoch {g['epoch_s']} s, "
-                      f"replay {g['replay_s']} s, identical {g['identical']}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"{fault} context {length}: detect {g['detect_s']:.2f} s, epoch {g['epoch_s']} s, "
+                    f"replay {g['replay_s']} s, identical {g['identical']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             trials += got
 
             def med(key: str, got: list[dict] = got) -> str:
                 vals = [g[key] for g in got if g[key] is not None]
                 return f"{statistics.median(vals):.2f} ({min(vals):.2f}..{max(vals):.2f})" if vals else "-"
 
-            rows.append(f"| {fault} | {length} | {med('detect_s')} | {med('epoch_s')} | {med('replay_s')} | "
-                        f"{sum(g['identical'] for g in got)}/{len(got)} |")  # fmt: skip
+            rows.append(
+                f"| {fault} | {length} | {med('detect_s')} | {med('epoch_s')} | {med('replay_s')} | "
+                f"{sum(g['identical'] for g in got)}/{len(got)} |"
+            )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.json").write_text(json.dumps(trials, indent=2))
-    table = "\n".join([
-        f"model {Path(model).name}, {a.workers} workers + 1 standby, liveness {a.liveness} s, fault after the 5th new "
-        f"token, medians (min..max) of {a.repeats} trials",
-        "",
-        "| fault | context (tokens replayed, + 5) | detection s | new epoch s | replay s | identical output |",
-        "|---|---|---|---|---|---|",
-        *rows,
-    ])  # fmt: skip
+    table = "\n".join(
+        [
+            f"model {Path(model).name}, {a.workers} workers + 1 standby, liveness {a.liveness} s, fault after the 5th new "
+            f"token, medians (min..max) of {a.repeats} trials",
+            "",
+            "| fault | context (tokens replayed, + 5) | detection s | new epoch s | replay s | identical output |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     (out / "recovery.md").write_text(table + "\n")
     print(table)
     return 0

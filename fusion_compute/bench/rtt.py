@@ -63,19 +63,55 @@ def topology(d: Path, model: str, lines: list[str], addrs: list[str]) -> Path:
     return path
 
 
-def one(model: str, n: int, rtt_ms: float, variant: str, prompt_len: int, tokens: int, batch: int, d: Path,
-        timeout_s: float, delay: str) -> dict:  # fmt: skip
+def one(
+    model: str,
+    n: int,
+    rtt_ms: float,
+    variant: str,
+    prompt_len: int,
+    tokens: int,
+    batch: int,
+    d: Path,
+    timeout_s: float,
+    delay: str,
+) -> dict:
     """One fresh job at one RTT: workers in their hosts, the client job (`client` below) in its own;
     the round trip the client really sees to worker 1 is measured first (TCP ping)."""
     addrs = [f"{BASE}.{i + 1}" for i in range(n + 1)]
     topo = d / "topology.toml"
     with Hosts(addrs, one_way_ms=rtt_ms / 2, delay=delay if (rtt_ms > 0 or delay == "nfqueue") else None) as hosts:
         measured = tcp_rtt_ms(hosts, addrs[0], addrs[1])
-        workers = [hosts.popen(addrs[i], _fusion("worker", "--topology", str(topo), "--key", str(d / f"worker{i}.key"),
-                                                  "--threads", "1", "--variant", variant))
-                   for i in range(1, n + 1)]  # fmt: skip
-        client = hosts.popen(addrs[0], [sys.executable, "-m", "fusion_compute.bench.rtt", "client", str(topo),
-                                        str(d / "client.key"), str(prompt_len), str(tokens), str(batch)])  # fmt: skip
+        workers = [
+            hosts.popen(
+                addrs[i],
+                _fusion(
+                    "worker",
+                    "--topology",
+                    str(topo),
+                    "--key",
+                    str(d / f"worker{i}.key"),
+                    "--threads",
+                    "1",
+                    "--variant",
+                    variant,
+                ),
+            )
+            for i in range(1, n + 1)
+        ]
+        client = hosts.popen(
+            addrs[0],
+            [
+                sys.executable,
+                "-m",
+                "fusion_compute.bench.rtt",
+                "client",
+                str(topo),
+                str(d / "client.key"),
+                str(prompt_len),
+                str(tokens),
+                str(batch),
+            ],
+        )
         try:
             out, err = client.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -88,12 +124,20 @@ def one(model: str, n: int, rtt_ms: float, variant: str, prompt_len: int, tokens
             except subprocess.TimeoutExpired:
                 w.kill()
         if client.returncode != 0:
-            raise RuntimeError(f"RTT {rtt_ms} ms, {variant}: {err.strip().splitlines()[-1] if err.strip() else 'failed'}")
+            raise RuntimeError(
+                f"RTT {rtt_ms} ms, {variant}: {err.strip().splitlines()[-1] if err.strip() else 'failed'}"
+            )
         j = json.loads(out.strip().splitlines()[-1])
-    return {"rtt_ms": rtt_ms, "measured_rtt_ms": measured, "variant": variant, "workers": n,
-            "single_tokens_per_s": j["single_decode_tokens_per_s"]["median"],
-            "batch_tokens_per_s": j["batch_decode_tokens_per_s"]["median"] if batch > 1 else None,
-            "same_tokens_as_alone": j["same_tokens_as_alone"], "token_ids": j["tokens"]}  # fmt: skip
+    return {
+        "rtt_ms": rtt_ms,
+        "measured_rtt_ms": measured,
+        "variant": variant,
+        "workers": n,
+        "single_tokens_per_s": j["single_decode_tokens_per_s"]["median"],
+        "batch_tokens_per_s": j["batch_decode_tokens_per_s"]["median"] if batch > 1 else None,
+        "same_tokens_as_alone": j["same_tokens_as_alone"],
+        "token_ids": j["tokens"],
+    }
 
 
 def client(argv: list[str]) -> int:
@@ -106,9 +150,17 @@ def client(argv: list[str]) -> int:
 
     topo_path, key, prompt_len, tokens, batch = argv
     topo = Topology.load(topo_path)
-    opts = EngineOptions(n_workers=topo.n_workers, capacities=topo.capacities, topology=topo, key=load_key(key),
-                         timeout_s=60, log=lambda line: None)  # fmt: skip
-    r = measure(topo.model_for(0), topo.n_workers, "tls", max(1, int(batch)), int(prompt_len), int(tokens), 1, opts=opts)
+    opts = EngineOptions(
+        n_workers=topo.n_workers,
+        capacities=topo.capacities,
+        topology=topo,
+        key=load_key(key),
+        timeout_s=60,
+        log=lambda line: None,
+    )
+    r = measure(
+        topo.model_for(0), topo.n_workers, "tls", max(1, int(batch)), int(prompt_len), int(tokens), 1, opts=opts
+    )
     print(json.dumps(r))
     return 0
 
@@ -135,8 +187,12 @@ def tcp_rtt_ms(hosts: Hosts, a: str, b: str, count: int = 105) -> float:
     try:
         if echo.stdout.readline().strip() != "ready":
             raise RuntimeError(f"echo server on {b} did not start: {echo.stderr.read().strip()}")
-        r = subprocess.run(["ip", "netns", "exec", hosts.ns[a], sys.executable, "-c", PING, b, str(count)],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            ["ip", "netns", "exec", hosts.ns[a], sys.executable, "-c", PING, b, str(count)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"TCP ping {a} -> {b}: {r.stderr.strip()}")
         return float(r.stdout.strip())
@@ -183,8 +239,13 @@ def fit(runs: list[dict], rounds: int, key: str, per_step: int) -> list[dict]:
     for r in runs:
         step = per_step / r[key]
         extra = r["measured_rtt_ms"] - base["measured_rtt_ms"]
-        row = {"rtt_ms": r["rtt_ms"], "measured_rtt_ms": r["measured_rtt_ms"], "tokens_per_s": round(r[key], 3),
-               "range": r.get(key + "_range"), "step_ms": round(1000 * step, 2)}  # fmt: skip
+        row = {
+            "rtt_ms": r["rtt_ms"],
+            "measured_rtt_ms": r["measured_rtt_ms"],
+            "tokens_per_s": round(r[key], 3),
+            "range": r.get(key + "_range"),
+            "step_ms": round(1000 * step, 2),
+        }
         if extra > 0.01:
             t_round = (step - compute) / rounds
             row["t_round_over_extra_rtt"] = round(1000 * t_round / extra, 3)
@@ -207,9 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16, help="new tokens per session")
     p.add_argument("--prompt", type=int, default=16, help="random prompt tokens")
     p.add_argument("--batch", type=int, default=8, help="sessions decoding together in the batched run (1: none)")
-    p.add_argument("--delay", choices=("auto", *DELAYS), default="auto",
-                   help="how the delay is made: netem, or nfqueue where the kernel has no netem (auto: netem if "
-                   "it can be made here)")  # fmt: skip
+    p.add_argument(
+        "--delay",
+        choices=("auto", *DELAYS),
+        default="auto",
+        help="how the delay is made: netem, or nfqueue where the kernel has no netem (auto: netem if "
+        "it can be made here)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="sweeps over every point; the table has medians")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one run, seconds")
     p.add_argument("--json", action="store_true")
@@ -220,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.rtt: --rtt expects comma-separated milliseconds, got {a.rtt!r}", file=sys.stderr)
         return 2
     if a.workers < 2 or a.tokens < 2 or a.batch < 1 or a.repeats < 1 or any(r < 0 for r in rtts):
-        print("bench.rtt: needs --workers >= 2, --tokens >= 2, --batch >= 1, --repeats >= 1 and RTTs >= 0",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "bench.rtt: needs --workers >= 2, --tokens >= 2, --batch >= 1, --repeats >= 1 and RTTs >= 0",
+            file=sys.stderr,
+        )
         return 2
     delay = a.delay
     if delay == "auto":
@@ -246,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), file=sys.stderr)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    runs = [median_run([r for r in every if (r["rtt_ms"], r["variant"]) == key])
-            for key in dict.fromkeys((r["rtt_ms"], r["variant"]) for r in every)]  # fmt: skip
+    runs = [
+        median_run([r for r in every if (r["rtt_ms"], r["variant"]) == key])
+        for key in dict.fromkeys((r["rtt_ms"], r["variant"]) for r in every)
+    ]
     table = []
     for variant in ("sharded", "megatron"):
         mine = [r for r in runs if r["variant"] == variant]
@@ -259,26 +328,38 @@ def main(argv: list[str] | None = None) -> int:
             for row in fit(mine, rounds, key, b):
                 table.append({"system": system, "batch": b, "rounds_per_step": rounds, **row})
     summary = {
-        "model": model, "workers": a.workers, "tokens": a.tokens, "batch": a.batch, "delay": delay,
-        "repeats": a.repeats, "same_tokens_everywhere": len({tuple(r["token_ids"]) for r in every}) == 1,
-        "batch_same_as_alone": all(r["same_tokens_as_alone"] for r in runs), "table": table,
-    }  # fmt: skip
+        "model": model,
+        "workers": a.workers,
+        "tokens": a.tokens,
+        "batch": a.batch,
+        "delay": delay,
+        "repeats": a.repeats,
+        "same_tokens_everywhere": len({tuple(r["token_ids"]) for r in every}) == 1,
+        "batch_same_as_alone": all(r["same_tokens_as_alone"] for r in runs),
+        "table": table,
+    }
     print(json.dumps(summary) if a.json else render(summary))
     return 0
 
 
 def render(summary: dict) -> str:
     """The table as Markdown (docs/performance.md keeps one)."""
-    out = [f"model {summary['model']}, N = {summary['workers']}, {summary['tokens']} new tokens per session, "
-           f"delay: {summary['delay']}, medians of {summary['repeats']} sweeps; same tokens everywhere: {summary['same_tokens_everywhere']}, batch = alone: "
-           f"{summary['batch_same_as_alone']}", "",
-           "| system | batch | RTT added (ms) | RTT measured (ms) | decode tok/s (range) | step ms "
-           "| t_round / extra RTT | model tok/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    out = [
+        f"model {summary['model']}, N = {summary['workers']}, {summary['tokens']} new tokens per session, "
+        f"delay: {summary['delay']}, medians of {summary['repeats']} sweeps; same tokens everywhere: {summary['same_tokens_everywhere']}, batch = alone: "
+        f"{summary['batch_same_as_alone']}",
+        "",
+        "| system | batch | RTT added (ms) | RTT measured (ms) | decode tok/s (range) | step ms "
+        "| t_round / extra RTT | model tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in summary["table"]:
         span = f" ({r['range'][0]:.2f}..{r['range'][1]:.2f})" if r.get("range") else ""
-        out.append(f"| {r['system']} | {r['batch']} | {r['rtt_ms']:g} | {r['measured_rtt_ms']:.3f} | "
-                   f"{r['tokens_per_s']:.2f}{span} | {r['step_ms']:.1f} | {r.get('t_round_over_extra_rtt', '')} | "
-                   f"{r.get('model_tokens_per_s', '')} |")  # fmt: skip
+        out.append(
+            f"| {r['system']} | {r['batch']} | {r['rtt_ms']:g} | {r['measured_rtt_ms']:.3f} | "
+            f"{r['tokens_per_s']:.2f}{span} | {r['step_ms']:.1f} | {r.get('t_round_over_extra_rtt', '')} | "
+            f"{r.get('model_tokens_per_s', '')} |"
+        )
     return "\n".join(out)
 
 

@@ -82,10 +82,24 @@ def run_bench(
         for system, n, engine in order if rep % 2 == 0 else order[::-1]:
             threads = _threads(system, n, cores)
             log(f"bench: {system} N={n} {engine} run {rep + 1}/{repeats}")
-            args = ["--system", system, "--engine", engine if engine != "-" else "tls", "--model", str(path),
-                    "--workers", str(n), "--threads", str(threads),
-                    "--client-threads", str(cores),
-                    "--prompts", ",".join(map(str, prompts)), "--decode-tokens", str(decode_tokens)]  # fmt: skip
+            args = [
+                "--system",
+                system,
+                "--engine",
+                engine if engine != "-" else "tls",
+                "--model",
+                str(path),
+                "--workers",
+                str(n),
+                "--threads",
+                str(threads),
+                "--client-threads",
+                str(cores),
+                "--prompts",
+                ",".join(map(str, prompts)),
+                "--decode-tokens",
+                str(decode_tokens),
+            ]
             runs[(system, n, engine)].append(_run_one(args, timeout_s))
     results = [_row(key, runs[key], cores, prompts, decode_tokens) for key in order]
     ratio, spread = ratios(results, cfg, rtt)
@@ -105,8 +119,13 @@ def run_bench(
 
 def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[int], decode_tokens: int) -> dict:
     system, n, engine = key
-    row: dict = {"system": system, "workers": n, "engine": engine, "threads_per_process": _threads(system, n, cores),
-                 "repeats": len(runs)}  # fmt: skip
+    row: dict = {
+        "system": system,
+        "workers": n,
+        "engine": engine,
+        "threads_per_process": _threads(system, n, cores),
+        "repeats": len(runs),
+    }
     dec = [decode_tokens / r["decode_s"] for r in runs]
     row["decode_tokens_per_s"] = statistics.median(dec)
     row["decode_tokens_per_s_spread"] = _summary(dec)
@@ -119,8 +138,14 @@ def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[
     row["prefill_tokens_per_s"] = row[f"prefill_{prompts[0]}_tokens_per_s"]
     row["prefill_tokens_per_s_runs"] = row[f"prefill_{prompts[0]}_tokens_per_s_runs"]
     row["ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
-    for k in ("collectives_per_token", "bytes_per_token", "plan_bytes_per_token", "client_bytes_per_token",
-              "wire_bytes_per_token", "collective_us"):
+    for k in (
+        "collectives_per_token",
+        "bytes_per_token",
+        "plan_bytes_per_token",
+        "client_bytes_per_token",
+        "wire_bytes_per_token",
+        "collective_us",
+    ):
         if k in runs[0]:
             row[k] = statistics.median(r[k] for r in runs)
     if system == "transformers":
@@ -139,8 +164,14 @@ def paired(a: dict, b: dict, what: str = "decode") -> dict:
 
 
 def _find(results: list[dict], system: str, n: int, engine: str | None = None) -> dict | None:
-    return next((r for r in results if r["system"] == system and r["workers"] == n
-                 and (engine is None or r["engine"] == engine)), None)  # fmt: skip
+    return next(
+        (
+            r
+            for r in results
+            if r["system"] == system and r["workers"] == n and (engine is None or r["engine"] == engine)
+        ),
+        None,
+    )
 
 
 def ratios(results: list[dict], cfg, rtt_us: float) -> tuple[dict, dict]:
@@ -252,19 +283,36 @@ def _groups(text: str) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark vs transformers and a Megatron-style baseline (ratios)")
     b.add_argument("--model", help="HF dir or .gguf (default: bundled SmolLM2-135M-Instruct)")
-    b.add_argument("--qwen-1.5b", dest="qwen_1_5b", action="store_true", help="use a Qwen2.5-1.5B-shaped random model (built once, cached)")
+    b.add_argument(
+        "--qwen-1.5b",
+        dest="qwen_1_5b",
+        action="store_true",
+        help="use a Qwen2.5-1.5B-shaped random model (built once, cached)",
+    )
     b.add_argument("--workers", type=_ints, default=[2, 3], help="N for megatron-tp and fusion (default 2,3)")
-    b.add_argument("--engines", type=_engines, default=["tls", "gloo"],
-                   help="engines side by side, comma-separated: tls, tcp, gloo, mpi (default tls,gloo)")  # fmt: skip
+    b.add_argument(
+        "--engines",
+        type=_engines,
+        default=["tls", "gloo"],
+        help="engines side by side, comma-separated: tls, tcp, gloo, mpi (default tls,gloo)",
+    )
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--prompts", type=_ints, default=[128, 512], help="prefill prompt lengths (default 128,512)")
     b.add_argument("--decode-tokens", type=int, default=32)
     b.add_argument("--cores", type=int, default=default_cores(), help="thread budget shared by every system")
-    b.add_argument("--batch", type=int, metavar="B",
-                   help="instead: continuous batching, one session vs B decoding together on N = the first --workers, "
-                        "the first --engines, prompts of the first --prompts length (docs/serving.md)")  # fmt: skip
-    b.add_argument("--masked", metavar="A+B", type=_groups,
-                   help="with --batch: the masked mode with these groups (e.g. 1+1, 2+2) instead of N structural workers")
+    b.add_argument(
+        "--batch",
+        type=int,
+        metavar="B",
+        help="instead: continuous batching, one session vs B decoding together on N = the first --workers, "
+        "the first --engines, prompts of the first --prompts length (docs/serving.md)",
+    )
+    b.add_argument(
+        "--masked",
+        metavar="A+B",
+        type=_groups,
+        help="with --batch: the masked mode with these groups (e.g. 1+1, 2+2) instead of N structural workers",
+    )
     b.add_argument("--out", default="out/bench", help="directory for bench.json and bench.md")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.set_defaults(func=cmd_bench)

@@ -63,8 +63,12 @@ class LocalBackend:
         except ApiError as e:
             raise ChatError(e.message, context_full=e.code == "context_length_exceeded") from None
         out = self.gateway.run(req, emit, cancelled)
-        return {"finish_reason": out.finish_reason, "usage": out.usage(), "fusion": self.gateway.protection(out),
-                "timing": out.timing}  # fmt: skip
+        return {
+            "finish_reason": out.finish_reason,
+            "usage": out.usage(),
+            "fusion": self.gateway.protection(out),
+            "timing": out.timing,
+        }
 
     def membership(self, action: str, **kw: Any) -> dict:
         """workers | revoke(pid) | add(key, host, group) on the engine in this process."""
@@ -168,8 +172,10 @@ class HttpBackend:
             if resp.status != 200:
                 data = resp.read()
                 err = _error_body(data)
-                raise ChatError(f"HTTP {resp.status}: {err.get('message', data[:200])}",
-                                context_full=err.get("code") == "context_length_exceeded")  # fmt: skip
+                raise ChatError(
+                    f"HTTP {resp.status}: {err.get('message', data[:200])}",
+                    context_full=err.get("code") == "context_length_exceeded",
+                )
             for raw in resp:  # bounded: the server ends every stream with [DONE] (or closes it)
                 if cancelled():
                     info["finish_reason"] = "cancelled"
@@ -236,9 +242,14 @@ class _Interrupt:
 
 
 def chat_loop(
-    backend: Any, params: dict, system: str | None, stdin: IO[str], stdout: IO[str], stderr: IO[str],
+    backend: Any,
+    params: dict,
+    system: str | None,
+    stdin: IO[str],
+    stdout: IO[str],
+    stderr: IO[str],
     interactive: bool,
-) -> int:  # fmt: skip
+) -> int:
     """Read a line, answer it with the whole conversation as context, print the reply as it streams."""
     history: list[dict] = []
     prompt = "you> " if interactive else ""
@@ -247,8 +258,11 @@ def chat_loop(
             import readline  # noqa: F401 - line editing and up-arrow history for input()
         except ImportError:
             pass
-        stderr.write(f"fusion chat: {backend.model}" + (f" on {backend.workers} workers" if backend.workers else "")
-                     + ". /help for commands, Ctrl-D to leave.\n")  # fmt: skip
+        stderr.write(
+            f"fusion chat: {backend.model}"
+            + (f" on {backend.workers} workers" if backend.workers else "")
+            + ". /help for commands, Ctrl-D to leave.\n"
+        )
         stderr.flush()
     while True:
         try:
@@ -345,8 +359,15 @@ def _set_param(params: dict, arg: str) -> str:
     return f"({key} = {params[key]})"
 
 
-def _turn(backend: Any, params: dict, system: str | None, history: list[dict], stdout: IO[str], stderr: IO[str],
-          interactive: bool) -> str | None:  # fmt: skip
+def _turn(
+    backend: Any,
+    params: dict,
+    system: str | None,
+    history: list[dict],
+    stdout: IO[str],
+    stderr: IO[str],
+    interactive: bool,
+) -> str | None:
     parts: list[str] = []
 
     def emit(text: str) -> None:

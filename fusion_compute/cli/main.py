@@ -72,9 +72,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
 
-        res = generate(
-            engine, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop_ids=eos, on_token=on_token
-        )
+        res = generate(engine, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop_ids=eos, on_token=on_token)
         text = tok.decode([t for t in res.token_ids if t not in eos]) if tok else ""
         if a.json:
             out = {
@@ -97,8 +95,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
             }
             if masked:
                 v = engine.verifier
-                out |= {"mode": "masked", "groups": list(engine.plan.sizes),
-                        "verified": {"token_checks": v.checks, "failed": v.failures} if v else None}  # fmt: skip
+                out |= {
+                    "mode": "masked",
+                    "groups": list(engine.plan.sizes),
+                    "verified": {"token_checks": v.checks, "failed": v.failures} if v else None,
+                }
             print(json.dumps(out))
         else:
             sys.stdout.write((stream.flush() if stream else " ".join(map(str, res.token_ids))) + "\n")
@@ -152,8 +153,11 @@ def cmd_keys(a: argparse.Namespace) -> int:
         ident = Identity.new()
         ident.save(a.path)
         print(ident.public.line())
-        print(f"fusion keys: wrote {a.path} (secret: keep it on this machine); the line above is its public key "
-              f"(fingerprint {ident.public.fingerprint}) for the topology file", file=sys.stderr)  # fmt: skip
+        print(
+            f"fusion keys: wrote {a.path} (secret: keep it on this machine); the line above is its public key "
+            f"(fingerprint {ident.public.fingerprint}) for the topology file",
+            file=sys.stderr,
+        )
     else:
         print(Identity.load(a.path).public.line())
     return 0
@@ -177,11 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--mode", choices=("structural", "masked"), default="structural",
-                   help="masked: workers see only one-time-pad-masked data (--workers A+B or A+B1+...+Bk; docs/masked.md)")  # fmt: skip
-    g.add_argument("--audit-dir", metavar="DIR",
-                   help="masked mode: every rank logs its transfers, the client every product check, into DIR "
-                        "(then `fusion audit verify DIR`)")  # fmt: skip
+    g.add_argument(
+        "--mode",
+        choices=("structural", "masked"),
+        default="structural",
+        help="masked: workers see only one-time-pad-masked data (--workers A+B or A+B1+...+Bk; docs/masked.md)",
+    )
+    g.add_argument(
+        "--audit-dir",
+        metavar="DIR",
+        help="masked mode: every rank logs its transfers, the client every product check, into DIR "
+        "(then `fusion audit verify DIR`)",
+    )
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plan", help="print the sharding plan as JSON")

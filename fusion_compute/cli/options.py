@@ -91,30 +91,60 @@ def load_key(path: str | None) -> Identity | None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--workers", type=workers_arg, help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked")
+    p.add_argument(
+        "--workers",
+        type=workers_arg,
+        help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked",
+    )
     p.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
     p.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
     p.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
-    p.add_argument("--master", help="HOST:PORT to listen at for separately started workers (needs --insecure "
-                                    "without a topology)")  # fmt: skip
-    p.add_argument("--insecure", action="store_true",
-                   help="plaintext links and unauthenticated workers: only on a network you trust")  # fmt: skip
-    p.add_argument("--engine", choices=ENGINES, default=None,
-                   help="tls (default): authenticated, encrypted links; tcp: plaintext (--insecure); "
-                        "gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory "
-                        "among local workers (the [mpi] extra)")  # fmt: skip
+    p.add_argument(
+        "--master", help="HOST:PORT to listen at for separately started workers (needs --insecure without a topology)"
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext links and unauthenticated workers: only on a network you trust",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="tls (default): authenticated, encrypted links; tcp: plaintext (--insecure); "
+        "gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory "
+        "among local workers (the [mpi] extra)",
+    )
     p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
     p.add_argument("--threads", type=int, help="torch threads per local worker")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a worker, seconds (default 120)")
-    p.add_argument("--join-timeout", type=float, default=120.0,
-                   help="bound on start-up (workers joining and loading), seconds (default 120)")  # fmt: skip
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="bound on every wait for a worker, seconds (default 120)"
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=120.0,
+        help="bound on start-up (workers joining and loading), seconds (default 120)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
-    p.add_argument("--standby", type=int, default=0,
-                   help="local spare workers that replace a lost one (masked mode: per group); default 0")  # fmt: skip
-    p.add_argument("--min-workers", type=int, default=None,
-                   help="never continue with fewer workers than this after a loss (default 2)")  # fmt: skip
-    p.add_argument("--liveness", type=float, default=5.0,
-                   help="a worker silent this long (no heartbeat) has failed, seconds (default 5)")  # fmt: skip
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="local spare workers that replace a lost one (masked mode: per group); default 0",
+    )
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
+        help="never continue with fewer workers than this after a loss (default 2)",
+    )
+    p.add_argument(
+        "--liveness",
+        type=float,
+        default=5.0,
+        help="a worker silent this long (no heartbeat) has failed, seconds (default 5)",
+    )
     p.add_argument("--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering")
 
 
@@ -130,7 +160,9 @@ def _topology(a: argparse.Namespace) -> Topology | None:
     if not getattr(a, "topology", None):
         return None
     if a.workers is not None or a.master or a.capacity:
-        raise UsageError("--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master")
+        raise UsageError(
+            "--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master"
+        )
     topo = Topology.load(a.topology)
     a.model = a.model or topo.model_for(0)
     return topo
@@ -150,11 +182,21 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     check_common(a)
     topo = _topology(a)
     common: dict[str, Any] = dict(
-        topology=topo, key=load_key(a.key), insecure=a.insecure, master=None, engine=_engine_name(a),
-        context=a.context, threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device,
-        standby=a.standby, min_workers=a.min_workers, liveness_s=a.liveness,
+        topology=topo,
+        key=load_key(a.key),
+        insecure=a.insecure,
+        master=None,
+        engine=_engine_name(a),
+        context=a.context,
+        threads=a.threads,
+        timeout_s=a.timeout,
+        join_timeout_s=a.join_timeout,
+        device=a.device,
+        standby=a.standby,
+        min_workers=a.min_workers,
+        liveness_s=a.liveness,
         recover=not a.no_recover,
-    )  # fmt: skip
+    )
     if a.master is not None:
         host_port(a.master)
         common["master"] = a.master
@@ -180,11 +222,15 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     except Exception as e:
         raise UsageError(str(e)) from None
     if opts.insecure:
-        opts.log("warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
-                 "path reads the shards, anyone who reaches the port can join")  # fmt: skip
+        opts.log(
+            "warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
+            "path reads the shards, anyone who reaches the port can join"
+        )
     elif opts.mpi_world:
-        opts.log("note: --engine mpi across hosts: the workers' collectives are MPI's, plaintext on your "
-                 "cluster's network; the client's links stay TLS")  # fmt: skip
+        opts.log(
+            "note: --engine mpi across hosts: the workers' collectives are MPI's, plaintext on your "
+            "cluster's network; the client's links stay TLS"
+        )
     return opts
 
 
@@ -214,19 +260,34 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--client-key", help="the client's public key line (without a topology)")
     w.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
     w.add_argument("--rank", type=int, help="claim this rank (checked by the client; required with --insecure)")
-    w.add_argument("--group", type=group_arg, help="masked mode: claim this group, A, B or B1..Bk (checked by the client)")
-    w.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
-                   help="load progress on stderr: auto = a bar on a terminal, else nothing")  # fmt: skip
+    w.add_argument(
+        "--group", type=group_arg, help="masked mode: claim this group, A, B or B1..Bk (checked by the client)"
+    )
+    w.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="load progress on stderr: auto = a bar on a terminal, else nothing",
+    )
     w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     w.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a peer, seconds")
     w.add_argument("--join-timeout", type=float, default=120.0, help="bound on joining the client, seconds")
     w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
-    w.add_argument("--inject-leak", help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce "
-                                         "| keep-slots (masked: a-to-b)")  # fmt: skip
-    w.add_argument("--inject-fault", help="tests only: close-mid-message@STEP, never-join@N, cut-peer@N, slow-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)")
-    w.add_argument("--variant", choices=("sharded", "megatron"), default="sharded",
-                   help="megatron: replicated-residual baseline (benchmark / negative control)")  # fmt: skip
+    w.add_argument(
+        "--inject-leak",
+        help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots (masked: a-to-b)",
+    )
+    w.add_argument(
+        "--inject-fault",
+        help="tests only: close-mid-message@STEP, never-join@N, cut-peer@N, slow-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
+    )
+    w.add_argument(
+        "--variant",
+        choices=("sharded", "megatron"),
+        default="sharded",
+        help="megatron: replicated-residual baseline (benchmark / negative control)",
+    )
 
 
 def worker_options(a: argparse.Namespace) -> Any:
@@ -274,7 +335,20 @@ def worker_options(a: argparse.Namespace) -> Any:
     if rank is not None and rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
     return WorkerOptions(
-        master=master, key=key, client_key=client_key, model=model, listen_host=listen_host, rank=rank, group=group,
-        threads=a.threads, timeout_s=a.timeout, join_timeout_s=a.join_timeout, device=a.device, progress=a.progress,
-        audit_dir=a.audit_dir, inject_leak=a.inject_leak, inject_fault=a.inject_fault, variant=a.variant,
-    )  # fmt: skip
+        master=master,
+        key=key,
+        client_key=client_key,
+        model=model,
+        listen_host=listen_host,
+        rank=rank,
+        group=group,
+        threads=a.threads,
+        timeout_s=a.timeout,
+        join_timeout_s=a.join_timeout,
+        device=a.device,
+        progress=a.progress,
+        audit_dir=a.audit_dir,
+        inject_leak=a.inject_leak,
+        inject_fault=a.inject_fault,
+        variant=a.variant,
+    )

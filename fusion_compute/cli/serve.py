@@ -29,23 +29,43 @@ LISTEN_BACKLOG = 128
 def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway (the client role) over sharded workers")
     add_engine(s)
-    s.add_argument("--mode", choices=("structural", "masked"), default="structural",
-                   help="masked: --workers A+B (or A+B1+...+Bk) compute on one-time-pad-masked data (docs/masked.md)")  # fmt: skip
+    s.add_argument(
+        "--mode",
+        choices=("structural", "masked"),
+        default="structural",
+        help="masked: --workers A+B (or A+B1+...+Bk) compute on one-time-pad-masked data (docs/masked.md)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     s.add_argument("--served-model-name", help="model id for the API (default: the model file or directory name)")
     s.add_argument(
         "--max-tokens", type=int, help=f"default max_tokens when a request names none (default {DEFAULT_MAX_TOKENS})"
     )
-    s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help=f"waiting requests before 429 (default {DEFAULT_MAX_QUEUE})")  # fmt: skip
-    s.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                   help=f"sessions decoded together, one sharded step for all (continuous batching; default "
-                        f"{DEFAULT_MAX_BATCH}; 1: one request at a time; both modes; docs/serving.md)")  # fmt: skip
-    s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help=f"open connections before 503 (default {DEFAULT_MAX_CONNECTIONS})")  # fmt: skip
-    s.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
-                   help="seconds for a request's headers to arrive, then for its body (default %(default)g)")  # fmt: skip
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"waiting requests before 429 (default {DEFAULT_MAX_QUEUE})",
+    )
+    s.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"sessions decoded together, one sharded step for all (continuous batching; default "
+        f"{DEFAULT_MAX_BATCH}; 1: one request at a time; both modes; docs/serving.md)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections before 503 (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds for a request's headers to arrive, then for its body (default %(default)g)",
+    )
     s.add_argument("--api-key", help="require Authorization: Bearer KEY (default: none, as befits 127.0.0.1)")
     s.set_defaults(func=cmd_serve)
 
@@ -96,12 +116,16 @@ def cmd_serve(a: Any) -> int:
         app = wrap(create_app(gateway, scheduler, admin=a.api_key is not None), a.api_key, log, a.request_timeout)
         host, port = sock.getsockname()[:2]
         if a.host not in ("127.0.0.1", "localhost", "::1"):
-            log(f"fusion serve: warning: listening on {a.host}: anyone who can reach it reads the answers "
-                "(no TLS" + ("" if a.api_key else ", no API key") + ")")  # fmt: skip
+            log(
+                f"fusion serve: warning: listening on {a.host}: anyone who can reach it reads the answers "
+                "(no TLS" + ("" if a.api_key else ", no API key") + ")"
+            )
         shown = f"[{host}]" if ":" in host else host
         batch = f", up to {a.max_batch} requests at once" if a.max_batch > 1 else ""
-        log(f"fusion serve: listening on http://{shown}:{port}/v1 "
-            f"(model {gateway.card.id}, {gateway.n_workers} workers{batch})")  # fmt: skip
+        log(
+            f"fusion serve: listening on http://{shown}:{port}/v1 "
+            f"(model {gateway.card.id}, {gateway.n_workers} workers{batch})"
+        )
         run_http(sock, app, a.max_connections, scheduler.stop, log, a.request_timeout)
     finally:
         sock.close()

@@ -29,10 +29,32 @@ if TYPE_CHECKING:
 ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
 
 __all__ = [
-    "Admission", "Comm", "CommError", "Counters", "Credentials", "ENGINES", "Event", "Identity", "IdentityError",
-    "Joined", "Member", "NullRecorder", "PeerError", "PeerLost", "PeerTimeout", "PublicId", "Pulse", "Recorder",
-    "WORKER_COLLECTIVES", "Watch", "Witness", "free_port", "join_epoch", "open_pulse", "wire_bytes",
-]  # fmt: skip
+    "Admission",
+    "Comm",
+    "CommError",
+    "Counters",
+    "Credentials",
+    "ENGINES",
+    "Event",
+    "Identity",
+    "IdentityError",
+    "Joined",
+    "Member",
+    "NullRecorder",
+    "PeerError",
+    "PeerLost",
+    "PeerTimeout",
+    "PublicId",
+    "Pulse",
+    "Recorder",
+    "WORKER_COLLECTIVES",
+    "Watch",
+    "Witness",
+    "free_port",
+    "join_epoch",
+    "open_pulse",
+    "wire_bytes",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -103,7 +103,9 @@ class Comm:
         self.engine = engine  # "tls" | "tcp" (insecure) | "gloo" / "nccl" (fabric among workers)
         # owner ranks of each split KV group this rank belongs to
         self.score_owners: dict[int, list[int]] = {
-            g: [w + 1 for w in owners] for g, owners in enumerate(score_groups) if len(owners) > 1 and rank - 1 in owners
+            g: [w + 1 for w in owners]
+            for g, owners in enumerate(score_groups)
+            if len(owners) > 1 and rank - 1 in owners
         }
         # audit negative control (audit/inject.py): "all_to_all" (correct) or "allreduce" (leaky)
         self.reduce_scatter_impl = "all_to_all"
@@ -302,8 +304,12 @@ class Comm:
                     rows.copy_(shard)
                 else:
                     self._get(q + 1, rows, op)
-        self._emit("gather", op, {q + 1: sizes[me] * t for q in range(n) if q != me},
-                   {q + 1: sizes[q] * t for q in range(n) if q != me})  # fmt: skip
+        self._emit(
+            "gather",
+            op,
+            {q + 1: sizes[me] * t for q in range(n) if q != me},
+            {q + 1: sizes[q] * t for q in range(n) if q != me},
+        )
         return out
 
     def all_reduce_workers(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -345,4 +351,3 @@ class Comm:
     @property
     def tls(self) -> bool:
         return any(link.tls is not None for link in self.links.values())
-

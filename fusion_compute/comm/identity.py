@@ -71,8 +71,10 @@ class PublicId:
         raw = text[len(PREFIX) :]
         # Strictly: base64's decoder skips characters outside the alphabet (`$$$$` inside a line was
         # accepted), so the line must be the alphabet only, and the exact encoding of what it decodes to.
-        invalid = IdentityError(f"{where}: public key is not valid base64url (letters, digits, - and _ only, "
-                                "unpadded, as `fusion keys show` prints it)")  # fmt: skip
+        invalid = IdentityError(
+            f"{where}: public key is not valid base64url (letters, digits, - and _ only, "
+            "unpadded, as `fusion keys show` prints it)"
+        )
         if _BASE64URL.fullmatch(raw) is None:
             raise invalid
         try:
@@ -117,7 +119,9 @@ class Identity:
             .not_valid_after(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC))
             .sign(key, None)  # Ed25519 signs without a separate digest
         )
-        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         return Identity(PublicId(cert.public_bytes(serialization.Encoding.DER)), pem)
 
     @staticmethod
@@ -130,8 +134,10 @@ class Identity:
         c0 = text.find("-----BEGIN CERTIFICATE-----")
         c1 = text.find("-----END CERTIFICATE-----")
         if min(k0, k1, c0, c1) < 0:
-            raise IdentityError(f"{where}: not a Fusion key file (expected a PEM private key and certificate; "
-                                "make one with `fusion keys new PATH`)")  # fmt: skip
+            raise IdentityError(
+                f"{where}: not a Fusion key file (expected a PEM private key and certificate; "
+                "make one with `fusion keys new PATH`)"
+            )
         key_pem = text[k0 : k1 + len("-----END PRIVATE KEY-----")].encode() + b"\n"
         try:
             key = serialization.load_pem_private_key(key_pem, password=None)
@@ -155,9 +161,11 @@ class Identity:
         data, mode = read_small_file(p, MAX_KEY_FILE, "key file", IdentityError)
         ident = Identity.from_pem(data, str(p))  # a file that is no key gets its one line, not a warning too
         if mode & 0o044:  # group- or world-readable
-            print(f"fusion: warning: key file {p} is readable by {'others' if mode & 0o004 else 'its group'} "
-                  f"(mode {mode & 0o777:03o}): whoever reads it can act as this participant; chmod 600 it",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"fusion: warning: key file {p} is readable by {'others' if mode & 0o004 else 'its group'} "
+                f"(mode {mode & 0o777:03o}): whoever reads it can act as this participant; chmod 600 it",
+                file=sys.stderr,
+            )
         return ident
 
     def save(self, path: str | Path) -> None:

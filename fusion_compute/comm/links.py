@@ -267,8 +267,11 @@ class Link:
     def recv_into(self, out: memoryview, deadline: float, what: str = "") -> None:
         n = self.recv_size(deadline)
         if n != len(out):
-            raise PeerError(self.rank, f"{self.label} sent {n} bytes{' for ' + what if what else ''} where "
-                                       f"{len(out)} were expected (wrong shape or dtype)")  # fmt: skip
+            raise PeerError(
+                self.rank,
+                f"{self.label} sent {n} bytes{' for ' + what if what else ''} where "
+                f"{len(out)} were expected (wrong shape or dtype)",
+            )
         self._read_exact(out, deadline)
 
     def recv_bytes(self, deadline: float, limit: int) -> bytes:

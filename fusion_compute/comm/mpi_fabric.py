@@ -100,8 +100,9 @@ class MpiFabric:
             else:
                 comm = self._join(mpi, worker, n_workers, Path(rendezvous), time.monotonic() + timeout_s)
             if comm.Get_size() != n_workers or comm.Get_rank() != worker:
-                raise CommError(f"mpi fabric: joined as {comm.Get_rank()} of {comm.Get_size()}, expected "
-                                f"{worker} of {n_workers}")  # fmt: skip
+                raise CommError(
+                    f"mpi fabric: joined as {comm.Get_rank()} of {comm.Get_size()}, expected {worker} of {n_workers}"
+                )
             self.comm = comm
             self.groups: dict[int, Any] = {}  # mpi4py communicators
             for g, owners in enumerate(score_groups):  # every member creates its groups in the same order
@@ -142,9 +143,11 @@ class MpiFabric:
     def _world(mpi, worker: int, n_workers: int):
         world = mpi.COMM_WORLD
         if world.Get_size() != n_workers or world.Get_rank() != worker:
-            raise CommError(f"mpiexec started this worker as rank {world.Get_rank()} of {world.Get_size()}, but it is "
-                            f"worker {worker + 1} of {n_workers} in the topology, which must be rank {worker}: start "
-                            "exactly the topology's workers, in its order (mpiexec's host file in that order)")  # fmt: skip
+            raise CommError(
+                f"mpiexec started this worker as rank {world.Get_rank()} of {world.Get_size()}, but it is "
+                f"worker {worker + 1} of {n_workers} in the topology, which must be rank {worker}: start "
+                "exactly the topology's workers, in its order (mpiexec's host file in that order)"
+            )
         return world.Dup()
 
     def wait(self, req) -> None:
@@ -173,8 +176,9 @@ class MpiFabric:
         displs_out = [sum(counts_out[:i]) for i in range(n)]
         counts_in = [sizes[me] * t] * n
         displs_in = [i * sizes[me] * t for i in range(n)]
-        self.wait(self.comm.Ialltoallv([send.numpy(), (counts_out, displs_out)],
-                                        [recv.numpy(), (counts_in, displs_in)]))  # fmt: skip
+        self.wait(
+            self.comm.Ialltoallv([send.numpy(), (counts_out, displs_out)], [recv.numpy(), (counts_in, displs_in)])
+        )
         return recv.view(n, sizes[me], t).sum(0)
 
     def reduce_scatter_from(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:

@@ -153,9 +153,10 @@ class Greeters:
     def start(self, conn: socket.socket, addr: Any, greet: Callable[[socket.socket, Any], None]) -> None:
         if not self._slots.acquire(blocking=False):
             conn.close()
-            self.refusals.add("too many unauthenticated connections",
-                              f"connection from {_fmt_addr(addr)} to {self.name}: {MAX_PENDING} connections are "
-                              "already handshaking")  # fmt: skip
+            self.refusals.add(
+                "too many unauthenticated connections",
+                f"connection from {_fmt_addr(addr)} to {self.name}: {MAX_PENDING} connections are already handshaking",
+            )
             return
         with self._lock:
             if self._closed:
@@ -239,7 +240,9 @@ class Admission:
         self.sock = _listen(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
-        self.ctx = tls_context(me, [m.key for m in roster if m.key is not None], server=True) if me is not None else None
+        self.ctx = (
+            tls_context(me, [m.key for m in roster if m.key is not None], server=True) if me is not None else None
+        )
         self.refusals = Refusals(log)  # refused connections, counted by reason (tests read them)
         self.greeters = Greeters("the client", self.refusals)
         self._lock = threading.Lock()
@@ -287,14 +290,20 @@ class Admission:
         except Exception as e:  # ssl.SSLError, OSError, TimeoutError
             reason = getattr(e, "reason", None) or str(e) or type(e).__name__
             conn.close()
-            self._refuse("TLS handshake failed", f"connection from {where}: TLS handshake failed ({reason}): key not in the roster?")
+            self._refuse(
+                "TLS handshake failed",
+                f"connection from {where}: TLS handshake failed ({reason}): key not in the roster?",
+            )
             return
         member = None
         if tls is not None:
             member = self.by_cert.get(peer_certificate(tls) or b"")
             if member is None:  # chained to a listed certificate but not itself listed
                 conn.close()
-                self._refuse("certificate not in the roster", f"connection from {where}: its certificate is not one of the roster's")
+                self._refuse(
+                    "certificate not in the roster",
+                    f"connection from {where}: its certificate is not one of the roster's",
+                )
                 return
         link = Link(conn, tls, -1, f"connection from {where}")
         try:
@@ -329,24 +338,42 @@ class Admission:
                 pass
             link.close()
         else:
-            self._refuse("unexpected epoch", f"{member.label(where)} asked to join epoch {join.get('epoch')}, which does not expect it", link)
+            self._refuse(
+                "unexpected epoch",
+                f"{member.label(where)} asked to join epoch {join.get('epoch')}, which does not expect it",
+                link,
+            )
 
     def _check(self, member: Member | None, join: dict, where: str) -> tuple[Member | None, str, str]:
         """(member, "", "") when the JOIN is admissible, else (None, reason, log line)."""
         claim_pid, claim_group = join.get("rank"), join.get("group")
-        if join.get("v") != VERSION or join.get("kind") not in ("data", "pulse") or not isinstance(join.get("port"), int):
+        if (
+            join.get("v") != VERSION
+            or join.get("kind") not in ("data", "pulse")
+            or not isinstance(join.get("port"), int)
+        ):
             return None, "malformed JOIN", f"{where}: malformed JOIN {json.dumps(join)[:200]}"
         if member is None:  # insecure: the claim is all there is
             if not isinstance(claim_pid, int) or claim_pid not in self.roster:
-                return None, "no valid rank", f"{where}: JOIN without a valid rank (insecure engine: workers must give --rank)"
+                return (
+                    None,
+                    "no valid rank",
+                    f"{where}: JOIN without a valid rank (insecure engine: workers must give --rank)",
+                )
             member = self.roster[claim_pid]
         who = member.label(where)
         if claim_pid is not None and claim_pid != member.pid:
-            return None, "claimed another rank", (f"{who} presented itself as rank {claim_pid}, but the roster lists "
-                                                  f"its key as rank {member.pid}")  # fmt: skip
+            return (
+                None,
+                "claimed another rank",
+                (f"{who} presented itself as rank {claim_pid}, but the roster lists its key as rank {member.pid}"),
+            )
         if claim_group is not None and claim_group != member.group:
-            return None, "claimed another group", (f"{who} presented itself for group {claim_group}, but the roster "
-                                                   f"lists it in group {member.group}")  # fmt: skip
+            return (
+                None,
+                "claimed another group",
+                (f"{who} presented itself for group {claim_group}, but the roster lists it in group {member.group}"),
+            )
         if member.pid in self._gone:
             return None, "removed from the job", f"{who} was removed from this job (revoked, or failed and replaced)"
         return member, "", ""
@@ -380,7 +407,9 @@ class Admission:
         with self._lock:
             self._gone.add(pid)
 
-    def collect(self, pids: list[int], deadline: float, abort: Callable[[], str | None] = lambda: None) -> dict[int, Joined]:
+    def collect(
+        self, pids: list[int], deadline: float, abort: Callable[[], str | None] = lambda: None
+    ) -> dict[int, Joined]:
         """Wait until every pid of the epoch has its data link here. Raises CommError naming the
         missing ones at the deadline, or at once when `abort()` gives a reason."""
         got: dict[int, Joined] = {}
@@ -402,8 +431,12 @@ class Admission:
                 except queue.Empty:
                     continue
                 if j.member.pid in got:  # a second connection with an admitted key
-                    self._refuse("second connection", f"{j.link.label}: rank {j.member.pid} has already joined (a second connection with "
-                                 "the same key)", j.link)  # fmt: skip
+                    self._refuse(
+                        "second connection",
+                        f"{j.link.label}: rank {j.member.pid} has already joined (a second connection with "
+                        "the same key)",
+                        j.link,
+                    )
                     continue
                 got[j.member.pid] = j
         except BaseException:
@@ -419,15 +452,20 @@ class Admission:
         Returns the data links by rank."""
         links = {r: joined[pid].link for r, pid in enumerate(order, start=1)}
         peers = {
-            str(r): {"host": joined[pid].host, "port": joined[pid].port,
-                     "key": k.line() if (k := self.roster[pid].key) else None}
+            str(r): {
+                "host": joined[pid].host,
+                "port": joined[pid].port,
+                "key": k.line() if (k := self.roster[pid].key) else None,
+            }
             for r, pid in enumerate(order, start=1)
-        }  # fmt: skip
+        }
         try:
             for r, pid in enumerate(order, start=1):
                 links[r].rank = r
                 m = self.roster[pid]
-                send_json(links[r], {"epoch": epoch, "rank": r, "pid": pid, "group": m.group, "peers": peers, **extra(m)})
+                send_json(
+                    links[r], {"epoch": epoch, "rank": r, "pid": pid, "group": m.group, "peers": peers, **extra(m)}
+                )
             for link in links.values():
                 ready = recv_json(link, deadline)
                 if ready.get("ready") is not True:
@@ -509,13 +547,19 @@ def _open_tls(host: str, port: int, ctx: ssl.SSLContext | None, deadline: float,
 def _client_link(cred: Credentials, deadline: float) -> Link:
     host, port = cred.master
     try:
-        ctx = tls_context(cred.me, [k for k in (cred.client_key,) if k is not None], server=False) if cred.me is not None else None
+        ctx = (
+            tls_context(cred.me, [k for k in (cred.client_key,) if k is not None], server=False)
+            if cred.me is not None
+            else None
+        )
         sock, tls = _open_tls(host, port, ctx, deadline, "the client")
     except CommError:
         raise
     except Exception as e:
-        raise CommError(f"TLS handshake with the client at {host}:{port} failed ({_tls_refusal(e)}): "
-                        "is this the client's public key?") from None  # fmt: skip
+        raise CommError(
+            f"TLS handshake with the client at {host}:{port} failed ({_tls_refusal(e)}): "
+            "is this the client's public key?"
+        ) from None
     if not cred.listen_ip:
         cred.listen_ip = cred.listen_host or sock.getsockname()[0]
     if tls is not None and (cred.client_key is None or peer_certificate(tls) != cred.client_key.cert_der):
@@ -542,8 +586,18 @@ def join_epoch(cred: Credentials, epoch: int | None, deadline: float, log: Calla
         raise
     try:
         lhost, lport = listener.getsockname()[:2]
-        send_json(client, {"v": VERSION, "kind": "data", "rank": cred.claim_pid, "group": cred.claim_group,
-                           "epoch": epoch, "host": lhost, "port": lport})  # fmt: skip
+        send_json(
+            client,
+            {
+                "v": VERSION,
+                "kind": "data",
+                "rank": cred.claim_pid,
+                "group": cred.claim_group,
+                "epoch": epoch,
+                "host": lhost,
+                "port": lport,
+            },
+        )
         try:
             welcome = recv_json(client, deadline)
         except CommError as e:
@@ -585,7 +639,11 @@ def _link_peers(
         key = PublicId.parse(p["key"], f"worker {r}'s key") if p.get("key") else None
         table[int(r)] = (p["host"], int(p["port"]), key)
     higher = {r: table[r] for r in table if r > rank}
-    ctx = tls_context(me, [t[2] for t in higher.values() if t[2] is not None], server=True) if me is not None and higher else None
+    ctx = (
+        tls_context(me, [t[2] for t in higher.values() if t[2] is not None], server=True)
+        if me is not None and higher
+        else None
+    )
     by_cert = {t[2].cert_der: r for r, t in higher.items() if t[2] is not None}
     refusals = Refusals(log)
     greeters = Greeters(f"worker {rank}", refusals)
@@ -612,8 +670,10 @@ def _link_peers(
         expected = by_cert.get(peer_certificate(tls) or b"") if tls is not None else q
         if not isinstance(q, int) or q not in higher or q != expected:
             link.close()
-            refusals.add("claimed another worker",
-                         f"connection from {where} to worker {rank}: presented as worker {q}, key is worker {expected}")
+            refusals.add(
+                "claimed another worker",
+                f"connection from {where} to worker {rank}: presented as worker {q}, key is worker {expected}",
+            )
             return
         with hand_over:
             if finished.is_set():
@@ -658,15 +718,19 @@ def _link_peers(
             if left <= 0:
                 missing = sorted(set(higher) - set(links))
                 n = refusals.total()
-                raise CommError(f"workers {missing} did not link up with worker {rank} in time"
-                                + (f" (refused: {n} other connections)" if n else ""))  # fmt: skip
+                raise CommError(
+                    f"workers {missing} did not link up with worker {rank} in time"
+                    + (f" (refused: {n} other connections)" if n else "")
+                )
             try:
                 q, where, link = arrived.get(timeout=min(left, 0.25))
             except queue.Empty:
                 continue
             if q in links:
                 link.close()
-                refusals.add("second connection", f"connection from {where} to worker {rank}: worker {q} has already linked")
+                refusals.add(
+                    "second connection", f"connection from {where} to worker {rank}: worker {q} has already linked"
+                )
                 continue
             key = higher[q][2]
             link.rank, link.label = q, f"worker {q} [{where}" + (f", key {key.fingerprint}]" if key else "]")

@@ -48,10 +48,14 @@ class Sequence:
 
     def result(self) -> GenerationResult:
         return GenerationResult(
-            token_ids=self.out, prompt_tokens=len(self.prompt_ids), finish_reason=self.finish or "length",
-            ttft_s=self.t_first - self.t0, decode_s=self.t_end - self.t_first, steps=self.steps,
+            token_ids=self.out,
+            prompt_tokens=len(self.prompt_ids),
+            finish_reason=self.finish or "length",
+            ttft_s=self.t_first - self.t0,
+            decode_s=self.t_end - self.t_first,
+            steps=self.steps,
             recoveries=self.recoveries,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ class Sampler:
         p = self.params
         if not bool(torch.isfinite(logits_V).all()):
             bad = int((~torch.isfinite(logits_V)).sum())
-            raise NonFiniteLogits(f"the logits hold {bad} NaN or infinite value(s) of {logits_V.numel()}: "
-                                  "no token is drawn from them")  # fmt: skip
+            raise NonFiniteLogits(
+                f"the logits hold {bad} NaN or infinite value(s) of {logits_V.numel()}: no token is drawn from them"
+            )
         if p.greedy:
             return int(torch.argmax(logits_V))
         x = logits_V.double()

@@ -63,16 +63,25 @@ def tap_path(d: str | Path, rank: int, epoch: int = 0) -> Path:
 class AuditLog:
     """One rank's masked audit log; also comm's `Recorder`."""
 
-    def __init__(self, audit_dir: str | Path, rank: int, role: str, group: str | None, sizes: tuple[int, ...],
-                 verify: bool | None = None, epoch: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        audit_dir: str | Path,
+        rank: int,
+        role: str,
+        group: str | None,
+        sizes: tuple[int, ...],
+        verify: bool | None = None,
+        epoch: int = 0,
+    ):
         d = Path(audit_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self._f = open(log_path(d, rank, epoch), "w", buffering=1 << 20)
         self._tap = open(tap_path(d, rank, epoch), "wb") if group == "A" else None
         self._tap_at = 0
-        self._write({"type": "header", "rank": rank, "role": role, "group": group, "groups": list(sizes),
-                     "verify": verify})  # fmt: skip
+        self._write(
+            {"type": "header", "rank": rank, "role": role, "group": group, "groups": list(sizes), "verify": verify}
+        )
 
     def _write(self, rec: dict) -> None:
         self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
@@ -103,12 +112,12 @@ class AuditLog:
         self._write({"type": "mask", "session": session, "step": step, "layer": layer, "op": op})
 
     def check(self, session: int, step: int, layer: int, op: int, tokens: int, ok: bool) -> None:
-        self._write({"type": "check", "session": session, "step": step, "layer": layer, "op": op, "tokens": tokens,
-                     "ok": ok})  # fmt: skip
+        self._write(
+            {"type": "check", "session": session, "step": step, "layer": layer, "op": op, "tokens": tokens, "ok": ok}
+        )
 
     def detection(self, session: int, step: int, layer: int, op: int, blamed: list[list]) -> None:
-        self._write({"type": "detection", "session": session, "step": step, "layer": layer, "op": op,
-                     "blamed": blamed})  # fmt: skip
+        self._write({"type": "detection", "session": session, "step": step, "layer": layer, "op": op, "blamed": blamed})
         self._f.flush()  # the job may end here: what was caught must reach the disk
 
     def end_step(self) -> None:
@@ -280,8 +289,12 @@ def _verify_worker(d: Path, epoch: int, rank: int, group: str, spec: str, violat
             violations.append(f"{who} received {e['kind']} {e['op']} (allowed: {sorted(allowed_in)})")
         if e["to"] and e["kind"] not in WORKER_OUT:
             violations.append(f"{who} sent {e['kind']} {e['op']} (allowed: {sorted(WORKER_OUT)})")
-    party = {"group": group, "received": _tally(events, "from"), "sent": _tally(events, "to"),
-             "steps": sum(r["type"] == "step" for r in recs)}  # fmt: skip
+    party = {
+        "group": group,
+        "received": _tally(events, "from"),
+        "sent": _tally(events, "to"),
+        "steps": sum(r["type"] == "step" for r in recs),
+    }
     if group == "A":
         tapped = read_tap(d, rank, epoch)
         if tapped:
@@ -338,15 +351,33 @@ def verify(audit_dir: str | Path) -> dict:
         unchecked = set(labels) - {(r["session"], r["step"], r["layer"], r["op"]) for r in checks}
         if unchecked:
             violations.append(f"{len(unchecked)} of {len(labels)} products were never checked (verification on)")
-    parties["rank0"] = {"group": None, "received": _tally(events, "from"), "sent": _tally(events, "to"),
-                        "sessions": len(sessions), "masks_drawn": len(labels),
-                        "saw": "everything, in the clear: tokens, residual, q/k/v, KV cache, activations, logits"}  # fmt: skip
+    parties["rank0"] = {
+        "group": None,
+        "received": _tally(events, "from"),
+        "sent": _tally(events, "to"),
+        "sessions": len(sessions),
+        "masks_drawn": len(labels),
+        "saw": "everything, in the clear: tokens, residual, q/k/v, KV cache, activations, logits",
+    }
     verification = {
-        "on": bool(head.get("verify")), "products_checked": len(checks),
-        "token_checks": sum(r["tokens"] for r in checks), "failed": sum(not r["ok"] for r in checks),
-        "detections": [{"session": r["session"], "step": r["step"], "op": f"L{r['layer']}.{LINEARS[r['op']]}",
-                        "blamed": [{"group": g, "member": m, "rank": rk, "participant": p} for g, m, rk, p in r["blamed"]]}
-                       for r in detections],
-    }  # fmt: skip
-    return {"ok": not violations, "violations": violations, "parties": parties, "verification": verification,
-            "epochs": [{"epoch": e["epoch"], "groups": e["groups"], "order": e.get("order")} for e in epochs]}  # fmt: skip
+        "on": bool(head.get("verify")),
+        "products_checked": len(checks),
+        "token_checks": sum(r["tokens"] for r in checks),
+        "failed": sum(not r["ok"] for r in checks),
+        "detections": [
+            {
+                "session": r["session"],
+                "step": r["step"],
+                "op": f"L{r['layer']}.{LINEARS[r['op']]}",
+                "blamed": [{"group": g, "member": m, "rank": rk, "participant": p} for g, m, rk, p in r["blamed"]],
+            }
+            for r in detections
+        ],
+    }
+    return {
+        "ok": not violations,
+        "violations": violations,
+        "parties": parties,
+        "verification": verification,
+        "epochs": [{"epoch": e["epoch"], "groups": e["groups"], "order": e.get("order")} for e in epochs],
+    }

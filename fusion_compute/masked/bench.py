@@ -72,12 +72,24 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, veri
         def on_token(_tok: int) -> None:  # the measurements' boundaries: after the first token, at the last
             at["n"] = at.get("n", 0) + 1
             if at["n"] == 1:
-                at["start"] = rec.sent, rec.received, _proc_cpu_s(pids), time.process_time(), time.perf_counter(), (
-                    check.check_s if check is not None else 0.0)  # fmt: skip
+                at["start"] = (
+                    rec.sent,
+                    rec.received,
+                    _proc_cpu_s(pids),
+                    time.process_time(),
+                    time.perf_counter(),
+                    (check.check_s if check is not None else 0.0),
+                )
             if at["n"] == tokens:
                 s0, r0, w0, c0, t0, k0 = at["start"]
-                at["end"] = (time.perf_counter() - t0, time.process_time() - c0, rec.sent - s0, rec.received - r0,
-                             _proc_cpu_s(pids) - w0, check.check_s - k0 if check is not None else 0.0)  # fmt: skip
+                at["end"] = (
+                    time.perf_counter() - t0,
+                    time.process_time() - c0,
+                    rec.sent - s0,
+                    rec.received - r0,
+                    _proc_cpu_s(pids) - w0,
+                    check.check_s - k0 if check is not None else 0.0,
+                )
 
         # past an end-of-turn token too: a fixed number of decode steps
         res = generate(eng, ids, max_new_tokens=tokens, sampling=SamplingParams(), on_token=on_token)
@@ -158,17 +170,24 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
     inputs: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(ref64.model.layers):
-        for name, mod in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
-                          ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):  # fmt: skip
+        for name, mod in (
+            ("qkv", layer.self_attn.q_proj),
+            ("o", layer.self_attn.o_proj),
+            ("gate_up", layer.mlp.gate_proj),
+            ("down", layer.mlp.down_proj),
+        ):
             hooks.append(mod.register_forward_pre_hook(lambda m, a, key=(i, name): inputs.setdefault(key, a[0][0])))
     with torch.no_grad():
         logits64 = ref64(torch.tensor([ids])).logits[0]
         logits32 = ref32(torch.tensor([ids])).logits[0].double()
     for h in hooks:
         h.remove()
-    weights = {"qkv": lambda L: torch.cat([L.self_attn.q_proj.weight, L.self_attn.k_proj.weight, L.self_attn.v_proj.weight]),
-               "o": lambda L: L.self_attn.o_proj.weight, "down": lambda L: L.mlp.down_proj.weight,
-               "gate_up": lambda L: torch.cat([L.mlp.gate_proj.weight, L.mlp.up_proj.weight])}  # fmt: skip
+    weights = {
+        "qkv": lambda L: torch.cat([L.self_attn.q_proj.weight, L.self_attn.k_proj.weight, L.self_attn.v_proj.weight]),
+        "o": lambda L: L.self_attn.o_proj.weight,
+        "down": lambda L: L.mlp.down_proj.weight,
+        "gate_up": lambda L: torch.cat([L.mlp.gate_proj.weight, L.mlp.up_proj.weight]),
+    }
     per_linear = {f"ring_b{b}": 0.0 for b in limb_bits} | {"fp32": 0.0}
     for (i, name), x64 in inputs.items():
         w64 = weights[name](ref64.model.layers[i]).detach()  # float64 copies of the fp32 weights: exact
@@ -218,7 +237,8 @@ def verify_cost(model, ids: list[int], tokens: int, rounds: int) -> dict:
         "client_cpu_ratio_verify_on_over_off": on["client_cpu_ms_per_token"] / off["client_cpu_ms_per_token"],
         "check_share_of_client_cpu": on["check_ms_per_token"] / on["client_cpu_ms_per_token"],
         "decode_ms_per_token_by_mask_groups": {
-            k: 1000 / best[f"{s} verify on"]["decode_tokens_per_s"] for k, s in ((1, "1+1"), (2, "1+1+1"), (3, "1+1+1+1"))
+            k: 1000 / best[f"{s} verify on"]["decode_tokens_per_s"]
+            for k, s in ((1, "1+1"), (2, "1+1+1"), (3, "1+1+1+1"))
         },
     }
 
@@ -275,10 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kernels", action="store_true", help="also time the ring-product kernels")
     p.add_argument("--exactness", action="store_true", help="only measure errors against float64 (no timing)")
-    p.add_argument("--verify-cost", action="store_true",
-                   help="the product check's cost (on vs off) and each extra mask group's, masked mode only")  # fmt: skip
-    p.add_argument("--check-only", action="store_true",
-                   help="the product check alone (precompute, CPU per decode token), no workers")  # fmt: skip
+    p.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="the product check's cost (on vs off) and each extra mask group's, masked mode only",
+    )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="the product check alone (precompute, CPU per decode token), no workers",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     path = resolve_model_path(a.model)

@@ -164,7 +164,9 @@ class MaskedEngine(EngineBase):
         for g in plan.mask_groups:
             for a, b in zip(per_group["A"], per_group[g], strict=True):
                 if not torch.equal(a, b):
-                    raise ModelError(f"groups A and {g} quantized the weights differently: same model file on every worker?")
+                    raise ModelError(
+                        f"groups A and {g} quantized the weights differently: same model file on every worker?"
+                    )
         self.inv_w = [[ring.inverse_scales(e[0]) for e in layer] for layer in self._by_layer(per_group["A"])]
         self.w_norm_max = [
             [float(e[1].max()) if e.shape[1] else 0.0 for e in layer] for layer in self._by_layer(per_group["A"])
@@ -247,14 +249,17 @@ class MaskedEngine(EngineBase):
 
     # ---- one forward ----
 
-    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    def _forward_batch(
+        self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()
+    ) -> list[torch.Tensor]:
         """One masked step over one or several sessions: their tokens are consecutive columns of every
         masked product; each one's attention runs over its own slot's cache at its own position.
         Each session's last-token logits (V,), or (T, V) for a slot in `full`."""
         if self.streams is None:
             if self.slot_pos:  # a rejected product ended the mask session: the caches no longer match it
-                raise RuntimeError("the masked session ended mid-batch (a rejected product): "
-                                   "its sessions must start again")  # fmt: skip
+                raise RuntimeError(
+                    "the masked session ended mid-batch (a rejected product): its sessions must start again"
+                )
             self._reset()
         spans = self._batch_spans(items)
         ends = torch.tensor([t for _, _, t in spans]).cumsum(0).tolist()
@@ -279,8 +284,7 @@ class MaskedEngine(EngineBase):
         finally:
             torch.set_num_threads(threads)
 
-    def _masked_step(self, ids: list[int], spans: list[tuple[int, int, int]],
-                     rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _masked_step(self, ids: list[int], spans: list[tuple[int, int, int]], rows: torch.Tensor) -> torch.Tensor:
         """Every layer over the tokens `ids` of the sessions `spans` ((slot, position, T), in the
         order of `ids`); the logits (R, V) of the tokens at `rows`."""
         t = len(ids)
@@ -307,8 +311,10 @@ class MaskedEngine(EngineBase):
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
         # per session: its rows of the step, its rotary tables and causal mask, its cache
-        parts = [(slot, pos, n, *rope_tables(self.inv_freq, torch.arange(pos, pos + n)), causal_mask(pos, n))
-                 for slot, pos, n in spans]  # fmt: skip
+        parts = [
+            (slot, pos, n, *rope_tables(self.inv_freq, torch.arange(pos, pos + n)), causal_mask(pos, n))
+            for slot, pos, n in spans
+        ]
         for layer in range(c.n_layers):
             x_TH = self._layer(layer, x_TH, parts)
         self._drain()
@@ -317,10 +323,14 @@ class MaskedEngine(EngineBase):
         self.step += 1
         x_TH = x_TH[rows]
         logits = rms_norm(x_TH, self.final_norm, c.rms_eps) @ self.lm_head.T  # (R, V)
-        self.costs.append({
-            "tokens": t, "wall_s": time.perf_counter() - wall0, "client_cpu_s": time.process_time() - cpu0,
-            **{k: v - bytes0[k] for k, v in self.tally.bytes.items()},
-        })  # fmt: skip
+        self.costs.append(
+            {
+                "tokens": t,
+                "wall_s": time.perf_counter() - wall0,
+                "client_cpu_s": time.process_time() - cpu0,
+                **{k: v - bytes0[k] for k, v in self.tally.bytes.items()},
+            }
+        )
         return logits
 
     def _layer(self, i: int, x_TH: torch.Tensor, parts: list) -> torch.Tensor:
@@ -344,8 +354,9 @@ class MaskedEngine(EngineBase):
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             return self.masked_linear(i, LINEARS.index(name), x[0])[None]
 
-        return decoder_layer(self.config, self.clear[i], x_TH[None], linear, None, None, None, None,
-                             attention=attention)[0]
+        return decoder_layer(
+            self.config, self.clear[i], x_TH[None], linear, None, None, None, None, attention=attention
+        )[0]
 
     def masked_linear(self, layer: int, op: int, x_TK: torch.Tensor) -> torch.Tensor:
         """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32. Raises
@@ -394,14 +405,21 @@ class MaskedEngine(EngineBase):
         blamed = self.verifier.blame(plan, layer, op, y_a, y_mask, m_KT, dict(zip(plan.mask_groups, r_g, strict=True)))
         who = [f"group {g} member {m} (rank {r}, participant {self.order[r - 1]})" for g, m, r in blamed]
         if self.audit is not None:
-            self.audit.detection(self.session, self.step, layer, op, [[g, m, r, self.order[r - 1]] for g, m, r in blamed])
+            self.audit.detection(
+                self.session, self.step, layer, op, [[g, m, r, self.order[r - 1]] for g, m, r in blamed]
+            )
         self._drain_quietly()
         where = f"{name}, session {self.session}, step {self.step}"
         if not who:
-            raise ProductRejected(f"a product failed the check at {where}, yet every member's rows recompute "
-                                  "correctly: is the client's model file the workers' one?", [], [])  # fmt: skip
-        raise ProductRejected(f"wrong product from {', '.join(who)} at {where}", blamed,
-                              [self.order[r - 1] for _, _, r in blamed])  # fmt: skip
+            raise ProductRejected(
+                f"a product failed the check at {where}, yet every member's rows recompute "
+                "correctly: is the client's model file the workers' one?",
+                [],
+                [],
+            )
+        raise ProductRejected(
+            f"wrong product from {', '.join(who)} at {where}", blamed, [self.order[r - 1] for _, _, r in blamed]
+        )
 
     def _drain_quietly(self) -> None:
         """The step is abandoned: the sends already queued may go or fail, it no longer matters."""

@@ -35,13 +35,17 @@ class MaskedOptions(EngineOptions):
 
     def check(self) -> None:
         if not self.b_sizes or min(self.sizes) < 1:
-            raise UsageError(f"--mode masked needs at least one worker in each group, got {'+'.join(map(str, self.sizes))}")
+            raise UsageError(
+                f"--mode masked needs at least one worker in each group, got {'+'.join(map(str, self.sizes))}"
+            )
         if self.masks not in MASK_KINDS:
             raise UsageError(f"unknown mask source {self.masks!r} ({', '.join(MASK_KINDS)})")
         if self.capacities:
             raise UsageError("--capacity is not supported with --mode masked (groups split rows evenly)")
         if self.engine not in ("tls", "tcp") or self.device != "cpu":
-            raise UsageError("--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)")
+            raise UsageError(
+                "--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)"
+            )
         super().check()
 
 
@@ -62,7 +66,9 @@ def groups_of(workers: Any) -> tuple[int, tuple[int, ...]]:
 def masked_options(workers: Any, topology: Any, common: dict[str, Any]) -> MaskedOptions:
     if topology is not None:
         if not topology.masked:
-            raise UsageError(f"{topology.path} names no groups: give every worker a group (\"A\", and \"B\" or \"B1\"..\"Bk\") for --mode masked")
+            raise UsageError(
+                f'{topology.path} names no groups: give every worker a group ("A", and "B" or "B1".."Bk") for --mode masked'
+            )
         n_a, b_sizes = topology.groups[0], topology.groups[1:]
     else:
         n_a, b_sizes = groups_of(workers if workers is not None else (2, 2))

@@ -36,7 +36,7 @@ ELEMENT_BYTES = 8  # int64 ring elements on the wire
 
 
 def mask_group_names(k: int) -> tuple[str, ...]:
-    """"B" for one mask group (the original two-group protocol), else "B1".."Bk"."""
+    """ "B" for one mask group (the original two-group protocol), else "B1".."Bk"."""
     return ("B",) if k == 1 else tuple(f"B{i}" for i in range(1, k + 1))
 
 
@@ -140,19 +140,33 @@ class MaskedPlan:
         c = self.config
         return {
             "mode": "masked",
-            "model": {"arch": c.arch, "hidden": c.hidden, "intermediate": c.intermediate, "layers": c.n_layers,
-                      "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab},
+            "model": {
+                "arch": c.arch,
+                "hidden": c.hidden,
+                "intermediate": c.intermediate,
+                "layers": c.n_layers,
+                "heads": c.n_heads,
+                "kv_heads": c.n_kv_heads,
+                "head_dim": c.head_dim,
+                "vocab": c.vocab,
+            },
             "groups": dict(zip(self.groups, self.sizes, strict=True)),
             "limb_bits": self.limb_bits,
             "linears": [{"op": s.op, "name": s.name, "rows": s.rows, "k": s.k} for s in self.shapes],
             "members": [
-                {"rank": r, "group": g, "member": m,
-                 "rows": {s.name: list(self.member_rows(g, m, s.op)) for s in self.shapes},
-                 "weight_bytes_float64": self.weight_elements(g, m) * 8}
-                for g in self.groups for r in self.ranks(g) for m in [self.group_of(r)[1]]
+                {
+                    "rank": r,
+                    "group": g,
+                    "member": m,
+                    "rows": {s.name: list(self.member_rows(g, m, s.op)) for s in self.shapes},
+                    "weight_bytes_float64": self.weight_elements(g, m) * 8,
+                }
+                for g in self.groups
+                for r in self.ranks(g)
+                for m in [self.group_of(r)[1]]
             ],
             "bytes_per_token": self.bytes_per_token(),
-        }  # fmt: skip
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -23,8 +23,19 @@ from __future__ import annotations
 
 from ..structural.protocol import CONTROL_LEN, Op, fingerprint_int
 
-__all__ = ["CONTROL_LEN", "Op", "fingerprint_int", "KIND_CONTROL", "KIND_KEY", "KIND_MASKED", "KIND_OUT", "KIND_META",
-           "MASK_CHACHA20", "MASK_ZERO", "op_name"]  # fmt: skip
+__all__ = [
+    "CONTROL_LEN",
+    "Op",
+    "fingerprint_int",
+    "KIND_CONTROL",
+    "KIND_KEY",
+    "KIND_MASKED",
+    "KIND_OUT",
+    "KIND_META",
+    "MASK_CHACHA20",
+    "MASK_ZERO",
+    "op_name",
+]
 
 KIND_CONTROL = "control"
 KIND_KEY = "key"

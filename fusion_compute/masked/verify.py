@@ -56,8 +56,9 @@ ESCAPE_BOUND = f"2^-{ESCAPE_BITS}"
 SIGN = np.int64(-(1 << 63))  # x ^ SIGN, read as unsigned, is x + 2^63
 OFFSET = 1 << 63
 SHIFTS = [1 << (LIMB * p) for p in range(2 * N_LIMBS - 1)]  # 2^(16 p), limb positions 0..6
-POSITIONS = np.array([[float(a + b == p) for p in range(2 * N_LIMBS - 1)] for a in range(N_LIMBS)
-                      for b in range(N_LIMBS)])  # (16, 7) float64: limb pair (a, b) -> position a + b  # fmt: skip
+POSITIONS = np.array(
+    [[float(a + b == p) for p in range(2 * N_LIMBS - 1)] for a in range(N_LIMBS) for b in range(N_LIMBS)]
+)  # (16, 7) float64: limb pair (a, b) -> position a + b
 
 
 class ProductRejected(WorkerMisbehaved):
@@ -171,8 +172,16 @@ class ProductCheck:
         self.failures += not ok
         return ok
 
-    def blame(self, plan: MaskedPlan, layer: int, op: int, y_a: dict[int, torch.Tensor],
-              y_b: dict[int, torch.Tensor], m_KT: torch.Tensor, r_KT: dict[str, torch.Tensor]) -> list[tuple[str, int, int]]:  # fmt: skip
+    def blame(
+        self,
+        plan: MaskedPlan,
+        layer: int,
+        op: int,
+        y_a: dict[int, torch.Tensor],
+        y_b: dict[int, torch.Tensor],
+        m_KT: torch.Tensor,
+        r_KT: dict[str, torch.Tensor],
+    ) -> list[tuple[str, int, int]]:
         """Recompute the linear's products from the public weights and name every member of the
         epoch's `plan` whose rows differ: A's W_fx m (m = x_fx + Σ r), and each mask group's
         W_fx r_g. `y_a` / `y_b` map a rank to the rows it returned (mask ranks: this op's rows)."""

@@ -62,8 +62,17 @@ def load_member(src: WeightSource, plan: MaskedPlan, group: str, member: int) ->
 class MaskedWorker:
     """The command loop of one member of group A or of a mask group."""
 
-    def __init__(self, src: WeightSource, sizes: tuple[int, ...], rank: int, comm: Comm, *, audit=None,
-                 leak: str | None = None, fault: Fault | None = None):  # fmt: skip
+    def __init__(
+        self,
+        src: WeightSource,
+        sizes: tuple[int, ...],
+        rank: int,
+        comm: Comm,
+        *,
+        audit=None,
+        leak: str | None = None,
+        fault: Fault | None = None,
+    ):
         self.src, self.sizes, self.rank, self.comm = src, tuple(sizes), rank, comm
         self.audit = audit  # masked.audit.AuditLog: taps what this worker received
         self.leak = leak  # "a-to-b": negative control, A's first member forwards an input to B
@@ -143,8 +152,12 @@ class MaskedWorker:
                             self.audit.tap(name, m_KT)
                         if leak_to_b and layer == 0 and s.op == 0:
                             c.send(m_KT, plan.ranks(plan.mask_groups[0])[0], "leak", name)  # NEGATIVE CONTROL
-                        y = self._lie(name, mat.matmul(m_KT), layer == 0 and s.op == 0,
-                                      layer == n_layers - 1 and s.op == n_ops - 1)  # fmt: skip
+                        y = self._lie(
+                            name,
+                            mat.matmul(m_KT),
+                            layer == 0 and s.op == 0,
+                            layer == n_layers - 1 and s.op == n_ops - 1,
+                        )
                         c.send(y, 0, P.KIND_OUT, name)
                 if self.audit is not None:
                     self.audit.end_step()
@@ -193,7 +206,11 @@ class MaskedWorker:
                 # client announced (1 for one session; a batch's session count). (The sends above are
                 # already queued; the link's writer keeps them moving meanwhile.)
                 t_next = max(1, t_next)
-                ahead = (expected, t_next, [self._products(stream, expected, layer, t_next) for layer in range(n_layers)])
+                ahead = (
+                    expected,
+                    t_next,
+                    [self._products(stream, expected, layer, t_next) for layer in range(n_layers)],
+                )
                 for work, _ in pending:
                     work.wait()
                 if self.audit is not None:
@@ -219,8 +236,9 @@ def _rss_kb() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
-def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any,
-               keep: Callable[[Any], None] = lambda log: None) -> None:  # fmt: skip
+def run_member(
+    src: WeightSource, welcome: dict, rank: int, links: dict, o: Any, keep: Callable[[Any], None] = lambda log: None
+) -> None:
     """A masked worker process after joining: `welcome` names the group sizes; `o` is
     worker.WorkerOptions; `keep` is handed the audit log (the process flushes it if it must exit)."""
     from .audit import AuditLog
@@ -245,8 +263,16 @@ def run_member(src: WeightSource, welcome: dict, rank: int, links: dict, o: Any,
         comm.close()
 
 
-def run(src: WeightSource, sizes: tuple[int, ...], rank: int, comm: Comm, *, audit=None, leak: str | None = None,
-        fault: Fault | None = None) -> None:  # fmt: skip
+def run(
+    src: WeightSource,
+    sizes: tuple[int, ...],
+    rank: int,
+    comm: Comm,
+    *,
+    audit=None,
+    leak: str | None = None,
+    fault: Fault | None = None,
+) -> None:
     if leak not in (None, "a-to-b"):
         raise ValueError(f"masked workers know one negative control, a-to-b (no-mask is the client's); got {leak!r}")
     if rank < 1 or rank > sum(sizes):

@@ -42,8 +42,9 @@ class ClearParams:
 
     @staticmethod
     def read(src: WeightSource, layer: int) -> ClearParams:
-        return ClearParams(arch.read_norm(src, layer, "qkv"), arch.read_norm(src, layer, "gate_up"),
-                           arch.read_bias(src, layer, "qkv"))  # fmt: skip
+        return ClearParams(
+            arch.read_norm(src, layer, "qkv"), arch.read_norm(src, layer, "gate_up"), arch.read_bias(src, layer, "qkv")
+        )
 
 
 def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) -> torch.Tensor:
@@ -59,7 +60,14 @@ def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) ->
 
 
 def decoder_layer(
-    c: ModelConfig, p: ClearParams, x: torch.Tensor, linear: Linear, kv: KV | None, cos, sin, mask,
+    c: ModelConfig,
+    p: ClearParams,
+    x: torch.Tensor,
+    linear: Linear,
+    kv: KV | None,
+    cos,
+    sin,
+    mask,
     attention: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x (B, T, H) -> x (B, T, H): RMSNorm, qkv (+ bias), RoPE, attention, o, RMSNorm, SwiGLU MLP.
@@ -153,7 +161,9 @@ class DenseModel:
             def kv(k, v, past=cache[i]):
                 if past is None:
                     return k, v
-                return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat([past[1].expand(b, -1, -1, -1), v], 2)
+                return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat(
+                    [past[1].expand(b, -1, -1, -1), v], 2
+                )
 
             x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, None)
         return x[:, 0]

@@ -85,7 +85,9 @@ class EngineBase(Membership):
         self.final_norm = self.src.read(arch.FINAL_NORM)
         self.lm_head = arch.read_lm_head(self.src, self.embed)
         self.recorder = self.prepare(recorder)
-        self.slot_history: dict[int, list[int]] = {}  # each open session's tokens, per KV slot: what a replay runs again
+        self.slot_history: dict[
+            int, list[int]
+        ] = {}  # each open session's tokens, per KV slot: what a replay runs again
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
@@ -98,8 +100,15 @@ class EngineBase(Membership):
         try:
             roster, me, worker_keys = self._roster()
             host, port = self._listen_address()
-            self._admission = Admission(me, roster, host, port, log=opts.log, first_epoch=self.order,
-                                        on_pulse=lambda m, link: self.watch.add(m.pid, link))  # fmt: skip
+            self._admission = Admission(
+                me,
+                roster,
+                host,
+                port,
+                log=opts.log,
+                first_epoch=self.order,
+                on_pulse=lambda m, link: self.watch.add(m.pid, link),
+            )
             if opts.is_local:
                 self.procs = self._spawn(me, worker_keys)
             monitor = opts.progress(self.procs, self.plan, self._admission.address) if opts.progress else None
@@ -220,8 +229,12 @@ class EngineBase(Membership):
             self.slot_history.setdefault(slot, []).extend(ids)
         return out
 
-    def _replay_slots(self, new: dict[int, list[int]], logits: dict[int, torch.Tensor] | None = None,
-                      full: frozenset[int] = frozenset()) -> int:  # fmt: skip
+    def _replay_slots(
+        self,
+        new: dict[int, list[int]],
+        logits: dict[int, torch.Tensor] | None = None,
+        full: frozenset[int] = frozenset(),
+    ) -> int:
         """A fresh epoch's batch: every slot zeroed, then each open session's tokens (plus `new`, the
         step being retried) run again as a prefill in its own slot, one session per step (a step's
         size stays what one session's replay would be). `logits` gets each retried slot's result:
@@ -245,7 +258,9 @@ class EngineBase(Membership):
         except CommError:
             pass
 
-    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    def _forward_batch(
+        self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()
+    ) -> list[torch.Tensor]:
         """The mode's step: each item's last-token logits (V,), or (T, V) for a slot in `full`."""
         raise NotImplementedError
 
@@ -299,16 +314,19 @@ class EngineBase(Membership):
     def _roster(self) -> tuple[list[Member], Identity | None, dict[int, Identity]]:
         opts, secure = self.opts, not self.opts.insecure
         if opts.topology is not None:
-            roster = [Member(p.rank, p.host, p.key if secure else None, p.group, p.name, p.standby)
-                      for p in opts.topology.all_workers]  # fmt: skip
+            roster = [
+                Member(p.rank, p.host, p.key if secure else None, p.group, p.name, p.standby)
+                for p in opts.topology.all_workers
+            ]
             return roster, opts.key if secure else None, {}
         seats = self.seats.values()
         if opts.master is not None:  # insecure, separately started: hosts come from their JOINs
             return [Member(s.pid, "", None, s.group, None, s.standby) for s in seats], None, {}
         me = Identity.new() if secure else None
         keys = {s.pid: Identity.new() for s in seats} if secure else {}
-        roster = [Member(s.pid, "127.0.0.1", keys[s.pid].public if secure else None, s.group, None, s.standby)
-                  for s in seats]  # fmt: skip
+        roster = [
+            Member(s.pid, "127.0.0.1", keys[s.pid].public if secure else None, s.group, None, s.standby) for s in seats
+        ]
         return roster, me, keys
 
     def _listen_address(self) -> tuple[str, int]:
@@ -339,9 +357,19 @@ class EngineBase(Membership):
         elif opts.engine in FABRICS:
             self._store = f"127.0.0.1:{free_port()}"
         args = [
-            "--master", self._admission.address, "--model", str(self.model_path), "--threads", str(threads),
-            "--timeout", str(opts.timeout_s), "--join-timeout", str(opts.join_timeout_s), "--device", opts.device,
-        ]  # fmt: skip
+            "--master",
+            self._admission.address,
+            "--model",
+            str(self.model_path),
+            "--threads",
+            str(threads),
+            "--timeout",
+            str(opts.timeout_s),
+            "--join-timeout",
+            str(opts.join_timeout_s),
+            "--device",
+            opts.device,
+        ]
         args += ["--client-key", me.public.line(), "--key", "-"] if me is not None else ["--insecure"]
         if opts.progress is not None:
             args += ["--progress", "lines"]  # workers report load progress into their logs

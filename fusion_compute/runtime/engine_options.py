@@ -71,35 +71,47 @@ class EngineOptions:
             raise CommError("--engine nccl runs among GPU workers: add --device cuda (on CPUs: tls, or mpi)")
         if self.engine in FABRICS and not self.is_local:
             if not self.mpi_world:
-                raise CommError(f"--engine {self.engine} runs on one machine only (spawned workers); across hosts, "
-                                "--engine mpi runs with a --topology on workers that mpiexec started")  # fmt: skip
+                raise CommError(
+                    f"--engine {self.engine} runs on one machine only (spawned workers); across hosts, "
+                    "--engine mpi runs with a --topology on workers that mpiexec started"
+                )
             if self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
-                raise CommError("--engine mpi across hosts: the workers share one mpiexec world, whose size is "
-                                f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}")  # fmt: skip
+                raise CommError(
+                    "--engine mpi across hosts: the workers share one mpiexec world, whose size is "
+                    f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}"
+                )
             if self.recover:
-                raise CommError("--engine mpi across hosts cannot replace a lost worker (an mpiexec world has a "
-                                "fixed size): add --no-recover")  # fmt: skip
+                raise CommError(
+                    "--engine mpi across hosts cannot replace a lost worker (an mpiexec world has a "
+                    "fixed size): add --no-recover"
+                )
         if self.master and self.topology is None and not self.insecure:
-            raise CommError("--master without --topology cannot pin the workers' keys: use --topology FILE "
-                            "(with every participant's key) or --insecure")  # fmt: skip
+            raise CommError(
+                "--master without --topology cannot pin the workers' keys: use --topology FILE "
+                "(with every participant's key) or --insecure"
+            )
         if self.topology is not None and not self.insecure:
             self.topology.require_keys()
             if self.key is None:
                 raise CommError("a --topology run needs the client's key: --key FILE (its public line is in the file)")
             if self.topology.client.key is not None and self.topology.client.key != self.key.public:
-                raise CommError(f"--key is not the client's key of {self.topology.path} "
-                                f"(file: {self.topology.client.key.fingerprint}, --key: {self.key.public.fingerprint})")  # fmt: skip
+                raise CommError(
+                    f"--key is not the client's key of {self.topology.path} "
+                    f"(file: {self.topology.client.key.fingerprint}, --key: {self.key.public.fingerprint})"
+                )
         if self.standby < 0:
             raise CommError(f"--standby must be >= 0, got {self.standby}")
         if self.standby and not self.is_local:
-            raise CommError("--standby N spawns local spares; a topology names its standbys (role = \"standby\")")
+            raise CommError('--standby N spawns local spares; a topology names its standbys (role = "standby")')
         if self.capacities is not None and len(self.capacities) != self.n_workers:
             raise CommError(f"{len(self.capacities)} capacities given for {self.n_workers} workers")
         if self.min_workers is not None and self.min_workers < 1:
             raise CommError(f"--min-workers must be >= 1, got {self.min_workers}")
         if self.min_workers is not None and self.min_workers > self.n_workers:
-            raise CommError(f"--min-workers {self.min_workers} is more than the {self.n_workers} workers of this run "
-                            "(an epoch never has more): any lost worker would end it")  # fmt: skip
+            raise CommError(
+                f"--min-workers {self.min_workers} is more than the {self.n_workers} workers of this run "
+                "(an epoch never has more): any lost worker would end it"
+            )
         if not (self.liveness_s > 0):
             raise CommError(f"--liveness must be > 0, got {self.liveness_s}")
 

@@ -84,9 +84,14 @@ class WorkerProcs:
         # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
         # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
         p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE if self._stdin else subprocess.DEVNULL, stdout=log, stderr=log,
-            env=self._env, preexec_fn=_die_with_parent, start_new_session=True,
-        )  # fmt: skip
+            cmd,
+            stdin=subprocess.PIPE if self._stdin else subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=self._env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
         if self._stdin is not None:
             try:
                 p.stdin.write(self._stdin(rank))
@@ -107,7 +112,7 @@ class WorkerProcs:
         return last_words(log.read().decode(errors="replace"), self.procs[i].returncode)
 
     def exit_reason(self, rank: int) -> str | None:
-        """"worker RANK exited: <its last words>" if participant `rank`'s process has ended, else None."""
+        """ "worker RANK exited: <its last words>" if participant `rank`'s process has ended, else None."""
         i = rank - 1
         if not 0 <= i < len(self.procs) or self.procs[i].poll() is None:
             return None
@@ -124,7 +129,9 @@ class WorkerProcs:
                     reported.add(i)
                     self.failures.append((i + 1, self.last_error(i)))
                     if not self.quiet:
-                        sys.stderr.write(f"fusion: worker {i + 1} (pid {p.pid}) exited unexpectedly: {self.failures[-1][1]}\n")
+                        sys.stderr.write(
+                            f"fusion: worker {i + 1} (pid {p.pid}) exited unexpectedly: {self.failures[-1][1]}\n"
+                        )
                         sys.stderr.flush()
             time.sleep(0.2)
 

@@ -95,10 +95,17 @@ class Membership:
             self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
         order = self._next_order(gone, why="removing the worker that lied leaves")
         self._switch_epoch(order)
-        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
-                                "reason": reason,
-                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
-                                "replayed_tokens": 0})  # fmt: skip
+        self.recoveries.append(
+            {
+                "epoch": self.epoch,
+                "lost": sorted(gone),
+                "order": order,
+                "reason": reason,
+                "noticed_unix": round(noticed, 3),
+                "epoch_s": round(time.perf_counter() - t0, 3),
+                "replayed_tokens": 0,
+            }
+        )
 
     def recover(self, err: PeerError | None) -> None:
         """Open the next epoch without the failed workers (replaced by standbys where there are
@@ -137,9 +144,17 @@ class Membership:
         self.opts.log(f"{lost}; epoch {self.epoch + 1} over {order}")
         self._retire(failed)
         self._switch_epoch(order)
-        self.recoveries.append({"epoch": self.epoch, "lost": sorted(failed), "order": order, "reason": reason,
-                                "noticed_unix": round(noticed, 3), "epoch_s": round(time.perf_counter() - t0, 3),
-                                "replayed_tokens": len(self.history)})  # fmt: skip
+        self.recoveries.append(
+            {
+                "epoch": self.epoch,
+                "lost": sorted(failed),
+                "order": order,
+                "reason": reason,
+                "noticed_unix": round(noticed, 3),
+                "epoch_s": round(time.perf_counter() - t0, 3),
+                "replayed_tokens": len(self.history),
+            }
+        )
 
     def _blame(self, suspect: int) -> tuple[set[int], str | None]:
         """Who to remove when a data link failed (`suspect`: the worker whose link the client was
@@ -179,11 +194,15 @@ class Membership:
             if (p not in accuses and len(sides) >= 2) or (len(sides - {0}) >= 2 and len(sides - {0}) * 2 > len(others)):
                 blamed.add(p)
         if blamed:
-            self.opts.log(f"the link to worker {suspect} failed; by the workers' accounts ({said}): blaming "
-                          f"worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}")  # fmt: skip
+            self.opts.log(
+                f"the link to worker {suspect} failed; by the workers' accounts ({said}): blaming "
+                f"worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}"
+            )
             return blamed, f"named by its peers' accounts ({said}); the client's link to worker {suspect} failed"
-        self.opts.log(f"the link to worker {suspect} failed; the workers' accounts are ambiguous ({said}): "
-                      f"removing worker {suspect}, whose link failed")  # fmt: skip
+        self.opts.log(
+            f"the link to worker {suspect} failed; the workers' accounts are ambiguous ({said}): "
+            f"removing worker {suspect}, whose link failed"
+        )
         return {suspect}, None
 
     # ---- membership, by the user ----
@@ -204,14 +223,24 @@ class Membership:
             else:
                 state = "standby" if pid in watched else "standby (not joined)"
             member = self._admission.roster.get(pid)
-            out.append({"id": pid, "rank": rank, "group": seat.group, "capacity": seat.capacity, "state": state,
-                        "where": member.label() if member else None})  # fmt: skip
+            out.append(
+                {
+                    "id": pid,
+                    "rank": rank,
+                    "group": seat.group,
+                    "capacity": seat.capacity,
+                    "state": state,
+                    "where": member.label() if member else None,
+                }
+            )
         return out
 
     def _fixed_world(self, what: str) -> None:
         if self.opts.mpi_world:
-            raise UnknownWorker(f"cannot {what}: the workers share one mpiexec world, whose members are fixed "
-                                "(--engine mpi across hosts)")  # fmt: skip
+            raise UnknownWorker(
+                f"cannot {what}: the workers share one mpiexec world, whose members are fixed "
+                "(--engine mpi across hosts)"
+            )
 
     def revoke(self, pid: int, replay: bool = True) -> None:
         """Remove a participant now: it is told to wipe and leave, it may never rejoin, and the
@@ -238,9 +267,16 @@ class Membership:
         t0, noticed = time.perf_counter(), time.time()
         self._retire(set() if keep else {pid})
         self._switch_epoch(order)
-        record = {"epoch": self.epoch, "lost": [pid], "revoked": [pid], "order": order,
-                  "reason": f"worker {pid} revoked by the user", "noticed_unix": round(noticed, 3),
-                  "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": 0}  # fmt: skip
+        record = {
+            "epoch": self.epoch,
+            "lost": [pid],
+            "revoked": [pid],
+            "order": order,
+            "reason": f"worker {pid} revoked by the user",
+            "noticed_unix": round(noticed, 3),
+            "epoch_s": round(time.perf_counter() - t0, 3),
+            "replayed_tokens": 0,
+        }
         if self.slot_history and replay:  # the open sessions move to the new epoch now, each in its slot
             t1 = time.perf_counter()
             record["replayed_tokens"] = self._replay_slots({})
@@ -280,13 +316,28 @@ class Membership:
 
     def _await_spare(self, group: str | None, deadline: float) -> None:
         """When a standby of `group` was enrolled but has not joined yet (just added), wait for it."""
+
         def pending() -> set[int]:
-            return {p for p, s in self.seats.items() if s.standby and s.group == group and p not in self.order
-                    and p not in self.removed and p not in self.watch.ranks and p not in self.watch.failed()}  # fmt: skip
+            return {
+                p
+                for p, s in self.seats.items()
+                if s.standby
+                and s.group == group
+                and p not in self.order
+                and p not in self.removed
+                and p not in self.watch.ranks
+                and p not in self.watch.failed()
+            }
 
         def ready() -> bool:
-            return any(s.standby and s.group == group and p not in self.order and p in self.watch.ranks
-                       and p not in self.watch.failed() for p, s in self.seats.items())  # fmt: skip
+            return any(
+                s.standby
+                and s.group == group
+                and p not in self.order
+                and p in self.watch.ranks
+                and p not in self.watch.failed()
+                for p, s in self.seats.items()
+            )
 
         while (waiting := pending()) and not ready() and time.monotonic() < deadline:
             if self.procs is not None and waiting <= {rank for rank, _ in self.procs.failures}:
@@ -308,8 +359,15 @@ class Membership:
 
     def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
         failed = set(failed) | {p for p in self.order if p in self.removed}  # a failed epoch change's leftovers
-        alive_spares = [p for p, s in self.seats.items() if s.standby and p not in self.order and p in self.watch.ranks
-                        and p not in self.watch.failed() and p not in self.removed]  # fmt: skip
+        alive_spares = [
+            p
+            for p, s in self.seats.items()
+            if s.standby
+            and p not in self.order
+            and p in self.watch.ranks
+            and p not in self.watch.failed()
+            and p not in self.removed
+        ]
         order = []
         for p in self.order:
             if p not in failed:
@@ -320,9 +378,11 @@ class Membership:
                 alive_spares.remove(spare)
                 order.append(spare)
         if len(order) < self.opts.floor:
-            raise TooFewWorkers(f"{why} {len(order)} worker{'s' if len(order) != 1 else ''}: fewer than "
-                            f"--min-workers {self.opts.floor} (no standby left to take its place; one worker "
-                            "alone would hold the whole state)")  # fmt: skip
+            raise TooFewWorkers(
+                f"{why} {len(order)} worker{'s' if len(order) != 1 else ''}: fewer than "
+                f"--min-workers {self.opts.floor} (no standby left to take its place; one worker "
+                "alone would hold the whole state)"
+            )
         missing = [g for g in self.group_names() or () if g not in {self.seats[p].group for p in order}]
         if missing:
             raise TooFewWorkers(f"{why} no worker in group {missing[0]}: a masked epoch needs every group")
@@ -379,10 +439,15 @@ class Membership:
                 self.watch.tell(p, {"abort": self.epoch})
         if stuck:
             self._retire(stuck, epoch_over=False)
-        why = (f"; removed worker{'s' if len(stuck) > 1 else ''} {', '.join(map(str, sorted(stuck)))} from the job"
-               if stuck else "")  # fmt: skip
-        self.opts.log(f"epoch {self.epoch} over {order} did not open ({_first_line(err)}){why}; "
-                      "the next request opens a new epoch")  # fmt: skip
+        why = (
+            f"; removed worker{'s' if len(stuck) > 1 else ''} {', '.join(map(str, sorted(stuck)))} from the job"
+            if stuck
+            else ""
+        )
+        self.opts.log(
+            f"epoch {self.epoch} over {order} did not open ({_first_line(err)}){why}; "
+            "the next request opens a new epoch"
+        )
         if isinstance(err, CommError) and not isinstance(err, TooFewWorkers):
             err.args = (f"epoch {self.epoch} over {order} did not open: {_first_line(err)}{why}",)
 
@@ -398,9 +463,17 @@ class Membership:
         self._retire(gone - self.removed, epoch_over=False)
         self.opts.log(f"no open epoch: epoch {self.epoch + 1} over {order}")
         self._switch_epoch(order)
-        self.recoveries.append({"epoch": self.epoch, "lost": sorted(gone), "order": order,
-                                "reason": "the previous epoch change failed", "noticed_unix": round(noticed, 3),
-                                "epoch_s": round(time.perf_counter() - t0, 3), "replayed_tokens": len(self.history)})  # fmt: skip
+        self.recoveries.append(
+            {
+                "epoch": self.epoch,
+                "lost": sorted(gone),
+                "order": order,
+                "reason": "the previous epoch change failed",
+                "noticed_unix": round(noticed, 3),
+                "epoch_s": round(time.perf_counter() - t0, 3),
+                "replayed_tokens": len(self.history),
+            }
+        )
 
     def _open_epoch(self, order: list[int], deadline: float) -> list[dict]:
         """Admit, link and greet the epoch's workers; returns their HELLO info."""
@@ -411,8 +484,9 @@ class Membership:
                 self.watch.tell(p, {"join": self.epoch})
         joined = adm.collect(order, deadline, abort=self._spawn_failure if self.epoch == 0 else lambda: None)
         links = adm.welcome(self.epoch, order, joined, deadline, self._welcome)
-        self.comm = Comm(0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder,
-                         engine=self.opts.engine)  # fmt: skip
+        self.comm = Comm(
+            0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder, engine=self.opts.engine
+        )
         active = set(order)
         for link in links.values():
             link.check = lambda: self.watch.check(only=active)

@@ -255,7 +255,7 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
             ", no worker holds the residual, q/k/v, MLP activations or KV cache whole"
             if plan.n > 1
             else " (N = 1 holds everything: nothing is split)"
-        ),  # fmt: skip
+        ),
     ]
     opts = getattr(engine, "opts", None)
     if opts is not None:

@@ -107,7 +107,7 @@ class Topology:
 
     @property
     def group_names(self) -> tuple[str, ...]:
-        """"A" then the mask groups ("B", or "B1".."Bk") of a masked topology."""
+        """ "A" then the mask groups ("B", or "B1".."Bk") of a masked topology."""
         masks = sorted({w.group for w in self.all_workers if w.group and w.group != "A"}, key=lambda g: int(g[1:] or 0))
         return ("A", *masks)
 
@@ -139,7 +139,7 @@ class Topology:
         for p in (self.client, *self.all_workers):
             if p.key is None:
                 raise TopologyError(
-                    f"{self.path}: {p.label} has no key: add key = \"fc1....\" (`fusion keys new FILE` prints one), "
+                    f'{self.path}: {p.label} has no key: add key = "fc1...." (`fusion keys new FILE` prints one), '
                     "or run with --insecure"
                 )
 
@@ -204,11 +204,11 @@ class Topology:
                 raise fail(f"{where}: model must be a string path")
             group = w.get("group")
             if group is not None and (not isinstance(group, str) or not GROUP_NAME.match(group)):
-                raise fail(f"{where}: group must be \"A\", \"B\" or \"B1\"..\"Bk\" (masked mode), got {group!r}")
+                raise fail(f'{where}: group must be "A", "B" or "B1".."Bk" (masked mode), got {group!r}')
             key = _key(w, where, fail, keys)
             role = w.get("role", "worker")
             if role not in ROLES:
-                raise fail(f"{where}: role must be \"worker\" or \"standby\", got {role!r}")
+                raise fail(f'{where}: role must be "worker" or "standby", got {role!r}')
             entries.append((addr, key, float(cap), name, wmodel, group, role == "standby"))
         grouped = [e[5] is not None for e in entries]
         if any(grouped):
@@ -219,8 +219,9 @@ class Topology:
             k = len(masks)
             want = ["B"] if k == 1 else [f"B{i}" for i in range(1, k + 1)]
             if "A" not in names or not masks or masks != want:
-                raise fail("a masked topology needs group A and one mask group B, or mask groups B1..Bk "
-                           f"(got {sorted(names)})")  # fmt: skip
+                raise fail(
+                    f"a masked topology needs group A and one mask group B, or mask groups B1..Bk (got {sorted(names)})"
+                )
             active = {e[5] for e in entries if not e[6]}
             if active != names:
                 raise fail(f"group {sorted(names - active)[0]} has only standbys: every group needs a worker")
@@ -229,7 +230,7 @@ class Topology:
             entries = [e for g in ("A", *masks) for e in entries if e[5] == g]
         entries = [e for e in entries if not e[6]] + [e for e in entries if e[6]]  # standbys rank last
         if all(e[6] for e in entries):
-            raise fail("every worker is a standby: at least one needs role = \"worker\"")
+            raise fail('every worker is a standby: at least one needs role = "worker"')
         everyone = tuple(Participant(r, *e) for r, e in enumerate(entries, start=1))
         cname = client.get("name")
         cmodel = client.get("model")

@@ -33,7 +33,9 @@ class AddWorker(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     key: str | None = Field(default=None, description="the new worker's public key line (fc1...); none for a local run")
     host: str | None = Field(default=None, max_length=253, description="where it listens for its peers")
-    group: str | None = Field(default=None, pattern=GROUP_NAME.pattern, description="its group (masked mode): A, B or B1..Bk")
+    group: str | None = Field(
+        default=None, pattern=GROUP_NAME.pattern, description="its group (masked mode): A, B or B1..Bk"
+    )
 
 
 def _listing(engine: Any) -> dict:

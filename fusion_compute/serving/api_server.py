@@ -62,10 +62,16 @@ KEEPALIVE_S = 2.0  # an SSE comment when no text came for this long (queued, or 
 SEND_TIMEOUT_S = 60.0  # a streaming caller that stops reading for this long is dropped (and its request cancelled)
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what}
-    for status, what in [(400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-                         (408, "request too slow"), (413, "body too large"), (429, "queue full"),
-                         (503, "engine unavailable, shutting down, or too many connections")]
-}  # fmt: skip
+    for status, what in [
+        (400, "invalid request"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (408, "request too slow"),
+        (413, "body too large"),
+        (429, "queue full"),
+        (503, "engine unavailable, shutting down, or too many connections"),
+    ]
+}
 
 
 class JSON(JSONResponse):
@@ -85,8 +91,13 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
     """The API; `admin`: the membership endpoints are enabled (admin_api.py; only with an API key)."""
     card = gateway.card
     # No telemetry: this process sees every prompt in the clear; nothing about requests leaves it.
-    app = FastAPI(title="fusion serve", version="1", docs_url=None, redoc_url=None,
-                  telemetry={"tracing": False, "metrics": False, "logs": False})  # fmt: skip
+    app = FastAPI(
+        title="fusion serve",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
 
     def model_object() -> dict:
         return {"id": card.id, "object": "model", "created": card.created, "owned_by": "fusion-compute"}
@@ -95,9 +106,17 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
     async def health() -> JSON:
         s = scheduler
         status, why = s.health()
-        body = {"status": status, "model": card.id, "workers": gateway.engine.plan.n,
-                "plan": gateway.engine.plan.fingerprint(), "context": card.context, "running": s.running_requests,
-                "waiting": s.waiting, "served": s.served, "recoveries": len(gateway.engine.recoveries)}  # fmt: skip
+        body = {
+            "status": status,
+            "model": card.id,
+            "workers": gateway.engine.plan.n,
+            "plan": gateway.engine.plan.fingerprint(),
+            "context": card.context,
+            "running": s.running_requests,
+            "waiting": s.waiting,
+            "served": s.served,
+            "recoveries": len(gateway.engine.recoveries),
+        }
         if why:
             body["error"] = why
         return JSON(body, status_code=200 if status == "ok" else 503)
@@ -114,8 +133,9 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
 
     streamed = {"text/event-stream": {"schema": {"type": "string"}}}
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={200: {"content": streamed}, **ERRORS})  # fmt: skip
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses={200: {"content": streamed}, **ERRORS}
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         req = await run_in_threadpool(chat_request, body, card)
         return await answer(gateway, scheduler, req, request)
@@ -241,15 +261,25 @@ class Shape:
         self.model, self.fp = gateway.card.id, "fusion-" + gateway.fingerprint
 
     def head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": self.fp}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fp,
+        }
 
     def fusion(self, out: Outcome) -> dict:
         return {**self.gateway.protection(out), "timing": out.timing}
 
     def final(self, out: Outcome) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                      "finish_reason": _finish(out)}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": None,
+                "finish_reason": _finish(out),
+            }
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out)}
         return {**self.head(self.final_object), "choices": [choice], "usage": out.usage(), "fusion": self.fusion(out)}
@@ -321,8 +351,9 @@ def openapi_without_422(app: FastAPI) -> dict:
         from pydantic.json_schema import models_json_schema
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        _, exact = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
-                                      ref_template="#/components/schemas/{model}")  # fmt: skip
+        _, exact = models_json_schema(
+            [(m, "validation") for m in REQUEST_MODELS], ref_template="#/components/schemas/{model}"
+        )
         schema["components"]["schemas"].update(exact["$defs"])
         for operations in schema.get("paths", {}).values():
             for op in operations.values():
@@ -374,16 +405,30 @@ class _Server(uvicorn.Server):
         yield
 
 
-def run_http(sock: socket.socket, app: Any, max_connections: int, on_stop: Callable[[], None],
-             log: Callable[[str], None], timeout_s: float) -> None:  # fmt: skip
+def run_http(
+    sock: socket.socket,
+    app: Any,
+    max_connections: int,
+    on_stop: Callable[[], None],
+    log: Callable[[str], None],
+    timeout_s: float,
+) -> None:
     """Serve `app` on the bound `sock` until SIGTERM or SIGINT; `on_stop` is called first thing then.
     `timeout_s` bounds the arrival of a request's headers."""
     config = uvicorn.Config(
-        app, http=limited_protocol(max_connections, timeout_s, log), interface="asgi3", lifespan="off",
-        ws="none", log_config=None, access_log=False, proxy_headers=False, server_header=False,
-        headers=[("server", "fusion-serve")], timeout_keep_alive=IDLE_TIMEOUT_S,
+        app,
+        http=limited_protocol(max_connections, timeout_s, log),
+        interface="asgi3",
+        lifespan="off",
+        ws="none",
+        log_config=None,
+        access_log=False,
+        proxy_headers=False,
+        server_header=False,
+        headers=[("server", "fusion-serve")],
+        timeout_keep_alive=IDLE_TIMEOUT_S,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )  # fmt: skip
+    )
     server = _Server(config)
     forward_logs(log)
 

@@ -49,9 +49,13 @@ class ApiError(Exception):
     """An error answered in OpenAI's format: {"error": {message, type, param, code}}."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
         kind: str = "invalid_request_error",
-    ):  # fmt: skip
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -110,13 +114,15 @@ class Request:
 
 def check_model(name: str, card: ModelCard) -> None:
     if name != card.id:
-        raise ApiError(404, f"The model `{name}` does not exist (this server serves `{card.id}`)", "model",
-                       "model_not_found")  # fmt: skip
+        raise ApiError(
+            404, f"The model `{name}` does not exist (this server serves `{card.id}`)", "model", "model_not_found"
+        )
 
 
 def _too_long(what: str, card: ModelCard, param: str) -> ApiError:
-    return ApiError(400, f"{what} cannot fit the context window of {card.context} tokens", param,
-                    "context_length_exceeded")  # fmt: skip
+    return ApiError(
+        400, f"{what} cannot fit the context window of {card.context} tokens", param, "context_length_exceeded"
+    )
 
 
 def _check_text_size(texts: list[str], card: ModelCard, param: str) -> None:
@@ -178,9 +184,11 @@ def _request(body: GenerationRequest, card: ModelCard, kind: str, prompt_ids: li
     t = body.temperature or 0.0
     try:
         sampling = SamplingParams(
-            temperature=max(t, TEMPERATURE_FLOOR) if t > 0 else 0.0, top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
-        )  # fmt: skip
+            temperature=max(t, TEMPERATURE_FLOOR) if t > 0 else 0.0,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
     except SamplingError as e:
         raise ApiError(400, str(e)) from None
     key, requested = body.max_tokens_param()
@@ -193,9 +201,12 @@ def _request(body: GenerationRequest, card: ModelCard, kind: str, prompt_ids: li
     room = card.context - n_prompt
     if requested is not None and requested > room:
         raise ApiError(
-            400, f"this model's context window is {card.context} tokens; the prompt has {n_prompt} and "
-            f"{key} = {requested} asks for more than the {room} left", key, "context_length_exceeded",
-        )  # fmt: skip
+            400,
+            f"this model's context window is {card.context} tokens; the prompt has {n_prompt} and "
+            f"{key} = {requested} asks for more than the {room} left",
+            key,
+            "context_length_exceeded",
+        )
     max_tokens = requested if requested is not None else min(card.default_max_tokens, room)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Request(kind, prompt_ids, max_tokens, sampling, body.stops(), bool(body.stream), include_usage)
@@ -320,9 +331,13 @@ class Gateway:
 
         gen = self.begin(req, emit, cancelled)
         res = generate(
-            self.engine, req.prompt_ids, max_new_tokens=req.max_tokens, sampling=req.sampling,
-            stop_ids=self.card.eos_ids, on_token=gen.on_token,
-        )  # fmt: skip
+            self.engine,
+            req.prompt_ids,
+            max_new_tokens=req.max_tokens,
+            sampling=req.sampling,
+            stop_ids=self.card.eos_ids,
+            on_token=gen.on_token,
+        )
         return gen.outcome(res)
 
     def begin(self, req: Request, emit: Callable[[str], None], cancelled: Callable[[], bool] = lambda: False) -> Answer:
@@ -333,18 +348,25 @@ class Gateway:
     def protection(self, outcome: Outcome | None) -> dict:
         """The `fusion` extension object: what was protected for this request."""
         n = self.engine.plan.n  # the current epoch's (a recovery may have changed it)
-        common = {"workers": n, "steps": outcome.steps if outcome else 0, "plan": self.engine.plan.fingerprint(),
-                  "protected": ["residual", "qkv", "mlp_activations", "kv_cache"]}  # fmt: skip
+        common = {
+            "workers": n,
+            "steps": outcome.steps if outcome else 0,
+            "plan": self.engine.plan.fingerprint(),
+            "protected": ["residual", "qkv", "mlp_activations", "kv_cache"],
+        }
         if outcome is not None and outcome.recoveries:
             common["recovered"] = [
-                {k: r.get(k) for k in ("epoch", "lost", "order", "reason", "epoch_s", "replay_s")} for r in outcome.recoveries
+                {k: r.get(k) for k in ("epoch", "lost", "order", "reason", "epoch_s", "replay_s")}
+                for r in outcome.recoveries
             ]
         if self.masked:
             from ..masked.verify import ESCAPE_BOUND  # the check's bound, stated in one place
 
             p = self.engine.plan
             return {
-                "mode": "masked", **common, "groups": list(p.sizes),
+                "mode": "masked",
+                **common,
+                "groups": list(p.sizes),
                 "split": (
                     "by the protocol, group A receives only one-time-pad-masked ring elements, each mask group "
                     "only its own mask key; the client alone holds clear values (assumes A does not collude with "
@@ -352,13 +374,15 @@ class Gateway:
                 ),
                 "verified": (
                     "every product the workers returned passed the client's check (Freivalds over the integers; "
-                    f"a wrong one escapes with probability <= {ESCAPE_BOUND} per linear and token)" if self.engine.verifier
+                    f"a wrong one escapes with probability <= {ESCAPE_BOUND} per linear and token)"
+                    if self.engine.verifier
                     else "products not checked (verification off)"
                 ),
                 "audit": dict(AUDIT_UNCHECKED),
-            }  # fmt: skip
+            }
         return {
-            "mode": "structural", **common,
+            "mode": "structural",
+            **common,
             "split": (
                 f"by the plan, each of the {n} workers holds only its own shard of these, at every layer, "
                 "for prefill and every decode step"
@@ -366,7 +390,7 @@ class Gateway:
                 else "one worker holds everything (N = 1: nothing is split)"
             ),
             "audit": dict(AUDIT_UNCHECKED),
-        }  # fmt: skip
+        }
 
 
 # ---- from the command line ----
@@ -412,7 +436,12 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
             log_startup(engine, stderr, opts.topology)
     name = getattr(a, "served_model_name", None) or model_id(path)
     card = ModelCard(
-        id=name, tokenizer=tok, context=context, vocab=src.config.vocab, eos_ids=tuple(tok.eos_ids),
-        default_max_tokens=max_tokens or DEFAULT_MAX_TOKENS, max_token_bytes=longest_token_bytes(tok),
-    )  # fmt: skip
+        id=name,
+        tokenizer=tok,
+        context=context,
+        vocab=src.config.vocab,
+        eos_ids=tuple(tok.eos_ids),
+        default_max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+        max_token_bytes=longest_token_bytes(tok),
+    )
     return Gateway(engine, card), opts.topology

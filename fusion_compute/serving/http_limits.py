@@ -113,7 +113,9 @@ class LimitedH11(H11Protocol):
             return
         if self.conn.trailing_data[0]:  # part of a request came, and not all of its headers
             self.log(f"fusion serve: headers from {self._peer()} too slow: 408")
-            self._answer_and_close(ApiError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s"))
+            self._answer_and_close(
+                ApiError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s")
+            )
         else:
             self.transport.close()
 
@@ -121,8 +123,10 @@ class LimitedH11(H11Protocol):
         # Written directly: h11 will not send a response to a request it never saw whole.
         body = error_bytes(error)
         reason = {400: "Bad Request", 408: "Request Timeout"}.get(error.status, "Error")
-        head = (f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+        head = (
+            f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
         self.transport.write(head.encode() + body)
         self.transport.close()
 
@@ -167,8 +171,10 @@ class AccessLog:
             if scope.get("query_string"):
                 path += "?" + scope["query_string"].decode("latin-1")
             extra = f" {note['extra']}" if note.get("extra") else ""
-            self.log(f"fusion serve: {scope['method']} {path[:200]} {note.get('status', status or 500)} "
-                     f"{time.perf_counter() - t0:.2f}s{extra}")  # fmt: skip
+            self.log(
+                f"fusion serve: {scope['method']} {path[:200]} {note.get('status', status or 500)} "
+                f"{time.perf_counter() - t0:.2f}s{extra}"
+            )
 
 
 def note(scope: Scope, extra: str, status: int | None = None) -> None:
@@ -250,8 +256,9 @@ class BodyLimit:
                     message = await receive()
             except TimeoutError:
                 # An HTTPException passes through FastAPI's body parsing to the app's handler.
-                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s",
-                                    headers={"Connection": "close"}) from None  # fmt: skip
+                raise HTTPException(
+                    408, f"the request body did not arrive within {self.timeout_s:g} s", headers={"Connection": "close"}
+                ) from None
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
                 if size > self.max_bytes:

@@ -24,7 +24,7 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
-)  # fmt: skip
+)
 from pydantic_core import PydanticCustomError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch.Generator takes 64-bit seeds; other counts fit too

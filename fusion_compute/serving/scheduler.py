@@ -45,8 +45,13 @@ def one_line(e: BaseException) -> str:
 class Scheduler:
     """FIFO: callers submit, one engine thread runs jobs in order and reports each job's events."""
 
-    def __init__(self, gateway: Gateway, max_queue: int = DEFAULT_MAX_QUEUE, log: Callable[[str], None] = print,
-                 max_batch: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        gateway: Gateway,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        log: Callable[[str], None] = print,
+        max_batch: int = 1,
+    ):
         self.gateway = gateway
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -71,8 +76,12 @@ class Scheduler:
             if self.stopping:
                 raise unavailable("the engine is unavailable: shutting down")
             if self.waiting >= self.max_queue:
-                raise ApiError(429, f"{self.waiting} requests are already waiting; retry later", code="queue_full",
-                               kind="rate_limit_error")  # fmt: skip
+                raise ApiError(
+                    429,
+                    f"{self.waiting} requests are already waiting; retry later",
+                    code="queue_full",
+                    kind="rate_limit_error",
+                )
             job = Job(req, on_event, ahead=self.waiting + max(int(self.running), len(self.batch)))
             self.waiting += 1
             self._q.put(job)
@@ -96,9 +105,13 @@ class Scheduler:
             return unavailable(f"the engine lost a worker it could not replace: {self.degraded}")
         if isinstance(e, WorkerMisbehaved):  # caught lying and removed (replaced by a standby): retrying is safe
             self.log(f"fusion serve: request failed: {one_line(e)}")
-            return ApiError(502, f"a worker returned a wrong result and was removed from the job; "
-                                 f"nothing was generated from it, retry: {one_line(e)}",
-                            kind="server_error", code="worker_misbehaved")  # fmt: skip
+            return ApiError(
+                502,
+                f"a worker returned a wrong result and was removed from the job; "
+                f"nothing was generated from it, retry: {one_line(e)}",
+                kind="server_error",
+                code="worker_misbehaved",
+            )
         if isinstance(e, (UsageError, InputError)):  # a bad value that got past the request checks
             return ApiError(400, str(e))
         # this request failed; the engine did not (the next one starts a new session)
@@ -112,11 +125,15 @@ class Scheduler:
             if r["epoch"] in self._logged_epochs:  # a batch's requests share their recoveries
                 continue
             self._logged_epochs.add(r["epoch"])
-            self.log(f"fusion serve: recovered: epoch {r['epoch']} without worker(s) {r['lost']} "
-                     f"({r['epoch_s']} s + replay {r.get('replay_s')} s): {r['reason']}")  # fmt: skip
+            self.log(
+                f"fusion serve: recovered: epoch {r['epoch']} without worker(s) {r['lost']} "
+                f"({r['epoch_s']} s + replay {r.get('replay_s')} s): {r['reason']}"
+            )
         if out.finish_reason == "cancelled":
             why = "the server is stopping" if self.stopping else "its caller hung up"
-            self.log(f"fusion serve: request stopped after {out.completion_tokens} of {job.req.max_tokens} tokens: {why}")
+            self.log(
+                f"fusion serve: request stopped after {out.completion_tokens} of {job.req.max_tokens} tokens: {why}"
+            )
         self.served += 1
         self._send(job, ("done", out))
 
@@ -162,8 +179,9 @@ class Scheduler:
 
         job.t_started = time.perf_counter()
         req = job.req
-        answer = self.gateway.begin(req, lambda text: self._send(job, ("delta", text)),
-                                    lambda: job.cancelled.is_set() or self.stopping)  # fmt: skip
+        answer = self.gateway.begin(
+            req, lambda text: self._send(job, ("delta", text)), lambda: job.cancelled.is_set() or self.stopping
+        )
         try:
             seq = Sequence(req.prompt_ids, req.max_tokens, req.sampling, self.gateway.card.eos_ids, answer.on_token)
             self.runner.add(seq)
@@ -261,5 +279,3 @@ class Scheduler:
                 break
             if job is not None:
                 self._send(job, ("error", unavailable("the server is shutting down")))
-
-

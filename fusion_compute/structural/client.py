@@ -40,8 +40,10 @@ class Engine(EngineBase):
             self.wire.send(msg, s.rank, "control", op.name.lower())
 
     def _replies(self, op: str, wait_s: float | None = None) -> list[torch.Tensor]:
-        return [self.wire.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", op, wait_s)
-                for s in self.plan.workers]  # fmt: skip
+        return [
+            self.wire.recv(torch.zeros(CONTROL_LEN, dtype=torch.int64), s.rank, "control", op, wait_s)
+            for s in self.plan.workers
+        ]
 
     def hello(self, deadline: float, order: list[int]) -> list[dict]:
         fp = fingerprint_int(self.plan)
@@ -52,16 +54,22 @@ class Engine(EngineBase):
             ok, wfp, load_ms, rss_kb = (int(v) for v in reply)
             if ok != 1 or wfp != fp:  # the fingerprint it states is checked too, not only its word
                 who = f"worker {s.rank} (participant {order[s.rank - 1]})"
-                raise ModelError(f"{who} computed a different plan ({wfp:x} vs {fp:x}): same model and capacities?"
-                                 if ok == 0 else f"{who} answered the plan handshake with word {ok} and fingerprint "
-                                 f"{wfp:x}, not 1 and {fp:x}: refused")  # fmt: skip
+                raise ModelError(
+                    f"{who} computed a different plan ({wfp:x} vs {fp:x}): same model and capacities?"
+                    if ok == 0
+                    else f"{who} answered the plan handshake with word {ok} and fingerprint "
+                    f"{wfp:x}, not 1 and {fp:x}: refused"
+                )
             info.append({"rank": s.rank, "load_s": load_ms / 1000, "peak_rss_mb": rss_kb / 1024})
         self.slot_pos: dict[int, int] = {}  # each open slot: the position of each one's next token
         return info
 
     def ping(self) -> list[dict]:
         self._control(Op.PING)
-        return [{"rank": s.rank, "peak_rss_mb": int(r[3]) / 1024} for s, r in zip(self.plan.workers, self._replies("pong"), strict=True)]
+        return [
+            {"rank": s.rank, "peak_rss_mb": int(r[3]) / 1024}
+            for s, r in zip(self.plan.workers, self._replies("pong"), strict=True)
+        ]
 
     def stats(self) -> list[dict]:
         """Per worker: collectives among workers, payload bytes sent to other workers, bytes to and
@@ -70,16 +78,25 @@ class Engine(EngineBase):
         out = []
         for s, r in zip(self.plan.workers, self._replies("stats"), strict=True):
             coll, peer, client, rss = (int(v) for v in r)
-            out.append({"rank": s.rank, "collectives": coll, "peer_bytes_sent": peer, "client_bytes": client,
-                        "peak_rss_mb": rss / 1024})  # fmt: skip
+            out.append(
+                {
+                    "rank": s.rank,
+                    "collectives": coll,
+                    "peer_bytes_sent": peer,
+                    "client_bytes": client,
+                    "peak_rss_mb": rss / 1024,
+                }
+            )
         return out
 
     def bench_collective(self, rows: int = 300, iters: int = 1000) -> list[dict]:
         """Per worker: median / min / max µs of one reduce-scatter of `rows` fp32 per peer (T = 1)."""
         self._control(Op.BENCH_RS, rows, iters)
         wait = self.wire.timeout_s + iters  # the workers run them all before answering
-        return [{"rank": s.rank, "median_us": int(r[0]) / 1000, "min_us": int(r[1]) / 1000, "max_us": int(r[2]) / 1000}
-                for s, r in zip(self.plan.workers, self._replies("bench", wait), strict=True)]  # fmt: skip
+        return [
+            {"rank": s.rank, "median_us": int(r[0]) / 1000, "min_us": int(r[1]) / 1000, "max_us": int(r[2]) / 1000}
+            for s, r in zip(self.plan.workers, self._replies("bench", wait), strict=True)
+        ]
 
     def kv_probe(self) -> list[float]:
         """Per worker, the largest |value| left in its KV shards (0 after a wipe): hygiene tests."""
@@ -103,7 +120,9 @@ class Engine(EngineBase):
     def shutdown(self) -> None:
         self._control(Op.SHUTDOWN)
 
-    def _forward_batch(self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    def _forward_batch(
+        self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()
+    ) -> list[torch.Tensor]:
         """One step over one or several slots: their tokens as consecutive columns of one ingress, one
         collective per operator for all of them (protocol.Op.FORWARD). Ingress: x[:, R_w] to worker w;
         egress: shards back. Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
@@ -145,6 +164,9 @@ class Engine(EngineBase):
         for s, shard in zip(self.plan.workers, shards, strict=True):
             if not bool(torch.isfinite(shard).all()):
                 bad, pid = int((~torch.isfinite(shard)).sum()), self.order[s.rank - 1]
-                raise WorkerMisbehaved(f"worker {s.rank} (participant {pid}) sent an egress shard holding {bad} NaN "
-                                       f"or infinite value(s) of {shard.numel()}", [pid],
-                                       reason="sent a non-finite egress shard (caught by the finiteness check)")  # fmt: skip
+                raise WorkerMisbehaved(
+                    f"worker {s.rank} (participant {pid}) sent an egress shard holding {bad} NaN "
+                    f"or infinite value(s) of {shard.numel()}",
+                    [pid],
+                    reason="sent a non-finite egress shard (caught by the finiteness check)",
+                )

@@ -135,8 +135,9 @@ def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
         lo, hi = int(slots.min()), int(slots.max()) + 1
         dense = slots.tolist() == list(range(lo, hi))
         pad = torch.arange(int(pos.max()) + 1)[None, :] > pos[:, None]
-        decodes = Decodes(cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo,
-                          pad[:, None, None, :])  # fmt: skip
+        decodes = Decodes(
+            cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo, pad[:, None, None, :]
+        )
     singles = tuple(i for i in range(len(spans)) if i not in index)
     return Step(tuple(spans), offsets, cos, sin, masks, singles, decodes)
 
@@ -207,10 +208,12 @@ class ShardedLayer:
 
     def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
         self.caches = [
-            BlockCache(torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
-                       torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device))
+            BlockCache(
+                torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
+                torch.zeros(slots, b.n_groups, max_seq, b.dims, dtype=dtype, device=device),
+            )
             for b in self.blocks
-        ]  # fmt: skip
+        ]
 
     def attention(self, qkv_aT: torch.Tensor, step: Step) -> torch.Tensor:
         """Local attention over the worker's KV shards, each span against its own slot; returns o_aT
@@ -254,8 +257,9 @@ class ShardedLayer:
             outs.append(o_aT)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
-    def _decode_scores(self, cache: BlockCache, dec: Decodes, q_all, k_all, v_all, pairs: tuple[int, int],
-                       ng: int, gs: int, dl: int) -> torch.Tensor:  # fmt: skip
+    def _decode_scores(
+        self, cache: BlockCache, dec: Decodes, q_all, k_all, v_all, pairs: tuple[int, int], ng: int, gs: int, dl: int
+    ) -> torch.Tensor:
         """Several sessions' single new tokens: rope, KV writes and q·k for all of them at once, over
         the cache's slots lo..hi-1 (a view, no copy) and their first max(pos)+1 positions (positions
         past a session's own are masked in _decode_finish). Returns scores (B, ng, gs, S)."""
@@ -271,8 +275,9 @@ class ShardedLayer:
         q_r[dec.rows] = q
         return (q_r @ keys)[dec.rows]
 
-    def _decode_finish(self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int,
-                       dl: int) -> torch.Tensor:  # fmt: skip
+    def _decode_finish(
+        self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int, dl: int
+    ) -> torch.Tensor:
         """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
         p = torch.softmax((scores * self.scale).masked_fill(dec.pad, float("-inf")), dim=-1)
         values = cache.v[dec.lo : dec.hi, :, : dec.pad.shape[-1]]
@@ -293,15 +298,14 @@ class ShardedLayer:
 
     def forward(self, x_dT: torch.Tensor, step: Step) -> torch.Tensor:
         L, w, c, a = self.i, self.w, self.comm, self.audit
-        qkv_aT = norm_linear_scatter(
-            c, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv"
-        )
+        qkv_aT = norm_linear_scatter(c, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv")
         if w.qkv_b is not None:
             # Bias once, by the owner, after the scatter: added to partials it would count N times.
             qkv_aT = qkv_aT + w.qkv_b[:, None]
         o_aT = self.attention(qkv_aT, step)
-        y_dT = c.reduce_scatter_from(lambda q: w.o_w[self.res_starts[q] : self.res_starts[q + 1]] @ o_aT,
-                                     self.res_sizes, f"L{L}.o")  # fmt: skip
+        y_dT = c.reduce_scatter_from(
+            lambda q: w.o_w[self.res_starts[q] : self.res_starts[q + 1]] @ o_aT, self.res_sizes, f"L{L}.o"
+        )
         if a is not None:  # holdings at this step, from the index maps the tensors were built with
             ix = w.index
             a.hold(L, "resid.in", ix.resid_in, x_dT.shape[0])
@@ -310,13 +314,12 @@ class ShardedLayer:
             a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
             a.hold(L, "resid.mid", ix.resid_out, y_dT.shape[0])
         x_dT = x_dT + y_dT
-        gu_mT = norm_linear_scatter(
-            c, x_dT, w.gu_w, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up"
-        )
+        gu_mT = norm_linear_scatter(c, x_dT, w.gu_w, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up")
         m = gu_mT.shape[0] // 2
         h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
-        y_dT = c.reduce_scatter_from(lambda q: w.down_w[self.res_starts[q] : self.res_starts[q + 1]] @ h_mT,
-                                     self.res_sizes, f"L{L}.down")  # fmt: skip
+        y_dT = c.reduce_scatter_from(
+            lambda q: w.down_w[self.res_starts[q] : self.res_starts[q + 1]] @ h_mT, self.res_sizes, f"L{L}.down"
+        )
         if a is not None:
             ix = w.index
             a.hold(L, "gate_up", ix.gu_out, gu_mT.shape[0])

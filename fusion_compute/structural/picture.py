@@ -24,8 +24,20 @@ from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
 # Okabe-Ito (colour-blind safe), then a few more; workers beyond cycle.
-COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#999999",
-           "#332288", "#88CCEE", "#117733", "#AA4499")  # fmt: skip
+COLOURS = (
+    "#0072B2",
+    "#E69F00",
+    "#009E73",
+    "#CC79A7",
+    "#56B4E9",
+    "#D55E00",
+    "#F0E442",
+    "#999999",
+    "#332288",
+    "#88CCEE",
+    "#117733",
+    "#AA4499",
+)
 
 LEFT = 170  # label column
 LANE_W = 760  # width of a coordinate space
@@ -102,11 +114,19 @@ def plan_holdings(plan) -> tuple[Holding, ...]:
     q_ticks = tuple(range(c.group_size * d, q_size, c.group_size * d))
     kv_ticks = tuple(range(d, kv_size, d))
     by_role = {
-        "resid.in": (c.hidden, resid, ()), "q": (q_size, q, q_ticks), "k": (kv_size, kv, kv_ticks),
-        "v": (kv_size, kv, kv_ticks), "kcache": (kv_size, kv, kv_ticks), "vcache": (kv_size, kv, kv_ticks),
-        "attn": (q_size, q, q_ticks), "resid.mid": (c.hidden, resid, ()), "gate": (c.intermediate, mlp, ()),
-        "up": (c.intermediate, mlp, ()), "h": (c.intermediate, mlp, ()), "resid.out": (c.hidden, resid, ()),
-    }  # fmt: skip
+        "resid.in": (c.hidden, resid, ()),
+        "q": (q_size, q, q_ticks),
+        "k": (kv_size, kv, kv_ticks),
+        "v": (kv_size, kv, kv_ticks),
+        "kcache": (kv_size, kv, kv_ticks),
+        "vcache": (kv_size, kv, kv_ticks),
+        "attn": (q_size, q, q_ticks),
+        "resid.mid": (c.hidden, resid, ()),
+        "gate": (c.intermediate, mlp, ()),
+        "up": (c.intermediate, mlp, ()),
+        "h": (c.intermediate, mlp, ()),
+        "resid.out": (c.hidden, resid, ()),
+    }
     return tuple(Holding(role, size, held, ticks) for role, (size, held, ticks) in by_role.items())
 
 
@@ -169,8 +189,10 @@ def render_svg(pic: Picture) -> str:
         if x > WIDTH - 160:
             x, y = 10, y + 20
     y += 30
-    out.append(f'<text x="10" y="{y}" font-size="13" font-weight="bold">Who holds which coordinates '
-               f'(one lane per protected tensor, [0, size) left to right)</text>')  # fmt: skip
+    out.append(
+        f'<text x="10" y="{y}" font-size="13" font-weight="bold">Who holds which coordinates '
+        f"(one lane per protected tensor, [0, size) left to right)</text>"
+    )
     y += 10
     for h in pic.rows:
         out += _lane(h, y, names)
@@ -179,31 +201,39 @@ def render_svg(pic: Picture) -> str:
     out += _transfers(pic, y, names)
     y += 70 + 22 * (n + 1) + 12
     body = "\n".join(out)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}" '
-            f'font-family="DejaVu Sans, Arial, sans-serif">\n<rect x="0" y="0" width="{WIDTH}" height="{y}" '
-            f'fill="white"/>\n{body}\n</svg>\n')  # fmt: skip
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}" '
+        f'font-family="DejaVu Sans, Arial, sans-serif">\n<rect x="0" y="0" width="{WIDTH}" height="{y}" '
+        f'fill="white"/>\n{body}\n</svg>\n'
+    )
 
 
 def _lane(h: Holding, y: float, names: list[str]) -> list[str]:
-    out = [f'<text x="10" y="{y + 13}" font-size="12">{escape(ROLE_LABELS.get(h.role, h.role))}</text>',
-           f'<text x="{LEFT + LANE_W + 4}" y="{y + 13}" font-size="10" fill="#666">{h.size}</text>',
-           f'<rect x="{LEFT}" y="{y}" width="{LANE_W}" height="{LANE_H}" fill="#eee" stroke="#bbb"/>']  # fmt: skip
+    out = [
+        f'<text x="10" y="{y + 13}" font-size="12">{escape(ROLE_LABELS.get(h.role, h.role))}</text>',
+        f'<text x="{LEFT + LANE_W + 4}" y="{y + 13}" font-size="10" fill="#666">{h.size}</text>',
+        f'<rect x="{LEFT}" y="{y}" width="{LANE_W}" height="{LANE_H}" fill="#eee" stroke="#bbb"/>',
+    ]
     for w, held in enumerate(h.held):
         col = COLOURS[w % len(COLOURS)]
         n_coords = sum(b - a for a, b in held)
         out.append(f'<g class="hold" data-role="{escape(h.role)}" data-worker="{w}" data-count="{n_coords}">')
         for a, b in held:
             x0, x1 = _x(a, h.size), _x(b, h.size)
-            out.append(f'<rect data-start="{a}" data-stop="{b}" x="{x0}" y="{y}" width="{round(x1 - x0, 3)}" '
-                       f'height="{LANE_H}" fill="{col}"><title>worker {w}: [{a}, {b})</title></rect>')  # fmt: skip
+            out.append(
+                f'<rect data-start="{a}" data-stop="{b}" x="{x0}" y="{y}" width="{round(x1 - x0, 3)}" '
+                f'height="{LANE_H}" fill="{col}"><title>worker {w}: [{a}, {b})</title></rect>'
+            )
         out.append("</g>")
         # the worker's number on its widest run, when there is room
         if held:
             a, b = max(held, key=lambda r: r[1] - r[0])
             if _x(b, h.size) - _x(a, h.size) > 24:
                 cx = (_x(a, h.size) + _x(b, h.size)) / 2
-                out.append(f'<text x="{round(cx, 1)}" y="{y + 13}" font-size="11" fill="white" '
-                           f'text-anchor="middle">{names[w]}</text>')  # fmt: skip
+                out.append(
+                    f'<text x="{round(cx, 1)}" y="{y + 13}" font-size="11" fill="white" '
+                    f'text-anchor="middle">{names[w]}</text>'
+                )
     for t in h.ticks:
         xt = _x(t, h.size)
         out.append(f'<line x1="{xt}" y1="{y - 2}" x2="{xt}" y2="{y + LANE_H + 2}" stroke="black" stroke-width="1"/>')
@@ -212,20 +242,25 @@ def _lane(h: Holding, y: float, names: list[str]) -> list[str]:
 
 def _transfers(pic: Picture, y: float, names: list[str]) -> list[str]:
     n = len(pic.workers)
-    out = [f'<text x="10" y="{y}" font-size="13" font-weight="bold">The transfers of one step '
-           f'(elements per token; fp32 on the wire)</text>']  # fmt: skip
+    out = [
+        f'<text x="10" y="{y}" font-size="13" font-weight="bold">The transfers of one step '
+        f"(elements per token; fp32 on the wire)</text>"
+    ]
     y += 16
     box_w, box_h, gap = 120, 18, 4
     top = y + 24
     cx_client_in, cx_workers, cx_client_out = 10, 200, 420
     mid = top + (n * (box_h + gap)) / 2
-    out.append('<defs><marker id="arr" markerWidth="8" markerHeight="8" refX="7" refY="3" orient="auto">'
-               '<path d="M0,0 L7,3 L0,6 z" fill="#333"/></marker></defs>')  # fmt: skip
+    out.append(
+        '<defs><marker id="arr" markerWidth="8" markerHeight="8" refX="7" refY="3" orient="auto">'
+        '<path d="M0,0 L7,3 L0,6 z" fill="#333"/></marker></defs>'
+    )
     out.append(f'<rect x="{cx_client_in}" y="{mid - 14}" width="110" height="28" fill="#fff" stroke="#000"/>')
     out.append(f'<text x="{cx_client_in + 55}" y="{mid + 4}" font-size="11" text-anchor="middle">client: embed</text>')
     out.append(f'<rect x="{cx_client_out}" y="{mid - 14}" width="140" height="28" fill="#fff" stroke="#000"/>')
-    out.append(f'<text x="{cx_client_out + 70}" y="{mid + 4}" font-size="11" text-anchor="middle">'
-               f'client: norm, LM head</text>')  # fmt: skip
+    out.append(
+        f'<text x="{cx_client_out + 70}" y="{mid + 4}" font-size="11" text-anchor="middle">client: norm, LM head</text>'
+    )
     out.append(f'<text x="{cx_client_in}" y="{y + 8}" font-size="11" fill="#444">ingress: x[:, R_w]</text>')
     out.append(f'<text x="{cx_client_out - 60}" y="{y + 8}" font-size="11" fill="#444">egress: final x[:, R_w]</text>')
     for w in range(n):
@@ -233,33 +268,49 @@ def _transfers(pic: Picture, y: float, names: list[str]) -> list[str]:
         by = top + w * (box_h + gap)
         out.append(f'<rect x="{cx_workers}" y="{by}" width="{box_w}" height="{box_h}" fill="{col}"/>')
         out.append(f'<text x="{cx_workers + 6}" y="{by + 13}" font-size="11" fill="white">{names[w]}</text>')
-        out.append(f'<line class="ingress" data-worker="{w}" data-elements="{pic.ingress[w]}" x1="{cx_client_in + 110}" '
-                   f'y1="{mid}" x2="{cx_workers - 2}" y2="{by + box_h / 2}" stroke="#333" marker-end="url(#arr)"/>')  # fmt: skip
-        out.append(f'<text x="{cx_workers + box_w - 4}" y="{by + 13}" font-size="10" fill="white" '
-                   f'text-anchor="end">in {pic.ingress[w]} / out {pic.egress[w]}</text>')  # fmt: skip
-        out.append(f'<line class="egress" data-worker="{w}" data-elements="{pic.egress[w]}" x1="{cx_workers + box_w}" '
-                   f'y1="{by + box_h / 2}" x2="{cx_client_out - 2}" y2="{mid}" stroke="#333" marker-end="url(#arr)"/>')  # fmt: skip
+        out.append(
+            f'<line class="ingress" data-worker="{w}" data-elements="{pic.ingress[w]}" x1="{cx_client_in + 110}" '
+            f'y1="{mid}" x2="{cx_workers - 2}" y2="{by + box_h / 2}" stroke="#333" marker-end="url(#arr)"/>'
+        )
+        out.append(
+            f'<text x="{cx_workers + box_w - 4}" y="{by + 13}" font-size="10" fill="white" '
+            f'text-anchor="end">in {pic.ingress[w]} / out {pic.egress[w]}</text>'
+        )
+        out.append(
+            f'<line class="egress" data-worker="{w}" data-elements="{pic.egress[w]}" x1="{cx_workers + box_w}" '
+            f'y1="{by + box_h / 2}" x2="{cx_client_out - 2}" y2="{mid}" stroke="#333" marker-end="url(#arr)"/>'
+        )
     # the reduce-scatter table: row = sender, column = owner (receiver)
     tx, cell = 600, 56
-    out.append(f'<text x="{tx}" y="{y + 8}" font-size="11" fill="#444">per layer, 4 reduce-scatters '
-               f'(QKV, o_proj, gate/up, down):</text>')  # fmt: skip
-    out.append(f'<text x="{tx}" y="{y + 22}" font-size="11" fill="#444">sender (row) sends each owner (column) '
-               f'the rows it owns</text>')  # fmt: skip
+    out.append(
+        f'<text x="{tx}" y="{y + 8}" font-size="11" fill="#444">per layer, 4 reduce-scatters '
+        f"(QKV, o_proj, gate/up, down):</text>"
+    )
+    out.append(
+        f'<text x="{tx}" y="{y + 22}" font-size="11" fill="#444">sender (row) sends each owner (column) '
+        f"the rows it owns</text>"
+    )
     ty = y + 40
     for q in range(n):
-        out.append(f'<text x="{tx + 40 + q * cell + cell / 2}" y="{ty}" font-size="11" text-anchor="middle">'
-                   f'to {names[q]}</text>')  # fmt: skip
+        out.append(
+            f'<text x="{tx + 40 + q * cell + cell / 2}" y="{ty}" font-size="11" text-anchor="middle">'
+            f"to {names[q]}</text>"
+        )
     for w in range(n):
         ry = ty + 6 + w * 22
         out.append(f'<text x="{tx}" y="{ry + 14}" font-size="11">{names[w]}</text>')
         for q in range(n):
             v = pic.scatter[w][q]
             fill = "#f4f4f4" if v == 0 else COLOURS[q % len(COLOURS)]
-            out.append(f'<rect class="scatter" data-from="{w}" data-to="{q}" data-elements="{v}" '
-                       f'x="{tx + 40 + q * cell}" y="{ry}" width="{cell - 2}" height="20" fill="{fill}" '
-                       f'fill-opacity="{0.15 if v == 0 else 0.35}"/>')  # fmt: skip
-            out.append(f'<text x="{tx + 40 + q * cell + cell / 2}" y="{ry + 14}" font-size="11" '
-                       f'text-anchor="middle">{"-" if v == 0 else v}</text>')  # fmt: skip
+            out.append(
+                f'<rect class="scatter" data-from="{w}" data-to="{q}" data-elements="{v}" '
+                f'x="{tx + 40 + q * cell}" y="{ry}" width="{cell - 2}" height="20" fill="{fill}" '
+                f'fill-opacity="{0.15 if v == 0 else 0.35}"/>'
+            )
+            out.append(
+                f'<text x="{tx + 40 + q * cell + cell / 2}" y="{ry + 14}" font-size="11" '
+                f'text-anchor="middle">{"-" if v == 0 else v}</text>'
+            )
     return out
 
 

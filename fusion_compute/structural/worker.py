@@ -67,7 +67,9 @@ class Worker:
         fault = parse_fault(o.inject_fault) if o.inject_fault else None
         self.join_fault = fault if fault is not None and fault.kind == "never-join" else None  # faults.rejoin
         self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a disruptive peer's (faults.py)
-        self.fault = fault if fault is not None and fault.kind not in ("never-join", *COMM_FAULTS) else None  # serve()'s
+        self.fault = (
+            fault if fault is not None and fault.kind not in ("never-join", *COMM_FAULTS) else None
+        )  # serve()'s
         self.witness = Witness()  # what this worker saw of its peers, for the client's questions
         self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
@@ -127,8 +129,9 @@ class Worker:
             if o.audit_dir:
                 from ..audit.recorder import AuditRecorder
 
-                audit = AuditRecorder.for_epoch(o.audit_dir, int(welcome.get("epoch") or 0), rank,
-                                                participant=int(welcome["pid"]))  # fmt: skip
+                audit = AuditRecorder.for_epoch(
+                    o.audit_dir, int(welcome.get("epoch") or 0), rank, participant=int(welcome["pid"])
+                )
                 self.audit_logs.append(audit)
             fabric = None
             if welcome.get("fabric"):
@@ -140,12 +143,22 @@ class Worker:
                 else:
                     from ..comm.torch_fabric import TorchFabric
 
-                    fabric = TorchFabric(f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s,
-                                         score_groups=plan.group_owners)  # fmt: skip
+                    fabric = TorchFabric(
+                        f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners
+                    )
                 self.fabric = fabric  # an abort word ends its waits
             engine = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
-            comm = Comm(rank, n, links, timeout_s=o.timeout_s, score_groups=plan.group_owners, recorder=audit,
-                        fabric=fabric, device=fabric.device if fabric else None, engine=engine)  # fmt: skip
+            comm = Comm(
+                rank,
+                n,
+                links,
+                timeout_s=o.timeout_s,
+                score_groups=plan.group_owners,
+                recorder=audit,
+                fabric=fabric,
+                device=fabric.device if fabric else None,
+                engine=engine,
+            )
             comm = self.sabotage(comm)
             try:
                 serve(self, plan, rank - 1, comm, audit=audit)
@@ -173,8 +186,11 @@ class Worker:
         if self.model is not None:
             self.model.wipe()
         self.model = self.model_key = None
-        src = CountingSource(self.src, worker_elements(plan, w),
-                             lambda done, total: self.report.phase("ready" if done >= total else "load", done, total))  # fmt: skip
+        src = CountingSource(
+            self.src,
+            worker_elements(plan, w),
+            lambda done, total: self.report.phase("ready" if done >= total else "load", done, total),
+        )
         if variant == "megatron":
             from .megatron import MegatronModel
 
@@ -202,8 +218,12 @@ def run(o: WorkerOptions) -> None:
     welcome, links = join_epoch(cred, None, time.monotonic() + o.join_timeout_s, o.log)
     me = Worker(o, src, report)
     join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
-    pulse = Pulse(open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s), me.on_word,
-                  me.on_client_gone, witness=me.witness)  # fmt: skip
+    pulse = Pulse(
+        open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s),
+        me.on_word,
+        me.on_client_gone,
+        witness=me.witness,
+    )
     try:
         while True:
             if welcome is not None and not welcome.get("standby"):
@@ -267,7 +287,9 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, 0]
             words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
             spans = [Span(*w) for w in words]
-            if sum(s.t for s in spans) != pos or any(s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans):
+            if sum(s.t for s in spans) != pos or any(
+                s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans
+            ):
                 raise RuntimeError(f"malformed step: {spans} for {pos} tokens")
             t, pos = pos, spans[0].pos  # T = ΣT; the record's pos: the first span's
             # the record names the spans when the KV holds several sessions; one slot holds one session,

@@ -307,8 +307,10 @@ def _parse(h: _Head) -> GGUFIndex:
         if name in tensors:
             raise ModelError(f"{path}: duplicate GGUF tensor {name}")
         if t.offset + t.n_bytes > h.size:
-            raise ModelError(f"{path}: truncated GGUF file (tensor {name} ends at byte {t.offset + t.n_bytes}, "
-                             f"the file has {h.size})")  # fmt: skip
+            raise ModelError(
+                f"{path}: truncated GGUF file (tensor {name} ends at byte {t.offset + t.n_bytes}, "
+                f"the file has {h.size})"
+            )
         tensors[name] = t
     return GGUFIndex(path, version, values, tensors, data_offset)
 

@@ -19,6 +19,7 @@ from .source import Ranges, WeightSource, default_model_path, resolve_model_path
 
 __all__ = ["Ranges", "WeightSource", "SafetensorsWeights", "default_model_path", "open_weights", "resolve_model_path"]
 
+
 def open_weights(model: str | Path | None) -> WeightSource:
     path = resolve_model_path(model)
     if path.is_file():

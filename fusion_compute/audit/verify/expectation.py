@@ -113,9 +113,14 @@ def score_elements(spans: list[tuple[int, int, int]] | None, t: int, pos: int) -
 
 
 def expected_transfers(
-    w: int, decls: list[Declared], owners: list[list[int]], dims: dict, t: int, pos: int,
+    w: int,
+    decls: list[Declared],
+    owners: list[list[int]],
+    dims: dict,
+    t: int,
+    pos: int,
     spans: list[tuple[int, int, int]] | None = None,
-) -> list[Transfer]:  # fmt: skip
+) -> list[Transfer]:
     """The transfers worker w must make in one step of t tokens at position pos, in order
     (`spans`: a batched step's sessions, sessions.spans_of)."""
     n = len(decls)

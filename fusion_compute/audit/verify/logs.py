@@ -165,9 +165,14 @@ class StepKey(NamedTuple):
 
 def step_key(record: dict) -> StepKey:
     spans, phase = record.get("spans"), record.get("phase")
-    return StepKey(_hashable(record.get("session")), _hashable(record.get("step")), _hashable(record.get("t")),
-                   _hashable(record.get("pos")), None if spans is None else json.dumps(spans, sort_keys=True),
-                   _hashable(phase))  # fmt: skip
+    return StepKey(
+        _hashable(record.get("session")),
+        _hashable(record.get("step")),
+        _hashable(record.get("t")),
+        _hashable(record.get("pos")),
+        None if spans is None else json.dumps(spans, sort_keys=True),
+        _hashable(phase),
+    )
 
 
 def _hashable(value):

@@ -162,8 +162,12 @@ def check_membership(run: RunResult, views: list[EpochView], record: Record | No
     """Who took part in which epoch, against the client's record; what a departed worker got."""
     viol = run.run_violations
     if record is not None and len(record.epochs) != len(manifest["epochs"]):
-        viol.append(Violation("structure", f"{S.MEMBERSHIP} records {len(record.epochs)} epochs, the manifest "
-                                           f"{len(manifest['epochs'])}"))  # fmt: skip
+        viol.append(
+            Violation(
+                "structure",
+                f"{S.MEMBERSHIP} records {len(record.epochs)} epochs, the manifest {len(manifest['epochs'])}",
+            )
+        )
     present: dict[int, dict[int, list[str]]] = {}  # epoch -> participant -> where it shows up
     os_pid: dict[int, int] = {}  # participant -> OS process id, from its own log headers
     for v in views:
@@ -175,13 +179,19 @@ def check_membership(run: RunResult, views: list[EpochView], record: Record | No
             viol.append(Violation("structure", f"the epoch's manifest gives no order of its {n} workers", epoch=e))
             order = []
         if record is not None and e < len(record.epochs) and record.epochs[e]["order"] != order:
-            viol.append(Violation("structure", f"{S.MEMBERSHIP} says epoch {e}'s workers are "
-                                               f"{record.epochs[e]['order']}, its manifest {order}", epoch=e))  # fmt: skip
+            viol.append(
+                Violation(
+                    "structure",
+                    f"{S.MEMBERSHIP} says epoch {e}'s workers are {record.epochs[e]['order']}, its manifest {order}",
+                    epoch=e,
+                )
+            )
         for r, p in enumerate(order, 1):
             here.setdefault(p, []).append(f"rank {r} in the client's order")
         if v.logs.get(0) and v.logs[0].header.get("epoch") != e:
-            viol.append(Violation("structure", f"the client's log says epoch {v.logs[0].header.get('epoch')}",
-                                  rank=0, epoch=e))  # fmt: skip
+            viol.append(
+                Violation("structure", f"the client's log says epoch {v.logs[0].header.get('epoch')}", rank=0, epoch=e)
+            )
         for r in range(1, n + 1):
             h = v.logs[r].header if r in v.logs else {}
             if not h:
@@ -225,13 +235,20 @@ def check_membership(run: RunResult, views: list[EpochView], record: Record | No
             if p in departed:
                 viol.append(Violation("structure", f"worker {p} is recorded to leave twice", epoch=e))
             elif p not in before:
-                viol.append(Violation("structure", f"worker {p} is recorded to leave before epoch {e}, but did not "
-                                                   f"take part in epoch {e - 1}", epoch=e))  # fmt: skip
+                viol.append(
+                    Violation(
+                        "structure",
+                        f"worker {p} is recorded to leave before epoch {e}, but did not take part in epoch {e - 1}",
+                        epoch=e,
+                    )
+                )
             departed.setdefault(p, (e, why))
         for p in sorted(set(before) - set(now) - set(left)):
             run.run_checks["membership"] += 1
-            msg = (f"worker {p} took part in epoch {e - 1} and not in epoch {e}, and {S.MEMBERSHIP} does not say why "
-                   "(revoked or lost)")  # fmt: skip
+            msg = (
+                f"worker {p} took part in epoch {e - 1} and not in epoch {e}, and {S.MEMBERSHIP} does not say why "
+                "(revoked or lost)"
+            )
             viol.append(Violation("membership", msg, epoch=e))
 
     net = _departed_counts(run, d, manifest)
@@ -251,11 +268,14 @@ def check_membership(run: RunResult, views: list[EpochView], record: Record | No
             if 0 in v.logs:
                 s, rcv, ops, beyond = _client_addresses(v.logs[0], ranks, n)
                 if s or rcv:
-                    findings.append(f"the client sent {s:,} elements to and received {rcv:,} from {who} in epoch "
-                                    f"{v.epoch} ({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''})")  # fmt: skip
+                    findings.append(
+                        f"the client sent {s:,} elements to and received {rcv:,} from {who} in epoch "
+                        f"{v.epoch} ({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''})"
+                    )
                 if beyond:
-                    findings.append(f"the client addressed rank(s) {sorted(beyond)}, which epoch {v.epoch} "
-                                    f"does not have")  # fmt: skip
+                    findings.append(
+                        f"the client addressed rank(s) {sorted(beyond)}, which epoch {v.epoch} does not have"
+                    )
         kernel = None
         if net is not None:
             run.run_checks["membership"] += 1
@@ -264,21 +284,37 @@ def check_membership(run: RunResult, views: list[EpochView], record: Record | No
                 findings.append(f"{who}: the run's socket counts do not cover its process")
             else:
                 try:
-                    kernel = {"os_pid": int(m["os_pid"]), "sent": int(m["sent"]), "received": int(m["received"]),
-                              "sockets": int(m.get("sockets", 0))}  # fmt: skip
+                    kernel = {
+                        "os_pid": int(m["os_pid"]),
+                        "sent": int(m["sent"]),
+                        "received": int(m["received"]),
+                        "sockets": int(m.get("sockets", 0)),
+                    }
                 except (KeyError, TypeError, ValueError):
                     findings.append(f"{who}: unreadable socket counts")
                 if kernel is not None and p in os_pid and kernel["os_pid"] != os_pid[p]:
-                    findings.append(f"{who}: the socket counts are of process {kernel['os_pid']}, its own logs "
-                                    f"say it ran as process {os_pid[p]}")  # fmt: skip
+                    findings.append(
+                        f"{who}: the socket counts are of process {kernel['os_pid']}, its own logs "
+                        f"say it ran as process {os_pid[p]}"
+                    )
                 if kernel is not None and (kernel["sent"] or kernel["received"]):
-                    findings.append(f"{who}: its process (pid {kernel['os_pid']}) received {kernel['received']:,} B "
-                                    f"and sent {kernel['sent']:,} B on its sockets after it left (kernel counters, "
-                                    "heartbeats excluded)")  # fmt: skip
+                    findings.append(
+                        f"{who}: its process (pid {kernel['os_pid']}) received {kernel['received']:,} B "
+                        f"and sent {kernel['sent']:,} B on its sockets after it left (kernel counters, "
+                        "heartbeats excluded)"
+                    )
         for f in findings:
             viol.append(Violation("membership", f, epoch=e0))
-        run.departures.append({"participant": p, "epoch": e0, "why": WHY[why], "absent": not findings,
-                               "kernel": kernel, "findings": len(findings)})  # fmt: skip
+        run.departures.append(
+            {
+                "participant": p,
+                "epoch": e0,
+                "why": WHY[why],
+                "absent": not findings,
+                "kernel": kernel,
+                "findings": len(findings),
+            }
+        )
     if departed and net is None:
         run.notes.append("the departed workers' socket bytes were not measured (no run-level netcount.json)")
 
@@ -334,12 +370,22 @@ def replay_steps(run: RunResult, views: list[EpochView], record: Record | None) 
         run.run_checks["structure"] += 1
         first = steps[0] if steps else {}
         if first.get("t") != tokens or first.get("pos") != 0:
-            msg = (f"the epoch's first step runs {first.get('t')} tokens at position {first.get('pos')}, not the "
-                   f"replay of the session's {tokens} tokens")  # fmt: skip
+            msg = (
+                f"the epoch's first step runs {first.get('t')} tokens at position {first.get('pos')}, not the "
+                f"replay of the session's {tokens} tokens"
+            )
             run.run_violations.append(Violation("structure", msg, rank=0, epoch=e))
             continue
         key = (first.get("session"), first.get("step"))
         in_step = [x for x in res.violations if (x.session, x.step) == key]
-        run.replays.append({"epoch": e, "session": key[0], "step": key[1], "tokens": tokens,
-                            "closed": key not in res.unclosed, "violations": len(in_step),
-                            "no_full_holder_violations": sum(x.invariant == "no_full_holder" for x in in_step)})  # fmt: skip
+        run.replays.append(
+            {
+                "epoch": e,
+                "session": key[0],
+                "step": key[1],
+                "tokens": tokens,
+                "closed": key not in res.unclosed,
+                "violations": len(in_step),
+                "no_full_holder_violations": sum(x.invariant == "no_full_holder" for x in in_step),
+            }
+        )

@@ -284,17 +284,29 @@ class RunResult:
             order = self.orders[i] if i < len(self.orders) else []
             lines.append(f"epoch {i}: workers (participants in rank order) {order}")
             lines += ["  " + line for line in e.render().splitlines()]
-        lines.append(f"membership: {self.run_checks.get('membership', 0)} checked, "
-                     f"{self.counts()['membership']} violations")  # fmt: skip
+        lines.append(
+            f"membership: {self.run_checks.get('membership', 0)} checked, {self.counts()['membership']} violations"
+        )
         for d in self.departures:
             k = d.get("kernel")
-            kernel = (f"its process (pid {k['os_pid']}) sent {k['sent']:,} B and received {k['received']:,} B "
-                      f"after it left (kernel, pulse excluded)" if k else "kernel bytes not measured")  # fmt: skip
-            lines.append(f"  worker {d['participant']} {d['why']} before epoch {d['epoch']}: "
-                         f"{'takes no part after' if d['absent'] else 'TAKES PART after'}, {kernel}")  # fmt: skip
+            kernel = (
+                f"its process (pid {k['os_pid']}) sent {k['sent']:,} B and received {k['received']:,} B "
+                f"after it left (kernel, pulse excluded)"
+                if k
+                else "kernel bytes not measured"
+            )
+            lines.append(
+                f"  worker {d['participant']} {d['why']} before epoch {d['epoch']}: "
+                f"{'takes no part after' if d['absent'] else 'TAKES PART after'}, {kernel}"
+            )
         for r in self.replays:
-            state = ("closed by its epoch's checks (no worker held every coordinate of any protected role)"
-                     if r["closed"] else f"NOT closed ({r['violations']} violations)")  # fmt: skip
-            lines.append(f"  replay in epoch {r['epoch']}: session {r['session']} step {r['step']}, "
-                         f"{r['tokens']} tokens: {state}")  # fmt: skip
+            state = (
+                "closed by its epoch's checks (no worker held every coordinate of any protected role)"
+                if r["closed"]
+                else f"NOT closed ({r['violations']} violations)"
+            )
+            lines.append(
+                f"  replay in epoch {r['epoch']}: session {r['session']} step {r['step']}, "
+                f"{r['tokens']} tokens: {state}"
+            )
         return "\n".join(lines + _closing(self.notes, self.run_violations, self.summary_line()))
