@@ -63,7 +63,8 @@ def test_runtime_does_not_import_transformers():
 
 def module_graph() -> tuple[dict[str, set[str]], list[str]]:
     """Internal import edges of the package (module -> modules it imports, at any depth in the
-    file) and every private name one module imports from another."""
+    file) and every private name one module imports from another. An import of the package that
+    resolves to no module (a file moved without its importers) is recorded in UNRESOLVED."""
     mods = {}
     for p in PKG.rglob("*.py"):
         parts = p.relative_to(PKG.parent).with_suffix("").parts
@@ -71,6 +72,8 @@ def module_graph() -> tuple[dict[str, set[str]], list[str]]:
         mods[name] = p
     edges: dict[str, set[str]] = {m: set() for m in mods}
     private = []
+    unresolved = UNRESOLVED
+    unresolved.clear()
     for m, p in mods.items():
         base = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
         for node in ast.walk(ast.parse(p.read_text())):
@@ -85,11 +88,16 @@ def module_graph() -> tuple[dict[str, set[str]], list[str]]:
                 )
                 targets = [((f"{pkg}.{a.name}" if f"{pkg}.{a.name}" in mods else pkg), a.name) for a in node.names]
             for target, name in targets:
+                if (target == "fusion_compute" or target.startswith("fusion_compute.")) and target not in mods:
+                    unresolved.append(f"{m} imports {target}")
                 if target in mods and target != m:
                     edges[m].add(target)
                     if name and name.startswith("_") and not name.startswith("__"):
                         private.append(f"{m} imports {target}.{name}")
     return edges, private
+
+
+UNRESOLVED: list[str] = []  # filled by module_graph
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -134,6 +142,58 @@ def test_imports_form_a_dag_with_cli_on_top():
     ]
     assert below == [], f"imported from below the command line: {below}"
     assert private == [], f"private names imported across modules: {private}"
+    assert UNRESOLVED == [], f"imports that resolve to no module: {UNRESOLVED}"
+
+
+# Which package may import which (each package's __init__ docstring says the same): the model and its
+# weights know nothing of sharding or jobs, the client's runtime nothing of a mode, generation nothing
+# of serving, and the command line sits on top (other packages may use its flag helpers, cli.options).
+FORBIDDEN = {
+    "model": {"comm", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
+    "weights": {"comm", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
+    "comm": {"model", "weights", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
+    "runtime": {"structural", "masked", "generation", "serving", "cli", "audit", "bench"},
+    "generation": {"serving", "cli", "audit", "bench"},
+}
+
+
+def package_edges(edges: dict[str, set[str]]) -> set[tuple[str, str, str, str]]:
+    """(package, package it imports, module, module imported) for every import across packages."""
+
+    def pkg(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 or (PKG / parts[-1]).is_dir() else "(top)"
+
+    return {(pkg(m), pkg(t), m, t) for m, ts in edges.items() for t in ts if pkg(m) != pkg(t)}
+
+
+def layering_violations(edges: dict[str, set[str]]) -> list[str]:
+    out = []
+    for a, b, m, t in sorted(package_edges(edges)):
+        if b in FORBIDDEN.get(a, ()):
+            out.append(f"{m} imports {t}")
+        if b == "serving" and a != "cli":
+            out.append(f"{m} imports {t} (only cli may)")
+        if b == "cli" and a != "cli" and t != "fusion_compute.cli.options" and m != "fusion_compute.__main__":
+            out.append(f"{m} imports {t} (outside cli, only cli.options may be)")
+    return out
+
+
+def test_packages_import_one_way():
+    edges, _ = module_graph()
+    assert layering_violations(edges) == []
+
+
+def test_layering_check_can_fail():
+    """An upward import between packages, and an import of a module that does not exist, are seen."""
+    edges, _ = module_graph()
+    edges["fusion_compute.model.config"].add("fusion_compute.runtime.engine")
+    edges["fusion_compute.generation.sampling"].add("fusion_compute.serving.gateway")
+    assert layering_violations(edges) == [
+        "fusion_compute.generation.sampling imports fusion_compute.serving.gateway",
+        "fusion_compute.generation.sampling imports fusion_compute.serving.gateway (only cli may)",
+        "fusion_compute.model.config imports fusion_compute.runtime.engine",
+    ]
 
 
 def test_dag_check_can_fail():
