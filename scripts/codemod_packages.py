@@ -3,12 +3,13 @@
 Kept as the record of how the tree was moved, and rerunnable on a branch that still has the flat
 layout (it does nothing on a tree already moved). What it does, from the repository root:
 
-  1. every `from ... import ...` in fusion_compute/ and tests/ is resolved against the OLD layout and
-     re-emitted for the NEW one: relative inside the package (recomputed from the importing file's
-     new place), absolute in the tests; names imported from a package that are modules (`from . import
-     architecture as arch`) follow their module;
-  2. every dotted name `fusion_compute.X` and path `fusion_compute/X.py` of a moved module, in any
-     Python, Markdown, TOML or shell file, is rewritten (monkeypatch targets, `python -m`, docs);
+  1. every dotted name `fusion_compute.X` and path `fusion_compute/X.py` of a moved module, in any
+     Python, Markdown, TOML or shell file, is rewritten (absolute imports, monkeypatch targets,
+     `python -m`, docs);
+  2. every relative import in fusion_compute/ is resolved against the OLD layout and re-emitted,
+     relative, from the importing file's NEW place, and a test's `from fusion_compute import <module>`
+     follows its module (names imported from a package that are modules, `from . import architecture
+     as arch`, follow their module too);
   3. the files move with `git mv`, and each new package gets its `__init__.py` docstring.
 
 Usage: python scripts/codemod_packages.py [--dry-run]
@@ -238,16 +239,19 @@ def main() -> int:
             continue
         text = p.read_text()
         new = text
-        if p.suffix == ".py":  # imports first (against the old names), then every other spelling
+        if rel == "README.md":
+            new = regroup_readme_table(new)
+        # every dotted name and path first, then the imports that spelling cannot reach (relative ones,
+        # and a test's `from fusion_compute import <module>`, whose new parent may itself be a moved
+        # name such as `cli`: rewritten after, it would be rewritten twice)
+        new = rewrite_names(new)
+        if p.suffix == ".py":
             if rel.startswith(PKG + "/"):
                 parts = Path(rel).with_suffix("").parts
                 cur = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
                 new = rewrite_imports(new, cur, parts[-1] == "__init__", mods)
             else:
                 new = rewrite_imports(new, None, False, mods)
-        if rel == "README.md":
-            new = regroup_readme_table(new)
-        new = rewrite_names(new)
         if new != text:
             changed += 1
             if not dry:

@@ -349,8 +349,8 @@ def test_min_workers_above_the_run_is_refused_by_the_library_too():
 def test_cuda_defaults_to_nccl_only_among_local_workers():
     """NCCL is plaintext and local-only: with --device cuda a local run gets it, a run across hosts
     keeps the links (tls, or tcp when --insecure is asked for)."""
+    from fusion_compute.cli import options as O
     from fusion_compute.cli.main import build_parser
-    from fusion_compute.cli.main import options as O
 
     def engine(*flags: str) -> str:
         return O.engine_options(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])).engine
