@@ -95,17 +95,7 @@ class Membership:
             self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
         order = self._next_order(gone, why="removing the worker that lied leaves")
         self._switch_epoch(order)
-        self.recoveries.append(
-            {
-                "epoch": self.epoch,
-                "lost": sorted(gone),
-                "order": order,
-                "reason": reason,
-                "noticed_unix": round(noticed, 3),
-                "epoch_s": round(time.perf_counter() - t0, 3),
-                "replayed_tokens": 0,
-            }
-        )
+        self.recoveries.append(self._record(gone, order, reason, noticed, t0, replayed_tokens=0))
 
     def recover(self, err: PeerError | None) -> None:
         """Open the next epoch without the failed workers (replaced by standbys where there are
@@ -144,17 +134,7 @@ class Membership:
         self.opts.log(f"{lost}; epoch {self.epoch + 1} over {order}")
         self._retire(failed)
         self._switch_epoch(order)
-        self.recoveries.append(
-            {
-                "epoch": self.epoch,
-                "lost": sorted(failed),
-                "order": order,
-                "reason": reason,
-                "noticed_unix": round(noticed, 3),
-                "epoch_s": round(time.perf_counter() - t0, 3),
-                "replayed_tokens": len(self.history),
-            }
-        )
+        self.recoveries.append(self._record(failed, order, reason, noticed, t0, replayed_tokens=len(self.history)))
 
     def _blame(self, suspect: int) -> tuple[set[int], str | None]:
         """Who to remove when a data link failed (`suspect`: the worker whose link the client was
@@ -267,16 +247,8 @@ class Membership:
         t0, noticed = time.perf_counter(), time.time()
         self._retire(set() if keep else {pid})
         self._switch_epoch(order)
-        record = {
-            "epoch": self.epoch,
-            "lost": [pid],
-            "revoked": [pid],
-            "order": order,
-            "reason": f"worker {pid} revoked by the user",
-            "noticed_unix": round(noticed, 3),
-            "epoch_s": round(time.perf_counter() - t0, 3),
-            "replayed_tokens": 0,
-        }
+        record = self._record({pid}, order, f"worker {pid} revoked by the user", noticed, t0, replayed_tokens=0)
+        record["revoked"] = [pid]
         if self.slot_history and replay:  # the open sessions move to the new epoch now, each in its slot
             t1 = time.perf_counter()
             record["replayed_tokens"] = self._replay_slots({})
@@ -464,16 +436,24 @@ class Membership:
         self.opts.log(f"no open epoch: epoch {self.epoch + 1} over {order}")
         self._switch_epoch(order)
         self.recoveries.append(
-            {
-                "epoch": self.epoch,
-                "lost": sorted(gone),
-                "order": order,
-                "reason": "the previous epoch change failed",
-                "noticed_unix": round(noticed, 3),
-                "epoch_s": round(time.perf_counter() - t0, 3),
-                "replayed_tokens": len(self.history),
-            }
+            self._record(
+                gone, order, "the previous epoch change failed", noticed, t0, replayed_tokens=len(self.history)
+            )
         )
+
+    def _record(
+        self, lost: set[int], order: list[int], reason: str, noticed: float, t0: float, replayed_tokens: int
+    ) -> dict:
+        """The record of an epoch change just made (engine.recoveries, the JSON's `recoveries`)."""
+        return {
+            "epoch": self.epoch,
+            "lost": sorted(lost),
+            "order": order,
+            "reason": reason,
+            "noticed_unix": round(noticed, 3),
+            "epoch_s": round(time.perf_counter() - t0, 3),
+            "replayed_tokens": replayed_tokens,
+        }
 
     def _open_epoch(self, order: list[int], deadline: float) -> list[dict]:
         """Admit, link and greet the epoch's workers; returns their HELLO info."""
