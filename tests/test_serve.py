@@ -582,6 +582,8 @@ class FlakyEngine:
         def fingerprint(self) -> str:
             return "test"
 
+    mode = "structural"
+
     def __init__(self, card):
         from types import SimpleNamespace
 
@@ -893,7 +895,7 @@ def test_the_verified_bound_is_the_one_the_check_gives(card):
 
     assert verify.ESCAPE_BOUND == f"2^-{verify.U_BITS * verify.BASIS_ROWS}" == "2^-64"
     plan = SimpleNamespace(n=2, n_a=1, sizes=(1, 1), mask_groups=("B",), fingerprint=lambda: "test")
-    engine = SimpleNamespace(plan=plan, verifier=object())
+    engine = SimpleNamespace(plan=plan, verifier=object(), mode="masked")
     verified = Gateway(engine, card).protection(None)["verified"]
     assert f"<= {verify.ESCAPE_BOUND} per linear" in verified and "2^-40" not in verified
     root = Path(__file__).resolve().parent.parent

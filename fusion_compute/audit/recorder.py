@@ -174,6 +174,22 @@ class AuditRecorder:
         self._write(rec)
         self.busy_s += time.perf_counter() - t0
 
+    def rollback(self, slot: int, held: int, pos: int, zeroed: bool) -> None:
+        """Before a step: speculative decoding rejected positions pos..held-1 of `slot`, which the
+        worker zeroed (`zeroed`: measured, the slot reads zeros from pos on) before re-running pos."""
+        t0 = time.perf_counter()
+        self._write(
+            {
+                "type": "rollback",
+                "session": self.session,
+                "slot": int(slot),
+                "from": int(held),
+                "to": int(pos),
+                "zeroed": bool(zeroed),
+            }
+        )
+        self.busy_s += time.perf_counter() - t0
+
     def end_step(self) -> None:
         t0 = time.perf_counter()
         holds = self._holds

@@ -440,6 +440,10 @@ def cmd_chat(a: Any) -> int:
     if a.max_tokens is not None:
         params["max_tokens"] = a.max_tokens
     interactive = is_tty(sys.stdin)
+    if a.url and (a.speculative or a.draft_model or a.num_speculative_tokens is not None):
+        raise UsageError(
+            "--speculative and --draft-model are the local engine's: with --url the server's own flags decide"
+        )
     try:
         if a.url:
             backend: Any = HttpBackend(a.url, a.api_key)

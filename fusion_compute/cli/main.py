@@ -27,6 +27,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.chat and a.prompt is None:
         raise UsageError("--chat needs --prompt TEXT")
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    spec = O.speculative_config(a)
     masked = a.mode == "masked"
     if a.audit_dir is not None and not masked:
         raise UsageError("--audit-dir is for --mode masked; the structural audit is `fusion audit run`")
@@ -55,7 +56,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         ids = given_ids
     # Validate before any worker starts: bad input never costs a spawn.
-    check_prompt(ids, src.config.vocab, effective_context(src.config.max_positions, a.context), a.max_new_tokens)
+    context = effective_context(src.config.max_positions, a.context)
+    check_prompt(ids, src.config.vocab, context, a.max_new_tokens)
+    speculator = O.speculator_for(spec, src.config, context)  # the draft model loads (and is checked) here
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None
     if masked:
@@ -72,7 +75,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
 
-        res = generate(engine, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop_ids=eos, on_token=on_token)
+        res = generate(
+            engine,
+            ids,
+            max_new_tokens=a.max_new_tokens,
+            sampling=sampling,
+            stop_ids=eos,
+            on_token=on_token,
+            speculator=speculator,
+        )
         text = tok.decode([t for t in res.token_ids if t not in eos]) if tok else ""
         if a.json:
             out = {
@@ -93,6 +104,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "recoveries": res.recoveries,
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }
+            if res.speculative is not None:
+                out["speculative"] = res.speculative
             if masked:
                 v = engine.verifier
                 out |= {

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm import ENGINES, Identity, PublicId
-from ..errors import UsageError
+from ..errors import FusionError, UsageError
 from ..runtime.engine_options import EngineOptions
 from ..runtime.topology import GROUP_NAME, Topology, check_here
 
@@ -146,6 +146,58 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a worker silent this long (no heartbeat) has failed, seconds (default 5)",
     )
     p.add_argument("--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding on the client (generation/speculative.py), in vLLM's words."""
+    from ..generation.speculative_config import METHODS
+
+    p.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        help=f"speculative decoding: {' or '.join(METHODS)} (drafts proposed on this machine, verified by one "
+        "sharded forward: the same tokens in fewer rounds; docs/speculative.md)",
+    )
+    p.add_argument("--draft-model", help="a small model of the same vocabulary that proposes drafts (HF dir or GGUF)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        help="most tokens proposed per step (default 4; the draft length adapts below it)",
+    )
+
+
+def speculative_config(a: argparse.Namespace) -> Any:
+    """The checked SpeculativeConfig of `--speculative/--draft-model/--num-speculative-tokens`, or None.
+    Torch-free: a bad value is refused before anything loads."""
+    from ..generation.speculative_config import from_flags
+
+    cfg = from_flags(
+        getattr(a, "speculative", None), getattr(a, "draft_model", None), getattr(a, "num_speculative_tokens", None)
+    )
+    if cfg is not None and cfg.draft_model is not None:
+        from ..weights.source import resolve_model_path
+
+        try:
+            resolve_model_path(cfg.draft_model)
+        except FusionError as e:
+            raise UsageError(f"--draft-model: {e}") from None
+    return cfg
+
+
+def speculator_for(cfg: Any, config: Any, context: int) -> Any:
+    """The job's speculative.Speculator (its draft model loaded and its vocabulary checked against
+    the target's `config`), before any worker starts; None without speculation."""
+    if cfg is None:
+        return None
+    from ..generation.speculative import Speculator
+
+    try:
+        return Speculator(cfg, config.vocab, context)
+    except UsageError:
+        raise
+    except FusionError as e:  # the draft model's own file is bad: the command line named it
+        raise UsageError(f"--draft-model {cfg.draft_model}: {e}") from None
 
 
 def _engine_name(a: argparse.Namespace) -> str:

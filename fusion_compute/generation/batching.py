@@ -9,6 +9,11 @@ order (prefill, then one token at a time), with its own sampler; only the column
 and a linear layer treats columns independently (up to the BLAS kernel's summation order, which is
 why the tests compare greedy tokens, not bits).
 
+With a `speculative.Speculator`, a session's step carries its last token plus the drafts its
+drafter proposed, every column's logits come back, and speculative.verify keeps what the target
+model would have produced (several tokens per step when drafts are accepted); the rejected columns
+are rolled back (engine.rollback). This is the one place speculation happens, for every caller.
+
     runner = BatchRunner(engine, max_batch=8)
     runner.add(Sequence(prompt_ids, max_new_tokens=64, sampling=params, stop_ids=eos, on_token=cb))
     while runner.active:
@@ -26,6 +31,7 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
+from .speculative import DraftLength, SpecStats, Speculator, verify
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Sequence:
     t_first: float = 0.0
     t_end: float = 0.0
     recoveries: list[dict] = field(default_factory=list)  # epochs opened while it ran (a worker lost)
+    spec: SpecStats | None = None  # speculative decoding's counters, when the runner speculates
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -55,6 +62,7 @@ class Sequence:
             decode_s=self.t_end - self.t_first,
             steps=self.steps,
             recoveries=self.recoveries,
+            speculative=None if self.spec is None else self.spec.as_dict(),
         )
 
 
@@ -73,7 +81,9 @@ class StepHooks:
 class BatchRunner:
     """Runs up to `max_batch` sessions at once on one engine."""
 
-    def __init__(self, engine: EngineBase, max_batch: int, hooks: StepHooks | None = None):
+    def __init__(
+        self, engine: EngineBase, max_batch: int, hooks: StepHooks | None = None, speculator: Speculator | None = None
+    ):
         if max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {max_batch}")
         self.engine = engine
@@ -85,6 +95,9 @@ class BatchRunner:
         self.active: dict[int, Sequence] = {}  # slot -> session
         self._samplers: dict[int, Sampler] = {}
         self._stops: dict[int, set[int]] = {}
+        self.speculator = speculator
+        self._drafters: dict = {}  # slot -> its session's drafter (speculative.py)
+        self._lengths: dict[int, DraftLength] = {}
         self.steps = 0
 
     @property
@@ -107,6 +120,10 @@ class BatchRunner:
         self.active[seq.slot] = seq
         self._samplers[seq.slot] = Sampler(seq.sampling)
         self._stops[seq.slot] = set(seq.stop_ids)
+        if self.speculator is not None:
+            seq.spec = SpecStats(self.speculator.config.method)
+            self._drafters[seq.slot] = self.speculator.drafter()
+            self._lengths[seq.slot] = self.speculator.length()
 
     def step(self) -> list[Sequence]:
         """One sharded step for every active session; returns those that finished (their slots are
@@ -114,10 +131,11 @@ class BatchRunner:
         if not self.active:
             return []
         seqs = list(self.active.values())
-        items = [(s.slot, list(s.prompt_ids) if not s.out else [s.out[-1]]) for s in seqs]
+        drafts = {s.slot: self._draft(s) for s in seqs}
+        items = [(s.slot, list(s.prompt_ids) if not s.out else [s.out[-1], *drafts[s.slot]]) for s in seqs]
         seen = len(self.engine.recoveries)
         self.hooks.before([(slot, len(self.engine.slot_history.get(slot, ())), len(ids)) for slot, ids in items])
-        logits = self.engine.forward_batch(items)
+        logits = self.engine.forward_batch(items, all_logits={slot for slot, d in drafts.items() if d})
         self.hooks.after()
         self.steps += 1
         for seq in seqs:
@@ -125,21 +143,50 @@ class BatchRunner:
         done = []
         for seq, lg in zip(seqs, logits, strict=True):
             seq.steps += 1
-            tok = self._samplers[seq.slot](lg)
-            seq.out.append(tok)
-            if len(seq.out) == 1:
-                seq.t_first = time.perf_counter()
+            proposed = drafts[seq.slot]
+            if proposed:
+                toks, accepted = verify(self._samplers[seq.slot], lg, proposed)
+                self._lengths[seq.slot].update(len(proposed), accepted)
+                if seq.spec is not None:
+                    seq.spec.add(len(proposed), accepted)
+                    if self.speculator is not None:
+                        self.speculator.totals.add(len(proposed), accepted)
+                if accepted < len(proposed):  # the rejected columns' KV entries are never attended
+                    self.engine.rollback(seq.slot, len(self.engine.slot_history[seq.slot]) - (len(proposed) - accepted))
+            else:
+                toks = [self._samplers[seq.slot](lg)]
             budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
-            seq.finish = next_finish(tok, seq.out, self._stops[seq.slot], seq.on_token, budget)
-            if seq.finish is not None:
-                done.append(seq)
+            for tok in toks:
+                seq.out.append(tok)
+                if len(seq.out) == 1:
+                    seq.t_first = time.perf_counter()
+                seq.finish = next_finish(tok, seq.out, self._stops[seq.slot], seq.on_token, budget)
+                if seq.finish is not None:
+                    done.append(seq)
+                    break
         for seq in done:
             self._retire(seq)
         return done
 
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The tokens `seq` proposes this step: none at its prefill, without a speculator, or while its
+        draft length says so; never more than its remaining budget can use (the step's last token
+        plus K drafts stay within the context, and every accepted draft is an output token)."""
+        if not seq.out or self.speculator is None:
+            return []
+        budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+        k = min(self._lengths[seq.slot].next(), budget - len(seq.out) - 1)
+        if k < 1:
+            return []
+        return self._drafters[seq.slot].propose(seq.prompt_ids + seq.out, k)
+
     def _retire(self, seq: Sequence) -> None:
         seq.t_end = time.perf_counter()
         del self.active[seq.slot], self._samplers[seq.slot], self._stops[seq.slot]
+        drafter = self._drafters.pop(seq.slot, None)
+        if drafter is not None:
+            drafter.close()
+        self._lengths.pop(seq.slot, None)
         self.engine.release(seq.slot)  # hygiene: its KV slot is zeroed now, not when it is reused
         self.hooks.released(seq.slot)
 
@@ -153,10 +200,12 @@ class BatchRunner:
         return seqs
 
 
-def run_batch(engine: EngineBase, seqs: list[Sequence], max_batch: int) -> list[GenerationResult]:
+def run_batch(
+    engine: EngineBase, seqs: list[Sequence], max_batch: int, speculator: Speculator | None = None
+) -> list[GenerationResult]:
     """Run `seqs` to completion, at most `max_batch` at once, newcomers joining as slots free up;
     results in the order given."""
-    runner = BatchRunner(engine, max_batch)
+    runner = BatchRunner(engine, max_batch, speculator=speculator)
     waiting = list(seqs)
     try:
         while waiting or runner.active:

@@ -9,6 +9,7 @@ from ..runtime.engine import EngineBase
 from .batching import BatchRunner, Sequence, StepHooks
 from .result import GenerationResult, check_prompt
 from .sampling_params import SamplingParams
+from .speculative import Speculator
 
 
 def generate(
@@ -20,13 +21,15 @@ def generate(
     stop_ids: Iterable[int] = (),
     on_token: Callable[[int], bool | None] | None = None,
     hooks: StepHooks | None = None,
+    speculator: Speculator | None = None,
 ) -> GenerationResult:
     """Generate after `prompt_ids` in a fresh session: the batching loop (batching.BatchRunner) with
     one sequence, in slot 0. `on_token(id)` is called for every new token; returning True stops
-    early (e.g. a stop string matched). `hooks`: calls around every step (batching.StepHooks)."""
+    early (e.g. a stop string matched). `hooks`: calls around every step (batching.StepHooks).
+    `speculator`: speculative decoding (speculative.py), the same tokens in fewer steps."""
     check_prompt(prompt_ids, engine.config.vocab, engine.context, max_new_tokens)
     recovered_before = len(engine.recoveries)
-    runner = BatchRunner(engine, 1, hooks)
+    runner = BatchRunner(engine, 1, hooks, speculator)
     seq = Sequence(list(prompt_ids), max_new_tokens, sampling, stop_ids, on_token)
     runner.add(seq, fresh=True)  # a fresh session: every slot zeroed
     try:

@@ -16,10 +16,11 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop sequence) | "length"
     ttft_s: float
     decode_s: float
-    steps: int  # sharded forward passes run (1 prefill + decode steps)
+    steps: int  # sharded forward passes run (1 prefill + decode steps; with speculation, fewer than tokens)
     text: str = ""
     timing: dict = field(default_factory=dict)
     recoveries: list[dict] = field(default_factory=list)  # epochs opened during this request (a lost worker)
+    speculative: dict | None = None  # speculative.SpecStats.as_dict() when speculating
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -28,14 +28,23 @@ class Sampler:
             self.gen.seed()
 
     def __call__(self, logits_V: torch.Tensor) -> int:
-        p = self.params
+        if self.params.greedy:
+            self.check(logits_V)
+            return int(torch.argmax(logits_V))
+        return int(torch.multinomial(self.probs(logits_V), 1, generator=self.gen))
+
+    def check(self, logits_V: torch.Tensor) -> None:
         if not bool(torch.isfinite(logits_V).all()):
             bad = int((~torch.isfinite(logits_V)).sum())
             raise NonFiniteLogits(
                 f"the logits hold {bad} NaN or infinite value(s) of {logits_V.numel()}: no token is drawn from them"
             )
-        if p.greedy:
-            return int(torch.argmax(logits_V))
+
+    def probs(self, logits_V: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled token is drawn from (temperature, top-k, top-p applied), float64:
+        what speculative decoding's rejection rule compares a draft against (speculative.py)."""
+        self.check(logits_V)
+        p = self.params
         x = logits_V.double()
         logits = (x - x.max()) / p.temperature  # the top entry stays 0, the rest <= 0 (or -inf)
         if p.top_k:
@@ -48,5 +57,12 @@ class Sampler:
             drop = (probs.cumsum(-1) - probs) >= p.top_p
             drop[0] = False
             logits = logits.scatter(0, order[drop], float("-inf"))
-        probs = torch.softmax(logits, -1)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+        return torch.softmax(logits, -1)
+
+    def uniform(self) -> float:
+        """One draw from U[0, 1) off this session's generator (the rejection rule's coin)."""
+        return float(torch.rand((), generator=self.gen, dtype=torch.float64))
+
+    def draw(self, probs_V: torch.Tensor) -> int:
+        """One token from a distribution (float64, summing to 1), off this session's generator."""
+        return int(torch.multinomial(probs_V, 1, generator=self.gen))

@@ -239,6 +239,14 @@ class MaskedEngine(EngineBase):
             for t in self._kv[slot]:
                 t.zero_()
 
+    def _rollback(self, slot: int, keep: int) -> None:
+        """Speculation's rejected positions: zeroed in the client's cache now (the workers hold no KV)."""
+        end = self.slot_pos.get(slot, keep)
+        self.slot_pos[slot] = keep
+        if slot in self._kv:
+            for t in self._kv[slot]:
+                t[:, :, keep:end].zero_()
+
     def kv_abs_max(self, slot: int | None = None) -> float:
         """The largest |value| left in the client's KV cache, of one slot or all (0 after a wipe)."""
         if slot is None:
@@ -293,9 +301,11 @@ class MaskedEngine(EngineBase):
         mask_ranks = [r for g in plan.mask_groups for r in plan.ranks(g)]
         for r in plan.ranks("A"):  # A learns T, nothing else
             self._isend(torch.tensor([int(P.Op.FORWARD), t, 0, 0], dtype=torch.int64), r, P.KIND_CONTROL, "forward")
-        # A mask group learns T, the step (its mask labels) and the next decode step's T (one token per
-        # session of this step; it works ahead for it), which its next T would tell it anyway.
-        word = torch.tensor([int(P.Op.FORWARD), t, len(spans), self.step], dtype=torch.int64)
+        # A mask group learns T, the step (its mask labels) and a guess of the next decode step's T
+        # (one token per session of this step, or as many as a speculating session ran now; it works
+        # ahead for it, and a wrong guess only costs it the work), which its next T tells it anyway.
+        t_next = sum(1 if pos == 0 else n for _, pos, n in spans)
+        word = torch.tensor([int(P.Op.FORWARD), t, t_next, self.step], dtype=torch.int64)
         for r in mask_ranks:
             self._isend(word.clone(), r, P.KIND_CONTROL, "forward")
         # Mask groups stream W_fx r_g layer by layer: post every receive now, wait for each when needed.

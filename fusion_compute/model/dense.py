@@ -109,8 +109,18 @@ class DenseModel:
         w = self.weights[i]
         return lambda name, x: x @ w[name].T
 
-    def forward(self, ids: list[int], pos: int) -> torch.Tensor:
-        """Logits (T, V) for tokens `ids` at positions pos.. (KV cache kept across calls)."""
+    def new_cache(self, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed (K, V) cache of `max_seq` positions, (L, n_kv, S, d) each: one per session when
+        several share the weights (speculative.DraftModelDrafter)."""
+        c = self.config
+        shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], pos: int, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits (T, V) for tokens `ids` at positions pos.. (KV cache kept across calls: the model's
+        own, or `cache` from new_cache)."""
+        k_cache, v_cache = cache if cache is not None else (self.k_cache, self.v_cache)
         t = len(ids)
         cos, sin = rope_tables(self.inv_freq, torch.arange(pos, pos + t))
         mask = causal_mask(pos, t)
@@ -118,9 +128,9 @@ class DenseModel:
         for i in range(self.n_layers):
 
             def kv(k, v, i=i):
-                self.k_cache[i][:, pos : pos + t] = k[0]
-                self.v_cache[i][:, pos : pos + t] = v[0]
-                return self.k_cache[i][None, :, : pos + t], self.v_cache[i][None, :, : pos + t]
+                k_cache[i][:, pos : pos + t] = k[0]
+                v_cache[i][:, pos : pos + t] = v[0]
+                return k_cache[i][None, :, : pos + t], v_cache[i][None, :, : pos + t]
 
             x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
         return rms_norm(x[0], self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)

@@ -248,6 +248,24 @@ class EngineBase(Membership):
                 logits[slot] = out[-len(new[slot]) :] if slot in full else out
         return sum(len(h) for h in self.slot_history.values())
 
+    def rollback(self, slot: int, keep: int) -> None:
+        """A session keeps only its first `keep` tokens (speculative decoding rejected the rest of its
+        last step's columns): its history and position go back to `keep`, so its next step runs at
+        that position. The rejected positions' KV entries are never attended: the attention of a step
+        at position p reads positions < p + T only, and the mode zeroes them (`_rollback`: the
+        structural workers when the next step's span starts below what they hold, the masked client
+        in its own cache now)."""
+        hist = self.slot_history.get(slot)
+        if hist is None or not 0 < keep <= len(hist):
+            raise ValueError(f"cannot roll slot {slot} back to {keep} tokens (it holds {len(hist or ())})")
+        if keep == len(hist):
+            return
+        del hist[keep:]
+        self._rollback(slot, keep)
+
+    def _rollback(self, slot: int, keep: int) -> None:
+        self.slot_pos[slot] = keep
+
     def release(self, slot: int) -> None:
         """One session is over: its KV slot is zeroed on every worker now. Best effort: a worker that
         cannot be told (lost, or the epoch being replaced) zeroes its memory when the next epoch

@@ -121,6 +121,31 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
             body["error"] = why
         return JSON(body, status_code=200 if status == "ok" else 503)
 
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        """Counters in Prometheus' text format, as vLLM's /metrics names them (prefix fusion:);
+        open like /health: counts only, no request's content."""
+        rows = [
+            ("request_success", "counter", "requests answered", scheduler.served),
+            ("num_requests_running", "gauge", "requests decoding now", scheduler.running_requests),
+            ("num_requests_waiting", "gauge", "requests queued", scheduler.waiting),
+            ("recoveries", "counter", "epochs opened after a lost worker", len(gateway.engine.recoveries)),
+        ]
+        spec = gateway.speculator
+        if spec is not None:
+            t = spec.totals
+            rows += [
+                ("spec_decode_num_drafts", "counter", "verification steps that carried drafts", t.num_drafts),
+                ("spec_decode_num_draft_tokens", "counter", "draft tokens proposed", t.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "counter", "draft tokens accepted", t.num_accepted_tokens),
+            ]
+        label = card.id.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # the format's escapes
+        text = ""
+        for name, kind, what, value in rows:
+            full = f"fusion:{name}" + ("_total" if kind == "counter" else "")
+            text += f'# HELP {full} {what}\n# TYPE {full} {kind}\n{full}{{model_name="{label}"}} {value}\n'
+        return Response(text, media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models() -> JSON:
         return JSON({"object": "list", "data": [model_object()]})

@@ -259,6 +259,7 @@ class Outcome:
     steps: int
     timing: dict
     recoveries: list[dict] = field(default_factory=list)  # epochs opened while it ran (a worker lost)
+    speculative: dict | None = None  # speculative decoding's counters for this request
 
     def usage(self) -> dict:
         return {
@@ -312,18 +313,20 @@ class Answer:
                 "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
             },
             recoveries=res.recoveries,
+            speculative=res.speculative,
         )
 
 
 class Gateway:
     """The client role behind the API: one engine and its tokenizer."""
 
-    def __init__(self, engine: Any, card: ModelCard):
+    def __init__(self, engine: Any, card: ModelCard, speculator: Any = None):
         self.engine = engine
         self.card = card
+        self.speculator = speculator  # generation.speculative.Speculator, or None
         self.n_workers = engine.plan.n
         self.fingerprint = engine.plan.fingerprint()
-        self.masked = getattr(engine.plan, "n_a", None) is not None  # masked.plan.MaskedPlan
+        self.masked = engine.mode == "masked"
 
     def run(self, req: Request, emit: Callable[[str], None], cancelled: Callable[[], bool] = lambda: False) -> Outcome:
         """Generate for `req` in a fresh session; `emit(text)` gets each new piece of the answer."""
@@ -337,6 +340,7 @@ class Gateway:
             sampling=req.sampling,
             stop_ids=self.card.eos_ids,
             on_token=gen.on_token,
+            speculator=self.speculator,
         )
         return gen.outcome(res)
 
@@ -354,6 +358,8 @@ class Gateway:
             "plan": self.engine.plan.fingerprint(),
             "protected": ["residual", "qkv", "mlp_activations", "kv_cache"],
         }
+        if outcome is not None and outcome.speculative is not None:
+            common["speculative"] = outcome.speculative
         if outcome is not None and outcome.recoveries:
             common["recovered"] = [
                 {k: r.get(k) for k in ("epoch", "lost", "order", "reason", "epoch_s", "replay_s")}
@@ -405,7 +411,7 @@ def model_id(path: Any) -> str:
 def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[Gateway, Any]:
     """Engine + tokenizer + card from `fusion serve|chat` arguments (spawns or admits workers).
     Returns (gateway, topology or None). Bad arguments raise before any worker starts."""
-    from ..cli.options import engine_options, tokenizer_for
+    from ..cli.options import engine_options, speculative_config, speculator_for, tokenizer_for
     from ..errors import UsageError
     from ..runtime.engine_options import effective_context
     from ..runtime.progress import is_tty, load_monitor, log_startup
@@ -417,12 +423,14 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
     max_tokens = getattr(a, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    spec = speculative_config(a)
     path = resolve_model_path(a.model)
     src = open_weights(path)
     tok = tokenizer_for(path, src, needed=True)
     if tok is None:
         raise UsageError(f"{path}: no tokenizer, which serving text needs")
     context = effective_context(src.config.max_positions, a.context)
+    speculator = speculator_for(spec, src.config, context)  # the draft model loads before any worker starts
     if masked:
         from ..masked.client import MaskedEngine
 
@@ -444,4 +452,4 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
         default_max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
         max_token_bytes=longest_token_bytes(tok),
     )
-    return Gateway(engine, card), opts.topology
+    return Gateway(engine, card, speculator), opts.topology

@@ -66,7 +66,8 @@ class Scheduler:
         self.served = 0
         from ..generation.batching import BatchRunner
 
-        self.runner = BatchRunner(gateway.engine, max_batch)  # refused here, not in the engine thread
+        # refused here, not in the engine thread
+        self.runner = BatchRunner(gateway.engine, max_batch, speculator=gateway.speculator)
         self._logged_epochs: set[int] = set()
         self._thread = threading.Thread(target=self._loop, name="fusion-engine", daemon=True)
         self._thread.start()

@@ -116,6 +116,7 @@ class MegatronModel(ShardedModel):
         ]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
+        self.lengths: list[int] = []
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         step = self._step(spans)

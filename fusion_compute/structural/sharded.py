@@ -91,6 +91,7 @@ class ShardedModel:
         ]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
+        self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
         self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
 
     def attach_audit(self, audit) -> None:
@@ -102,6 +103,7 @@ class ShardedModel:
         zeroed in place (and replaced only when the size changes), so no earlier session's keys or
         values stay in memory."""
         self.wipe()
+        self.lengths = [0] * slots
         if (max_seq, slots) != (self.max_seq, self.n_slots):
             self.max_seq, self.n_slots = max_seq, slots
             for layer in self.layers:
@@ -115,6 +117,33 @@ class ShardedModel:
             for cache in layer.caches:
                 for t in (cache.k, cache.v):
                     (t if slot is None else t[slot]).zero_()
+        if slot is None:
+            self.lengths = [0] * len(self.lengths)
+        elif slot < len(self.lengths):
+            self.lengths[slot] = 0
+
+    def roll_back(self, spans: list[Span]) -> list[tuple[int, int, int, bool]]:
+        """Before a step: a span that starts below what its slot holds re-runs those positions
+        (speculative decoding rejected them): the slot's positions from there on are zeroed first,
+        so a rejected key or value is never attended, nor kept. Returns (slot, held, pos, zeroed)
+        per rollback, zeroed measured (the audit's rollback record)."""
+        out = []
+        for s in spans:
+            if s.slot < len(self.lengths) and s.pos < self.lengths[s.slot]:
+                held = self.lengths[s.slot]
+                for layer in self.layers:
+                    for cache in layer.caches:
+                        cache.k[s.slot, :, s.pos : held].zero_()
+                        cache.v[s.slot, :, s.pos : held].zero_()
+                self.lengths[s.slot] = s.pos
+                zeroed = not any(
+                    bool(t[s.slot, :, s.pos :].any())
+                    for layer in self.layers
+                    for cache in layer.caches
+                    for t in (cache.k, cache.v)
+                )
+                out.append((s.slot, held, s.pos, zeroed))
+        return out
 
     def kv_abs_max(self, slot: int | None = None) -> float:
         """Largest |value| left in the KV shards, or in one slot's (0 after a wipe): hygiene tests
@@ -135,6 +164,8 @@ class ShardedModel:
                 raise ValueError(f"position {s.pos + s.t} beyond the session's KV capacity {self.max_seq}")
             if s.slot >= self.n_slots:
                 raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
+        for s in spans:
+            self.lengths[s.slot] = max(self.lengths[s.slot], s.pos + s.t)
         return make_step(spans, self.inv_freq)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:

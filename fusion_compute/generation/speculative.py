@@ -1,0 +1,259 @@
+"""Speculative decoding on the user's side: drafts proposed on the client, verified by one sharded
+forward, accepted so that the output is the target model's exactly.
+
+Across a wide-area boundary a decode step costs 4 sequential exchanges per layer whatever its width,
+so a step that carries the last token plus K proposals costs about what one token does, and every
+accepted proposal is a step saved. The loop (batching.BatchRunner) asks each session's drafter for
+up to K tokens, runs [last, d1..dK] in that session's KV slot with every column's logits, and keeps:
+
+  greedy    the longest prefix of the drafts that equals the target's argmax, then the target's own
+            token at the first mismatch (or after the last draft): exactly the tokens greedy
+            decoding would give, one per column
+  sampled   the rejection rule of Leviathan et al. 2023 / Chen et al. 2023 with the drafter's
+            proposal q a point mass (both drafters propose deterministically): draft d is kept with
+            probability p(d), else the token is drawn from p with d removed, renormalised
+            ((p - q)+); after the last kept draft one token is drawn from p. Each emitted token is
+            then distributed as p given the tokens before it, as without speculation.
+
+p is the target's distribution after temperature, top-k and top-p (sampling.Sampler.probs). The
+rejected columns' KV entries are rolled back (engine.rollback): the next step starts at the first
+rejected position, and a worker zeroes the stale positions before writing there (structural
+worker), or the client zeroes its own cache (masked mode). Nothing rejected is ever attended.
+
+Drafters (one per session):
+  NgramDrafter       prompt lookup: the longest n-gram that ends the session's tokens (prompt
+                     included) found earlier in them; proposes what followed its latest occurrence
+                     that has K tokens after it (or the most it finds)
+  DraftModelDrafter  a small model of the same vocabulary on the client (the dense twin), greedy,
+                     with its own KV cache per session, rolled back to the common prefix each step
+
+DraftLength adapts K per session: longer after a fully accepted step, shorter after a miss, and no
+drafts at all (for a growing number of steps) while acceptance stays low, so a session whose
+drafts do not pay costs only plain decode steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UsageError
+from .sampling import Sampler
+from .speculative_config import SpeculativeConfig
+
+# DraftLength's low-acceptance pause: over the last WINDOW verifications, fewer than MIN_GAIN accepted
+# tokens per verification stops drafting for PAUSE_STEPS steps, doubling (to PAUSE_MAX) each time it
+# stops again without a verification that paid in between.
+WINDOW = 6
+MIN_GAIN = 0.5
+PAUSE_STEPS = 8
+PAUSE_MAX = 128
+
+
+def verify(sampler: Sampler, logits_TV: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
+    """The tokens one verification emits and how many drafts it accepted. logits_TV: the target's
+    logits at [last, d1..dK], (K + 1, V); row i scores the token after column i."""
+    out: list[int] = []
+    greedy = sampler.params.greedy
+    for i, d in enumerate(drafts):
+        if greedy:
+            t = sampler(logits_TV[i])
+            if t != d:
+                return out + [t], i
+        else:
+            p = sampler.probs(logits_TV[i])
+            if not sampler.uniform() < float(p[d]):  # rejected: draw from (p - q)+, q the point mass at d
+                p = p.clone()
+                p[d] = 0.0
+                return out + [sampler.draw(p / p.sum())], i
+        out.append(d)
+    return out + [sampler(logits_TV[len(drafts)])], len(drafts)
+
+
+class DraftLength:
+    """How many tokens a session drafts at its next step (0: none), from what its last steps accepted.
+    Not adaptive: always the most allowed."""
+
+    def __init__(self, k_max: int, adaptive: bool = True):
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.k = k_max
+        self.recent: deque[int] = deque(maxlen=WINDOW)  # accepted tokens of the last verifications
+        self.paused = 0  # steps left without drafting
+        self.pause = PAUSE_STEPS
+
+    def next(self) -> int:
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)  # transformers' heuristic
+        self.recent.append(accepted)
+        if accepted:
+            self.pause = PAUSE_STEPS
+        if len(self.recent) == WINDOW and sum(self.recent) < MIN_GAIN * WINDOW:
+            self.paused, self.pause = self.pause, min(PAUSE_MAX, 2 * self.pause)
+            self.recent.clear()
+            self.k = 1  # after a pause, probe with one draft
+
+
+@dataclass
+class SpecStats:
+    """vLLM's counters: verification steps that carried drafts, drafts proposed, drafts accepted."""
+
+    method: str
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.num_drafts += 1
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+
+    def as_dict(self) -> dict:
+        mal = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None  # vLLM's definition
+        return {
+            "method": self.method,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": None if mal is None else round(mal, 4),
+        }
+
+
+class NgramDrafter:
+    """Prompt lookup: find the longest n-gram (prompt_lookup_max down to _min tokens) ending the
+    session's tokens that also occurs earlier, and propose the tokens that followed its latest
+    earlier occurrence with K tokens after it (else the one with the most). Keeps an index of
+    positions per token, grown as the session grows."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}  # token -> its positions in self.tokens, ascending
+
+    def _sync(self, tokens: list[int]) -> None:
+        keep = 0
+        limit = min(len(tokens), len(self.tokens))
+        while keep < limit and tokens[keep] == self.tokens[keep]:
+            keep += 1
+        for j in range(len(self.tokens) - 1, keep - 1, -1):  # what changed since the last call is re-indexed
+            self.where[self.tokens[j]].pop()
+        self.tokens = list(tokens)
+        for j in range(keep, len(tokens)):
+            self.where.setdefault(tokens[j], []).append(j)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        self._sync(tokens)
+        n_tok = len(tokens)
+        if k < 1 or n_tok < self.n_min + 1:
+            return []
+        for n in range(min(self.n_max, n_tok - 1), self.n_min - 1, -1):
+            suffix = tokens[n_tok - n :]
+            best: list[int] = []
+            for j in reversed(self.where.get(tokens[-1], ())):  # j: where an earlier copy would end
+                if j >= n_tok - 1 or j < n - 1:
+                    continue
+                if tokens[j - n + 1 : j + 1] == suffix:
+                    follow = tokens[j + 1 : j + 1 + k]  # a copy just before the end has few tokens after it
+                    if len(follow) > len(best):
+                        best = follow
+                    if len(best) == k:
+                        break
+            if best:
+                return best
+        return []
+
+    def close(self) -> None:
+        self.tokens, self.where = [], {}
+
+
+class DraftModelDrafter:
+    """A draft model's greedy proposals for one session, over the session's own KV cache of the draft
+    model (the tokens it holds are `seen`; a step re-runs from the first one that changed)."""
+
+    def __init__(self, model, max_seq: int):
+        self.model = model
+        self.max_seq = max_seq
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seen: list[int] = []
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k < 1:
+            return []
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_seq)
+        keep = 0
+        limit = min(len(tokens) - 1, len(self.seen))  # the last token always runs: its logits propose
+        while keep < limit and tokens[keep] == self.seen[keep]:
+            keep += 1
+        logits = self.model.forward(tokens[keep:], keep, self.cache)[-1]
+        self.seen = list(tokens)
+        drafts: list[int] = []
+        while True:
+            drafts.append(int(torch.argmax(logits)))
+            if len(drafts) == k or len(self.seen) >= self.max_seq:
+                return drafts
+            logits = self.model.forward(drafts[-1:], len(self.seen), self.cache)[-1]
+            self.seen.append(drafts[-1])
+
+    def close(self) -> None:
+        if self.cache is not None:  # the user's own tokens' keys and values: zeroed, not left behind
+            for t in self.cache:
+                t.zero_()
+        self.seen = []
+
+
+class Speculator:
+    """One job's speculative decoding: its config, the draft model (loaded once, shared by every
+    session), a drafter and a draft length per session, and the counters of the whole job."""
+
+    def __init__(self, config: SpeculativeConfig, target_vocab: int, context: int, draft_model=None):
+        """`draft_model`: an already loaded DenseModel (tests); else config.draft_model is loaded."""
+        config.check_context(context)
+        self.config = config
+        self.context = context
+        self.model = None
+        if config.method == "draft_model":
+            self.model = draft_model if draft_model is not None else load_draft_model(config.draft_model, target_vocab)
+            check_vocab(self.model.config.vocab, target_vocab)
+        self.totals = SpecStats(config.method)
+
+    def drafter(self) -> NgramDrafter | DraftModelDrafter:
+        if self.model is not None:
+            return DraftModelDrafter(self.model, self.context)
+        return NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def length(self) -> DraftLength:
+        return DraftLength(self.config.num_speculative_tokens, self.config.adaptive)
+
+
+def check_vocab(draft_vocab: int, target_vocab: int) -> None:
+    if draft_vocab != target_vocab:
+        raise UsageError(
+            f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
+            "its proposals could not be verified"
+        )
+
+
+def load_draft_model(path: str | None, target_vocab: int):
+    """The dense twin of the draft model, checked against the target's vocabulary before its weights load."""
+    from ..model.dense import DenseModel
+    from ..weights.loader import open_weights, resolve_model_path
+
+    src = open_weights(resolve_model_path(path))
+    check_vocab(src.config.vocab, target_vocab)
+    return DenseModel(src, max_seq=1)  # its own cache is unused: every session keeps one (new_cache)
