@@ -1,0 +1,370 @@
+"""Speculative decoding (issue 23): the same tokens in fewer sharded forwards.
+
+Greedy: tokens with speculation must equal tokens without it and HF transformers' (tiny random
+Qwen2 and Llama models, structural N = 2 and 3, masked 1+1, single sessions and batches), whatever
+the drafter proposes: n-gram drafts (accepted and rejected), a draft model that always hits (the
+target itself) and one that always misses (a model whose every proposal is token 0). Sampled: the
+rejection rule keeps the target's distribution exactly (a chi-square test against the exact
+distribution, with its false-failure rate stated; a wrong rule makes it fail).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusion_compute.generation import batching
+from fusion_compute.generation.batching import Sequence, run_batch
+from fusion_compute.generation.generate import generate
+from fusion_compute.generation.sampling import Sampler
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.generation.speculative import DraftLength, NgramDrafter, Speculator, verify
+from fusion_compute.generation.speculative_config import SpeculativeConfig, SpeculativeError, from_flags
+from fusion_compute.model import reference
+from fusion_compute.model.dense import DenseModel
+from fusion_compute.structural.client import Engine, EngineOptions
+from fusion_compute.weights.loader import open_weights
+
+GREEDY = SamplingParams()
+# A prompt whose n-grams recur with other continuations than the model's: drafts get rejected and accepted
+PROMPTS = [[5, 17, 33, 2, 99, 5, 17, 33, 2, 99, 5, 17], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8, 60, 7, 8]]
+NEW = 24
+
+
+def ngram(k: int = 4, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig("ngram", k, prompt_lookup_min=kw.pop("n_min", 1), **kw)
+
+
+def draft_cfg(path: Path, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig("draft_model", k, draft_model=str(path))
+
+
+@pytest.fixture(scope="module")
+def zero_draft(tmp_path_factory, tiny_llama) -> Path:
+    """A draft model of tiny_llama's vocabulary whose final norm is all zeros: every logit is 0, so
+    its proposal is always token 0 (argmax's first index), which the target never produces here."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import build
+
+    path = build(tmp_path_factory.mktemp("zero-draft"), "llama", seed=9)
+    f = next(path.glob("*.safetensors"))
+    state = load_file(f)
+    state["model.norm.weight"] = torch.zeros_like(state["model.norm.weight"])
+    save_file(state, f, metadata={"format": "pt"})
+    return path
+
+
+# ---- the parts, without processes ----
+
+
+def test_ngram_drafter_proposes_what_followed_the_longest_latest_match():
+    d = NgramDrafter(1, 3)
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # 3-gram [1,2,3]: latest copy with 2 after it
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 4) == [7, 1, 2, 3]
+    assert d.propose([4, 5, 6], 3) == []  # nothing recurs
+    assert d.propose([4, 5, 6, 5], 3) == [6, 5]  # a 1-gram, with what followed it
+    assert NgramDrafter(2, 3).propose([4, 5, 6, 5], 3) == []  # ... unless 2-grams at least
+    # the index follows a session that was rolled back and went another way
+    d2 = NgramDrafter(1, 2)
+    assert d2.propose([1, 2, 1], 2) == [2, 1]
+    assert d2.propose([1, 2, 3, 2], 2) == [3, 2]
+    assert d2.tokens == [1, 2, 3, 2] and d2.where == {1: [0], 2: [1, 3], 3: [2]}
+
+
+def test_greedy_verify_keeps_the_matching_prefix_and_the_targets_next_token():
+    logits = torch.full((4, 10), -1.0)
+    for row, tok in enumerate([3, 5, 8, 2]):
+        logits[row, tok] = 1.0
+    s = Sampler(GREEDY)
+    assert verify(s, logits, [3, 5, 8]) == ([3, 5, 8, 2], 3)  # every draft accepted, plus the bonus token
+    assert verify(s, logits, [3, 6, 8]) == ([3, 5], 1)  # the first miss: the target's own token there
+    assert verify(s, logits, [4, 5, 8]) == ([3], 0)
+
+
+def test_draft_length_adapts_and_pauses_while_drafts_do_not_pay():
+    from fusion_compute.generation import speculative as S
+
+    n = DraftLength(6)
+    assert n.next() == 6
+    n.update(6, 2)  # a miss: shorter
+    assert n.next() == 5
+    n.update(5, 5)  # all accepted: longer, up to the most allowed
+    assert n.next() == 6
+    for _ in range(S.WINDOW):  # a window of verifications that gained nothing: drafting pauses
+        n.update(n.next(), 0)
+    assert [n.next() for _ in range(S.PAUSE_STEPS)] == [0] * S.PAUSE_STEPS
+    assert n.next() == 1  # then probes with one draft
+    for _ in range(S.WINDOW):  # nothing again: a pause twice as long
+        n.update(n.next() or 1, 0)
+    assert [n.next() for _ in range(2 * S.PAUSE_STEPS)] == [0] * (2 * S.PAUSE_STEPS) and n.next() == 1
+    fixed = DraftLength(4, adaptive=False)
+    for _ in range(10):
+        fixed.update(4, 0)
+    assert fixed.next() == 4
+
+
+def test_config_refuses_bad_values():
+    for kw, needle in [
+        ({"method": "eagle"}, "unknown speculative method"),
+        ({"num_speculative_tokens": 0}, r"\[1, 64\]"),
+        ({"method": "draft_model"}, "needs --draft-model"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "min <= max"),
+    ]:
+        with pytest.raises(SpeculativeError, match=needle):
+            SpeculativeConfig(**kw)
+    with pytest.raises(SpeculativeError, match="does not fit the context"):
+        SpeculativeConfig(num_speculative_tokens=8).check_context(8)
+    with pytest.raises(SpeculativeError, match="needs --speculative"):
+        from_flags(None, None, 3)
+    assert from_flags(None, None, None) is None
+    assert from_flags(None, "/x", None) == SpeculativeConfig("draft_model", draft_model="/x")
+
+
+# Exactness of the rejection rule: the chi-square statistic of N draws against the exact
+# distribution over C cells is below the 1 - ALPHA quantile with probability 1 - ALPHA when the rule is
+# right. ALPHA = 1e-4: a correct rule fails this test once in 10,000 runs.
+ALPHA = 1e-4
+
+
+def chi2_quantile(dof: int, alpha: float) -> float:
+    """The upper alpha quantile of chi-square(dof), by Wilson-Hilferty (within 1 % for dof >= 3)."""
+    z = -_norm_ppf(alpha)
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _norm_ppf(p: float) -> float:
+    lo, hi = -10.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * math.erfc(-mid / math.sqrt(2)) < p:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampled_verify_keeps_the_target_distribution():
+    """Verifications of drafts [d1, d2] against fixed target distributions (p1 for the first token,
+    p2 for every later one): the first two tokens are distributed as p1 x p2 (draws from a seeded
+    generator); a rule that keeps every draft is far off. 20,000 draws over 12 cells."""
+    p1 = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    p2 = torch.tensor([0.2, 0.6, 0.2])
+    logits = torch.full((3, 4), -1e4)  # exp(-1e4) underflows to 0: a token the target never draws
+    logits[0] = p1.log()
+    logits[1, :3] = p2.log()
+    logits[2, :3] = p2.log()
+    exact = (p1[:, None] * p2[None, :]).reshape(-1)
+    runs = 20_000
+
+    def tally(rule) -> torch.Tensor:
+        s = Sampler(SamplingParams(temperature=1.0, seed=7))
+        counts = torch.zeros(12, dtype=torch.float64)
+        for _ in range(runs):
+            out, _ = rule(s, logits, [1, 1])
+            if len(out) == 1:  # d1 rejected: the next step draws the second token (from p2 here too)
+                out.append(s(logits[1]))
+            counts[out[0] * 3 + out[1]] += 1
+        return counts
+
+    bound = chi2_quantile(11, ALPHA)
+    assert chi2(tally(verify), exact) < bound
+
+    def keep_every_draft(s, lg, drafts):
+        return drafts + [s(lg[len(drafts)])], len(drafts)
+
+    assert chi2(tally(keep_every_draft), exact) > 10 * bound  # the test can fail
+
+
+# ---- against the workers ----
+
+
+def runs(eng, prompts, spec: Speculator | None, sampling=GREEDY, new=NEW):
+    return [generate(eng, p, max_new_tokens=new, sampling=sampling, speculator=spec) for p in prompts]
+
+
+@pytest.mark.parametrize("arch,n", [("qwen2", 3), ("llama", 2)])
+def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_qwen2, tiny_llama, zero_draft):
+    """n-gram drafts (accepted and rejected: rollbacks), the target itself as draft model (every
+    draft accepted) and, on llama, a draft model that always misses: every session's tokens equal
+    greedy decoding's and transformers'. qwen2 at N = 3 splits a KV group across workers."""
+    model = tiny_qwen2 if arch == "qwen2" else tiny_llama
+    ref = reference.load_reference(model)
+    want = [reference.greedy(ref, p, NEW) for p in PROMPTS]
+    with Engine(model, EngineOptions(n_workers=n, timeout_s=60, context=96)) as eng:
+        plain = runs(eng, PROMPTS, None)
+        assert [r.token_ids for r in plain] == want
+        assert all(r.steps == NEW and r.speculative is None for r in plain)
+        v = eng.config.vocab
+        ng = Speculator(ngram(), v, eng.context)
+        with_ngram = runs(eng, PROMPTS, ng)
+        assert [r.token_ids for r in with_ngram] == want
+        t = ng.totals
+        assert 0 < t.num_accepted_tokens < t.num_draft_tokens, t  # both paths ran: accepted and rolled back
+        assert sum(r.steps for r in with_ngram) < sum(r.steps for r in plain)
+        for r in with_ngram:  # vLLM's definition, per request
+            s = r.speculative
+            assert s["method"] == "ngram" and r.steps + s["num_accepted_tokens"] == len(r.token_ids)
+        hit = Speculator(draft_cfg(model), v, eng.context, draft_model=DenseModel(open_weights(model), max_seq=1))
+        with_hit = runs(eng, PROMPTS, hit)
+        assert [r.token_ids for r in with_hit] == want
+        assert hit.totals.num_accepted_tokens == hit.totals.num_draft_tokens > 0  # the target drafting itself
+        assert sum(r.steps for r in with_hit) <= sum(r.steps for r in plain) // 2
+        if arch == "llama":
+            miss = Speculator(draft_cfg(zero_draft), v, eng.context)
+            assert 0 not in {t for w in want for t in w}
+            with_miss = runs(eng, PROMPTS, miss)
+            assert [r.token_ids for r in with_miss] == want
+            assert miss.totals.num_accepted_tokens == 0 < miss.totals.num_drafts
+        assert eng.slot_history == {} and eng.kv_probe() == [0.0] * n  # released and zeroed
+
+
+def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
+    """Sessions decoding together, each with its own drafter, verification columns of different
+    widths in one step, newcomers joining: every session's tokens are its tokens alone; sampled
+    sessions keep their own seeded generators (their tokens alone with speculation)."""
+    prompts = PROMPTS + [[40, 41, 42, 40, 41], [9] * 6]
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.8, top_k=20, seed=5 + i) for i in range(2)]
+    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
+        spec = Speculator(ngram(), eng.config.vocab, eng.context)
+        alone = [
+            generate(eng, p, max_new_tokens=NEW, sampling=s).token_ids for p, s in zip(prompts, params, strict=True)
+        ]
+        alone_spec = [
+            generate(eng, p, max_new_tokens=NEW, sampling=s, speculator=spec).token_ids
+            for p, s in zip(prompts, params, strict=True)
+        ]
+        assert alone_spec[:3] == alone[:3]  # greedy: the same tokens
+        seqs = [Sequence(p, NEW, s) for p, s in zip(prompts, params, strict=True)]
+        batched = run_batch(eng, seqs, 3, speculator=spec)
+        assert [r.token_ids for r in batched] == alone_spec
+        assert sum(r.speculative["num_accepted_tokens"] for r in batched) > 0
+        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]
+
+
+def test_masked_mode_speculation_equals_greedy(tiny_qwen2):
+    """Masked 1+1: the client rolls its own KV cache back (zeroed) and the products of a
+    verification step are checked like any other; tokens equal greedy decoding's."""
+    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+
+    with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=96)) as eng:
+        plain = runs(eng, PROMPTS[:2], None)
+        spec = Speculator(ngram(), eng.config.vocab, eng.context)
+        got = runs(eng, PROMPTS[:2], spec)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+        assert 0 < spec.totals.num_accepted_tokens < spec.totals.num_draft_tokens
+        assert eng.verifier.failures == 0 and eng.kv_abs_max() == 0.0
+
+
+def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
+    """Temperature 1, top-k 3 on the tiny Llama: the first three tokens of 480 seeded sessions
+    with speculation (the target as draft model: its argmax proposals are accepted with p(d) and
+    resampled from (p - q)+ otherwise, both paths) follow the exact joint distribution of the three
+    tokens computed from the dense twin (27 cells); so do sessions without speculation. A rule
+    that keeps every draft fails. False-failure rate: ALPHA = 1e-4 per chi-square check."""
+    params = lambda i: SamplingParams(temperature=1.0, top_k=3, seed=1000 + i)  # noqa: E731
+    prompt = [5, 17, 33, 2]
+    dense = DenseModel(open_weights(tiny_llama), max_seq=16)
+    sampler = Sampler(params(0))
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        return sampler.probs(dense.forward(prefix, 0)[-1])
+
+    exact: dict[tuple[int, ...], float] = {}
+    p1 = dist(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = dist(prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = dist(prompt + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-9
+    cells = sorted(exact)
+    probs = torch.tensor([exact[c] for c in cells], dtype=torch.float64)
+    n_runs = 480
+
+    def sample(spec, runs: int = n_runs) -> torch.Tensor:
+        seqs = [Sequence(prompt, 3, params(i)) for i in range(runs)]
+        results = run_batch(eng, seqs, 16, speculator=spec)
+        counts = torch.zeros(len(cells), dtype=torch.float64)
+        for r in results:
+            counts[cells.index(tuple(r.token_ids))] += 1
+        return counts
+
+    bound = chi2_quantile(len(cells) - 1, ALPHA)
+    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=32)) as eng:
+        target = DenseModel(open_weights(tiny_llama), max_seq=1)
+        spec = Speculator(draft_cfg(tiny_llama, k=2), eng.config.vocab, eng.context, draft_model=target)
+        assert chi2(sample(None), probs) < bound
+        assert chi2(sample(spec), probs) < bound
+        t = spec.totals
+        assert 0 < t.num_accepted_tokens < t.num_draft_tokens  # accepted and resampled, both
+        real = batching.verify
+        batching.verify = lambda s, lg, d: (d + [s(lg[len(d)])], len(d))  # a wrong rule: keep every draft
+        try:
+            wrong = sample(
+                Speculator(draft_cfg(tiny_llama, k=2), eng.config.vocab, eng.context, draft_model=target), 160
+            )
+        finally:
+            batching.verify = real
+        assert chi2(wrong, probs) > bound  # the test can fail
+
+
+# ---- the command line ----
+
+
+def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_llama, tmp_path):
+    """One line on stderr and exit 2, in about the time it takes to read the model's header."""
+    base = [sys.executable, "-m", "fusion_compute", "generate", "--prompt-ids", "1,2,3", "--workers", "2"]
+    cases = [
+        (["--model", str(tiny_qwen2), "--speculative", "ngram", "--num-speculative-tokens", "0"], r"\[1, 64\]"),
+        (["--model", str(tiny_qwen2), "--speculative", "medusa"], "unknown speculative method"),
+        (["--model", str(tiny_qwen2), "--num-speculative-tokens", "3"], "needs --speculative"),
+        (["--model", str(tiny_qwen2), "--draft-model", str(tmp_path / "nope")], "--draft-model: model not found"),
+        (["--model", str(tiny_qwen2), "--draft-model", str(tiny_llama)], "vocabulary .300 tokens. differs"),
+        (
+            ["--model", str(tiny_qwen2), "--context", "8", "--speculative", "ngram", "--num-speculative-tokens", "8"],
+            "does not fit the context of 8",
+        ),
+    ]
+    import re
+
+    for args, needle in cases:
+        out = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, (args, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and re.search(needle, lines[0]), (args, out.stderr)
+        assert "worker" not in out.stderr.lower(), out.stderr  # refused before any worker started
+
+
+def test_cli_json_reports_the_speculative_counters(tiny_llama):
+    import json
+
+    args = ["--model", str(tiny_llama), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "16"]
+    cmd = [sys.executable, "-m", "fusion_compute", "generate", "--workers", "2", "--json", *args]
+    plain = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=True).stdout)
+    spec = json.loads(
+        subprocess.run(
+            cmd + ["--speculative", "ngram", "--num-speculative-tokens", "3"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=True,
+        ).stdout
+    )
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["speculative"]
+    assert set(s) == {"method", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length"}
+    assert s["method"] == "ngram" and s["num_draft_tokens"] <= 3 * s["num_drafts"]
+    assert spec["steps"] + s["num_accepted_tokens"] == len(spec["token_ids"]) and spec["steps"] < plain["steps"]
+    assert s["mean_acceptance_length"] == round(1 + s["num_accepted_tokens"] / s["num_drafts"], 4)
+    assert "speculative" not in plain
