@@ -64,7 +64,7 @@ def install_leak(model, spec: str) -> Leak:
     leak = parse_leak(spec, len(model.layers))
     comm = model.comm
     if leak.kind == "rs-allreduce":
-        comm.reduce_scatter_impl = "allreduce"
+        arm_allreduce(comm)
         return leak
     if leak.kind == "keep-slots":
         wipe = model.wipe
@@ -93,3 +93,33 @@ def install_leak(model, spec: str) -> Leak:
 
     model.leak = gather
     return leak
+
+
+def arm_allreduce(comm) -> None:
+    """Make this Comm's reduce-scatters all-reduces in disguise (rs-allreduce): every peer gets the
+    whole partial, while the event records only the addressed rows (a lie the socket counters catch).
+    Composed onto the instance at start-up, so the honest Comm carries no branch for it."""
+    import torch
+
+    honest = comm.reduce_scatter
+
+    def leaky(send, sizes, op):
+        if len(sizes) == 1 or comm.fabric is not None:
+            return honest(send, sizes, op)
+        me, n, t = comm.rank - 1, len(sizes), send.shape[1]
+        for q in range(n):
+            if q != me:
+                comm._put(q + 1, send)
+        stack = torch.empty((n, sum(sizes), t), dtype=send.dtype)
+        stack[me] = send
+        for q in range(n):
+            if q != me:
+                comm._get(q + 1, stack[q], op)
+        comm._emit("reduce_scatter", op, *comm._rs_counts(sizes, t))  # records only the addressed rows
+        a = sum(sizes[:me])
+        return stack.sum(0)[a : a + sizes[me]].contiguous()
+
+    comm.reduce_scatter = leaky
+    comm.reduce_scatter_from = lambda chunk, sizes, op: leaky(
+        torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op
+    )

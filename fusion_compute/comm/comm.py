@@ -107,8 +107,6 @@ class Comm:
             for g, owners in enumerate(score_groups)
             if len(owners) > 1 and rank - 1 in owners
         }
-        # audit negative control (audit/inject.py): "all_to_all" (correct) or "allreduce" (leaky)
-        self.reduce_scatter_impl = "all_to_all"
         self._posted: dict[int, collections.deque[_Posted]] = collections.defaultdict(collections.deque)
 
     # ---- wire ----
@@ -175,8 +173,6 @@ class Comm:
             out = self.fabric.reduce_scatter(send, sizes)
             self._emit("reduce_scatter", op, sent, received)
             return out
-        if self.reduce_scatter_impl == "allreduce":  # NEGATIVE CONTROL: every peer gets the whole partial
-            return self._leaky_reduce_scatter(send, sizes, op, sent, received)
         chunks = send.split(list(sizes))  # contiguous row blocks of a row-major (R, T) partial
         return self._scatter_blocks(lambda q: chunks[q], sizes, op)
 
@@ -185,10 +181,10 @@ class Comm:
         rows addressed to worker q (0-based). On the links each peer's block is sent as soon as it is
         computed, starting with the next rank's, and this worker's own block is computed while they
         travel: the exchange overlaps the product (measured: docs/performance.md). A fabric that has its
-        own `reduce_scatter_from` (MPI) does the same on its point-to-point messages; on the others, or
-        under the audit's negative control, the whole partial is made first."""
+        own `reduce_scatter_from` (MPI) does the same on its point-to-point messages; on the others the
+        whole partial is made first."""
         fabric_from = getattr(self.fabric, "reduce_scatter_from", None)
-        if len(sizes) == 1 or self.reduce_scatter_impl != "all_to_all" or (self.fabric is not None and not fabric_from):
+        if len(sizes) == 1 or (self.fabric is not None and not fabric_from):
             return self.reduce_scatter(torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op)
         if fabric_from is None:
             return self._scatter_blocks(chunk, sizes, op)
@@ -215,20 +211,6 @@ class Comm:
             self._get(q, stack[q - 1], op)
         self._emit("reduce_scatter", op, sent, received)
         return stack.sum(0)
-
-    def _leaky_reduce_scatter(self, send, sizes, op, sent, received) -> torch.Tensor:
-        me, n, t = self.rank - 1, len(sizes), send.shape[1]
-        for q in range(n):
-            if q != me:
-                self._put(q + 1, send)
-        stack = torch.empty((n, sum(sizes), t), dtype=send.dtype)
-        stack[me] = send
-        for q in range(n):
-            if q != me:
-                self._get(q + 1, stack[q], op)
-        self._emit("reduce_scatter", op, sent, received)  # records only the addressed rows: a lie
-        a = sum(sizes[:me])
-        return stack.sum(0)[a : a + sizes[me]].contiguous()
 
     def sum_scores(self, scores: torch.Tensor, group: int, op: str) -> torch.Tensor:
         """In-place sum of partial attention scores among the owners of one split KV group."""
