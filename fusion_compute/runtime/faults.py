@@ -36,6 +36,7 @@ set down in a namespace): tests/test_faults.py.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from ..errors import UsageError
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
 COMM_FAULTS = ("cut-peer", "slow-rs")
+SEND_FAULTS = ("close-mid-message", "nan-egress", "hello-fingerprint")  # composed onto Comm.send
 KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *COMM_FAULTS, *LIES)
 SLOW_S = 2.0
 
@@ -87,8 +89,12 @@ def rejoin(fault: Fault | None, join: Callable) -> Callable:
 
 
 def comm_fault(fault: Fault | None) -> Callable:
-    """What the worker does to each epoch's Comm: nothing (the identity), or, for a cut-peer or
-    slow-rs fault, wrap that Comm's reduce-scatter (the honest code path is not branched)."""
+    """What the worker does to each epoch's Comm: nothing (the identity), or wrap that Comm's
+    reduce-scatter (cut-peer, slow-rs) or its sends to the client (close-mid-message, nan-egress,
+    hello-fingerprint), so the honest code path is not branched. The counts run over the worker's
+    life, across epochs."""
+    if fault is not None and fault.kind in SEND_FAULTS:
+        return _send_fault(fault)
     if fault is None or fault.kind not in COMM_FAULTS:
         return lambda comm: comm
     calls = [0]
@@ -113,6 +119,32 @@ def comm_fault(fault: Fault | None) -> Callable:
             return honest(chunk, sizes, op)
 
         comm.reduce_scatter_from = faulty
+        return comm
+
+    return patch
+
+
+def _send_fault(fault: Fault) -> Callable:
+    egresses = [0]
+
+    def patch(comm):
+        honest = comm.send
+
+        def faulty(tensor, dst, kind, op):
+            if fault.kind == "hello-fingerprint" and kind == "control" and op == "hello" and int(tensor[0]) == 1:
+                tensor = tensor.clone()
+                tensor[1] ^= 1  # yes, and another plan's fingerprint than the one it computed
+            elif kind == "egress" and fault.kind != "hello-fingerprint":
+                egresses[0] += 1
+                if egresses[0] == fault.step:
+                    if fault.kind == "nan-egress":
+                        tensor = torch.full_like(tensor, math.nan)
+                    else:  # close-mid-message: the header and half the shard, then the process is gone
+                        comm.send_truncated(tensor, dst, 0.5)
+                        os._exit(3)
+            return honest(tensor, dst, kind, op)
+
+        comm.send = faulty
         return comm
 
     return patch

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
-from ..runtime.faults import COMM_FAULTS, comm_fault, parse_fault, rejoin
+from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
 from ..weights.loader import WeightSource, open_weights
 from .ops import Span
@@ -66,12 +66,8 @@ class Worker:
         self._links_lock = threading.Lock()
         fault = parse_fault(o.inject_fault) if o.inject_fault else None
         self.join_fault = fault if fault is not None and fault.kind == "never-join" else None  # faults.rejoin
-        self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a disruptive peer's (faults.py)
-        self.fault = (
-            fault if fault is not None and fault.kind not in ("never-join", *COMM_FAULTS) else None
-        )  # serve()'s
+        self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a faulty one's (faults.py)
         self.witness = Witness()  # what this worker saw of its peers, for the client's questions
-        self.forwards = 0  # FORWARD steps served over the worker's life (the fault's clock)
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
         self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
 
@@ -278,8 +274,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         model.attach_audit(audit)
         audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
     load_ms = int((time.perf_counter() - t0) * 1000)
-    stated = mine ^ 1 if me.fault is not None and me.fault.kind == "hello-fingerprint" else mine  # FAULT (tests)
-    comm.send(torch.tensor([1, stated, load_ms, rss_kb()]), 0, "control", "hello")
+    comm.send(torch.tensor([1, mine, load_ms, rss_kb()]), 0, "control", "hello")
     n_res = plan.workers[w].n_residual
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
@@ -302,13 +297,6 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
                 audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
             x_dT = model.forward(x_dT.to(comm.device), spans)
-            me.forwards += 1
-            if me.fault is not None and me.forwards == me.fault.step:  # FAULT INJECTION (tests only)
-                if me.fault.kind == "nan-egress":
-                    x_dT = torch.full_like(x_dT, math.nan)
-                else:
-                    comm.send_truncated(x_dT, 0, 0.5)
-                    os._exit(3)
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()
