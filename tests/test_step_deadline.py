@@ -157,6 +157,12 @@ def test_two_workers_one_accusation_is_ambiguous():
     assert v.named is None and set(v.causes) == {1, 2}
 
 
+def test_two_workers_a_silent_late_egress_is_named():
+    # worker 2 holds back its egress and says nothing: the client waited on it, nobody on worker 1
+    v = judge({CLIENT: {2: 6.0}, 1: {}, 2: {}}, [1, 2], 1.5)
+    assert v.named == 2
+
+
 def test_a_worker_late_to_the_client_is_named_by_the_clients_account():
     # worker 2 holds back its egress (the 9 s per egress): no peer waits on it, the client does
     v = judge({CLIENT: {2: 8.0}, 1: {}, 2: {}, 3: {}}, [1, 2, 3], 2.0)
