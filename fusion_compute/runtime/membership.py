@@ -7,13 +7,15 @@ roster: `Seat`), `order` (the current epoch's participants in rank order), `epoc
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
 `_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
-and `convicted`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
+`convicted`, `clock` (each step's deadline: deadline.py) and `waits` (the client's own account of
+whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
 Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
 masked mode), never fewer than `--min-workers` (TooFewWorkers otherwise: the invariant is not traded
 for availability), fresh links, the plan handshake again, then the session's replay (a prefill over
-its tokens) when there is one.
+its tokens) when there is one. A worker whose slowness the accounts pin on it (`_judge_slow`) is
+handled as a lost one.
 """
 
 from __future__ import annotations
