@@ -76,6 +76,8 @@ BAD = [
     (["--prompt", "hi", "--engine", "nccl"], "--engine nccl runs among GPU workers: add --device cuda"),
     (["--prompt", "hi", "--min-workers", "3"], "--min-workers 3 is more than the 2 workers of this run"),
     (["--prompt", "hi", "--standby", "-1"], "--standby must be >= 0"),
+    (["--prompt", "hi", "--step-deadline-factor", "0.5"], "--step-deadline-factor must be 0 (no step bound) or >= 1"),
+    (["--prompt", "hi", "--step-deadline-min", "0"], "--step-deadline-min must be > 0 seconds"),
 ]
 
 

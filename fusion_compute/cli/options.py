@@ -11,6 +11,7 @@ from typing import Any
 
 from ..comm import ENGINES, Identity, PublicId
 from ..errors import FusionError, UsageError
+from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from ..runtime.engine_options import EngineOptions
 from ..runtime.topology import GROUP_NAME, Topology, check_here
 
@@ -145,6 +146,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="a worker silent this long (no heartbeat) has failed, seconds (default 5)",
     )
+    p.add_argument(
+        "--step-deadline-factor",
+        type=float,
+        default=DEFAULT_FACTOR,
+        help="a step's deadline is this many times the median of healthy steps of its size; workers that "
+        f"keep steps over it are judged by their accounts (default {DEFAULT_FACTOR:g}; 0: no step bound)",
+    )
+    p.add_argument(
+        "--step-deadline-min",
+        type=float,
+        default=DEFAULT_MIN_S,
+        help=f"a step's deadline is never under this many seconds (default {DEFAULT_MIN_S:g})",
+    )
     p.add_argument("--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering")
     add_speculative_args(p)
 
@@ -247,6 +261,8 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         standby=a.standby,
         min_workers=a.min_workers,
         liveness_s=a.liveness,
+        step_deadline_factor=a.step_deadline_factor,
+        step_deadline_min_s=a.step_deadline_min,
         recover=not a.no_recover,
     )
     if a.master is not None:
@@ -332,7 +348,7 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     )
     w.add_argument(
         "--inject-fault",
-        help="tests only: close-mid-message@STEP, never-join@N, cut-peer@N, slow-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
+        help="tests only: close-mid-message@STEP, never-join@N, cut-peer@N, slow-rs@N, drag-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
     )
     w.add_argument(
         "--variant",

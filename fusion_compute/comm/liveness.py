@@ -103,13 +103,22 @@ class Witness:
         self._ticks: deque[tuple[float, int]] = deque(maxlen=8192)
 
     def start(self, epoch: int | None, links: dict[int, Link]) -> None:
-        """A new epoch: forget the last one's account, count the waits on each peer's link."""
+        """A new epoch: forget the last one's account, count the waits on each peer's link (before the
+        link's own check, if it has one: the client keeps its own account, runtime/deadline.py)."""
         with self._lock:
             self.epoch, self.lost = epoch, None
             self._ticks.clear()
         for rank, link in links.items():
             if rank != 0:  # waiting for the client is what an idle worker does
-                link.check = lambda rank=rank: self._ticks.append((time.monotonic(), rank))
+                link.check = self._counting(rank, link.check)
+
+    def _counting(self, rank: int, then: Callable[[], None] | None) -> Callable[[], None]:
+        def check() -> None:
+            self._ticks.append((time.monotonic(), rank))
+            if then is not None:
+                then()
+
+        return check
 
     def lost_peer(self, rank: int) -> None:
         with self._lock:

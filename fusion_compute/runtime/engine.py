@@ -41,11 +41,24 @@ from typing import Any
 
 import torch
 
-from ..comm import Admission, Comm, CommError, Identity, Member, PeerError, PeerLost, Recorder, Watch, free_port
+from ..comm import (
+    Admission,
+    Comm,
+    CommError,
+    Identity,
+    Member,
+    PeerError,
+    PeerLost,
+    Recorder,
+    Watch,
+    Witness,
+    free_port,
+)
 from ..comm.mpi_fabric import WORLD as MPI_WORLD
 from ..model import architecture as arch
 from ..model.config import ModelError
 from ..weights.loader import WeightSource, open_weights, resolve_model_path
+from .deadline import StepClock
 from .engine_options import FABRICS, EngineOptions, default_threads, effective_context
 from .launch import WorkerProcs
 from .membership import Membership, Seat
@@ -96,6 +109,8 @@ class EngineBase(Membership):
         self.comm: Comm | None = None
         self._admission: Admission | None = None
         self.watch = Watch(opts.liveness_s)
+        self.clock = StepClock(opts.step_deadline_factor, opts.step_deadline_min_s)  # each step's deadline
+        self.waits = Witness()  # the client's own account: which worker's message it waited for
         monitor = None
         try:
             roster, me, worker_keys = self._roster()
@@ -211,7 +226,9 @@ class EngineBase(Membership):
         """One step for one or several sessions, each in its own KV slot: `items` are (slot, ids), the
         ids run at that slot's position (a new slot starts at 0: its prefill). Returns each item's
         last-token logits (V,), or (T, V) for every token of a slot in `all_logits` (parity tests,
-        a prompt's logprobs). A lost worker costs a new epoch and one replay of every open slot."""
+        a prompt's logprobs). A lost worker costs a new epoch and one replay of every open slot. A
+        step over its deadline earns strikes; persistent slowness is judged by the workers' accounts
+        (deadline.py), and its cause is treated as a lost worker."""
         if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
             raise ValueError("a step needs distinct slots, each with tokens to run")
         full = frozenset(all_logits) & {s for s, _ in items}
@@ -224,7 +241,8 @@ class EngineBase(Membership):
                 self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3), replayed_tokens=replayed)
             return [logits[slot] for slot, _ in items]
 
-        out = self._with_recovery(lambda: self._forward_batch(items, full), replay)
+        tokens = sum(len(ids) for _, ids in items)
+        out = self._with_recovery(lambda: self._timed_step(lambda: self._forward_batch(items, full), tokens), replay)
         for slot, ids in items:
             self.slot_history.setdefault(slot, []).extend(ids)
         return out

@@ -4,6 +4,7 @@ torch or the model (options.py); engine.py runs the job they describe."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -12,6 +13,8 @@ from typing import Any
 
 from ..comm import ENGINES, CommError, Identity
 from ..comm.liveness import DEADLINE_S
+from ..errors import UsageError
+from .deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from .topology import Topology
 
 MIN_WORKERS = 2  # an epoch's default floor: one worker would hold everything
@@ -47,6 +50,9 @@ class EngineOptions:
     standby: int = 0  # local runs: spare workers spawned to replace a lost one (per group in masked mode)
     min_workers: int | None = None  # an epoch never has fewer workers; None: MIN_WORKERS (`floor`)
     liveness_s: float = DEADLINE_S  # a worker silent this long has failed
+    # a step's deadline: max(step_deadline_min_s, factor × its healthy median); factor 0: no step bound
+    step_deadline_factor: float = DEFAULT_FACTOR
+    step_deadline_min_s: float = DEFAULT_MIN_S
     recover: bool = True  # on a lost worker: a new epoch and a replay (False: fail the request)
     worker_env: dict[str, str] = field(default_factory=dict)
     extra_worker_args: tuple[str, ...] = ()
@@ -61,7 +67,8 @@ class EngineOptions:
     audit_negative_control: str | None = None
 
     def check(self) -> None:
-        """Option combinations that cannot work; raises CommError naming the fix."""
+        """Option combinations that cannot work; raises CommError naming the fix (UsageError for a value
+        out of range that is no matter of the wire: the step deadline's)."""
         if self.engine not in ENGINES:
             raise CommError(f"unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
         vouched = (self.engine in LOCAL_FABRICS and self.is_local) or self.mpi_world  # asked for by engine name
@@ -114,6 +121,13 @@ class EngineOptions:
             )
         if not (self.liveness_s > 0):
             raise CommError(f"--liveness must be > 0, got {self.liveness_s}")
+        if not (self.step_deadline_factor == 0 or 1 <= self.step_deadline_factor < math.inf):
+            raise UsageError(
+                "--step-deadline-factor must be 0 (no step bound) or >= 1 (a multiple of the healthy "
+                f"step's time), got {self.step_deadline_factor}"
+            )
+        if not (0 < self.step_deadline_min_s < math.inf):
+            raise UsageError(f"--step-deadline-min must be > 0 seconds, got {self.step_deadline_min_s}")
 
     @property
     def floor(self) -> int:

@@ -19,6 +19,9 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
                     stalls: it drops what the client sends until the client ends its epoch
   slow-rs@N         from its N-th reduce-scatter on, it waits SLOW_S before each one (each under the
                     per-message timeout, the step far over it)
+  drag-rs@N         from its N-th reduce-scatter on, it waits DRAG_S before each one: every wait and
+                    every step stays under the per-message timeout, only the step deadline can see it
+                    (runtime/deadline.py)
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -48,10 +51,11 @@ from ..comm import CommError
 from ..errors import UsageError
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-COMM_FAULTS = ("cut-peer", "slow-rs")
+COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs")
 SEND_FAULTS = ("close-mid-message", "nan-egress", "hello-fingerprint")  # composed onto Comm.send
 KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *COMM_FAULTS, *LIES)
 SLOW_S = 2.0
+DRAG_S = 0.4  # over one 0.25 s receive tick (the peers' accounts see it), far under any --timeout
 
 
 @dataclass(frozen=True)
@@ -90,22 +94,23 @@ def rejoin(fault: Fault | None, join: Callable) -> Callable:
 
 def comm_fault(fault: Fault | None) -> Callable:
     """What the worker does to each epoch's Comm: nothing (the identity), or wrap that Comm's
-    reduce-scatter (cut-peer, slow-rs) or its sends to the client (close-mid-message, nan-egress,
-    hello-fingerprint), so the honest code path is not branched. The counts run over the worker's
-    life, across epochs."""
+    reduce-scatter (cut-peer, slow-rs, drag-rs) or its sends to the client (close-mid-message,
+    nan-egress, hello-fingerprint), so the honest code path is not branched. The counts run over
+    the worker's life, across epochs."""
     if fault is not None and fault.kind in SEND_FAULTS:
         return _send_fault(fault)
     if fault is None or fault.kind not in COMM_FAULTS:
         return lambda comm: comm
     calls = [0]
+    delay = {"slow-rs": SLOW_S, "drag-rs": DRAG_S}.get(fault.kind)
 
     def patch(comm):
         honest = comm.reduce_scatter_from
 
         def faulty(chunk, sizes, op):
             calls[0] += 1
-            if calls[0] >= fault.step and fault.kind == "slow-rs":
-                time.sleep(SLOW_S)
+            if calls[0] >= fault.step and delay is not None:
+                time.sleep(delay)
             elif calls[0] == fault.step:  # cut-peer
                 for rank, link in comm.links.items():
                     if rank not in (0, comm.rank):

@@ -7,13 +7,15 @@ roster: `Seat`), `order` (the current epoch's participants in rank order), `epoc
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
 `_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
-and `convicted`; and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
+`convicted`, `clock` (each step's deadline: deadline.py) and `waits` (the client's own account of
+whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
 Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
 masked mode), never fewer than `--min-workers` (TooFewWorkers otherwise: the invariant is not traded
 for availability), fresh links, the plan handshake again, then the session's replay (a prefill over
-its tokens) when there is one.
+its tokens) when there is one. A worker whose slowness the accounts pin on it (`_judge_slow`) is
+handled as a lost one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from ..comm import Comm, CommError, Identity, Member, PeerError, PublicId
 from ..errors import UsageError, WorkerMisbehaved
+from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, judge
 
 
 def _first_line(e: BaseException) -> str:
@@ -184,6 +187,62 @@ class Membership:
             f"removing worker {suspect}, whose link failed"
         )
         return {suspect}, None
+
+    # ---- slow steps (deadline.py) ----
+
+    def _timed_step(self, step: Callable[[], Any], tokens: int) -> Any:
+        """Run one step (`tokens`: its ΣT) against its deadline: a step over it earns strikes, and
+        once they are due (or the step is cut at its limit) the slowness is judged (`_judge_slow`)."""
+        self.clock.start(tokens)
+        try:
+            out = step()
+        except StepOverrun:
+            self.clock.stop(cut=True)
+            self._judge_slow(cut=True)
+            raise  # (not reached: the judgement raises)
+        except BaseException:
+            self.clock.abandon()
+            raise
+        self.clock.stop()
+        if self.clock.due():
+            self._judge_slow(cut=False)
+        return out
+
+    def _judge_slow(self, cut: bool) -> None:
+        """Steps over their deadline: ask the workers' accounts and weigh them with the client's own
+        (deadline.judge). One consistent cause: SlowWorker, which `_with_recovery` treats as a lost
+        worker (a new epoch without it, then the replay). Otherwise StepDeadline: the request fails
+        with the accounts in one line, and nobody is removed on one side's word. Always raises."""
+        clock = self.clock
+        struck = clock.struck()
+        slow_s = sum(s.seconds for s in struck)
+        window = time.monotonic() - min(s.started for s in struck) + 0.5
+        ranks = {rank: pid for rank, pid in enumerate(self.order, start=1)}
+
+        def by_pid(waits: dict) -> dict[int, float]:
+            return {ranks[int(r)]: float(s) for r, s in (waits or {}).items() if str(r).isdigit() and int(r) in ranks}
+
+        blocked = {CLIENT: by_pid(self.waits.answer(self.epoch, window)["waits"])}
+        for pid, answer in self.watch.ask(self.order, self.epoch, window).items():
+            if answer.get("epoch") == self.epoch:
+                blocked[pid] = by_pid(answer.get("waits"))
+        verdict = judge(blocked, self.order, max(ACCUSE_MIN_S, ACCUSE_SHARE * slow_s))
+        what = f"{clock.summary()}{'; the last one cut at its limit' if cut else ''}"
+        clock.forgive()
+        if verdict.named is not None:
+            self.opts.log(f"{what}; by the accounts ({verdict.said}): worker {verdict.named} is the cause")
+            raise SlowWorker(verdict.named, f"made steps slow: {what}; by the accounts ({verdict.said})")
+        if cut:  # the cut step's messages are still on the way: this epoch is over (the next request opens one)
+            self._retire(set())
+        if verdict.causes:
+            why = (
+                f"the accounts are ambiguous between workers {list(verdict.causes)} ({verdict.said}): "
+                "nobody is removed on one side's word"
+            )
+        else:
+            why = f"the accounts name no worker ({verdict.said}): nobody is removed"
+        self.opts.log(f"{what}; {why}; the request fails")
+        raise StepDeadline(f"{what}; {why}")
 
     # ---- membership, by the user ----
 
@@ -391,6 +450,7 @@ class Membership:
         `order` becomes the attempted epoch's, so the next one keeps each seat's place (masked
         groups) and fills the vacated ones with standbys (`_next_order` skips removed workers)."""
         self.epoch += 1
+        self.clock.forgive()  # the last epoch's slow steps are not this one's
         try:
             self.plan = self.plan_for(order)
             self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
@@ -468,6 +528,12 @@ class Membership:
             0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder, engine=self.opts.engine
         )
         active = set(order)
+
+        def check() -> None:  # at every receive tick: a lost worker ends any wait, so does a step's limit
+            self.watch.check(only=active)
+            self.clock.check()
+
         for link in links.values():
-            link.check = lambda: self.watch.check(only=active)
+            link.check = check
+        self.waits.start(self.epoch, links)  # the client's own account: whose egress it waited for
         return self.hello(deadline, order)
