@@ -46,6 +46,25 @@ def audit_pictures(path: str | Path, verdict: Result | RunResult) -> list[Pictur
         if res is None:  # the verifier could not read this epoch (its violation is in the verdict)
             continue
         pictures.append(epoch_picture(sub, load_manifest(sub), res, e))
+    for i, pic in enumerate(pictures):  # who left before the epoch, as the membership check found it
+        left = [
+            f"worker {x['participant']} {x['why']} before this epoch: "
+            + ("takes no part from here on (checked)" if x["absent"] else "TAKES PART after it left")
+            + (
+                f", its process sent {x['kernel']['sent']:,} B and received {x['kernel']['received']:,} B after (kernel)"
+                if x.get("kernel")
+                else ""
+            )
+            for x in verdict.departures
+            if x.get("epoch") == pic.epoch
+        ]
+        left += [
+            f"its first step replays {x['tokens']} tokens: {'closed' if x['closed'] else 'NOT closed'}"
+            for x in verdict.replays
+            if x.get("epoch") == pic.epoch
+        ]
+        if left:
+            pictures[i] = replace(pic, notes=(*pic.notes, "; ".join(left)))
     if pictures:
         head = f"cold start {'PASS' if verdict.ok else 'FAIL'}: {verdict.summary_line()}"
         run_level = verdict.run_violations
