@@ -278,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="sweeps over every point; the table has medians")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one run, seconds")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default="out/bench-rtt", help="directory for rtt.json and its plot, rtt.png (default out/bench-rtt)")
+    p.add_argument(
+        "--out", default="out/bench-rtt", help="directory for rtt.json and its plot, rtt.png (default out/bench-rtt)"
+    )
     a = p.parse_args(argv)
     try:
         rtts = [float(x) for x in a.rtt.split(",")]
