@@ -215,7 +215,7 @@ def _lane(pic: Picture, h: Holding, y: float, names: list[str]) -> list[str]:
     epoch = "" if pic.epoch is None else f' data-epoch="{pic.epoch}"'
     holders = [w for w, held in enumerate(h.held) if held]
     for w, held in enumerate(h.held):
-        y_w, h_w = y, LANE_H
+        y_w, h_w = y, float(LANE_H)
         if h.stacked and held:  # a band of the lane per worker that holds anything
             h_w = LANE_H / len(holders)
             y_w = round(y + holders.index(w) * h_w, 3)
