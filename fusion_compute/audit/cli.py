@@ -187,17 +187,39 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
     root = Path(a.dir)
     if log_path(root, 0).is_file():
+        if a.picture:
+            raise AuditCliError(
+                "--picture draws a structural run's logs; a masked run's groups are drawn from its plan: "
+                "fusion plan --mode masked --workers A+B --picture FILE"
+            )
         return cmd_verify_masked(root, a.json)
     dirs = [root]
     if root.is_dir() and not (root / MANIFEST).exists():
         dirs = sorted(p.parent for p in root.glob(f"cold*/{MANIFEST}")) or [root]
     results = [verify_dir(d) for d in dirs]
+    if a.picture:
+        _pictures(dirs, results, Path(a.picture))
     if a.json:
         out = [r.to_dict() for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
         print("\n\n".join(r.render() for r in results))
     return 0 if all(r.ok for r in results) else EXIT_FAIL
+
+
+def _pictures(dirs: list[Path], results: list, path: Path) -> None:
+    """The ownership map of what the verifier read, one SVG per cold start (its epochs stacked):
+    `path` itself for one, `path`'s stem + "-" + the cold start's directory name for several."""
+    from .verify.drawing import write_svg
+    from .verify.picture import audit_pictures
+
+    for d, res in zip(dirs, results, strict=True):
+        out = path if len(dirs) == 1 else path.with_name(f"{path.stem}-{d.name}{path.suffix}")
+        try:
+            write_svg(audit_pictures(d, res), out)
+        except OSError as e:
+            raise OSError(f"--picture {out}: {e.strerror or e}") from None
+        print(f"fusion audit verify: wrote {out} (the holdings the verifier read in {d})", file=sys.stderr)
 
 
 # ---- exposure ----
@@ -343,6 +365,12 @@ def add_audit_parser(sub) -> None:
     v = asub.add_parser("verify", help="independent verifier of an audit directory (exit 0 only if every check passes)")
     v.add_argument("dir", help="an audit directory (manifest.json + rank*.jsonl), or a run's --out (every cold start)")
     v.add_argument("--json", action="store_true", help="print the full result as JSON")
+    v.add_argument(
+        "--picture",
+        metavar="FILE",
+        help="also write an SVG of what was checked: per epoch, each worker's coordinates of every protected "
+        "tensor as the verifier read them in the logs, with its verdict (a run's --out: one FILE-coldK.svg each)",
+    )
     v.set_defaults(func=_guard("verify", cmd_verify))
 
     e = asub.add_parser("exposure", help="what a worker could reconstruct: ranks per layer/worker/coalition, attacks")

@@ -1,7 +1,7 @@
 """The latency model: decode speed against the network's round-trip time, measured.
 
     sudo python -m fusion_compute.bench.rtt [--rtt 0,0.2,1,5] [--workers 2] [--tokens 16] [--batch 8]
-                                            [--delay auto|netem|nfqueue] [--json]
+                                            [--delay auto|netem|nfqueue] [--json] [--out DIR]
 
 Every participant runs in a network namespace of its own on one bridge (bench/netns.py), with a
 delay of RTT/2 on every host's interface, so any two hosts are one RTT apart, client and workers
@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="sweeps over every point; the table has medians")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one run, seconds")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--out", default="out/bench-rtt", help="directory for rtt.json and its plot, rtt.png (default out/bench-rtt)"
+    )
     a = p.parse_args(argv)
     try:
         rtts = [float(x) for x in a.rtt.split(",")]
@@ -339,7 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         "table": table,
     }
     print(json.dumps(summary) if a.json else render(summary))
+    save(summary, Path(a.out))
     return 0
+
+
+def save(summary: dict, out: Path) -> None:
+    """rtt.json, and rtt.png beside it (tokens/s against the round trip) when matplotlib is there."""
+    from .run import plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rtt.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out, who="bench.rtt")
 
 
 def render(summary: dict) -> str:

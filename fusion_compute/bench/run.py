@@ -248,6 +248,20 @@ def write(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return j, m
 
 
+def plot(report: dict, out_dir: str | Path, who: str = "fusion bench") -> list[Path]:
+    """PNG plots next to the JSON (bench/plots.py); without matplotlib, one line says they were
+    skipped and why, and the benchmark's result stands."""
+    from .plots import PlotsUnavailable, write_plots
+
+    try:
+        paths = write_plots(report, out_dir)
+    except PlotsUnavailable as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return []
+    print(f"{who}: plots {', '.join(map(str, paths))}", file=sys.stderr)
+    return paths
+
+
 def default_cores() -> int:
     return os.cpu_count() or 1
 
@@ -313,7 +327,12 @@ def add_parser(sub) -> None:
         type=_groups,
         help="with --batch: the masked mode with these groups (e.g. 1+1, 2+2) instead of N structural workers",
     )
-    b.add_argument("--out", default="out/bench", help="directory for bench.json and bench.md")
+    b.add_argument(
+        "--out",
+        default="out/bench",
+        help="directory for bench.json and bench.md (with --batch: batch.json), and their PNG plots when "
+        "matplotlib is installed (the [plot] extra)",
+    )
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.set_defaults(func=cmd_bench)
 
@@ -344,7 +363,11 @@ def cmd_bench(a) -> int:
             n_a, *n_b = a.masked
             opts = MaskedOptions(n_a=n_a, n_b=tuple(n_b), log=lambda line: None)
         r = measure(model, a.workers[0], a.engines[0], a.batch, a.prompts[0], a.decode_tokens, a.repeats, log, opts)
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "batch.json").write_text(json.dumps(r, indent=2))
         print(json.dumps(r) if a.json else batch_table(r))
+        plot(r, out)
         return 0
     report = run_bench(model, a.workers, a.engines, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
     j, m = write(report, a.out)
@@ -353,4 +376,5 @@ def cmd_bench(a) -> int:
     else:
         print(table(report))
         print(f"\nwrote {j} and {m}")
+    plot(report, a.out)
     return 0

@@ -124,17 +124,38 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from ..structural.plan import make_plan
     from ..weights.loader import open_weights
 
-    if a.workers < 1:
+    masked = a.mode == "masked"
+    if masked != isinstance(a.workers, tuple):
+        raise UsageError(
+            "--mode masked needs group sizes --workers A+B (or A+B1+...+Bk)"
+            if masked
+            else f"--workers {'+'.join(map(str, a.workers))} are masked group sizes: add --mode masked"
+        )
+    if masked and (a.capacity or any(n < 1 for n in a.workers)):
+        raise UsageError("--mode masked: every group needs >= 1 worker, and --capacity does not apply")
+    if not masked and a.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {a.workers}")
-    plan = make_plan(open_weights(a.model).config, a.workers, O.capacities(a.capacity))
+    config = open_weights(a.model).config
+    if masked:
+        from ..masked.plan import make_masked_plan
+        from ..masked.ring import DEFAULT_LIMB_BITS
+        from ..structural.picture import masked_picture
+
+        plan = make_masked_plan(config, a.workers[0], a.workers[1:], DEFAULT_LIMB_BITS)
+        picture = masked_picture
+    else:
+        from ..structural.picture import plan_picture
+        from ..structural.plan import make_plan
+
+        plan = make_plan(config, a.workers, O.capacities(a.capacity))
+        picture = plan_picture
     if a.picture:
-        from ..structural.picture import plan_picture, write_svg
+        from ..structural.picture import write_svg
 
         try:
-            write_svg(plan_picture(plan), a.picture)
+            write_svg(picture(plan), a.picture)
         except OSError as e:
             raise InputError(f"--picture {a.picture}: {e.strerror or e}") from None
     print(plan.to_json())
@@ -210,9 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="print the sharding plan as JSON")
     pl.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    pl.add_argument("--workers", type=int, required=True)
+    pl.add_argument("--workers", type=O.workers_arg, required=True, help="N, or A+B (A+B1+...+Bk) with --mode masked")
     pl.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
-    pl.add_argument("--picture", metavar="FILE", help="also write the ownership map as SVG to FILE")
+    pl.add_argument(
+        "--mode", choices=("structural", "masked"), default="structural", help="whose plan (default structural)"
+    )
+    pl.add_argument(
+        "--picture",
+        metavar="FILE",
+        help="also write the ownership map as SVG to FILE (masked: what group A and each mask group receive)",
+    )
     pl.set_defaults(func=cmd_plan)
 
     w = sub.add_parser("worker", help="run one worker: join a client (--topology FILE --key FILE, or --master)")

@@ -48,6 +48,10 @@ Exit status 0 only when every check passed. The package, by responsibility:
   os_bytes.py     the kernel's socket counters vs the predicted wire bytes
   membership.py   the checks across epochs: who took part when, and what a departed worker received
   result.py       Violation, Result (one epoch) and RunResult (a cold start): counts, JSON, report
+  picture.py      `--picture FILE`: the ownership map of what this pass read (per epoch, each worker's
+                  coordinates of every protected role, from its own parsed records), with the verdict
+  drawing.py      the SVG drawing it uses (also the plan's picture, structural/picture.py, imports it:
+                  standard library only, so it may live here)
 """
 
 from __future__ import annotations
