@@ -59,5 +59,13 @@ def test_masked_server_answers_like_transformers(tmp_path, max_batch):
         with ThreadPoolExecutor(3) as ex:  # three at once: queued, or decoded together; each as if alone
             answers = [a.choices[0].message.content for a in ex.map(ask, questions)]
         assert answers == wants
+        if max_batch == 1:  # the control page's map: for a masked plan, what each group receives
+            import requests
+
+            base = live.url.removesuffix("/v1")
+            pic = requests.get(f"{base}/admin/picture.svg", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+            assert pic.status_code == 200 and pic.headers["content-type"].startswith("image/svg+xml"), pic.text
+            assert "<svg" in pic.text and "groups 1+1" in pic.text
+            assert requests.get(f"{base}/admin/picture.svg", timeout=60).status_code == 401
     finally:
         stop_server(live.proc)

@@ -2,7 +2,7 @@
 a browser, with buttons for the membership operations of /admin/workers.
 
     GET /control              the page: one HTML file, inline CSS and JS, no CDN, no build step
-    GET /admin/picture.svg    the ownership map of the current epoch's plan (picture.py)
+    GET /admin/picture.svg    the ownership map of the current epoch's plan (picture.py; masked: what each group receives)
 
 The page itself holds no data and no secret: it is the same bytes for everyone (403 without
 --api-key, like /admin/workers). Everything it shows comes from the guarded endpoints: the key is
@@ -39,13 +39,19 @@ def add_control_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, ena
     @app.get("/admin/picture.svg", include_in_schema=False)
     async def picture() -> Response:
         need_admin()
-        from ..structural.picture import plan_picture, render_svg
+        from starlette.concurrency import run_in_threadpool
+
+        from ..structural.picture import masked_picture, plan_picture, render_svg
         from ..structural.plan import Plan
 
-        # the plan and the participants of one epoch, read together on the engine thread
-        plan, listing, epoch = scheduler.call(lambda: (engine.plan, engine.workers(), engine.epoch))
-        if not isinstance(plan, Plan):
-            raise ApiError(404, "no ownership map for this mode yet (masked plans are not drawn)", code="no_picture")
+        # the plan and the participants of one epoch, read together on the engine thread (waited for
+        # off the event loop, like every admin call: a long request ahead of it blocks nothing else)
+        plan, listing, epoch = await run_in_threadpool(
+            scheduler.call, lambda: (engine.plan, engine.workers(), engine.epoch)
+        )
+        if not isinstance(plan, Plan):  # the masked mode: what group A and each mask group receive
+            svg = render_svg(masked_picture(plan, title=f"Epoch {epoch}: groups {'+'.join(map(str, plan.sizes))}"))
+            return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-store"})
         by_rank = {w["rank"]: w["id"] for w in listing if w["rank"] is not None}
         pic = plan_picture(plan, title=f"Epoch {epoch}: {plan.n} workers")
         labels = tuple(f"worker {by_rank.get(s.rank, '?')} (rank {s.rank})" for s in plan.workers)

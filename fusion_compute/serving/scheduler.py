@@ -98,7 +98,11 @@ class Scheduler:
         """The answer for a request that failed with `e` (logged; a lost worker also marks the engine degraded)."""
         from ..comm import CommError
         from ..errors import InputError, UsageError, WorkerMisbehaved
+        from ..runtime.deadline import StepDeadline
 
+        if isinstance(e, StepDeadline):  # steps over their bound that no one's evidence pins on one worker
+            self.log(f"fusion serve: request failed: {one_line(e)}")
+            return unavailable(f"the request's steps overran their deadline: {one_line(e)}")
         # a lost worker the engine could not replace: this request fails, the gateway stays
         if isinstance(e, CommError):
             self.degraded = one_line(e)
