@@ -80,7 +80,16 @@ def install_leak(model, spec: str) -> Leak:
         return leak
     if leak.kind == "keep-slots":
         wipe = model.wipe
-        model.wipe = lambda slot=None: wipe() if slot is None else None  # RELEASE wipes nothing
+
+        def keep(slot: int | None = None) -> None:  # RELEASE wipes nothing
+            if slot is None:
+                wipe()
+            elif slot < len(model.lengths):
+                # the slot's bookkeeping forgets the session (its KV stays): else the next session's
+                # first decode would look like a rollback to roll_back, which would zero the kept KV
+                model.lengths[slot] = 0
+
+        model.wipe = keep
         return leak
     if leak.kind == "stale-rollback":
         ignore_rollbacks(model)
