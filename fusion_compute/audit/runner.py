@@ -43,7 +43,10 @@ SPECULATIVE_PROMPT = (
     "Repeat the list exactly. List: red apple, green pear, yellow lemon, purple plum, orange peach. "
     "Repeated: red apple, green pear, yellow lemon,"
 )
-FALLBACK_SPECULATIVE_IDS = (5, 17, 33, 2, 99, 5, 17, 33, 2, 99, 5, 17)
+# Without a tokenizer (tiny random models, which tend to repeat one token, 99 for the test suite's
+# Qwen2): a pair of that token followed by others draws drafts that are rejected at first, then, as
+# the run of it grows, accepted.
+FALLBACK_SPECULATIVE_IDS = (5, 17, 99, 99, 7, 8, 33, 2)
 
 
 class AuditRunError(RuntimeError):
