@@ -40,8 +40,8 @@ FALLBACK_PROMPT_IDS = (5, 17, 33, 2, 99, 100, 7, 8)
 # from the first decode step, some accepted (the model continues the pattern) and some rejected
 # (where it leaves it): the audit then sees verifications, rollbacks and accepted drafts.
 SPECULATIVE_PROMPT = (
-    "Repeat the list exactly. List: red apple, green pear, yellow lemon, purple plum, orange peach. "
-    "Repeated: red apple, green pear, yellow lemon,"
+    "Copy the list exactly.\nList: 1. red apple 2. green pear 3. yellow lemon 4. purple plum 5. orange peach "
+    "6. red cherry 7. green grape\nCopy: 1. red apple 2. green"
 )
 # Without a tokenizer (tiny random models, which tend to repeat one token, 99 for the test suite's
 # Qwen2): a pair of that token followed by others draws drafts that are rejected at first, then, as
