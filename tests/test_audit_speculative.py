@@ -248,6 +248,7 @@ def test_speculative_limits(tiny_qwen2, tmp_path, capsys):
         (["--speculative", "nope"], "unknown speculative method 'nope'"),
         (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be in"),
         (["--num-speculative-tokens", "3"], "needs --speculative ngram"),
+        (["--inject-leak", "stale-rollback"], "needs --speculative: without drafts there is no rollback to ignore"),
     ):
         assert main(base + extra) == 2
         err = capsys.readouterr().err

@@ -69,7 +69,7 @@ def _guard(name: str, func):
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from .runner import RunConfig, run_audit
+    from .runner import NO_ROLLBACK_TO_IGNORE, STALE_ROLLBACK, RunConfig, run_audit
 
     if a.prompt is not None and a.prompt_ids is not None:
         raise AuditCliError("give at most one of --prompt and --prompt-ids")
@@ -95,6 +95,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     speculative = speculative_config(a)  # a bad method or K: one line, exit 2, before anything loads
     if speculative is not None and a.revoke_at is not None:
         raise AuditCliError("--speculative and --revoke-at cannot be combined (a revocation is audited without drafts)")
+    if speculative is None and (a.inject_leak or "").strip() == STALE_ROLLBACK:
+        raise AuditCliError(NO_ROLLBACK_TO_IGNORE)
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")

@@ -49,6 +49,12 @@ SPECULATIVE_PROMPT = (
 FALLBACK_SPECULATIVE_IDS = (5, 17, 99, 99, 7, 8, 33, 2)
 
 
+STALE_ROLLBACK = "stale-rollback"  # inject.py's control that ignores speculation's rollbacks
+NO_ROLLBACK_TO_IGNORE = (
+    f"--inject-leak {STALE_ROLLBACK} needs --speculative: without drafts there is no rollback to ignore"
+)
+
+
 class AuditRunError(RuntimeError):
     pass
 
@@ -170,6 +176,8 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise AuditRunError("--batch and --revoke-at cannot be combined (a revocation is audited on one session)")
     if cfg.speculative is not None and cfg.revoke_at is not None:
         raise AuditRunError("--speculative and --revoke-at cannot be combined (a revocation is audited without drafts)")
+    if cfg.speculative is None and (cfg.inject_leak or "").strip() == STALE_ROLLBACK:
+        raise AuditRunError(NO_ROLLBACK_TO_IGNORE)
     if cfg.revoke_at is not None:
         if not (0 <= cfg.revoke_at < cfg.steps):
             raise AuditRunError(f"--revoke-at must be in 0..{cfg.steps - 1} (a decode step), got {cfg.revoke_at}")
