@@ -46,6 +46,7 @@ def _guard(name: str, func):
     """Run a subcommand; expected failures become one line on stderr."""
 
     def run(a: argparse.Namespace) -> int:
+        from ..errors import UsageError
         from ..model.config import ModelError
         from ..structural.plan import PlanError
         from .inject import LeakSpecError
@@ -54,7 +55,7 @@ def _guard(name: str, func):
 
         try:
             return func(a)
-        except (AuditCliError, AuditFormatError, LeakSpecError) as e:
+        except (AuditCliError, AuditFormatError, LeakSpecError, UsageError) as e:
             print(f"fusion audit {name}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         except (AuditRunError, ModelError, PlanError, OSError) as e:
@@ -68,7 +69,7 @@ def _guard(name: str, func):
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from .runner import RunConfig, run_audit
+    from .runner import NO_ROLLBACK_TO_IGNORE, STALE_ROLLBACK, RunConfig, run_audit
 
     if a.prompt is not None and a.prompt_ids is not None:
         raise AuditCliError("give at most one of --prompt and --prompt-ids")
@@ -89,6 +90,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise AuditCliError("--negative-control keep-revoked needs --revoke-at STEP")
     if not 1 <= a.batch <= MAX_SLOTS:
         raise AuditCliError(f"--batch must be in 1..{MAX_SLOTS}, got {a.batch}")
+    from ..cli.options import speculative_config
+
+    speculative = speculative_config(a)  # a bad method or K: one line, exit 2, before anything loads
+    if speculative is not None and a.revoke_at is not None:
+        raise AuditCliError("--speculative and --revoke-at cannot be combined (a revocation is audited without drafts)")
+    if speculative is None and (a.inject_leak or "").strip() == STALE_ROLLBACK:
+        raise AuditCliError(NO_ROLLBACK_TO_IGNORE)
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")
@@ -111,6 +119,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         standby=a.standby,
         negative_control=a.negative_control,
         batch=a.batch,
+        speculative=speculative,
     )
     summary = run_audit(cfg, log=lambda s: print(s, file=sys.stderr))
     epochs = (
@@ -121,8 +130,17 @@ def cmd_run(a: argparse.Namespace) -> int:
     if cfg.batch > 1:
         closed = sum(r["closed_sessions"] for r in summary["runs"])
         epochs = f" ({cfg.sessions} sessions each on {cfg.batch} KV slots; {closed} sessions closed)"
+    steps = "decode steps"
+    if speculative is not None:
+        steps = "decode and verify steps"
+        runs = summary["runs"]
+        epochs += (
+            f" (speculative {speculative.method}: {sum(r['generated_tokens'] for r in runs)} tokens in "
+            f"{sum(r['forwards'] for r in runs)} forwards, {sum(r['speculative']['num_accepted_tokens'] for r in runs)} "
+            f"drafts accepted, {sum(r['speculative']['rollbacks'] for r in runs)} rollbacks)"
+        )
     print(
-        f"audit {'PASS' if summary['all_ok'] else 'FAIL'}: {summary['closed']} decode steps closed over "
+        f"audit {'PASS' if summary['all_ok'] else 'FAIL'}: {summary['closed']} {steps} closed over "
         f"{summary['cold_starts']} cold starts{epochs}, {summary['workers']} workers; {out / 'summary.json'}, "
         f"{out / 'report.md'}"
     )
@@ -319,6 +337,8 @@ def _attack(a: argparse.Namespace, src, plan) -> list[dict]:
 
 def add_audit_parser(sub) -> None:
     """Register `fusion audit {run,verify,exposure}` on the main CLI's subparsers."""
+    from ..cli.options import add_speculative_args
+
     p = sub.add_parser("audit", help="ownership audit: run the experiment, verify logs, exposure analysis")
     asub = p.add_subparsers(dest="audit_cmd", required=True)
 
@@ -332,7 +352,8 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--prompt", help="prompt text (tokenized on the client)")
     r.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     r.add_argument(
-        "--inject-leak", help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots"
+        "--inject-leak",
+        help="negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots | stale-rollback",
     )
     r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
     r.add_argument("--threads", type=int, help="torch threads per worker")
@@ -355,6 +376,7 @@ def add_audit_parser(sub) -> None:
         "a slot reused); the audit checks each session's slot, positions and release (default 1)",
     )
     r.add_argument("--standby", type=int, help="local standby workers (default: 1 with --revoke-at, else 0)")
+    add_speculative_args(r)  # --speculative ngram | --draft-model PATH, --num-speculative-tokens K
     r.add_argument(
         "--negative-control",
         choices=["keep-revoked"],

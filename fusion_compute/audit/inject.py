@@ -11,9 +11,17 @@
   keep-slots       a batched session's KV slot is not zeroed at its release (the worker keeps a
                    finished session's KV shard): its release record, which measures the slot, fails
                    the audit's session check (holding).
+  stale-rollback   speculative decoding's rollbacks are ignored: the worker neither zeroes the
+                   rejected drafts' positions nor records a rollback, and runs each span where its
+                   slot's KV ends instead of where the client put it back, so the next step's tokens
+                   attend the rejected drafts' keys and values. Its log still names the span the
+                   client sent; the audit's rollback check fails (the span starts below what the
+                   slot holds, with no rollback; the client's rollbacks are not the worker's), and a
+                   split KV group's score sums grow by the stale positions (accounting, socket bytes).
 
-None of these changes the worker's output: the gathered residual is dropped after the leak, and a
-kept slot is overwritten by its next session (attention reads only a session's own positions).
+None of the first four changes the worker's output: the gathered residual is dropped after the leak,
+and a kept slot is overwritten by its next session (attention reads only a session's own positions).
+stale-rollback does change it (stale positions attended, at shifted positions): the tokens differ.
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-KINDS = ("gather", "silent-gather", "rs-allreduce", "keep-slots")
-WHOLE_RUN = ("rs-allreduce", "keep-slots")  # no @LAYER
+KINDS = ("gather", "silent-gather", "rs-allreduce", "keep-slots", "stale-rollback")
+WHOLE_RUN = ("rs-allreduce", "keep-slots", "stale-rollback")  # no @LAYER
+# stale-rollback's worker runs past what the client holds by every rejected draft so far: its KV is
+# made this many times the session's context, so that the drift fits.
+STALE_ROOM = 8
 
 
 class LeakSpecError(UsageError, ValueError):
@@ -44,7 +55,8 @@ def parse_leak(spec: str, n_layers: int | None = None) -> Leak:
     kind, sep, layer = spec.strip().partition("@")
     if kind not in KINDS:
         raise LeakSpecError(
-            f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER, rs-allreduce or keep-slots"
+            f"--inject-leak {spec!r}: expected gather@LAYER, silent-gather@LAYER, rs-allreduce, keep-slots "
+            "or stale-rollback"
         )
     if kind in WHOLE_RUN:
         if sep:
@@ -68,7 +80,19 @@ def install_leak(model, spec: str) -> Leak:
         return leak
     if leak.kind == "keep-slots":
         wipe = model.wipe
-        model.wipe = lambda slot=None: wipe() if slot is None else None  # RELEASE wipes nothing
+
+        def keep(slot: int | None = None) -> None:  # RELEASE wipes nothing
+            if slot is None:
+                wipe()
+            elif slot < len(model.lengths):
+                # the slot's bookkeeping forgets the session (its KV stays): else the next session's
+                # first decode would look like a rollback to roll_back, which would zero the kept KV
+                model.lengths[slot] = 0
+
+        model.wipe = keep
+        return leak
+    if leak.kind == "stale-rollback":
+        ignore_rollbacks(model)
         return leak
     if not hasattr(model, "leak"):
         raise LeakSpecError(f"--inject-leak {spec}: not supported by this model variant")
@@ -123,3 +147,20 @@ def arm_allreduce(comm) -> None:
     comm.reduce_scatter_from = lambda chunk, sizes, op: leaky(
         torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op
     )
+
+
+def ignore_rollbacks(model) -> None:
+    """stale-rollback on a worker's ShardedModel, by composition (the honest model is untouched): no
+    rollback (nothing zeroed, nothing returned for the log), and every span runs from where its slot's
+    KV ends when that is past where the client put it: the rejected drafts' positions stay and are
+    attended, and the span's tokens land after them."""
+    from ..structural.ops import Span
+
+    forward, reset = model.forward, model.reset
+    model.roll_back = lambda spans: []
+    model.reset = lambda max_seq, slots=1: reset(max_seq * STALE_ROOM, slots)
+
+    def forward_past_rollback(x_dT, spans):
+        return forward(x_dT, [Span(s.slot, max(s.pos, model.lengths[s.slot]), s.t) for s in spans])
+
+    model.forward = forward_past_rollback

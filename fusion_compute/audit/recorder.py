@@ -174,20 +174,15 @@ class AuditRecorder:
         self._write(rec)
         self.busy_s += time.perf_counter() - t0
 
-    def rollback(self, slot: int, held: int, pos: int, zeroed: bool) -> None:
-        """Before a step: speculative decoding rejected positions pos..held-1 of `slot`, which the
-        worker zeroed (`zeroed`: measured, the slot reads zeros from pos on) before re-running pos."""
+    def rollback(self, slot: int, held: int, pos: int, zeroed: bool | None = None) -> None:
+        """Before a step: speculative decoding rejected positions pos..held-1 of `slot`, and the step
+        starts at pos. A worker zeroed them and says whether it measured the slot as zeros from pos
+        on (`zeroed`); the client, which holds no KV, leaves it out."""
         t0 = time.perf_counter()
-        self._write(
-            {
-                "type": "rollback",
-                "session": self.session,
-                "slot": int(slot),
-                "from": int(held),
-                "to": int(pos),
-                "zeroed": bool(zeroed),
-            }
-        )
+        rec = {"type": "rollback", "session": self.session, "slot": int(slot), "from": int(held), "to": int(pos)}
+        if zeroed is not None:
+            rec["zeroed"] = bool(zeroed)
+        self._write(rec)
         self.busy_s += time.perf_counter() - t0
 
     def end_step(self) -> None:

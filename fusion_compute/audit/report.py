@@ -50,8 +50,42 @@ def _epochs_section(summary: dict) -> list[str]:
     return lines
 
 
+def _speculative_section(summary: dict) -> list[str]:
+    """Per cold start: forwards vs tokens, the verification steps and what the drafts did."""
+    sp = summary["speculative"]
+    lines = [
+        "## Speculative decoding",
+        "",
+        f"Drafts: `{sp['method']}`, at most {sp['num_speculative_tokens']} per step. A verification step runs a "
+        "session's last token plus its drafts as one span of K + 1 columns and is checked like any step (holdings, "
+        "positions, accounting, socket bytes); the rejected columns are rolled back: every worker zeroes those "
+        "positions of the slot before the next step and records it, the client records the same rollback, and the "
+        "verifier checks that no step runs where rejected positions remain (invariant `rollback`).",
+        "",
+        "| # | forwards (steps) | tokens generated | verify steps closed | drafts (steps with drafts) | draft tokens "
+        "| accepted | mean acceptance length | rollbacks |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in summary["runs"]:
+        c = r.get("speculative") or {}
+        lines.append(
+            f"| {r['cold_start']} | {r['forwards']} | {r['generated_tokens']} | {r['closed_verify']}/{r['verify_steps']} "
+            f"| {c.get('num_drafts')} | {c.get('num_draft_tokens')} | {c.get('num_accepted_tokens')} "
+            f"| {c.get('mean_acceptance_length')} | {c.get('rollbacks')} |"
+        )
+    lines.append("")
+    return lines
+
+
 def _per_cold_start(summary: dict) -> str:
     b = summary.get("batch") or 1
+    if summary.get("speculative"):
+        sessions = "1 session" if b == 1 else f"{b + 1} sessions batched on {b} KV slots"
+        return (
+            f"- per cold start: {sessions}, each a prefill then {summary['steps']} more tokens (greedy, forced "
+            "continuation), with speculative decoding: fewer forwards than tokens (decode steps of 1 column, "
+            "verification steps of K + 1)"
+        )
     if b == 1:
         return f"- per cold start: 1 prefill + {summary['steps']} decode steps (greedy, forced continuation)"
     closed = sum(r.get("closed_sessions", 0) for r in summary["runs"])
@@ -75,11 +109,12 @@ def render(summary: dict) -> str:
         f"- variant: {summary['variant']}"
         + (f", injected leak `{summary['inject_leak']}`" if summary["inject_leak"] else ""),
         _per_cold_start(summary),
-        f"- verdict: **{'PASS' if summary['all_ok'] else 'FAIL'}**, decode steps closed {summary['closed']} "
-        f"over {summary['cold_starts']} cold starts",
+        f"- verdict: **{'PASS' if summary['all_ok'] else 'FAIL'}**, decode{' and verify' * bool(summary.get('speculative'))} "
+        f"steps closed {summary['closed']} over {summary['cold_starts']} cold starts",
         f"- identical tokens across cold starts: {summary['identical_tokens_across_cold_starts']}",
         "",
         *(_epochs_section(summary) if any(len(r.get("epochs", [])) > 1 for r in summary["runs"]) else []),
+        *(_speculative_section(summary) if summary.get("speculative") else []),
         "## Cold starts",
         "",
         "| # | verdict | decode closed | prefill closed | violations | bytes sent / decode step | OS bytes (sent, excess) | tok/s | recorder ms/step |",
@@ -102,7 +137,7 @@ def render(summary: dict) -> str:
     n_layers = summary["runs"][0]["layers"]
     lines.append("| layer | " + " | ".join(f"cold {r['cold_start']}" for r in summary["runs"]) + " |")
     lines.append("| --- |" + " --- |" * len(summary["runs"]))
-    total = {r["cold_start"]: r["decode_steps"] + r["prefill_steps"] for r in summary["runs"]}
+    total = {r["cold_start"]: r["forwards"] for r in summary["runs"]}
     for layer in range(n_layers):
         cells = [f"{r['layer_closed'][layer]}/{total[r['cold_start']]}" for r in summary["runs"]]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")

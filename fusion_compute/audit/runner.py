@@ -4,7 +4,11 @@ Each cold start is fresh processes: a client (this process, rank 0) and N spawne
 standbys), each recording its own hash-chained log of every plan epoch into OUT/coldK/epoch{E}/.
 One session, through `generate()` (StepHooks record each step): a prefill of the prompt, then
 `steps` decode steps with greedy sampling and forced continuation (EOS does not stop it, so every
-decode step really runs), its slot released at the end. With `revoke_at` the runner
+decode step really runs), its slot released at the end. With `speculative` (a SpeculativeConfig)
+the same loop speculates: `steps` is then the number of tokens generated after the first (the same
+tokens as without speculation), in fewer forwards, some of them verifications of K + 1 columns whose
+rejected columns are rolled back; the client's log records each rollback where the workers' do
+(_Rollbacks). With `revoke_at` the runner
 revokes a worker before that decode step, as a user would (`engine.revoke`): the session moves to
 epoch 1 (a standby in its seat), whose first step is the replay of the session's tokens, recorded
 like any step. Around each epoch's steps, and at the revocation, the runner samples the kernel's
@@ -32,6 +36,23 @@ from .verify import verify_dir
 
 DEFAULT_PROMPT = "The history of the printing press begins in"
 FALLBACK_PROMPT_IDS = (5, 17, 33, 2, 99, 100, 7, 8)
+# With speculation: a prompt that repeats itself, so that n-gram (prompt lookup) drafts are proposed
+# from the first decode step, some accepted (the model continues the pattern) and some rejected
+# (where it leaves it): the audit then sees verifications, rollbacks and accepted drafts.
+SPECULATIVE_PROMPT = (
+    "Copy the list exactly.\nList: 1. red apple 2. green pear 3. yellow lemon 4. purple plum 5. orange peach "
+    "6. red cherry 7. green grape\nCopy: 1. red apple 2. green"
+)
+# Without a tokenizer (tiny random models, which tend to repeat one token, 99 for the test suite's
+# Qwen2): a pair of that token followed by others draws drafts that are rejected at first, then, as
+# the run of it grows, accepted.
+FALLBACK_SPECULATIVE_IDS = (5, 17, 99, 99, 7, 8, 33, 2)
+
+
+STALE_ROLLBACK = "stale-rollback"  # inject.py's control that ignores speculation's rollbacks
+NO_ROLLBACK_TO_IGNORE = (
+    f"--inject-leak {STALE_ROLLBACK} needs --speculative: without drafts there is no rollback to ignore"
+)
 
 
 class AuditRunError(RuntimeError):
@@ -59,6 +80,7 @@ class RunConfig:
     standby: int | None = None  # local spares (default: 1 with revoke_at, else 0)
     negative_control: str | None = None  # "keep-revoked" (tests only): the client keeps the revoked worker
     batch: int = 1  # > 1: batch + 1 sessions share the workers' steps, `batch` KV slots (_run_batched)
+    speculative: object | None = None  # a generation.speculative_config.SpeculativeConfig: speculative decoding
 
     @property
     def sessions(self) -> int:
@@ -78,7 +100,7 @@ def resolve_prompt(cfg: RunConfig, model_path: Path, vocab: int) -> tuple[list[i
         if bad:
             raise AuditRunError(f"prompt id {bad[0]} outside the vocabulary [0, {vocab})")
         return list(cfg.prompt_ids), "ids"
-    text = cfg.prompt or DEFAULT_PROMPT
+    text = cfg.prompt or (SPECULATIVE_PROMPT if cfg.speculative is not None else DEFAULT_PROMPT)
     try:
         from ..weights.tokenizer import load_tokenizer
 
@@ -88,7 +110,8 @@ def resolve_prompt(cfg: RunConfig, model_path: Path, vocab: int) -> tuple[list[i
     except Exception:
         if cfg.prompt:
             raise AuditRunError(f"cannot tokenize --prompt for {model_path}: use --prompt-ids") from None
-    return [i % vocab for i in FALLBACK_PROMPT_IDS], "fixed ids (model has no tokenizer)"
+    ids = FALLBACK_SPECULATIVE_IDS if cfg.speculative is not None else FALLBACK_PROMPT_IDS
+    return [i % vocab for i in ids], "fixed ids (model has no tokenizer)"
 
 
 def _package_version() -> str:
@@ -126,6 +149,7 @@ class Prepared:
     src: object  # the client's WeightSource, opened once and reused by every cold start's Engine
     prompt: list[int]
     prompt_src: str
+    draft_model: object = None  # speculation's draft model (generation.speculative), loaded once per run
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -150,6 +174,10 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise AuditRunError(f"--batch must be in 1..{MAX_SLOTS}, got {cfg.batch}")
     if cfg.batch > 1 and cfg.revoke_at is not None:
         raise AuditRunError("--batch and --revoke-at cannot be combined (a revocation is audited on one session)")
+    if cfg.speculative is not None and cfg.revoke_at is not None:
+        raise AuditRunError("--speculative and --revoke-at cannot be combined (a revocation is audited without drafts)")
+    if cfg.speculative is None and (cfg.inject_leak or "").strip() == STALE_ROLLBACK:
+        raise AuditRunError(NO_ROLLBACK_TO_IGNORE)
     if cfg.revoke_at is not None:
         if not (0 <= cfg.revoke_at < cfg.steps):
             raise AuditRunError(f"--revoke-at must be in 0..{cfg.steps - 1} (a decode step), got {cfg.revoke_at}")
@@ -175,7 +203,39 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise AuditRunError(
             f"prompt {len(prompt)} + {cfg.steps} steps exceed the model's window {config.max_positions}"
         )
-    return Prepared(model_path, config, src, prompt, prompt_src)
+    draft = speculator(cfg, config, prompt).model if cfg.speculative is not None else None
+    return Prepared(model_path, config, src, prompt, prompt_src, draft)
+
+
+def speculator(cfg: RunConfig, config, prompt: list[int], draft_model=None):
+    """A cold start's speculative.Speculator (its counters are that cold start's): the draft model
+    loaded and its vocabulary checked once, in prepare(), before any worker starts."""
+    from ..generation.speculative import Speculator
+
+    return Speculator(cfg.speculative, config.vocab, len(prompt) + cfg.steps + 1, draft_model=draft_model)
+
+
+class _Rollbacks:
+    """The client's record of speculation's rollbacks. The engine rolls a slot back without a message
+    (engine.rollback): the workers see the slot's next span start below what they hold, zero the
+    rejected positions and record a rollback just before that step. The client records the same
+    rollback at the same place (before the step's record), from the spans it sends, so the verifier
+    can hold every worker's rollbacks to the client's."""
+
+    def __init__(self):
+        self.held: dict[int, int] = {}  # slot -> positions its session holds
+        self.count = 0
+
+    def before(self, rec: AuditRecorder, spans: list[tuple[int, int, int]]) -> None:
+        for slot, pos, t in spans:
+            held = self.held.get(slot, 0)
+            if 0 < pos < held:
+                rec.rollback(slot, held, pos)
+                self.count += 1
+            self.held[slot] = pos + t
+
+    def released(self, slot: int) -> None:
+        self.held.pop(slot, None)
 
 
 class _Sockets:
@@ -265,13 +325,15 @@ def _no_recovery(engine, epochs: list[_Epoch]) -> None:
         )
 
 
-def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], epochs: list[_Epoch]):
+def _run_batched(
+    cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], epochs: list[_Epoch], spec, rollbacks: _Rollbacks
+):
     """`cfg.batch` + 1 sessions on `cfg.batch` KV slots, as continuous batching runs them: session i
     joins at step i (its prefill next to the others' decodes), runs `cfg.steps` greedy decode steps
     (forced continuation) and leaves, its slot released; the last one takes the first freed slot.
     Session i's prompt is the first len(prompt) - i tokens, so the sessions differ. Every step and
-    release is recorded with its spans. Returns each session's tokens, the first step's time and the
-    time of the rest."""
+    release is recorded with its spans, and every rollback (`spec`: a speculative.Speculator or None).
+    Returns each session's tokens, the first step's time and the time of the rest."""
     from ..generation.batching import BatchRunner, Sequence, StepHooks
     from ..generation.sampling_params import SamplingParams
 
@@ -281,6 +343,7 @@ def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], 
     def before(spans: list[tuple[int, int, int]]) -> None:
         if at["steps"] == 0:  # the session record follows the RESET of the first admission
             rec.new_session()
+        rollbacks.before(rec, spans)
         rec.begin_step(sum(n for _, _, n in spans), spans[0][1], [list(sp) for sp in spans])
 
     def after() -> None:
@@ -292,7 +355,12 @@ def _run_batched(cfg: RunConfig, engine, rec: AuditRecorder, prompt: list[int], 
 
     # the loop of `fusion serve --max-batch` and generate(), session i admitted at step i (or when
     # none runs); forced continuation: no stop ids, every session runs cfg.steps decode steps
-    runner = BatchRunner(engine, cfg.batch, StepHooks(before, after, rec.release))
+    # (with speculation: generates cfg.steps tokens after its first, in fewer steps)
+    def released(slot: int) -> None:
+        rec.release(slot)
+        rollbacks.released(slot)
+
+    runner = BatchRunner(engine, cfg.batch, StepHooks(before, after, released), spec)
     seqs = [Sequence(p, cfg.steps + 1, SamplingParams()) for p in prompts]
     waiting = list(range(cfg.sessions))
     while waiting or runner.active:
@@ -341,13 +409,15 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
     epochs = [ep]
     sockets = _Sockets(engine, cfg.netcount and engine.procs is not None and netcount.available())
     replay_ok = None
+    spec = None if cfg.speculative is None else speculator(cfg, prep.config, prompt, prep.draft_model)
+    rollbacks = _Rollbacks()
     try:
         _open_client_log(cfg, engine, ep)
         load_s = time.perf_counter() - t0
         ep.before = sockets.take()
         replay_s, decode_tokens = 0.0, cfg.steps
         if cfg.batch > 1:
-            sessions, ttft, decode_s = _run_batched(cfg, engine, ep.rec, prompt, epochs)
+            sessions, ttft, decode_s = _run_batched(cfg, engine, ep.rec, prompt, epochs, spec, rollbacks)
             tokens = [t for out in sessions for t in out]
             decode_tokens = len(tokens) - 1  # every token after the first step's
         else:
@@ -358,6 +428,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                 if at["steps"] == 0:  # the session's record follows the RESET the loop sent
                     ep.rec.new_session()
                     at["t1"] = time.perf_counter()
+                rollbacks.before(ep.rec, spans)
                 ep.rec.begin_step(t, pos)
 
             def after() -> None:
@@ -388,7 +459,12 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                     replay_ok = int(torch.argmax(logits)) == tokens[-1]  # exact: the same next token
                     replay_s = time.perf_counter() - t3
 
-            # forced continuation (no stop ids): EOS does not stop an audit run
+            def released(slot: int) -> None:
+                ep.rec.release(slot)
+                rollbacks.released(slot)
+
+            # forced continuation (no stop ids): EOS does not stop an audit run; with speculation the
+            # same cfg.steps + 1 tokens, in fewer steps
             ttft = 0.0
             generate(
                 engine,
@@ -396,7 +472,8 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
                 max_new_tokens=cfg.steps + 1,
                 sampling=SamplingParams(),
                 on_token=on_token,
-                hooks=StepHooks(before, after, lambda slot: ep.rec.release(slot)),
+                hooks=StepHooks(before, after, released),
+                speculator=spec,
             )
             decode_s = time.perf_counter() - at["t2"] - replay_s
         ep.after = sockets.take()
@@ -486,6 +563,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "prompt": {"tokens": len(prompt), "source": prompt_src},
         "steps": {"prefill": 1, "decode": cfg.steps, "replays": len(epochs) - 1},  # per session
         "batch": {"slots": cfg.batch, "sessions": cfg.sessions} if cfg.batch > 1 else None,
+        "speculative": None if cfg.speculative is None else cfg.speculative.describe(),
         "revoke": {"worker": cfg.revoke_worker, "before_decode_step": cfg.revoke_at}
         if cfg.revoke_at is not None
         else None,
@@ -517,10 +595,15 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "summary": result.summary_line(),
         "decode_steps": result.decode_steps,
         "closed_decode": result.closed_decode,
+        "verify_steps": result.verify_steps,
+        "closed_verify": result.closed_verify,
         "batched_sessions": result.batched_sessions,
         "closed_sessions": result.closed_sessions,
         "prefill_steps": result.prefill_steps,
-        "closed_prefill": result.closed_steps - result.closed_decode,
+        "closed_prefill": result.closed_steps - result.closed_decode - result.closed_verify,
+        "forwards": result.steps,  # sharded forwards (steps), every one audited
+        "generated_tokens": len(tokens),  # what they produced: > forwards when drafts were accepted
+        "speculative": None if spec is None else spec.totals.as_dict() | {"rollbacks": rollbacks.count},
         "layers": result.layers,
         "layer_closed": result.layer_closed,
         "violation_counts": result.counts(),
@@ -606,6 +689,7 @@ def run_audit(cfg: RunConfig, log=print) -> dict:
         "inject_leak": cfg.inject_leak,
         "steps": cfg.steps,
         "batch": cfg.batch,
+        "speculative": None if cfg.speculative is None else cfg.speculative.describe(),
         "cold_starts": cfg.cold_starts,
         "standby": cfg.spares,
         "revoke": {"worker": cfg.revoke_worker, "before_decode_step": cfg.revoke_at}
@@ -613,7 +697,9 @@ def run_audit(cfg: RunConfig, log=print) -> dict:
         else None,
         "negative_control": cfg.negative_control,
         "all_ok": all(r["ok"] for r in runs),
-        "closed": f"{sum(r['closed_decode'] for r in runs)}/{sum(r['decode_steps'] for r in runs)}",
+        # the steps after each prefill: decode steps, and with speculation verification steps too
+        "closed": f"{sum(r['closed_decode'] + r['closed_verify'] for r in runs)}/"
+        f"{sum(r['decode_steps'] + r['verify_steps'] for r in runs)}",
         "identical_tokens_across_cold_starts": len({r["generated_sha256"] for r in runs}) == 1,
         "runs": runs,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},

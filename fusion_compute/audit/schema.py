@@ -34,10 +34,17 @@ Record types, in order:
            per session in column order; then t = ΣT and pos = the first span's
   release  one batched session is over: session (the RESET's), slot; a worker adds `zeroed`, whether
            it measured that slot's KV as all zeros after wiping it
+  rollback speculative decoding rejected the last columns of a slot's previous step: session, slot,
+           `from` (the positions the slot held), `to` (where its next span starts, 1 <= to < from);
+           a worker adds `zeroed`, whether it measured the slot as all zeros from `to` on after
+           zeroing positions to..from-1. Written before the step whose span starts at `to`
   end      steps, recorder self-timing; `control`: the SHUTDOWN word
 A slot holds one batched session's KV from its first span (pos 0) to its release (or the next
 session record): a span at pos 0 may only start in a free slot, and a span at pos p > 0 continues
-its slot's session exactly where the previous one ended.
+its slot's session exactly where the previous one ended, or where a rollback record put it back.
+A step's phase: "prefill" when a session starts in it (a span at pos 0), "decode" when every
+session runs one token past its prompt, "verify" otherwise: every session continues its KV and some
+run several columns (a speculative verification: the last token plus its drafts).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-SCHEMA_VERSION = 4  # 3: one directory per plan epoch, membership record, participants; 4: batched steps, releases
+SCHEMA_VERSION = 5  # 3: epochs, membership, participants; 4: batched steps, releases; 5: rollbacks, "verify"
 GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 NETCOUNT = "netcount.json"
@@ -114,11 +121,17 @@ def parse_op(op: str) -> tuple[int, str]:
     return layer, OP_ROLES.get(name.split(".")[0], name.split(".")[0])
 
 
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
 def step_phase(t: int, pos: int, spans: list[list[int]] | None = None) -> str:
-    """ "decode" when every session in the step runs one token past its prompt, else "prefill"."""
-    if spans is None:
-        return "decode" if t == 1 and pos > 0 else "prefill"
-    return "decode" if all(n == 1 and p > 0 for _, p, n in spans) else "prefill"
+    """ "prefill" when a session starts in the step (position 0), "decode" when every session runs
+    one token past its prompt, else "verify": every session continues, some with several columns
+    (speculative decoding's last token plus drafts)."""
+    sessions = [(pos, t)] if spans is None else [(p, n) for _, p, n in spans]
+    if any(p == 0 for p, _ in sessions):
+        return PREFILL
+    return DECODE if all(n == 1 for _, n in sessions) else VERIFY
 
 
 SPANS_OP = "spans"  # the control message that carries a batched step's spans

@@ -126,10 +126,12 @@ class ShardedModel:
         """Before a step: a span that starts below what its slot holds re-runs those positions
         (speculative decoding rejected them): the slot's positions from there on are zeroed first,
         so a rejected key or value is never attended, nor kept. Returns (slot, held, pos, zeroed)
-        per rollback, zeroed measured (the audit's rollback record)."""
+        per rollback, zeroed measured (the audit's rollback record). A span at position 0 is a new
+        session, not a rollback: its slot was zeroed at the release (a worker that kept it is the
+        audit's keep-slots control, caught at the release's measurement)."""
         out = []
         for s in spans:
-            if s.slot < len(self.lengths) and s.pos < self.lengths[s.slot]:
+            if s.slot < len(self.lengths) and 0 < s.pos < self.lengths[s.slot]:
                 held = self.lengths[s.slot]
                 for layer in self.layers:
                     for cache in layer.caches:

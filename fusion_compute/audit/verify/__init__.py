@@ -26,6 +26,10 @@ transfer it should make, then checks each step (DESIGN.md §5):
                   continue exactly where the slot's session ended; a new session starts only in a
                   free slot (holding: never on top of the previous session's KV); every worker
                   measured a released slot as all zeros; a session is closed when all its steps are
+  rollback        speculative decoding: a slot goes back only by a recorded rollback (from exactly
+                  what it holds, zeroed on every worker, the same on every rank as in the client's
+                  log); a span that starts below what its slot holds without one is a step that
+                  runs where the rejected drafts' keys and values still are
 
 A cold start has one audit directory per plan epoch (a revoked or lost worker ends an epoch; the
 next one runs over the survivors plus a standby and replays the session as its first step). Each
@@ -44,7 +48,7 @@ Exit status 0 only when every check passed. The package, by responsibility:
   logs.py         the manifest, each rank's hash chain, record order, the same steps on every rank
   expectation.py  what the dimensions and declared shares imply: coordinate sets, transfers, bytes
   checks.py       what each rank's records claim, per step, and the cross-rank checks on them
-  sessions.py     each session's KV slot, positions and lifetime (single and batched runs)
+  sessions.py     each session's KV slot, positions, rollbacks and lifetime (single and batched runs)
   os_bytes.py     the kernel's socket counters vs the predicted wire bytes
   membership.py   the checks across epochs: who took part when, and what a departed worker received
   result.py       Violation, Result (one epoch) and RunResult (a cold start): counts, JSON, report
@@ -137,11 +141,11 @@ def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[R
         final = manifest["chains"].get(str(rank))
         logs[rank] = read_rank_log(d / S.log_name(rank), rank, final, res, departing.get(rank))
     ctx.declare_shares(logs)
-    step_keys = check_same_steps(logs, n, res)
+    step_keys = check_same_steps(logs, n, res, ctx.violate)
     ingress, egress = coordinate_map(logs[0].header, "ingress"), coordinate_map(logs[0].header, "egress")
-    sessions = check_slots(logs[0].body, 0, False, ctx.violate)
+    sessions = check_slots(logs[0].body, 0, False, ctx.violate, res.checks)
     for w in range(n):
-        check_slots(logs[w + 1].body, w + 1, True, ctx.violate)
+        check_slots(logs[w + 1].body, w + 1, True, ctx.violate, res.checks)
         check_worker(ctx, w, logs[w + 1].body)
     check_client(ctx, logs[0].steps, ingress, egress)
     check_conservation(ctx)

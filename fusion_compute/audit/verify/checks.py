@@ -78,6 +78,7 @@ class Verification:
         res = self.res
         run_level = any(v.invariant in RUN_LEVEL for v in res.violations)
         decode_steps = {(k.session, k.step) for k in step_keys if k.decode}
+        verify_steps = {(k.session, k.step) for k in step_keys if k.verify}
         res.layer_closed = [0] * self.n_layers
         res.unclosed = [(k.session, k.step) for k in step_keys] if run_level else []
         for k in step_keys if not run_level else ():
@@ -88,6 +89,7 @@ class Verification:
             if key not in self.bad_steps:
                 res.closed_steps += 1
                 res.closed_decode += key in decode_steps
+                res.closed_verify += key in verify_steps
             else:
                 res.unclosed.append(key)
         if any(k.spans for k in step_keys):
@@ -113,7 +115,7 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
     wire_sent = wire_recv = 0
     for r in body:
         n_ctl = control_received(r)
-        if r.get("type") in ("session", "release"):
+        if r.get("type") in ("session", "release", "rollback"):  # a rollback moves no byte: no message
             s, rr = wire_bytes([], n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
             continue

@@ -2,9 +2,10 @@
 
 Part of the independent verifier: imports only audit/schema.py and the standard library. The
 checks here are the run-level ones on the logs themselves (`chain`: hashes, `prev`, `seq`, the
-manifest's final hashes; `structure`: header / sessions / steps / releases / end, consecutive steps,
-each step's phase, the same steps on every rank); positions per KV slot are checked in sessions.py,
-what the records claim in checks.py.
+manifest's final hashes; `structure`: header / sessions / steps / releases / rollbacks / end,
+consecutive steps, each step's phase, the same steps and releases on every rank; `rollback`: the
+same rollbacks on every rank); positions per KV slot are checked in sessions.py, what the records
+claim in checks.py.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class RankLog(NamedTuple):
     """One rank's records, split by type (empty when the log is missing or has no header)."""
 
     header: dict
-    body: list[dict]  # session and step records, in order
+    body: list[dict]  # session, step, release and rollback records, in order
     steps: list[dict]  # the step records
     end: dict | None  # None when missing
 
@@ -113,14 +114,15 @@ def split_records(records: list[dict], rank: int, res: Result, left: str | None 
     body = records[1:-1] if end else records[1:]
     steps = [r for r in body if r.get("type") == "step"]
     for r in body:
-        if r.get("type") not in ("session", "step", "release"):
+        if r.get("type") not in ("session", "step", "release", "rollback"):
             res.violations.append(Violation("structure", f"unexpected record type {r.get('type')!r}", rank=rank))
     return RankLog(records[0], body, steps, end)
 
 
 def check_order(body: list[dict], rank: int, res: Result) -> None:
     """Sessions numbered 1, 2, ...; in each, steps numbered 0, 1, ..., each with the phase its
-    tokens imply; releases inside the current session. Positions are per KV slot: sessions.py."""
+    tokens imply; releases and rollbacks inside the current session. Positions are per KV slot:
+    sessions.py."""
     session, step = 0, 0
     for r in body:
         res.checks["structure"] += 1
@@ -130,9 +132,9 @@ def check_order(body: list[dict], rank: int, res: Result) -> None:
                 res.violations.append(Violation("structure", msg, rank=rank))
             session, step = r.get("session", session + 1), 0
             continue
-        if r.get("type") == "release":
+        if r.get("type") in ("release", "rollback"):
             if r.get("session") != session:
-                msg = f"release in session {r.get('session')} during session {session}"
+                msg = f"{r.get('type')} in session {r.get('session')} during session {session}"
                 res.violations.append(Violation("structure", msg, rank=rank))
             continue
         s, k, t, p = r.get("session"), r.get("step"), r.get("t"), r.get("pos")
@@ -160,7 +162,11 @@ class StepKey(NamedTuple):
 
     @property
     def decode(self) -> bool:
-        return self.phase == "decode"
+        return self.phase == S.DECODE
+
+    @property
+    def verify(self) -> bool:
+        return self.phase == S.VERIFY
 
 
 def step_key(record: dict) -> StepKey:
@@ -181,21 +187,34 @@ def _hashable(value):
     return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
 
 
-def _releases(body: list[dict]) -> list[tuple]:
-    """A log's releases, each with the number of steps before it: where in the run it came."""
+def _between_steps(body: list[dict], kind: str, fields: tuple[str, ...]) -> list[tuple]:
+    """A log's records of `kind` (release, rollback), each with the number of steps before it (where
+    in the run it came) and its `fields`."""
     out, steps = [], 0
     for r in body:
         steps += r.get("type") == "step"
-        if r.get("type") == "release":
-            out.append((steps, _hashable(r.get("session")), _hashable(r.get("slot"))))
+        if r.get("type") == kind:
+            out.append((steps, *(_hashable(r.get(f)) for f in fields)))
     return out
 
 
-def check_same_steps(logs: dict[int, RankLog], n: int, res: Result) -> list[StepKey]:
-    """Every worker ran the same steps as the client, and released the same slots between the same
-    steps; returns the client's steps."""
+def _releases(body: list[dict]) -> list[tuple]:
+    return _between_steps(body, "release", ("session", "slot"))
+
+
+def _rollbacks(body: list[dict]) -> list[tuple]:
+    return _between_steps(body, "rollback", ("session", "slot", "from", "to"))
+
+
+def check_same_steps(logs: dict[int, RankLog], n: int, res: Result, violate=None) -> list[StepKey]:
+    """Every worker ran the same steps as the client, released the same slots between the same
+    steps, and rolled back the same slots from and to the same positions (a rollback the client
+    made that a worker did not is a worker that kept attending the rejected drafts' positions);
+    returns the client's steps. `violate(Violation)` records a finding that names a step (and voids
+    it: checks.Verification.violate)."""
+    violate = violate or res.violations.append
     step_keys = [step_key(r) for r in logs[0].steps]
-    releases = _releases(logs[0].body)
+    releases, rollbacks = _releases(logs[0].body), _rollbacks(logs[0].body)
     for rank in range(1, n + 1):
         keys = [step_key(r) for r in logs[rank].steps]
         if keys != step_keys:
@@ -206,9 +225,23 @@ def check_same_steps(logs: dict[int, RankLog], n: int, res: Result) -> list[Step
         if mine != releases:
             msg = f"{len(mine)} slot releases vs the client's {len(releases)} ({len(set(mine) ^ set(releases))} differ)"
             res.violations.append(Violation("structure", msg, rank=rank))
+        mine = _rollbacks(logs[rank].body)
+        res.checks["rollback"] += max(len(mine), len(rollbacks))
+        for at, session, slot, held, to in sorted(set(mine) ^ set(rollbacks), key=lambda x: x[0]):
+            # the step the rollback precedes is the one that runs on the slot's positions
+            key = step_keys[at] if at < len(step_keys) else step_keys[-1] if step_keys else None
+            who = (
+                "the client's log has it, this worker's not"
+                if (at, session, slot, held, to) in rollbacks
+                else "this worker's log has it, the client's not"
+            )
+            msg = f"rollback of slot {slot} from {held} to {to}: {who}"
+            where = dict(session=key.session, step=key.step) if key else {}
+            violate(Violation("rollback", msg, rank=rank, **where))
     res.steps = len(step_keys)
     res.decode_steps = sum(1 for k in step_keys if k.decode)
-    res.prefill_steps = res.steps - res.decode_steps
+    res.verify_steps = sum(1 for k in step_keys if k.verify)
+    res.prefill_steps = res.steps - res.decode_steps - res.verify_steps
     return step_keys
 
 

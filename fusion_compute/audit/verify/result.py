@@ -15,6 +15,7 @@ INVARIANTS = (
     "no_full_holder",
     "closure",
     "accounting",
+    "rollback",  # speculation: positions never attended after a rollback (sessions.py, logs.py)
     "os_bytes",
     "membership",  # across epochs: a departed worker takes no part and receives nothing after it left
 )
@@ -29,6 +30,11 @@ def _closing(notes: list[str], violations: list, summary: str) -> list[str]:
     if len(violations) > MAX_LISTED:
         out.append(f"  ... {len(violations) - MAX_LISTED} more")
     return [*out, summary]
+
+
+def verify_part(closed: int, total: int) -> str:
+    """A speculative run's verification steps in a summary line (nothing without speculation)."""
+    return f" (+{closed}/{total} verify)" if total else ""
 
 
 def sessions_part(closed: int, total: int) -> str:
@@ -67,9 +73,11 @@ class Result:
     variant: str
     steps: int = 0
     decode_steps: int = 0
+    verify_steps: int = 0  # speculative verifications: sessions continuing with several columns
     prefill_steps: int = 0
     closed_steps: int = 0
     closed_decode: int = 0
+    closed_verify: int = 0
     batched_sessions: int = 0  # a batched run's sessions (0: one session at a time)
     closed_sessions: int = 0  # those whose every step closed
     checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INVARIANTS, 0))  # invariant -> items checked
@@ -101,8 +109,9 @@ class Result:
 
     def summary_line(self) -> str:
         return (
-            f"closed: {self.closed_decode}/{self.decode_steps} decode steps "
-            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill)"
+            f"closed: {self.closed_decode}/{self.decode_steps} decode steps"
+            f"{verify_part(self.closed_verify, self.verify_steps)} "
+            f"(+{self.closed_steps - self.closed_decode - self.closed_verify}/{self.prefill_steps} prefill)"
             f"{sessions_part(self.closed_sessions, self.batched_sessions)}, "
             f"{self.layers} layers each, {len(self.violations)} violations"
         )
@@ -195,6 +204,10 @@ class RunResult:
         return self._sum("decode_steps")
 
     @property
+    def verify_steps(self) -> int:
+        return self._sum("verify_steps")
+
+    @property
     def prefill_steps(self) -> int:
         return self._sum("prefill_steps")
 
@@ -205,6 +218,10 @@ class RunResult:
     @property
     def closed_decode(self) -> int:
         return 0 if self._void else self._sum("closed_decode")
+
+    @property
+    def closed_verify(self) -> int:
+        return 0 if self._void else self._sum("closed_verify")
 
     @property
     def layer_closed(self) -> list[int]:
@@ -255,6 +272,8 @@ class RunResult:
             "steps": self.steps,
             "decode_steps": self.decode_steps,
             "closed_decode": self.closed_decode,
+            "verify_steps": self.verify_steps,
+            "closed_verify": self.closed_verify,
             "prefill_steps": self.prefill_steps,
             "closed_steps": self.closed_steps,
             "batched_sessions": self.batched_sessions,
@@ -272,8 +291,9 @@ class RunResult:
     def summary_line(self) -> str:
         over = f" in {len(self.epochs)} epochs" if len(self.epochs) != 1 else ""
         return (
-            f"closed: {self.closed_decode}/{self.decode_steps} decode steps "
-            f"(+{self.closed_steps - self.closed_decode}/{self.prefill_steps} prefill)"
+            f"closed: {self.closed_decode}/{self.decode_steps} decode steps"
+            f"{verify_part(self.closed_verify, self.verify_steps)} "
+            f"(+{self.closed_steps - self.closed_decode - self.closed_verify}/{self.prefill_steps} prefill)"
             f"{sessions_part(self.closed_sessions, self.batched_sessions)}{over}, "
             f"{self.layers} layers each, {len(self.violations)} violations"
         )

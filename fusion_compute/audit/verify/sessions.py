@@ -5,12 +5,18 @@ session runs in slot 0 from a RESET (session record) to the next; a batched run 
 batching) runs several sessions at once, each in its own KV slot, and a step carries every running
 session's tokens (its `spans`, schema.py). Per rank, the slots are replayed record by record:
 
-  structure  a span at position p > 0 continues its slot's session exactly where it ended (no gap,
-             no overlap); a release names a slot that holds a session; a step's spans are well
-             formed (distinct slots, T >= 1, t = ΣT, pos = the first span's)
+  structure  a span at position p > 0 continues its slot's session where it ended (no gap); a
+             release names a slot that holds a session; a step's spans are well formed (distinct
+             slots, T >= 1, t = ΣT, pos = the first span's)
   holding    a slot holds one session's KV from its first token to its release: a new session
              (a span at position 0) starts only in a free slot, never on top of the previous
              session's KV; and every worker measured the released slot as all zeros
+  rollback   positions are never attended after a rollback (speculative decoding: a step runs the
+             last token plus K drafts, and the rejected drafts' positions are rolled back): a slot
+             goes back only by a rollback record, from exactly what it holds to a position
+             1 <= to < from, and every worker measured positions to.. of the slot as zeros after it;
+             a span that starts below what its slot holds without one runs where the rejected
+             drafts' keys and values still are (a worker that attends them, or keeps them)
 
 A session's verdict: closed when every step it took part in is closed (checks.py marks the steps).
 """
@@ -57,9 +63,11 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Session]:
+def check_slots(body: list[dict], rank: int, worker: bool, violate, checks: dict | None = None) -> list[Session]:
     """Replay one rank's slots (see the module docstring); returns its sessions in order of start.
-    `violate(Violation)` records a finding and voids the step it names."""
+    `violate(Violation)` records a finding and voids the step it names; `checks` counts the
+    rollback checks made (per invariant, as Result.checks)."""
+    checks = checks if checks is not None else {}
     sessions: list[Session] = []
     open_: dict[int, tuple[int, Session]] = {}  # slot -> (position reached, its session)
     batched: set[int] = set()  # open slots whose session ran in batched steps (they must be released)
@@ -80,6 +88,10 @@ def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Sess
             elif worker and r.get("zeroed") is not True:
                 violate(Violation("holding", f"slot {slot} still held KV after its session's release", **where))
             continue
+        if kind == "rollback":
+            checks["rollback"] = checks.get("rollback", 0) + 1
+            check_rollback(r, open_, rank, worker, violate)
+            continue
         key = (r.get("session"), r.get("step"))
         where = dict(rank=rank, session=key[0], step=key[1])
         try:
@@ -94,9 +106,18 @@ def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Sess
             elif pos == 0 and held is not None:
                 msg = f"slot {slot}: a new session starts on top of the previous one's KV (never released)"
                 violate(Violation("holding", msg, **where))
+            elif pos > 0 and held is not None and pos < held[0]:
+                msg = (
+                    f"slot {slot}: the step starts at position {pos}, below the {held[0]} positions the slot "
+                    f"holds, with no rollback recorded: positions {pos}..{held[0] - 1} were never zeroed, "
+                    "and this step runs where they are"
+                )
+                violate(Violation("rollback", msg, **where))
             elif pos > 0 and (held is None or held[0] != pos):
                 msg = f"slot {slot}: position {pos}, expected {held[0] if held else 'a new session at 0'}"
                 violate(Violation("structure", msg, **where))
+            if pos > 0:
+                checks["rollback"] = checks.get("rollback", 0) + 1
             if pos == 0 or held is None:
                 held = (0, Session(slot))
                 sessions.append(held[1])
@@ -111,3 +132,28 @@ def check_slots(body: list[dict], rank: int, worker: bool, violate) -> list[Sess
         msg = f"slot {slot}: its batched session was never released (its KV held to the end of the log)"
         violate(Violation("holding", msg, rank=rank, session=last[0], step=last[1]))
     return sessions
+
+
+def check_rollback(r: dict, open_: dict[int, tuple[int, Session]], rank: int, worker: bool, violate) -> None:
+    """One rollback record against the slots replayed so far: the slot holds a session, `from` is
+    what it holds, 1 <= `to` < `from`, and a worker measured the slot as zeros from `to` on. Puts
+    the slot back to `to` (when `to` is a position it holds)."""
+    slot, frm, to = r.get("slot"), r.get("from"), r.get("to")
+    held = open_.get(slot) if _int(slot) else None
+    last = held[1].steps[-1] if held else (r.get("session"), None)  # the step whose drafts were rejected
+    where = dict(rank=rank, session=last[0], step=last[1])
+    if held is None:
+        violate(Violation("rollback", f"rollback of slot {slot!r:.20}, which holds no session", **where))
+        return
+    if not (_int(frm) and _int(to) and frm == held[0] and 1 <= to < frm):
+        msg = (
+            f"slot {slot}: rollback from {frm!r:.20} to {to!r:.20}, but the slot holds {held[0]} positions "
+            "(a rollback goes from what the slot holds back to a position 1..held-1)"
+        )
+        violate(Violation("rollback", msg, **where))
+    if worker and r.get("zeroed") is not True:
+        msg = f"slot {slot}: positions {to!r:.20}.. not zeroed at the rollback (the rejected drafts' KV kept)"
+        violate(Violation("rollback", msg, **where))
+    if _int(to) and 1 <= to < held[0]:
+        held[1].tokens -= held[0] - to  # the session's positions: the rejected ones are gone
+        open_[slot] = (to, held[1])
