@@ -9,6 +9,8 @@ removes a worker caught returning a wrong one.
   plan.py      group A and the k mask groups, and each member's output rows of every linear, as data
   protocol.py  control words and message kinds
   worker.py    group A (W_fx (x_fx + Σ r_i)) and mask group i (W_fx r_i, one step ahead)
+  member.py    a masked worker process after joining: which member it plays, its log, its loop
+  controls.py  the dishonest members (lying, leaking) tests and the audit choose at start-up
   client.py    MaskedEngine: the nonlinear steps and the KV cache in the clear, on the user side
   verify.py    the client's check of every product (Freivalds, over the integers) and who to blame
   audit.py     per-rank logs, A's tap, the verifier and the exposure report

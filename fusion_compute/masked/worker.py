@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..comm import Comm
-from ..errors import UsageError
 from ..model import architecture as arch
-from ..runtime.faults import Fault, parse_fault
 from ..weights.loader import WeightSource
 from . import protocol as P
 from .masks import make_stream
@@ -70,15 +66,10 @@ class MaskedWorker:
         comm: Comm,
         *,
         audit=None,
-        leak: str | None = None,
-        fault: Fault | None = None,
     ):
         self.src, self.sizes, self.rank, self.comm = src, tuple(sizes), rank, comm
         self.audit = audit  # masked.audit.AuditLog: taps what this worker received
-        self.leak = leak  # "a-to-b": negative control, A's first member forwards an input to B
-        self.fault = fault  # tests only: a lie (faults.py) the client's product check must catch
-        self.forwards = 0  # FORWARD steps served (the fault's clock)
-        self._last: dict[str, torch.Tensor] = {}  # lie-stale: the previous step's result per linear
+        self.forwards = 0  # FORWARD steps served
         self.plan: MaskedPlan | None = None
         self.weights: MemberWeights | None = None
 
@@ -109,35 +100,23 @@ class MaskedWorker:
         else:
             self._serve_b(mask_kind)
 
-    # ---- lies (tests only) ----
+    # ---- what a step does with its data: the honest member's; controls.py's members override them ----
 
-    def _lie(self, name: str, y: torch.Tensor, first: bool, last: bool) -> torch.Tensor:
-        """FAULT INJECTION (tests only): what a dishonest member returns for linear `name` (rows, T)
-        at the step `--inject-fault` names; the honest `y` otherwise."""
-        f, honest = self.fault, y
-        if f is not None and f.lie and self.forwards == f.step and y.numel():
-            y = y.clone()
-            if f.kind == "lie-one" and last:
-                y[-1, -1] += 1
-            elif f.kind == "lie-bias":
-                y += 1 << 40
-            elif f.kind == "lie-stale":
-                prev = self._last.get(name)
-                y = prev[:, -y.shape[1] :] if prev is not None and prev.shape[1] >= y.shape[1] else y.zero_()
-            elif f.kind == "lie-zeros":
-                y.zero_()
-            elif f.kind == "lie-shape" and first:
-                y = y[:-1]
-        if f is not None and f.kind == "lie-stale":
-            self._last[name] = honest
+    def answer(self, name: str, y: torch.Tensor, first: bool, last: bool) -> torch.Tensor:
+        """What this member returns for linear `name` (rows, T): its product."""
         return y
+
+    def received(self, name: str, m_KT: torch.Tensor) -> None:
+        """A masked input arrived (group A): nothing more to do with it."""
+
+    def step_begins(self, t: int) -> None:
+        """A FORWARD of T columns begins (a mask group)."""
 
     # ---- group A: the hot path ----
 
     def _serve_a(self) -> None:
         c, plan, mats = self.comm, self.plan, self.weights.mats
         ctrl = torch.zeros(P.CONTROL_LEN, dtype=torch.int64)
-        leak_to_b = self.leak == "a-to-b" and self.member == 0
         n_layers, n_ops = len(mats), len(plan.shapes)
         while True:
             c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)  # idle between requests is normal
@@ -150,9 +129,8 @@ class MaskedWorker:
                         m_KT = c.recv(torch.empty(s.k, t, dtype=torch.int64), 0, P.KIND_MASKED, name)
                         if self.audit is not None:
                             self.audit.tap(name, m_KT)
-                        if leak_to_b and layer == 0 and s.op == 0:
-                            c.send(m_KT, plan.ranks(plan.mask_groups[0])[0], "leak", name)  # NEGATIVE CONTROL
-                        y = self._lie(
+                        self.received(name, m_KT)
+                        y = self.answer(
                             name,
                             mat.matmul(m_KT),
                             layer == 0 and s.op == 0,
@@ -179,7 +157,6 @@ class MaskedWorker:
         ctrl = torch.zeros(P.CONTROL_LEN, dtype=torch.int64)
         stream, expected = None, 0
         ahead: tuple[int, int, list[torch.Tensor]] | None = None  # (step, T, per-layer products)
-        leak_from_a = self.leak == "a-to-b" and self.group == self.plan.mask_groups[0] and self.member == 0
         while True:
             c.recv(ctrl, 0, P.KIND_CONTROL, "cmd", wait_s=math.inf)
             op, t, t_next, step = (int(v) for v in ctrl)
@@ -192,14 +169,13 @@ class MaskedWorker:
                     raise RuntimeError(
                         f"FORWARD step {step} out of order (expected {expected}, session started: {stream is not None})"
                     )
-                if leak_from_a:  # NEGATIVE CONTROL: receive what A's first member forwards
-                    c.recv(torch.empty(self.plan.shapes[0].k, t, dtype=torch.int64), 1, "leak", "L0.qkv")
+                self.step_begins(t)
                 self.forwards += 1
                 ready = ahead[2] if ahead is not None and ahead[:2] == (step, t) else None
                 pending = []
                 for layer in range(n_layers):
                     y = ready[layer] if ready is not None else self._products(stream, step, layer, t)
-                    y = self._lie(P.op_name(layer, "mask"), y, layer == 0, layer == n_layers - 1)
+                    y = self.answer(P.op_name(layer, "mask"), y, layer == 0, layer == n_layers - 1)
                     pending.append((c.isend(y, 0, P.KIND_OUT, P.op_name(layer, "mask")), y))
                 expected = step + 1
                 # Work ahead while the client and group A run this step: the next decode step, whose T the
@@ -234,47 +210,3 @@ def _rss_kb() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-
-
-def run_member(
-    src: WeightSource, welcome: dict, rank: int, links: dict, o: Any, keep: Callable[[Any], None] = lambda log: None
-) -> None:
-    """A masked worker process after joining: `welcome` names the group sizes; `o` is
-    worker.WorkerOptions; `keep` is handed the audit log (the process flushes it if it must exit)."""
-    from .audit import AuditLog
-    from .ring import limit_blas_threads
-
-    sizes = tuple(int(x) for x in welcome["groups"])
-    fault = parse_fault(o.inject_fault) if o.inject_fault else None
-    if fault is not None and not fault.lie:
-        raise UsageError(f"--inject-fault {o.inject_fault}: a masked worker knows only the lie-* faults")
-    limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
-    group = make_masked_plan(src.config, sizes[0], sizes[1:], 8).group_of(rank)[0] if rank <= sum(sizes) else None
-    epoch = int(welcome.get("epoch") or 0)
-    audit = AuditLog(o.audit_dir, rank, "worker", group, sizes, epoch=epoch) if o.audit_dir else None
-    if audit is not None:
-        keep(audit)
-    comm = Comm(rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, engine="tls" if o.key else "tcp")
-    try:
-        run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)
-    finally:
-        if audit is not None:
-            audit.close()
-        comm.close()
-
-
-def run(
-    src: WeightSource,
-    sizes: tuple[int, ...],
-    rank: int,
-    comm: Comm,
-    *,
-    audit=None,
-    leak: str | None = None,
-    fault: Fault | None = None,
-) -> None:
-    if leak not in (None, "a-to-b"):
-        raise ValueError(f"masked workers know one negative control, a-to-b (no-mask is the client's); got {leak!r}")
-    if rank < 1 or rank > sum(sizes):
-        raise ValueError(f"rank {rank} is not a worker of a {'+'.join(map(str, sizes))} job")
-    MaskedWorker(src, sizes, rank, comm, audit=audit, leak=leak, fault=fault).serve()

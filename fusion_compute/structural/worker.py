@@ -116,7 +116,7 @@ class Worker:
         self.witness.start(welcome.get("epoch"), links)
         try:
             if welcome.get("mode") == "masked":
-                from ..masked.worker import run_member
+                from ..masked.member import run_member
 
                 run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append)
                 return True
