@@ -2,7 +2,7 @@
 standby in its seat. Both epochs pass the per-epoch invariants (the replay is epoch 1's first step, so
 "no worker holds every coordinate during the replay" is its no_full_holder check), and the run-level
 membership check proves the revoked worker took no part and received nothing afterwards. Negative
-controls: a client that keeps the revoked worker (engine option `audit_negative_control`), and
+controls: a client that keeps the revoked worker (audit/inject.keep_revoked, composed at start-up), and
 tampered membership records, socket counts, logs."""
 
 from __future__ import annotations

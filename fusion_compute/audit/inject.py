@@ -94,7 +94,9 @@ def install_leak(model, spec: str) -> Leak:
     if leak.kind == "stale-rollback":
         ignore_rollbacks(model)
         return leak
-    if not hasattr(model, "leak"):
+    from ..structural.sharded import ShardedModel
+
+    if type(model) is not ShardedModel:  # the Megatron-style variant gathers already: nothing to hide
         raise LeakSpecError(f"--inject-leak {spec}: not supported by this model variant")
     res_sizes = list(model.plan.residual_sizes)
     full_index = list(range(sum(res_sizes)))  # the gather's output rows: every worker's range, in order
@@ -115,7 +117,14 @@ def install_leak(model, spec: str) -> Leak:
         if audit is not None:
             audit.hold(layer, "resid.in", full_index, x_HT.shape[0])
 
-    model.leak = gather
+    layer = model.layers[target]  # the gather runs before this layer, composed onto its forward
+    honest = layer.forward
+
+    def leaky_forward(x_dT, step):
+        gather(target, x_dT)
+        return honest(x_dT, step)
+
+    layer.forward = leaky_forward
     return leak
 
 
@@ -164,3 +173,15 @@ def ignore_rollbacks(model) -> None:
         return forward(x_dT, [Span(s.slot, max(s.pos, model.lengths[s.slot]), s.t) for s in spans])
 
     model.forward = forward_past_rollback
+
+
+def keep_revoked(engine) -> None:
+    """The membership control (`fusion audit run --negative-control keep-revoked`), composed onto the
+    client's engine at start-up: a revocation is recorded, but the revoked worker stays in the next
+    epoch (nobody leaves). The membership check must fail."""
+
+    def revocation(pid: int) -> tuple[list[int], set[int]]:
+        engine.opts.log(f"audit negative control keep-revoked: worker {pid} stays in epoch {engine.epoch + 1}")
+        return list(engine.order), set()
+
+    engine._revocation = revocation

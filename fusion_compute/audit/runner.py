@@ -398,12 +398,15 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         timeout_s=cfg.timeout_s,
         extra_worker_args=tuple(extra),
         standby=cfg.spares,
-        audit_negative_control=cfg.negative_control,
     )
     prep = prep or prepare(cfg)
     model_path, prompt, prompt_src = prep.model_path, prep.prompt, prep.prompt_src
     opts.context = len(prompt) + cfg.steps + 1  # KV shards sized to the session, not the 4096 default
     engine = Engine(model_path, opts, recorder=rec0, source=prep.src)
+    if cfg.negative_control == "keep-revoked":
+        from .inject import keep_revoked
+
+        keep_revoked(engine)
     tokens: list[int] = []
     ep = _Epoch(0, rec0, list(engine.order), engine.plan)
     epochs = [ep]

@@ -64,7 +64,6 @@ class EngineOptions:
     # TEST ONLY, the audit's negative control for revocation: "keep-revoked" makes `revoke` record the
     # user's revocation but keep the worker in the next epoch (a client bug that lets a revoked worker
     # keep receiving state). `fusion audit verify` must fail on it (docs/audit.md). None: no bug.
-    audit_negative_control: str | None = None
 
     def check(self) -> None:
         """Option combinations that cannot work; raises CommError naming the fix (UsageError for a value

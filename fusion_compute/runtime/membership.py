@@ -294,17 +294,9 @@ class Membership:
         if pid not in self.order:  # a standby: nothing to re-plan
             self._retire({pid}, epoch_over=False)
             return
-        keep = self.opts.audit_negative_control == "keep-revoked"
-        if self.opts.audit_negative_control not in (None, "keep-revoked"):
-            raise ValueError(f"unknown audit negative control {self.opts.audit_negative_control!r}")
-        if keep:  # NEGATIVE CONTROL (tests only): the revocation is recorded, the worker stays
-            self.opts.log(f"audit negative control keep-revoked: worker {pid} stays in epoch {self.epoch + 1}")
-            order = list(self.order)
-        else:
-            self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
-            order = self._next_order({pid}, why="revoking it would leave")
+        order, leaving = self._revocation(pid)
         t0, noticed = time.perf_counter(), time.time()
-        self._retire(set() if keep else {pid})
+        self._retire(leaving)
         self._switch_epoch(order)
         record = self._record({pid}, order, f"worker {pid} revoked by the user", noticed, t0, replayed_tokens=0)
         record["revoked"] = [pid]
@@ -315,6 +307,12 @@ class Membership:
         else:
             record["replayed_tokens"] = sum(len(h) for h in self.slot_history.values())
         self.recoveries.append(record)
+
+    def _revocation(self, pid: int) -> tuple[list[int], set[int]]:
+        """The next epoch's order without `pid` (a standby in its seat when one can join), and who
+        leaves: `pid`. (The audit's keep-revoked control replaces this at start-up: audit/inject.py.)"""
+        self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
+        return self._next_order({pid}, why="revoking it would leave"), {pid}
 
     def add_standby(self, key: PublicId | None = None, host: str | None = None, group: str | None = None) -> int:
         """Enroll one more participant as a standby; returns its id. Local runs spawn it (a fresh

@@ -92,7 +92,6 @@ class ShardedModel:
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
-        self.leak = None  # audit negative control: called as leak(layer, x_dT) before each layer
 
     def attach_audit(self, audit) -> None:
         for layer in self.layers:
@@ -174,7 +173,5 @@ class ShardedModel:
         """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
         step = self._step(spans)
         for layer in self.layers:
-            if self.leak is not None:
-                self.leak(layer.i, x_dT)
             x_dT = layer.forward(x_dT, step)
         return x_dT
