@@ -344,11 +344,11 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
     w.add_argument(
         "--inject-leak",
-        help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots (masked: a-to-b)",
+        help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots | stale-rollback (masked: a-to-b)",
     )
     w.add_argument(
         "--inject-fault",
-        help="tests only: close-mid-message@STEP, never-join@N, cut-peer@N, slow-rs@N, drag-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
+        help="tests only: close-mid-message@STEP, nan-egress@STEP, hello-fingerprint@1, never-join@N, cut-peer@N, slow-rs@N, drag-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
     )
     w.add_argument(
         "--variant",
