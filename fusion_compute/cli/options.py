@@ -314,10 +314,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
                 raise UsageError(f"--workers must be >= 1, got {n}")
             caps = capacities(a.capacity)
         opts = EngineOptions(n_workers=n, capacities=caps, **common)
-    try:
-        opts.check()
-    except Exception as e:
-        raise UsageError(str(e)) from None
+    opts.check()  # UsageError (exit 2) naming the flag to change
     if opts.insecure:
         opts.log(
             "warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
