@@ -73,7 +73,7 @@ BAD = [
     (["--prompt", "hi", "--capacity", "1,1,1"], "3 capacities given for 2"),
     (["--prompt", "hi", "--master", "localhost"], "HOST:PORT"),
     (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
-    (["--prompt", "hi", "--engine", "nccl"], "--engine nccl runs among GPU workers: add --device cuda"),
+    (["--prompt", "hi", "--comm-backend", "nccl"], "--comm-backend nccl runs among GPU workers: add --device cuda"),
     (["--prompt", "hi", "--min-workers", "3"], "--min-workers 3 is more than the 2 workers of this run"),
     (["--prompt", "hi", "--standby", "-1"], "--standby must be >= 0"),
     (["--prompt", "hi", "--step-deadline-factor", "0.5"], "--step-deadline-factor must be 0 (no step bound) or >= 1"),
@@ -335,14 +335,15 @@ def test_a_workers_own_error_line_is_its_last_words():
 
 
 def test_min_workers_above_the_run_is_refused_by_the_library_too():
-    """`EngineOptions.check` refuses it, so a library user gets the command line's refusal; the default
-    floor (2) still lets a one-worker run start."""
-    from fusion_compute.comm import CommError
+    """`EngineOptions.check` refuses it, so a library user gets the command line's refusal (a usage
+    error, exit code 2: the options were wrong, nothing on the wire failed); the default floor (2)
+    still lets a one-worker run start."""
+    from fusion_compute.errors import UsageError
     from fusion_compute.masked.options import MaskedOptions
     from fusion_compute.runtime.engine_options import EngineOptions
 
     for opts in (EngineOptions(n_workers=2, min_workers=3), MaskedOptions(n_a=1, n_b=1, min_workers=3)):
-        with pytest.raises(CommError, match="--min-workers 3 is more than the 2 workers of this run"):
+        with pytest.raises(UsageError, match="--min-workers 3 is more than the 2 workers of this run"):
             opts.check()
     EngineOptions(n_workers=1).check()
     assert EngineOptions(n_workers=1).floor == 2 and EngineOptions(n_workers=3, min_workers=3).floor == 3
@@ -354,9 +355,58 @@ def test_cuda_defaults_to_nccl_only_among_local_workers():
     from fusion_compute.cli import options as O
     from fusion_compute.cli.main import build_parser
 
-    def engine(*flags: str) -> str:
-        return O.engine_options(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])).engine
+    def backend(*flags: str) -> str:
+        return O.engine_options(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])).comm_backend
 
-    assert engine("--device", "cuda") == "nccl"
-    assert engine("--device", "cuda", "--master", "127.0.0.1:29500", "--insecure") == "tcp"
-    assert engine("--device", "cpu") == "tls"
+    assert backend("--device", "cuda") == "nccl"
+    assert backend("--device", "cuda", "--master", "127.0.0.1:29500", "--insecure") == "tcp"
+    assert backend("--device", "cpu") == "tls"
+
+
+def test_option_checks_are_usage_errors_not_comm_errors():
+    """Every refusal of `EngineOptions.check` is about the options (exit code 2), never a CommError,
+    which means a peer or the wire failed."""
+    from fusion_compute.comm import CommError
+    from fusion_compute.errors import UsageError
+    from fusion_compute.runtime.engine_options import EngineOptions
+
+    bad = [
+        dict(comm_backend="carrier-pigeon"),
+        dict(comm_backend="tcp"),
+        dict(comm_backend="nccl", insecure=True),
+        dict(comm_backend="gloo", insecure=True, master="127.0.0.1:29500"),
+        dict(master="127.0.0.1:29500"),
+        dict(standby=-1),
+        dict(capacities=(1.0,)),
+        dict(min_workers=0),
+        dict(liveness_s=0),
+    ]
+    for kw in bad:
+        with pytest.raises(UsageError) as e:
+            EngineOptions(n_workers=2, **kw).check()
+        assert not isinstance(e.value, CommError) and e.value.exit_code == 2, kw
+
+
+def test_old_flag_names_still_work_and_warn(capsys):
+    """`--engine` (now `--comm-backend`) and `fusion bench --engines` (now `--comm-backends`) are kept
+    for the scripts that use them: the same values, and one line on stderr naming the new flag."""
+    from fusion_compute.cli import options as O
+    from fusion_compute.cli.main import build_parser
+
+    a = build_parser().parse_args(["generate", "--prompt-ids", "1", "--engine", "tcp", "--insecure"])
+    assert O.engine_options(a).comm_backend == "tcp"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "fusion: warning: --engine is deprecated: use --comm-backend (the same values)", err
+    a = build_parser().parse_args(["generate", "--prompt-ids", "1", "--comm-backend", "tcp", "--insecure"])
+    assert O.engine_options(a).comm_backend == "tcp"
+    assert "deprecated" not in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", "--prompt-ids", "1"]).comm_backend is None  # default: tls/nccl
+
+    b = build_parser().parse_args(["bench", "--engines", "tls,mpi"])
+    assert b.comm_backends == ["tls", "mpi"]
+    assert (
+        capsys.readouterr().err == "fusion: warning: --engines is deprecated: use --comm-backends (the same values)\n"
+    )
+    assert build_parser().parse_args(["bench"]).comm_backends == ["tls", "gloo"]
+    with pytest.raises(SystemExit):  # the old name still checks its values
+        build_parser().parse_args(["generate", "--prompt-ids", "1", "--engine", "carrier-pigeon"])

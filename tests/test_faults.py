@@ -67,11 +67,11 @@ def test_lost_worker_replaced_by_standby(tiny_qwen2, sig, when):
 def test_lost_worker_on_the_mpi_fabric(tiny_qwen2, sig):
     """The survivors' MPI waits end when the epoch is aborted (no busy wait on a dead peer), and the
     next epoch joins a fresh communicator with the standby: same tokens."""
-    with structural(tiny_qwen2, standby=1, engine="mpi") as eng:
+    with structural(tiny_qwen2, standby=1, comm_backend="mpi") as eng:
         ref = run(eng).token_ids
         victim = eng.procs.pids[0]
         res = run(eng, lambda: os.kill(victim, getattr(signal, sig)), "decode")
-        assert res.token_ids == ref and len(res.recoveries) == 1 and eng.opts.engine == "mpi"
+        assert res.token_ids == ref and len(res.recoveries) == 1 and eng.opts.comm_backend == "mpi"
         if sig == "SIGSTOP":
             os.kill(victim, signal.SIGCONT)
             assert wait_gone({victim}) == set()

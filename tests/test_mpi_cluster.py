@@ -1,5 +1,5 @@
 """A cluster run with mpiexec: the workers on three hosts (network namespaces on a bridge), started
-together by MPICH's mpiexec, share one MPI world as their fabric (`--engine mpi` with a topology);
+together by MPICH's mpiexec, share one MPI world as their fabric (`--comm-backend mpi` with a topology);
 the client reaches them over its TLS links as always.
 
 mpiexec runs on the client's host and starts each worker on its own host through `-launcher-exec`,
@@ -153,7 +153,7 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
                     str(topo),
                     "--key",
                     str(keys[0]),
-                    "--engine",
+                    "--comm-backend",
                     "mpi",
                     "--no-recover",
                     "--join-timeout",
@@ -176,7 +176,7 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
     [
         (False, [], "cannot replace a lost worker (an mpiexec world has a fixed size): add --no-recover"),
         (True, ["--no-recover"], "cannot take in a standby"),
-        (False, ["--engine", "gloo", "--insecure"], "--engine gloo runs on one machine only"),
+        (False, ["--comm-backend", "gloo", "--insecure"], "--comm-backend gloo runs on one machine only"),
     ],
 )
 def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
@@ -195,7 +195,7 @@ def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
             str(topo),
             "--key",
             str(keys[0]),
-            *(extra if "--engine" in extra else ["--engine", "mpi", *extra]),
+            *(extra if "--comm-backend" in extra else ["--comm-backend", "mpi", *extra]),
         ),
         capture_output=True,
         text=True,
@@ -218,7 +218,7 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
                 str(topo),
                 "--key",
                 str(keys[0]),
-                "--engine",
+                "--comm-backend",
                 "mpi",
                 "--no-recover",
                 "--join-timeout",
@@ -241,7 +241,7 @@ def test_membership_changes_are_refused(tmp_path):
 
     topo, _ = topology(tmp_path)
     m = Membership.__new__(Membership)  # the refusal comes before any worker is touched
-    m.opts = EngineOptions(n_workers=2, topology=Topology.load(str(topo)), engine="mpi", recover=False)
+    m.opts = EngineOptions(n_workers=2, topology=Topology.load(str(topo)), comm_backend="mpi", recover=False)
     m.seats, m.removed = {1: None, 2: None}, set()
     with pytest.raises(UnknownWorker, match="cannot revoke a worker: the workers share one mpiexec world"):
         m.revoke(1)

@@ -3,7 +3,7 @@
 Per engine: prefill logits vs the reference, incremental decode == full forward, and greedy tokens
 identical for 32 new tokens. Structural N = 1..4 covers whole KV groups (N <= 2) and split groups by
 RoPE pairs (N = 3, 4 with 2 KV heads on Qwen2), hidden 72 / intermediate 100 split unevenly and by
-capacity, and on the MPI fabric (`--engine mpi`); masked group sizes 1..3 each, with one mask group
+capacity, and on the MPI fabric (`--comm-backend mpi`); masked group sizes 1..3 each, with one mask group
 (A+B) and with k = 2, 3 (A+B1+...+Bk).
 """
 
@@ -66,7 +66,7 @@ def refs(tiny_qwen2, tiny_llama):
 def engine(mode: str, path, n, caps):
     if mode == "masked":
         return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
-    fabric = {"engine": "mpi"} if mode == "structural-mpi" else {}
+    fabric = {"comm_backend": "mpi"} if mode == "structural-mpi" else {}
     return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128, **fabric))
 
 

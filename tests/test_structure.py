@@ -20,18 +20,18 @@ def imports(path: Path) -> set[str]:
     return out
 
 
-ENGINES = ("torch.distributed", "ssl", "zmq", "mpi4py")  # what may carry state between participants
+TRANSPORTS = ("torch.distributed", "ssl", "zmq", "mpi4py")  # what may carry state between participants
 
 
-def uses_engine(path: Path) -> bool:
-    return any(m == e or m.startswith(e + ".") for m in imports(path) for e in ENGINES)
+def uses_transport(path: Path) -> bool:
+    return any(m == e or m.startswith(e + ".") for m in imports(path) for e in TRANSPORTS)
 
 
 def test_only_the_comm_package_touches_the_wire():
     comm = PKG / "comm"
-    offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if comm not in p.parents and uses_engine(p)]
-    assert offenders == [], f"a wire engine imported outside fusion_compute/comm/: {offenders}"
-    assert uses_engine(comm / "links.py") and uses_engine(comm / "torch_fabric.py")
+    offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if comm not in p.parents and uses_transport(p)]
+    assert offenders == [], f"a transport imported outside fusion_compute/comm/: {offenders}"
+    assert uses_transport(comm / "links.py") and uses_transport(comm / "torch_fabric.py")
     assert [p.name for p in comm.rglob("*.py") if "torch.distributed" in imports(p)] == ["torch_fabric.py"]
 
 

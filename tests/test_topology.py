@@ -228,7 +228,8 @@ def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     finally:
         reap([client, *workers])
     res = json.loads(out)
-    assert res["workers"] == 2 and len(res["token_ids"]) == 8 and res["engine"] == "tls"
+    assert res["workers"] == 2 and len(res["token_ids"]) == 8 and res["comm_backend"] == "tls"
+    assert res["engine"] == "tls"  # the old key, kept for scripts that read it
     # The file's capacities made the plan (client and workers agreed on it at the handshake).
     assert res["plan"] == make_plan(open_weights(tiny_qwen2).config, 2, (2.0, 1.0)).fingerprint()
     # The same tokens as a local run: separately started, keyed workers change nothing but who joins.

@@ -517,7 +517,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             "inject_leak": cfg.inject_leak,
             "plan": e.plan.to_dict(),
             "plan_fingerprint": e.plan.fingerprint(),
-            "wire": engine.opts.engine,  # the verifier's wire model for the socket byte check
+            "wire": engine.opts.comm_backend,  # the verifier's wire model for the socket byte check
             "chains": chains,
             "netcount_sha256": hashlib.sha256((sub / S.NETCOUNT).read_bytes()).hexdigest() if net else None,
         }

@@ -213,22 +213,22 @@ def chain_hash(prev: str, record: dict) -> str:
 
 
 # ---- wire model: bytes on the TCP sockets for each message (comm/links.py's framing) ----
-# A message is an 8-byte length, then the payload. On the TLS 1.3 engine (the default) a message
+# A message is an 8-byte length, then the payload. On the `tls` comm backend (TLS 1.3, the default) a message
 # whose header and payload fit one record (<= 16384 bytes) is written as one record, a larger one as
 # a header record then payload records of 16384 bytes; every record adds 22 bytes (5 header, 1 inner
-# content type, 16 AEAD tag). The plaintext engine ("tcp") adds only the header. A transfer is one
+# content type, 16 AEAD tag). The plaintext backend ("tcp") adds only the header. A transfer is one
 # message to (or from) each peer with a non-zero element count. The model is restated here rather
-# than imported from comm, so the verifier checks the engine instead of trusting it.
-WIRE_ENGINES = ("tls", "tcp")
+# than imported from comm, so the verifier checks the links instead of trusting them.
+LINK_BACKENDS = ("tls", "tcp")  # the comm backends this model predicts (the manifest's "wire")
 FRAME_HEADER = 8
 TLS_RECORD = 16384
 TLS_RECORD_OVERHEAD = 22
 CONTROL_BYTES = 32  # a control word: 4 int64
 
 
-def message_bytes(payload: int, engine: str) -> int:
-    """Bytes one message of `payload` bytes puts on the TCP stream."""
-    if engine == "tcp":
+def message_bytes(payload: int, backend: str) -> int:
+    """Bytes one message of `payload` bytes puts on the TCP stream of a `backend` link."""
+    if backend == "tcp":
         return FRAME_HEADER + payload
     if FRAME_HEADER + payload <= TLS_RECORD:
         return FRAME_HEADER + payload + TLS_RECORD_OVERHEAD

@@ -40,7 +40,7 @@ def measure(
 
     greedy = SamplingParams()
     if opts is None:
-        opts = EngineOptions(n_workers=n, engine=engine, log=lambda line: None)
+        opts = EngineOptions(n_workers=n, comm_backend=engine, log=lambda line: None)
     opts.context = prompt_len + new_tokens + 8
     from ..masked.client import MaskedEngine, MaskedOptions
 
@@ -64,6 +64,7 @@ def measure(
         "model": str(eng.model_path),
         "workers": "+".join(map(str, opts.sizes)) if masked else n,
         "engine": "masked" if masked else engine,
+        "comm_backend": opts.comm_backend,
         "batch": batch,
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,

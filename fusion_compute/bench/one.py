@@ -106,11 +106,11 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
         context=ctx,
         threads=a.threads,
         extra_worker_args=extra,
-        engine=a.engine,
-        insecure=a.engine in ("tcp", "gloo"),
+        comm_backend=a.comm_backend,
+        insecure=a.comm_backend in ("tcp", "gloo"),
         log=lambda line: None,
     )
-    out: dict = {"system": a.system, "workers": a.workers, "engine": a.engine}
+    out: dict = {"system": a.system, "workers": a.workers, "engine": a.comm_backend}
     with Engine(model, opts) as eng:
         vocab = eng.config.vocab
         for n in a.prompts:
@@ -175,7 +175,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--system", choices=("transformers", "fusion", "megatron-tp", "tcp-rtt"), required=True)
-    p.add_argument("--engine", default="tls", help="tls | tcp | gloo | mpi (fusion and megatron-tp)")
+    p.add_argument("--comm-backend", default="tls", help="tls | tcp | gloo | mpi (fusion and megatron-tp)")
     p.add_argument("--model", required=True)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (transformers: its process)")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..cli.options import add_deprecated_alias
 from ..errors import FusionError
 
 
@@ -85,7 +86,7 @@ def run_bench(
             args = [
                 "--system",
                 system,
-                "--engine",
+                "--comm-backend",
                 engine if engine != "-" else "tls",
                 "--model",
                 str(path),
@@ -123,6 +124,7 @@ def _row(key: tuple[str, int, str], runs: list[dict], cores: int, prompts: list[
         "system": system,
         "workers": n,
         "engine": engine,
+        "comm_backend": engine,
         "threads_per_process": _threads(system, n, cores),
         "repeats": len(runs),
     }
@@ -215,7 +217,7 @@ def table(report: dict) -> str:
         "interleaved; speed ratios between systems: median of the per-repeat ratios, min..max); "
         f"raw TCP round trip on loopback: {report['tcp_rtt_us']:.1f} µs",
         "",
-        "| system | N | engine | decode tok/s (min..max) | prefill "
+        "| system | N | comm backend | decode tok/s (min..max) | prefill "
         + " | prefill ".join(f"{p} tok/s" for p in report["prompts"])
         + " | TTFT s | collectives/token | reduce-scatter µs | payload B/token/worker | wire B/token/worker "
         "| peak RSS MB |",
@@ -279,11 +281,11 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def _engines(text: str) -> list[str]:
+def _comm_backends(text: str) -> list[str]:
     vals = [x for x in text.split(",") if x]
     bad = [x for x in vals if x not in ("tls", "tcp", "gloo", "mpi")]
     if not vals or bad:
-        raise argparse.ArgumentTypeError(f"engines are tls, tcp, gloo, mpi; got {text!r}")
+        raise argparse.ArgumentTypeError(f"comm backends are tls, tcp, gloo, mpi; got {text!r}")
     return vals
 
 
@@ -305,11 +307,12 @@ def add_parser(sub) -> None:
     )
     b.add_argument("--workers", type=_ints, default=[2, 3], help="N for megatron-tp and fusion (default 2,3)")
     b.add_argument(
-        "--engines",
-        type=_engines,
+        "--comm-backends",
+        type=_comm_backends,
         default=["tls", "gloo"],
-        help="engines side by side, comma-separated: tls, tcp, gloo, mpi (default tls,gloo)",
+        help="comm backends side by side, comma-separated: tls, tcp, gloo, mpi (default tls,gloo)",
     )
+    add_deprecated_alias(b, "--engines", "--comm-backends", type=_comm_backends)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--prompts", type=_ints, default=[128, 512], help="prefill prompt lengths (default 128,512)")
     b.add_argument("--decode-tokens", type=int, default=32)
@@ -319,7 +322,7 @@ def add_parser(sub) -> None:
         type=int,
         metavar="B",
         help="instead: continuous batching, one session vs B decoding together on N = the first --workers, "
-        "the first --engines, prompts of the first --prompts length (docs/serving.md)",
+        "the first --comm-backends, prompts of the first --prompts length (docs/serving.md)",
     )
     b.add_argument(
         "--masked",
@@ -362,14 +365,16 @@ def cmd_bench(a) -> int:
 
             n_a, *n_b = a.masked
             opts = MaskedOptions(n_a=n_a, n_b=tuple(n_b), log=lambda line: None)
-        r = measure(model, a.workers[0], a.engines[0], a.batch, a.prompts[0], a.decode_tokens, a.repeats, log, opts)
+        r = measure(
+            model, a.workers[0], a.comm_backends[0], a.batch, a.prompts[0], a.decode_tokens, a.repeats, log, opts
+        )
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "batch.json").write_text(json.dumps(r, indent=2))
         print(json.dumps(r) if a.json else batch_table(r))
         plot(r, out)
         return 0
-    report = run_bench(model, a.workers, a.engines, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
+    report = run_bench(model, a.workers, a.comm_backends, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
     j, m = write(report, a.out)
     if a.json:
         print(json.dumps(report))

@@ -100,7 +100,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 },
                 "model": str(engine.model_path),
                 "plan": engine.plan.fingerprint(),
-                "engine": opts.engine,
+                "comm_backend": opts.comm_backend,
+                "engine": opts.comm_backend,  # the old name of comm_backend, kept for scripts that read it
                 "recoveries": res.recoveries,
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }

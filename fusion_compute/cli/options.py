@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..comm import ENGINES, Identity, PublicId
+from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from ..runtime.engine_options import EngineOptions
@@ -63,6 +63,34 @@ def group_arg(text: str) -> str:
     return text
 
 
+class DeprecatedAlias(argparse.Action):
+    """An old flag kept for the scripts that use it: it stores into its successor's `dest` and says on
+    stderr, in one line, which flag replaced it (argparse's own `deprecated=` arrives in Python 3.13)."""
+
+    def __init__(self, option_strings: list[str], dest: str, successor: str, **kw: Any):
+        self.successor = successor
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        sys.stderr.write(f"fusion: warning: {option_string} is deprecated: use {self.successor} (the same values)\n")
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(p: argparse.ArgumentParser, old: str, successor: str, **kw: Any) -> None:
+    """`old` as a hidden alias of the flag `successor` (already added, with the same `type`/`choices`
+    in `kw`): a script that still says `old` runs as before, warned."""
+    dest = successor.lstrip("-").replace("-", "_")
+    p.add_argument(
+        old,
+        dest=dest,
+        action=DeprecatedAlias,
+        successor=successor,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kw,
+    )
+
+
 def positive(value: float | int | None, flag: str, minimum: float = 0, strict: bool = True) -> None:
     if value is None:
         return
@@ -109,13 +137,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="plaintext links and unauthenticated workers: only on a network you trust",
     )
     p.add_argument(
-        "--engine",
-        choices=ENGINES,
+        "--comm-backend",
+        choices=COMM_BACKENDS,
         default=None,
-        help="tls (default): authenticated, encrypted links; tcp: plaintext (--insecure); "
-        "gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory "
-        "among local workers (the [mpi] extra)",
+        help="what carries the job's messages: tls (default): authenticated, encrypted links; tcp: plaintext "
+        "(--insecure); gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory among local "
+        "workers (the [mpi] extra)",
     )
+    add_deprecated_alias(p, "--engine", "--comm-backend", choices=COMM_BACKENDS)
     p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
     p.add_argument("--threads", type=int, help="torch threads per local worker")
     p.add_argument(
@@ -214,9 +243,9 @@ def speculator_for(cfg: Any, config: Any, context: int) -> Any:
         raise UsageError(f"--draft-model {cfg.draft_model}: {e}") from None
 
 
-def _engine_name(a: argparse.Namespace) -> str:
-    if a.engine is not None:
-        return a.engine
+def _comm_backend(a: argparse.Namespace) -> str:
+    if a.comm_backend is not None:
+        return a.comm_backend
     if a.device == "cuda" and not (getattr(a, "topology", None) or a.master):
         return "nccl"  # among local workers; across machines the links stay TLS (or TCP with --insecure)
     return "tcp" if a.insecure else "tls"
@@ -252,7 +281,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         key=load_key(a.key),
         insecure=a.insecure,
         master=None,
-        engine=_engine_name(a),
+        comm_backend=_comm_backend(a),
         context=a.context,
         threads=a.threads,
         timeout_s=a.timeout,
@@ -285,10 +314,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
                 raise UsageError(f"--workers must be >= 1, got {n}")
             caps = capacities(a.capacity)
         opts = EngineOptions(n_workers=n, capacities=caps, **common)
-    try:
-        opts.check()
-    except Exception as e:
-        raise UsageError(str(e)) from None
+    opts.check()  # UsageError (exit 2) naming the flag to change
     if opts.insecure:
         opts.log(
             "warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
@@ -296,7 +322,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         )
     elif opts.mpi_world:
         opts.log(
-            "note: --engine mpi across hosts: the workers' collectives are MPI's, plaintext on your "
+            "note: --comm-backend mpi across hosts: the workers' collectives are MPI's, plaintext on your "
             "cluster's network; the client's links stay TLS"
         )
     return opts

@@ -1,5 +1,14 @@
-"""The one door to the wire. Nothing outside this package opens a socket to a peer or imports an
-engine (ssl sockets here, torch.distributed in torch_fabric.py); a test enforces it.
+"""The one door to the wire. Nothing outside this package opens a socket to a peer or imports a
+transport (ssl sockets here, torch.distributed in torch_fabric.py, mpi4py in mpi_fabric.py); a test
+enforces it.
+
+Words, as torch.distributed and vLLM use them. The *comm backend* (`--comm-backend`,
+`EngineOptions.comm_backend`, `Comm.backend`, one of `COMM_BACKENDS`) is what carries a job's
+messages: `tls` (the default) or `tcp` are the *links* (links.py), framed messages per pair of
+participants; `gloo`, `nccl` and `mpi` keep the client's links but run the workers' collectives on a
+*fabric*, the object that implements collectives among workers on a backend other than the links
+(`TorchFabric`, `MpiFabric`). The *engine* is never the wire: it is the client-side job object that
+schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
 
   identity.py      participant key pairs and the one-line public keys the topology pins
   links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext
@@ -8,6 +17,7 @@ engine (ssl sockets here, torch.distributed in torch_fabric.py); a test enforces
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
   events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
   torch_fabric.py  torch.distributed among workers: NCCL on GPUs, gloo for comparison
+  mpi_fabric.py    MPI among workers: shared memory on one machine, or an mpiexec world
   errors.py        `CommError` and the per-peer errors that name who failed
 """
 
@@ -26,15 +36,15 @@ from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open
 if TYPE_CHECKING:
     from .comm import Comm
 
-ENGINES = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
+COMM_BACKENDS = ("tls", "tcp", "gloo", "nccl", "mpi")  # tls: the secure links; the others are plaintext somewhere
 
 __all__ = [
     "Admission",
+    "COMM_BACKENDS",
     "Comm",
     "CommError",
     "Counters",
     "Credentials",
-    "ENGINES",
     "Event",
     "Identity",
     "IdentityError",

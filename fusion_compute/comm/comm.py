@@ -38,7 +38,7 @@ from .links import Link
 
 
 class Fabric(Protocol):
-    """Collectives among the workers on another engine (torch_fabric.py)."""
+    """Collectives among the workers on a comm backend other than the links (torch_fabric.py, mpi_fabric.py)."""
 
     def reduce_scatter(self, send: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
     # optional: def reduce_scatter_from(self, chunk, sizes) -> torch.Tensor (made block by block, overlapped)
@@ -90,7 +90,7 @@ class Comm:
         recorder: Recorder | None = None,
         fabric: Fabric | None = None,
         device: torch.device | None = None,
-        engine: str = "tls",
+        backend: str = "tls",
     ):
         self.rank = rank
         self.world = n_workers + 1
@@ -100,7 +100,7 @@ class Comm:
         self.counters = Counters()
         self.fabric = fabric
         self.device = device or torch.device("cpu")
-        self.engine = engine  # "tls" | "tcp" (insecure) | "gloo" / "nccl" (fabric among workers)
+        self.backend = backend  # comm backend: "tls" | "tcp" (insecure) | "gloo" / "nccl" / "mpi" (a fabric)
         # owner ranks of each split KV group this rank belongs to
         self.score_owners: dict[int, list[int]] = {
             g: [w + 1 for w in owners]

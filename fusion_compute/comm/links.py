@@ -1,10 +1,10 @@
 """Ordered, framed messages to each peer over one TCP connection per pair of participants.
 
-The secure engine wraps every connection in TLS 1.3 (Python's `ssl`, i.e. OpenSSL) with pinned
+The `tls` comm backend wraps every connection in TLS 1.3 (Python's `ssl`, i.e. OpenSSL) with pinned
 certificates on both sides: each end presents its own certificate, trusts exactly the peers it
 expects, and after the handshake compares the presented certificate with the pinned one byte for
-byte. Records are AEAD-encrypted (AES-GCM or ChaCha20-Poly1305, as OpenSSL negotiates). The insecure
-engine (`--insecure`) is the same framing on plain TCP.
+byte. Records are AEAD-encrypted (AES-GCM or ChaCha20-Poly1305, as OpenSSL negotiates). The `tcp`
+backend (`--insecure`) is the same framing on plain TCP.
 
 Why TLS over sockets and not CurveZMQ: measured on this project's 2-core machine (docs/security.md),
 an all-to-all of 300 fp32 rows per peer took 20-60 µs at 2 ranks on these links against 70-90 µs
@@ -100,7 +100,7 @@ def _tune(sock: socket.socket) -> None:
 
 
 class Link:
-    """One connected peer. `tls` is None on the insecure engine."""
+    """One connected peer. `tls` is None on the `tcp` backend."""
 
     def __init__(self, sock: socket.socket, tls: ssl.SSLObject | None, rank: int, label: str):
         self.sock = sock

@@ -1,7 +1,7 @@
 """Collectives among the workers on MPI (mpi4py over the MPICH wheel): the trusted fabric for runs on
 one machine, where it moves a worker's chunks through shared memory instead of sockets.
 
-    fusion generate --workers 2 --engine mpi ...      (pip install 'fusion-compute[mpi]')
+    fusion generate --workers 2 --comm-backend mpi ...      (pip install 'fusion-compute[mpi]')
 
 Like torch_fabric.py, the fabric carries only worker-to-worker collectives; the client keeps its TLS
 links. Its traffic is neither encrypted nor authenticated (shared memory among processes of one
@@ -30,7 +30,7 @@ waiting with MPI's blocking Wait slowed a computing process on the same 2 cores 
 not at all.
 
 The reduce-scatter is an all-to-all with per-peer counts plus a local sum, never a reduce-scatter
-primitive (DESIGN.md §4), exactly as on the other engines. The layers' reduce-scatters use
+primitive (DESIGN.md §4), exactly as on the other backends. The layers' reduce-scatters use
 `reduce_scatter_from`: the same rows as point-to-point `Isend`/`Irecv`, each peer's block sent as soon
 as it is made, so that the exchange overlaps the product (as the links do, comm.py).
 """
@@ -58,7 +58,7 @@ def _mpi():
     try:
         from mpi4py import MPI
     except ImportError:
-        raise CommError("--engine mpi needs mpi4py and MPICH: pip install 'fusion-compute[mpi]'") from None
+        raise CommError("--comm-backend mpi needs mpi4py and MPICH: pip install 'fusion-compute[mpi]'") from None
     return MPI
 
 

@@ -20,7 +20,7 @@ gets a byte of state:
      listener; each side pins the other's key), then say READY.
 
 A new epoch (a worker lost, revoked or added: docs/resilience.md) repeats 4 with fresh data links;
-ranks are positions in the epoch, participant ids are for life. On the insecure engine the same
+ranks are positions in the epoch, participant ids are for life. On the `tcp` backend (insecure) the same
 messages go over plain TCP and claims are believed: anyone who reaches the port can join, which is
 why it must be asked for by name. Messages of this phase are small JSON objects on the links.
 """
@@ -70,7 +70,7 @@ class Member:
 
     pid: int
     host: str  # where it listens for its peers (its topology address; 127.0.0.1 locally)
-    key: PublicId | None  # None on the insecure engine
+    key: PublicId | None  # None on the `tcp` backend (insecure)
     group: str | None = None  # "A" / "B" in masked mode
     name: str | None = None
     standby: bool = False
@@ -234,7 +234,7 @@ class Admission:
         self.roster = {m.pid: m for m in roster}
         self.by_cert = {m.key.cert_der: m for m in roster if m.key is not None}
         if me is not None and len(self.by_cert) != len(roster):
-            raise CommError("the secure engine needs every worker's public key")
+            raise CommError("the tls backend needs every worker's public key")
         self.log = log
         self.on_pulse = on_pulse
         self.sock = _listen(host, port)
@@ -358,7 +358,7 @@ class Admission:
                 return (
                     None,
                     "no valid rank",
-                    f"{where}: JOIN without a valid rank (insecure engine: workers must give --rank)",
+                    f"{where}: JOIN without a valid rank (insecure links: workers must give --rank)",
                 )
             member = self.roster[claim_pid]
         who = member.label(where)

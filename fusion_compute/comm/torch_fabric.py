@@ -1,11 +1,11 @@
 """Collectives among the workers on torch.distributed: NCCL on GPUs (the trusted GPU fabric), or gloo
-(plaintext TCP; kept to compare with the links it replaced: `fusion bench --engines tls,gloo`, or
-`--engine gloo --insecure` on a local run).
+(plaintext TCP; kept to compare with the links it replaced: `fusion bench --comm-backends tls,gloo`,
+or `--comm-backend gloo --insecure` on a local run).
 
 The client is not part of this group: it talks to the workers over its links (links.py), so its
 traffic is TLS whatever the fabric. The fabric's own traffic is NOT encrypted or authenticated
 (torch.distributed has neither), so it runs on one machine only: `EngineOptions.check` (engine_options.py)
-refuses `--engine gloo` / `nccl` for a `--topology` or `--master` run, with or without --insecure.
+refuses `--comm-backend gloo` / `nccl` for a `--topology` or `--master` run, with or without --insecure.
 gloo is asked for by name (`--insecure`); nccl is the default of a local `--device cuda` run.
 Rendezvous: worker 1 hosts a TCPStore at the address the client names in WELCOME; every worker
 joins it.

@@ -42,7 +42,7 @@ class MaskedOptions(EngineOptions):
             raise UsageError(f"unknown mask source {self.masks!r} ({', '.join(MASK_KINDS)})")
         if self.capacities:
             raise UsageError("--capacity is not supported with --mode masked (groups split rows evenly)")
-        if self.engine not in ("tls", "tcp") or self.device != "cpu":
+        if self.comm_backend not in ("tls", "tcp") or self.device != "cpu":
             raise UsageError(
                 "--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)"
             )

@@ -9,7 +9,7 @@ Who the workers are, three ways:
              one machine only the processes it started can join, over TLS on loopback.
   topology   `--topology FILE --key client.key`: the user's file lists every worker's address, share
              and public key; the client admits exactly those keys (comm/rendezvous.py). With
-             `--engine mpi` the workers are a cluster that mpiexec started: their collectives run
+             `--comm-backend mpi` the workers are a cluster that mpiexec started: their collectives run
              in its MPI world (comm/mpi_fabric.py), one epoch only, and the links to the client
              stay TLS.
   insecure   `--master HOST:PORT --insecure`: plaintext, and whoever claims a rank gets it. Only when
@@ -59,7 +59,7 @@ from ..model import architecture as arch
 from ..model.config import ModelError
 from ..weights.loader import WeightSource, open_weights, resolve_model_path
 from .deadline import StepClock
-from .engine_options import FABRICS, EngineOptions, default_threads, effective_context
+from .engine_options import FABRIC_BACKENDS, EngineOptions, default_threads, effective_context
 from .launch import WorkerProcs
 from .membership import Membership, Seat
 from .topology import check_here
@@ -379,18 +379,18 @@ class EngineBase(Membership):
         out = {"mode": self.mode, "n_workers": self.n_workers, "timeout_s": self.opts.timeout_s, **self.welcome()}
         if self.opts.mpi_world:  # workers that mpiexec started together
             out["fabric"] = {"backend": "mpi", "store": MPI_WORLD}
-        elif self.opts.engine == "mpi":  # one rendezvous directory per epoch (ports are not reused)
+        elif self.opts.comm_backend == "mpi":  # one rendezvous directory per epoch (ports are not reused)
             out["fabric"] = {"backend": "mpi", "store": os.path.join(self._store, f"epoch{self.epoch}")}
-        elif self.opts.engine in FABRICS:
-            out["fabric"] = {"backend": self.opts.engine, "store": self._store}
+        elif self.opts.comm_backend in FABRIC_BACKENDS:
+            out["fabric"] = {"backend": self.opts.comm_backend, "store": self._store}
         return out
 
     def _spawn(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerProcs:
         opts = self.opts
         threads = opts.threads or default_threads(self.n_workers)
-        if opts.engine == "mpi":  # the fabric's rendezvous: a directory only this user can enter
+        if opts.comm_backend == "mpi":  # the fabric's rendezvous: a directory only this user can enter
             self._store = tempfile.mkdtemp(prefix="fusion-mpi-")
-        elif opts.engine in FABRICS:
+        elif opts.comm_backend in FABRIC_BACKENDS:
             self._store = f"127.0.0.1:{free_port()}"
         args = [
             "--master",
@@ -470,7 +470,7 @@ class EngineBase(Membership):
             self.watch.tell(p, {"stop": True})
         if self.procs is not None:
             self.procs.stop()
-        if self.opts.engine == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
+        if self.opts.comm_backend == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
             shutil.rmtree(self._store, ignore_errors=True)
         if self.comm is not None:
             self.comm.close()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..comm import ENGINES, CommError, Identity
+from ..comm import COMM_BACKENDS, Identity
 from ..comm.liveness import DEADLINE_S
 from ..errors import UsageError
 from .deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
@@ -19,8 +19,9 @@ from .topology import Topology
 
 MIN_WORKERS = 2  # an epoch's default floor: one worker would hold everything
 DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
-FABRICS = ("gloo", "nccl", "mpi")  # engines whose worker-to-worker collectives run on a fabric of their own
-LOCAL_FABRICS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
+# comm backends whose worker-to-worker collectives run on a fabric (TorchFabric, MpiFabric), not the links
+FABRIC_BACKENDS = ("gloo", "nccl", "mpi")
+MEMORY_BACKENDS = ("nccl", "mpi")  # fabrics that move data in memory (GPU, shared memory): no --insecure needed
 
 
 def effective_context(model_window: int, requested: int | None) -> int:
@@ -41,7 +42,7 @@ class EngineOptions:
     key: Identity | None = None  # the client's own key (topology runs); local runs make a fresh one
     insecure: bool = False  # plaintext links, unauthenticated claims: asked for by name only
     master: str | None = None  # HOST:PORT to listen at for separately started workers (insecure only)
-    engine: str = "tls"  # tls | tcp (insecure) | gloo, nccl (torch.distributed among workers) | mpi
+    comm_backend: str = "tls"  # tls | tcp (insecure) | gloo, nccl (torch.distributed among workers) | mpi
     context: int | None = None
     threads: int | None = None  # torch threads per worker; None = cores // N, >= 1
     timeout_s: float = 120.0  # bound on every wait for a peer during the session
@@ -66,60 +67,61 @@ class EngineOptions:
     # keep receiving state). `fusion audit verify` must fail on it (docs/audit.md). None: no bug.
 
     def check(self) -> None:
-        """Option combinations that cannot work; raises CommError naming the fix (UsageError for a value
-        out of range that is no matter of the wire: the step deadline's)."""
-        if self.engine not in ENGINES:
-            raise CommError(f"unknown engine {self.engine!r} (choose from {', '.join(ENGINES)})")
-        vouched = (self.engine in LOCAL_FABRICS and self.is_local) or self.mpi_world  # asked for by engine name
-        if self.engine != "tls" and not self.insecure and not vouched:
-            raise CommError(f"--engine {self.engine} is plaintext: add --insecure to ask for it by name")
-        if self.engine == "nccl" and self.device != "cuda":
-            raise CommError("--engine nccl runs among GPU workers: add --device cuda (on CPUs: tls, or mpi)")
-        if self.engine in FABRICS and not self.is_local:
+        """Option combinations that cannot work; raises UsageError naming the fix (the options were
+        wrong, nothing on the wire failed: the command line exits 2, a library caller can tell the two
+        apart from a CommError)."""
+        if self.comm_backend not in COMM_BACKENDS:
+            raise UsageError(f"unknown comm backend {self.comm_backend!r} (choose from {', '.join(COMM_BACKENDS)})")
+        vouched = (self.comm_backend in MEMORY_BACKENDS and self.is_local) or self.mpi_world  # asked for by name
+        if self.comm_backend != "tls" and not self.insecure and not vouched:
+            raise UsageError(f"--comm-backend {self.comm_backend} is plaintext: add --insecure to ask for it by name")
+        if self.comm_backend == "nccl" and self.device != "cuda":
+            raise UsageError("--comm-backend nccl runs among GPU workers: add --device cuda (on CPUs: tls, or mpi)")
+        if self.comm_backend in FABRIC_BACKENDS and not self.is_local:
             if not self.mpi_world:
-                raise CommError(
-                    f"--engine {self.engine} runs on one machine only (spawned workers); across hosts, "
-                    "--engine mpi runs with a --topology on workers that mpiexec started"
+                raise UsageError(
+                    f"--comm-backend {self.comm_backend} runs on one machine only (spawned workers); across hosts, "
+                    "--comm-backend mpi runs with a --topology on workers that mpiexec started"
                 )
             if self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
-                raise CommError(
-                    "--engine mpi across hosts: the workers share one mpiexec world, whose size is "
+                raise UsageError(
+                    "--comm-backend mpi across hosts: the workers share one mpiexec world, whose size is "
                     f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}"
                 )
             if self.recover:
-                raise CommError(
-                    "--engine mpi across hosts cannot replace a lost worker (an mpiexec world has a "
+                raise UsageError(
+                    "--comm-backend mpi across hosts cannot replace a lost worker (an mpiexec world has a "
                     "fixed size): add --no-recover"
                 )
         if self.master and self.topology is None and not self.insecure:
-            raise CommError(
+            raise UsageError(
                 "--master without --topology cannot pin the workers' keys: use --topology FILE "
                 "(with every participant's key) or --insecure"
             )
         if self.topology is not None and not self.insecure:
             self.topology.require_keys()
             if self.key is None:
-                raise CommError("a --topology run needs the client's key: --key FILE (its public line is in the file)")
+                raise UsageError("a --topology run needs the client's key: --key FILE (its public line is in the file)")
             if self.topology.client.key is not None and self.topology.client.key != self.key.public:
-                raise CommError(
+                raise UsageError(
                     f"--key is not the client's key of {self.topology.path} "
                     f"(file: {self.topology.client.key.fingerprint}, --key: {self.key.public.fingerprint})"
                 )
         if self.standby < 0:
-            raise CommError(f"--standby must be >= 0, got {self.standby}")
+            raise UsageError(f"--standby must be >= 0, got {self.standby}")
         if self.standby and not self.is_local:
-            raise CommError('--standby N spawns local spares; a topology names its standbys (role = "standby")')
+            raise UsageError('--standby N spawns local spares; a topology names its standbys (role = "standby")')
         if self.capacities is not None and len(self.capacities) != self.n_workers:
-            raise CommError(f"{len(self.capacities)} capacities given for {self.n_workers} workers")
+            raise UsageError(f"{len(self.capacities)} capacities given for {self.n_workers} workers")
         if self.min_workers is not None and self.min_workers < 1:
-            raise CommError(f"--min-workers must be >= 1, got {self.min_workers}")
+            raise UsageError(f"--min-workers must be >= 1, got {self.min_workers}")
         if self.min_workers is not None and self.min_workers > self.n_workers:
-            raise CommError(
+            raise UsageError(
                 f"--min-workers {self.min_workers} is more than the {self.n_workers} workers of this run "
                 "(an epoch never has more): any lost worker would end it"
             )
         if not (self.liveness_s > 0):
-            raise CommError(f"--liveness must be > 0, got {self.liveness_s}")
+            raise UsageError(f"--liveness must be > 0, got {self.liveness_s}")
         if not (self.step_deadline_factor == 0 or 1 <= self.step_deadline_factor < math.inf):
             raise UsageError(
                 "--step-deadline-factor must be 0 (no step bound) or >= 1 (a multiple of the healthy "
@@ -139,7 +141,7 @@ class EngineOptions:
         """Workers on several hosts that mpiexec started together, one MPI world as their fabric: the
         user's own cluster, a trust domain they vouch for by asking for it (the client's links stay
         TLS; the workers' collectives are MPI's, plaintext on the cluster's network)."""
-        return self.engine == "mpi" and self.topology is not None
+        return self.comm_backend == "mpi" and self.topology is not None
 
     @property
     def is_local(self) -> bool:

@@ -278,7 +278,7 @@ class Membership:
         if self.opts.mpi_world:
             raise UnknownWorker(
                 f"cannot {what}: the workers share one mpiexec world, whose members are fixed "
-                "(--engine mpi across hosts)"
+                "(--comm-backend mpi across hosts)"
             )
 
     def revoke(self, pid: int, replay: bool = True) -> None:
@@ -523,7 +523,7 @@ class Membership:
         joined = adm.collect(order, deadline, abort=self._spawn_failure if self.epoch == 0 else lambda: None)
         links = adm.welcome(self.epoch, order, joined, deadline, self._welcome)
         self.comm = Comm(
-            0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder, engine=self.opts.engine
+            0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder, backend=self.opts.comm_backend
         )
         active = set(order)
 

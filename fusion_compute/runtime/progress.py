@@ -259,7 +259,7 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
     ]
     opts = getattr(engine, "opts", None)
     if opts is not None:
-        lines.append(f"fusion: links: {LINKS.get(opts.engine, opts.engine)}")
+        lines.append(f"fusion: links: {LINKS.get(opts.comm_backend, opts.comm_backend)}")
     for s in plan.workers:
         where = f"pid {pids[s.worker]}" if s.worker < len(pids) else "remote"
         if topology is not None:

@@ -135,7 +135,7 @@ class Topology:
         return None
 
     def require_keys(self) -> None:
-        """Every participant must be named by its key for the secure engine."""
+        """Every participant must be named by its key for the tls backend."""
         for p in (self.client, *self.all_workers):
             if p.key is None:
                 raise TopologyError(

@@ -143,7 +143,7 @@ class Worker:
                         f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners
                     )
                 self.fabric = fabric  # an abort word ends its waits
-            engine = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
+            backend = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
             comm = Comm(
                 rank,
                 n,
@@ -153,7 +153,7 @@ class Worker:
                 recorder=audit,
                 fabric=fabric,
                 device=fabric.device if fabric else None,
-                engine=engine,
+                backend=backend,
             )
             comm = self.sabotage(comm)
             try:

@@ -132,8 +132,10 @@ def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[R
     dims, n = manifest["model"]["dims"], int(manifest["workers"])
     res = Result(dir=str(d), workers=n, layers=int(dims["layers"]), variant=manifest.get("variant", "sharded"))
     ctx = Verification(res, dims, n, res.layers, wire=str(manifest.get("wire")))
-    if ctx.wire not in S.WIRE_ENGINES:
-        res.violations.append(Violation("os_bytes", f"manifest names no known wire engine ({ctx.wire!r})"))
+    if ctx.wire not in S.LINK_BACKENDS:
+        res.violations.append(
+            Violation("os_bytes", f"manifest's wire is no link backend the model knows ({ctx.wire!r})")
+        )
         ctx.wire = "tls"
 
     logs = {}

@@ -32,7 +32,7 @@ class Verification:
     dims: dict
     n: int
     n_layers: int
-    wire: str = "tls"  # the engine whose wire model predicts the socket bytes (manifest "wire")
+    wire: str = "tls"  # the link backend whose wire model predicts the socket bytes (manifest "wire")
     decls: list[Declared] = field(default_factory=list)  # per worker
     owners: list[list[int]] = field(default_factory=list)  # per KV group
     bad_steps: set[StepId] = field(default_factory=set)

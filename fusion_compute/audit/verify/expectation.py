@@ -159,12 +159,12 @@ def expected_transfers(
     return out
 
 
-def wire_bytes(transfers: list[Transfer], controls: list[int], engine: str) -> tuple[int, int]:
+def wire_bytes(transfers: list[Transfer], controls: list[int], backend: str) -> tuple[int, int]:
     """(sent, received) bytes on the wire for a worker, from predicted transfers (schema wire model):
     one message per peer with a non-zero count, plus the control messages it received (`controls`:
     their payload bytes)."""
-    sent, received = 0, sum(S.message_bytes(c, engine) for c in controls)
+    sent, received = 0, sum(S.message_bytes(c, backend) for c in controls)
     for tr in transfers:
-        sent += sum(S.message_bytes(v * tr.itemsize, engine) for v in tr.sent if v)
-        received += sum(S.message_bytes(v * tr.itemsize, engine) for v in tr.received if v)
+        sent += sum(S.message_bytes(v * tr.itemsize, backend) for v in tr.sent if v)
+        received += sum(S.message_bytes(v * tr.itemsize, backend) for v in tr.received if v)
     return sent, received

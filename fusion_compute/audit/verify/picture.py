@@ -80,7 +80,7 @@ def parsed_holdings(d: Path, manifest: dict) -> tuple[dict[int, RankLog], Verifi
     dims, n = manifest["model"]["dims"], int(manifest["workers"])
     res = Result(dir=str(d), workers=n, layers=int(dims["layers"]), variant=manifest.get("variant", "sharded"))
     wire = str(manifest.get("wire"))
-    ctx = Verification(res, dims, n, res.layers, wire=wire if wire in S.WIRE_ENGINES else "tls")
+    ctx = Verification(res, dims, n, res.layers, wire=wire if wire in S.LINK_BACKENDS else "tls")
     logs = {
         rank: read_rank_log(d / S.log_name(rank), rank, manifest["chains"].get(str(rank)), res) for rank in range(n + 1)
     }
