@@ -414,6 +414,9 @@ def test_fuzz_from_the_schema(live):
             assert_openai_error(r.status_code, r.content, f"{case.method} {case.path}")
         elif content_type.startswith("text/event-stream"):
             assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+        elif case.path == "/metrics":  # Prometheus' text format: comments and `fusion:NAME{...} VALUE`
+            assert content_type.startswith("text/plain"), content_type
+            assert all(ln.startswith(("# ", "fusion:")) for ln in text.splitlines()), text[:300]
         else:
             assert isinstance(json.loads(r.content), dict), text[:300]
 
