@@ -96,6 +96,7 @@ class BatchRunner:
         self._samplers: dict[int, Sampler] = {}
         self._stops: dict[int, set[int]] = {}
         self.speculator = speculator
+        engine.draft_hint = speculator.config.num_speculative_tokens if speculator is not None else 0
         self._drafters: dict = {}  # slot -> its session's drafter (speculative.py)
         self._lengths: dict[int, DraftLength] = {}
         self.steps = 0
@@ -191,12 +192,20 @@ class BatchRunner:
         self.hooks.released(seq.slot)
 
     def abort(self) -> list[Sequence]:
-        """A step failed: every session ends here (slots zeroed where the workers still answer)."""
+        """A step failed: every session ends here (slots zeroed where the workers still answer). The
+        runner's own state (samplers, drafters, whose draft-model caches are zeroed) is cleared even
+        when telling the workers fails; that error is raised after."""
         seqs = list(self.active.values())
+        failed: Exception | None = None
         for seq in seqs:
             seq.finish = seq.finish or "error"
-            self._retire(seq)
+            try:
+                self._retire(seq)
+            except Exception as e:  # the slot's bookkeeping is gone already (_retire clears it first)
+                failed = failed or e
         self.engine.slot_history.clear()
+        if failed is not None:
+            raise failed
         return seqs
 
 

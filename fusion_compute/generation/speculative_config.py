@@ -57,7 +57,7 @@ class SpeculativeConfig:
 
     def check_context(self, context: int) -> None:
         """K plus the token it rides with must fit the session's KV context."""
-        if self.num_speculative_tokens + 1 >= context:
+        if self.num_speculative_tokens + 1 > context:
             raise SpeculativeError(
                 f"--num-speculative-tokens {self.num_speculative_tokens} does not fit the context of {context} positions"
             )

@@ -304,7 +304,7 @@ class MaskedEngine(EngineBase):
         # A mask group learns T, the step (its mask labels) and a guess of the next decode step's T
         # (one token per session of this step, or as many as a speculating session ran now; it works
         # ahead for it, and a wrong guess only costs it the work), which its next T tells it anyway.
-        t_next = sum(1 if pos == 0 else n for _, pos, n in spans)
+        t_next = sum(1 + self.draft_hint if pos == 0 else n for _, pos, n in spans)
         word = torch.tensor([int(P.Op.FORWARD), t, t_next, self.step], dtype=torch.int64)
         for r in mask_ranks:
             self._isend(word.clone(), r, P.KIND_CONTROL, "forward")

@@ -179,7 +179,7 @@ class MaskedWorker:
                     pending.append((c.isend(y, 0, P.KIND_OUT, P.op_name(layer, "mask")), y))
                 expected = step + 1
                 # Work ahead while the client and group A run this step: the next decode step, whose T the
-                # client announced (1 for one session; a batch's session count). (The sends above are
+                # client guessed (1 per session, or the width of a speculating session's step). (The sends above are
                 # already queued; the link's writer keeps them moving meanwhile.)
                 t_next = max(1, t_next)
                 ahead = (

@@ -205,6 +205,9 @@ class EngineBase(Membership):
     # KV slots the workers make at a session's start: BatchRunner sets its max batch, and it stays (a
     # later run then zeroes that many slots at its start)
     batch_slots = 1
+    # drafts a speculating session will likely carry at its next step (BatchRunner sets it; 0 without
+    # speculation): a mode may prepare for that width (the masked mask groups work ahead for it)
+    draft_hint = 0
     slot_pos: dict[int, int]  # each open slot's position of its next token (set by the mode)
 
     @property

@@ -121,11 +121,12 @@ class ShardedModel:
         elif slot < len(self.lengths):
             self.lengths[slot] = 0
 
-    def roll_back(self, spans: list[Span]) -> list[tuple[int, int, int, bool]]:
+    def roll_back(self, spans: list[Span], measure: bool = False) -> list[tuple[int, int, int, bool | None]]:
         """Before a step: a span that starts below what its slot holds re-runs those positions
         (speculative decoding rejected them): the slot's positions from there on are zeroed first,
         so a rejected key or value is never attended, nor kept. Returns (slot, held, pos, zeroed)
-        per rollback, zeroed measured (the audit's rollback record). A span at position 0 is a new
+        per rollback, zeroed measured when `measure` (the audit's rollback record; else None: the
+        scan of the slot's tail costs a pass over its KV). A span at position 0 is a new
         session, not a rollback: its slot was zeroed at the release (a worker that kept it is the
         audit's keep-slots control, caught at the release's measurement)."""
         out = []
@@ -137,11 +138,15 @@ class ShardedModel:
                         cache.k[s.slot, :, s.pos : held].zero_()
                         cache.v[s.slot, :, s.pos : held].zero_()
                 self.lengths[s.slot] = s.pos
-                zeroed = not any(
-                    bool(t[s.slot, :, s.pos :].any())
-                    for layer in self.layers
-                    for cache in layer.caches
-                    for t in (cache.k, cache.v)
+                zeroed = (
+                    not any(
+                        bool(t[s.slot, :, s.pos :].any())
+                        for layer in self.layers
+                        for cache in layer.caches
+                        for t in (cache.k, cache.v)
+                    )
+                    if measure
+                    else None
                 )
                 out.append((s.slot, held, s.pos, zeroed))
         return out

@@ -287,7 +287,9 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
             ):
                 raise RuntimeError(f"malformed step: {spans} for {pos} tokens")
             t, pos = pos, spans[0].pos  # T = ΣT; the record's pos: the first span's
-            for slot, held, to, zeroed in model.roll_back(spans):  # speculation's rejected positions
+            for slot, held, to, zeroed in model.roll_back(
+                spans, measure=audit is not None
+            ):  # speculation's rejected positions
                 if audit is not None:
                     audit.rollback(slot, held, to, zeroed)
             # the record names the spans when the KV holds several sessions; one slot holds one session,
