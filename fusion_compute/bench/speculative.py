@@ -219,6 +219,69 @@ def count_megatron(model: str, n: int, forwards: int = 8) -> dict:
     }
 
 
+def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int | None, log=lambda s: None) -> dict:
+    """An early-exit draft model's acceptance without workers: the target's greedy tokens from its
+    dense twin (model/dense.py, the same weights in one process), then the loop's drafter, draft
+    length and greedy rule replayed over them (speculative.DraftModelDrafter, DraftLength; a greedy
+    verification accepts the drafts that equal the target's next tokens and adds the target's own).
+    What the sharded loop would count on the same tokens; no step is timed."""
+    import torch
+
+    from ..generation.speculative import DraftLength, DraftModelDrafter, SpecStats
+    from ..model.dense import DenseModel
+    from ..weights.loader import open_weights
+    from . import workloads
+
+    tok = _tokenizer(model)
+    src = open_weights(model)
+    target = DenseModel(src, max_seq=1)
+    drafts = {n: DenseModel(src, n_layers=n, max_seq=1) for n in layers}
+    out: dict = {"k": k, "max_new_tokens": max_new, "workloads": {}}
+    for name in WORKLOAD_NAMES:
+        w = workloads.load(name, tok, limit)
+        refs = []
+        for p in w.prompts:
+            cache = target.new_cache(len(p) + max_new + 1)
+            logits = target.forward(list(p), 0, cache)[-1]
+            gen: list[int] = []
+            while True:
+                gen.append(int(torch.argmax(logits)))
+                if gen[-1] in tok.eos_ids or len(gen) >= max_new:
+                    break
+                logits = target.forward(gen[-1:], len(p) + len(gen) - 1, cache)[-1]
+            refs.append(gen)
+        row: dict = {"prompts": len(w.prompts), "tokens": sum(len(g) for g in refs)}
+        for n, dm in drafts.items():
+            stats, steps = SpecStats("draft_model"), 0
+            for p, ref in zip(w.prompts, refs, strict=True):
+                drafter, length = DraftModelDrafter(dm, len(p) + max_new + k + 2), DraftLength(k)
+                out_ids, steps = ref[:1], steps + 1  # the prefill's step gives the first token
+                while len(out_ids) < len(ref):
+                    want = min(length.next(), max_new - len(out_ids) - 1)
+                    proposed = drafter.propose(list(p) + out_ids, want) if want >= 1 else []
+                    acc = 0
+                    while (
+                        acc < len(proposed)
+                        and len(out_ids) + acc < len(ref)
+                        and proposed[acc] == ref[len(out_ids) + acc]
+                    ):
+                        acc += 1
+                    if proposed:
+                        length.update(len(proposed), acc)
+                        stats.add(len(proposed), acc)
+                    out_ids = ref[: len(out_ids) + acc + 1]
+                    steps += 1
+            d = stats.as_dict()
+            row[f"early_exit_{n}_layers"] = {
+                "steps": steps,
+                **acceptance(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]),
+                **per_token(steps, row["tokens"], 122),
+            }
+            log(f"replay {name} early exit {n}: {row[f'early_exit_{n}_layers']}")
+        out["workloads"][name] = row
+    return out
+
+
 # ---- the RTT sweep: namespaces, one job per (RTT, repeat) ----
 
 
@@ -277,7 +340,10 @@ def client(d: Path) -> int:
         capacities=topo.capacities,
         topology=topo,
         key=load_key(str(d / "client.key")),
-        timeout_s=120,
+        timeout_s=300,
+        # a batch of 8 with 17 columns each at 5 ms moves large messages through the delay tool's one
+        # Python process per host: a step can take seconds, which is not a lost worker
+        liveness_s=60,
         log=lambda line: None,
     )
     opts.context = job["context"]
@@ -467,6 +533,20 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["client"]:
         return client(Path(argv[1]))
+    if argv[:1] == ["replay-draft"]:  # replay-draft LAYERS K MAX_NEW LIMIT OUT
+        from ..weights.loader import resolve_model_path
+
+        layers, k, max_new, limit, dest = argv[1:6]
+        r = replay_draft(
+            str(resolve_model_path(None)),
+            [int(x) for x in layers.split(",")],
+            int(k),
+            int(max_new),
+            int(limit),
+            lambda s: print(s, file=sys.stderr, flush=True),
+        )
+        Path(dest).write_text(json.dumps(r, indent=1))
+        return 0
     from ..weights.loader import resolve_model_path
     from .netns import available
 
@@ -514,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if a.skip_acceptance and out.is_file():  # an earlier run's acceptance job, kept (and said so)
+        prev = json.loads(out.read_text())
+        for k in ("acceptance", "megatron"):
+            if k in prev:
+                report[k] = prev[k]
+        report["acceptance_started"] = prev.get("started")
     if not a.skip_acceptance:
         report["acceptance"] = measure_acceptance(model, a.workers, a.max_new_tokens, ks, a.draft_layers, log, a.limit)
         report["megatron"] = count_megatron(model, a.workers)
