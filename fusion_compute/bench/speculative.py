@@ -9,7 +9,7 @@ code) and open chat, in the bundled model's chat template, greedy, stopping at i
 
   acceptance  local workers (N = `--workers`, TLS on loopback), one job: every prompt of both
               workloads without speculation, then with n-gram drafts for each K in `--k` (the
-              first is the "before" of a change of the default, the default last), and, with
+              last is the one the RTT sweep and the draft model use), and, with
               `--draft-layers L`, with an early-exit draft model (the target's first L layers, its
               final norm and head: `DenseModel(src, n_layers=L)` on the client). Per workload: mean
               acceptance length (vLLM's 1 + accepted / drafts), sharded forwards per generated token
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per session in the acceptance job")
-    p.add_argument("--k", default="4,16", help="n-gram K values in the acceptance job, the default last")
+    p.add_argument("--k", default="4,16", help="n-gram K values in the acceptance job; the sweep uses the last")
     p.add_argument("--draft-layers", type=int, help="also an early-exit draft model of this many layers")
     p.add_argument("--rtt", default="0,1,5", help="round trips to add, ms ('' skips the sweep)")
     p.add_argument("--rtt-tokens", type=int, default=32, help="new tokens per session in the sweep")
