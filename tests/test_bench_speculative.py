@@ -1,0 +1,113 @@
+"""The speculative-decoding bench's pure parts (bench/speculative.py, bench/workloads.py): workload
+loading, and the arithmetic behind its figures. No worker process, no model file."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusion_compute.bench import speculative as B
+from fusion_compute.bench import workloads
+
+
+class ChatTokenizer:
+    """Stands in for the model's tokenizer: a 'template' of a start marker, one id per character of
+    the user's text, and an end marker."""
+
+    def chat_ids(self, messages):
+        (m,) = messages
+        assert m["role"] == "user"
+        return [1, *(ord(c) for c in m["content"]), 2]
+
+
+def test_workloads_load_in_the_chat_template():
+    for name in B.WORKLOAD_NAMES:
+        w = workloads.load(name, ChatTokenizer())
+        assert w.name == name
+        assert 8 <= len(w.texts) <= 16  # the issue's size
+        assert len(w.prompts) == len(w.texts)
+        for text, ids in zip(w.texts, w.prompts, strict=True):
+            assert ids == (1, *(ord(c) for c in text), 2)
+    assert len(workloads.load("open_chat", ChatTokenizer(), limit=3).prompts) == 3
+
+
+def test_input_grounded_prompts_carry_their_material():
+    # every input-grounded prompt gives the text or code the answer is drawn from, after its instruction
+    for text in workloads.INPUT_GROUNDED:
+        instruction, _, material = text.partition("\n\n")
+        assert instruction and len(material) > 100, instruction
+    assert len(set(workloads.OPEN_CHAT)) == len(workloads.OPEN_CHAT)
+    assert all("\n" not in t for t in workloads.OPEN_CHAT)
+
+
+def test_unknown_workload_names_the_known_ones():
+    with pytest.raises(KeyError, match="input_grounded, open_chat"):
+        workloads.load("nope", ChatTokenizer())
+
+
+def test_exchanges_per_forward_from_counters():
+    # SmolLM2 at N = 2: 4 reduce-scatters x 30 layers among the workers, + the client's ingress and egress
+    assert B.exchanges_per_forward(collectives=120 * 78, forwards=78) == 122
+    # Megatron-style TP: 2 all-reduces x 30 layers + the ingress all-gather, + the client's two
+    assert B.exchanges_per_forward(collectives=61 * 8, forwards=8) == 63
+    with pytest.raises(ValueError):
+        B.exchanges_per_forward(10, 0)
+
+
+def test_per_token_counts_the_prefill_step_and_its_token():
+    # 64 tokens in 30 forwards (1 prefill + 29 verifications) at 122 exchanges each
+    r = B.per_token(steps=30, tokens=64, exchanges_per_forward=122)
+    assert r == {"forwards_per_token": 0.4688, "exchanges_per_token": 57.19}
+    assert B.per_token(10, 10, 122)["exchanges_per_token"] == 122  # no speculation: one forward per token
+    with pytest.raises(ValueError):
+        B.per_token(1, 0, 122)
+
+
+def test_acceptance_is_vllms_definition():
+    a = B.acceptance(num_drafts=10, num_draft_tokens=40, num_accepted=25)
+    assert a["mean_acceptance_length"] == 3.5  # 1 + 25 / 10
+    assert a["acceptance_rate"] == 0.625
+    assert B.acceptance(0, 0, 0)["mean_acceptance_length"] is None
+
+
+def test_ratios_are_paired_not_divided_medians():
+    pairs = [(2.0, 1.0), (3.0, 1.0), (1.0, 2.0)]  # (speculative, plain) of runs that ran back to back
+    r = B.paired_ratios(pairs)
+    assert r == {"median": 2.0, "min": 0.5, "max": 3.0, "n": 3}
+    assert B.paired_ratios([]) is None
+
+
+def _job(rtt, measured, pairs_ig, pairs_oc, same=True):
+    def rows(pairs):
+        return [{"spec_tokens_per_s": s, "plain_tokens_per_s": p, "same_tokens": same} for s, p in pairs]
+
+    return {
+        "rtt_ms": rtt,
+        "measured_rtt_ms": measured,
+        "measured_rtt_after_ms": measured + 0.1,
+        "workloads": {
+            "input_grounded": {"single": rows(pairs_ig), "batch": rows(pairs_ig[:1])},
+            "open_chat": {"single": rows(pairs_oc), "batch": []},
+        },
+    }
+
+
+def test_rtt_table_groups_pairs_over_repeats():
+    every = [
+        _job(5.0, 5.8, [(2.0, 1.0)], [(1.0, 1.0)]),
+        _job(5.0, 5.9, [(3.0, 1.0)], [(0.9, 1.0)], same=False),
+        _job(0.0, 0.1, [(1.0, 1.0)], [(1.0, 1.0)]),
+    ]
+    rows = B.rtt_table(every)
+    assert [(r["rtt_ms"], r["workload"], r["mode"]) for r in rows] == [
+        (5.0, "input_grounded", "single"),
+        (5.0, "input_grounded", "batch"),
+        (5.0, "open_chat", "single"),
+        (0.0, "input_grounded", "single"),
+        (0.0, "input_grounded", "batch"),
+        (0.0, "open_chat", "single"),
+    ]
+    ig5 = rows[0]
+    assert ig5["pairs"] == 2 and ig5["ratio"]["median"] == 2.5
+    assert ig5["measured_rtt_ms"]["median"] == pytest.approx(5.9)  # 5.8, 5.9 before each job; 5.9, 6.0 after
+    assert ig5["same_tokens"] is False  # one pair differed: reported, not hidden
+    assert "**2.50×**" in B.render({"batch": 8, "rtt_table": rows})
