@@ -134,7 +134,7 @@ def measure_acceptance(
     tok = _tokenizer(model)
     loads = {name: workloads.load(name, tok, limit) for name in WORKLOAD_NAMES}
     longest = max(len(p) for w in loads.values() for p in w.prompts)
-    opts = EngineOptions(n_workers=n, engine="tls", log=lambda line: None)
+    opts = EngineOptions(n_workers=n, comm_backend="tls", log=lambda line: None)
     opts.context = longest + max_new + max(ks) + 8
     greedy = SamplingParams()
     out: dict = {"max_new_tokens": max_new, "workers": n, "workloads": {}}
@@ -202,7 +202,9 @@ def count_megatron(model: str, n: int, forwards: int = 8) -> dict:
     """Exchanges per forward of the Megatron-style baseline, counted the same way on a short job."""
     from ..structural.client import Engine, EngineOptions
 
-    opts = EngineOptions(n_workers=n, engine="tls", log=lambda line: None, extra_worker_args=("--variant", "megatron"))
+    opts = EngineOptions(
+        n_workers=n, comm_backend="tls", log=lambda line: None, extra_worker_args=("--variant", "megatron")
+    )
     opts.context = 64
     with Engine(model, opts) as eng:
         eng.reset()
