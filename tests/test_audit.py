@@ -55,6 +55,9 @@ def test_summary_and_report(good_summary):
     assert json.loads((s["out"] / "summary.json").read_text())["closed"] == s["closed"]
     report = (s["out"] / "report.md").read_text()
     assert "**PASS**" in report and "holding" in report and "knowing" in report
+    # the ownership map the verifier read in the logs, drawn beside the report (issue 25)
+    pic = s["runs"][0]["picture"]
+    assert f"]({pic})" in report and (s["out"] / pic).read_text().startswith("<svg")
     # holding is not knowing: tiny Qwen2 at N = 3, every worker alone can reconstruct the residual
     # at the MLP input (72/3 own + 200/3 gate/up rows >= 72), and the layer-0 attack recovers the prompt
     exp = s["exposure"]

@@ -115,6 +115,7 @@ def render(summary: dict) -> str:
         "",
         *(_epochs_section(summary) if any(len(r.get("epochs", [])) > 1 for r in summary["runs"]) else []),
         *(_speculative_section(summary) if summary.get("speculative") else []),
+        *_pictures_section(summary),
         "## Cold starts",
         "",
         "| # | verdict | decode closed | prefill closed | violations | bytes sent / decode step | OS bytes (sent, excess) | tok/s | recorder ms/step |",
@@ -197,6 +198,17 @@ def render(summary: dict) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _pictures_section(summary: dict) -> list[str]:
+    """The ownership map of each cold start, drawn from what the verifier read in its logs."""
+    shown = [(r["cold_start"], r["picture"]) for r in summary["runs"] if r.get("picture")]
+    if not shown:
+        return []
+    lines = ["## Who held what (from the logs, as the verifier read them)", ""]
+    for cold, name in shown:
+        lines += [f"Cold start {cold}:", "", f"![ownership map, cold start {cold}]({name})", ""]
+    return lines
 
 
 def write_report(summary: dict, path: Path) -> None:

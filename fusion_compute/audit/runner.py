@@ -132,6 +132,21 @@ def _final_hash(path: Path) -> str | None:
     return json.loads(last)["hash"] if last else None
 
 
+def _picture(d: Path, result) -> str | None:
+    """The ownership map the verifier read in cold start `d` (verify/picture.py), written beside its
+    directory as ownership-<cold start>.svg (the directory itself holds only what the manifest lists);
+    its file name, or None when it could not be written."""
+    from .verify.drawing import write_svg
+    from .verify.picture import audit_pictures
+
+    out = d.parent / f"ownership-{d.name}.svg"
+    try:
+        write_svg(audit_pictures(d, result), out)
+    except OSError:
+        return None
+    return out.name
+
+
 def _end_record(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
@@ -584,6 +599,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
     }
     (d / S.MANIFEST).write_text(json.dumps(manifest, indent=2))
     result = verify_dir(d)
+    picture = _picture(d, result)
     busy = {}
     for e in epochs:
         for rank in range(len(e.order) + 1):
@@ -595,6 +611,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         "cold_start": index,
         "dir": str(d),
         "ok": result.ok,
+        "picture": picture,
         "summary": result.summary_line(),
         "decode_steps": result.decode_steps,
         "closed_decode": result.closed_decode,
