@@ -41,7 +41,7 @@ from .netns import DELAYS, Hosts, available
 BASE = "10.77.0"  # the namespaces' own /24, on their own bridge: never the machine's network
 
 
-def _fusion(*args: str) -> list[str]:
+def fusion_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "fusion_compute", *args]
 
 
@@ -49,7 +49,9 @@ def keys(d: Path, n: int) -> list[str]:
     """Key files client.key, worker1.key, ... in `d`; returns their public lines."""
     lines = []
     for name in ["client"] + [f"worker{i}" for i in range(1, n + 1)]:
-        r = subprocess.run(_fusion("keys", "new", str(d / f"{name}.key")), capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            fusion_argv("keys", "new", str(d / f"{name}.key")), capture_output=True, text=True, check=True
+        )
         lines.append(r.stdout.strip().splitlines()[-1])
     return lines
 
@@ -84,7 +86,7 @@ def one(
         workers = [
             hosts.popen(
                 addrs[i],
-                _fusion(
+                fusion_argv(
                     "worker",
                     "--topology",
                     str(topo),
