@@ -92,6 +92,12 @@ def test_audit_negative_control_unchecked_products(tiny_qwen2, tmp_path):
     report = audit.verify(d)
     assert not report["ok"] and any("never checked" in v for v in report["violations"]), report["violations"]
     assert main(["audit", "verify", str(d)]) == 1
+    # A tap cut short (its log indexes bytes the file lacks): a clear error, not a numpy traceback.
+    tap = audit.tap_path(d, 1)
+    tap.write_bytes(tap.read_bytes()[:-8])
+    with pytest.raises(audit.MaskedAuditError, match="past the tap's end"):
+        audit.verify(d)
+    assert main(["audit", "verify", str(d)]) == 2
 
 
 def test_audit_negative_control_a_talks_to_b(tiny_qwen2, tmp_path):

@@ -47,6 +47,7 @@ def _guard(name: str, func):
 
     def run(a: argparse.Namespace) -> int:
         from ..errors import UsageError
+        from ..masked.audit import MaskedAuditError
         from ..model.config import ModelError
         from ..structural.plan import PlanError
         from .inject import LeakSpecError
@@ -55,7 +56,7 @@ def _guard(name: str, func):
 
         try:
             return func(a)
-        except (AuditCliError, AuditFormatError, LeakSpecError, UsageError) as e:
+        except (AuditCliError, AuditFormatError, LeakSpecError, MaskedAuditError, UsageError) as e:
             print(f"fusion audit {name}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         except (AuditRunError, ModelError, PlanError, OSError) as e:

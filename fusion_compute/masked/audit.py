@@ -77,7 +77,9 @@ class AuditLog:
         d.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self._f = open(log_path(d, rank, epoch), "w", buffering=1 << 20)
-        self._tap = open(tap_path(d, rank, epoch), "wb") if group == "A" else None
+        # Unbuffered: each tap's bytes reach the file before its index record is even written to the
+        # log's buffer, so a log that a killed worker left behind never points past its tap's end.
+        self._tap = open(tap_path(d, rank, epoch), "wb", buffering=0) if group == "A" else None
         self._tap_at = 0
         self._write(
             {"type": "header", "rank": rank, "role": role, "group": group, "groups": list(sizes), "verify": verify}
@@ -163,11 +165,14 @@ def read_log(d: str | Path, rank: int, epoch: int = 0) -> list[dict]:
 
 def read_tap(d: str | Path, rank: int, epoch: int = 0) -> list[tuple[str, np.ndarray]]:
     """Group A's received masked messages, in order: (op name, int64 array (K, T))."""
-    raw = tap_path(d, rank, epoch).read_bytes()
+    path = tap_path(d, rank, epoch)
+    raw = path.read_bytes()
     out = []
     for rec in read_log(d, rank, epoch):
         if rec["type"] == "tap":
             k, t = rec["shape"]
+            if rec["offset"] + 8 * k * t > len(raw):
+                raise MaskedAuditError(f"{path}: the log indexes bytes past the tap's end ({len(raw)} bytes)")
             out.append((rec["op"], np.frombuffer(raw, dtype="<i8", count=k * t, offset=rec["offset"]).reshape(k, t)))
     return out
 
