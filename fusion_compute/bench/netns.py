@@ -4,18 +4,28 @@
         p = hosts.popen("10.0.0.2", ["fusion", "worker", ...])
 
 Each host is a namespace with one veth (`eth0`) whose other end sits on a bridge in a "switch"
-namespace, so nothing touches the machine's own network. `one_way_ms` puts a delay on every host's
-eth0: a packet between two hosts waits once, at its sender, so the round trip between any two hosts
-is 2 × one_way_ms. The delay is `tc netem` (`delay="netem"`, needs the sch_netem module) or, where
-the kernel has no netem, a netfilter queue whose reader holds each packet that long
-(`delay="nfqueue"`: bench/nfq_delay.py, one process per host; needs iptables and NetfilterQueue).
+namespace, so nothing touches the machine's own network. `one_way_ms` delays every packet once, on
+its way into the host it is addressed to, so the round trip between any two hosts is 2 ×
+one_way_ms. The delay is `tc netem` on the switch's port towards the host (`delay="netem"`, needs
+the sch_netem module) or, where the kernel has no netem, a netfilter queue in the host whose reader
+holds each arriving packet that long (`delay="nfqueue"`: bench/nfq_delay.py, one process per host;
+needs iptables and libnetfilter_queue).
+
+RECEIVER_SIDE: why not on the sender's eth0, as this tool first did. A packet held on its
+sender's own egress has not left the sending socket's accounts: TCP Small Queues lets a socket
+keep only about a millisecond of its pacing rate (a few KB) in the qdisc and device queues, so
+the next bytes of a message waited for the held ones, a one-way delay per few KB, which no real
+network does (a NIC frees a packet once it is on the wire). Measured with bench/exchange.py at a
+5 ms round trip (docs/performance.md): a 128 KB exchange took 1.04-8.3 round trips with the delay
+at the sender and 0.78-0.90 with it at the receiver (the host's BBR; cubic 1.07-1.08 and 0.78).
 Needs root and iproute2; `available()` says why not otherwise. Used by tests/test_wire.py and
 bench/rtt.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import ctypes.util
+import json
 import os
 import select
 import shutil
@@ -26,7 +36,20 @@ import uuid
 from ..runtime.launch import terminate_all
 
 DELAYS = ("netem", "nfqueue")
-NFQ_RULE = ["iptables", "-t", "mangle", "-A", "POSTROUTING", "-o", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]
+TCP_COUNTERS = (
+    "TcpOutSegs",
+    "TcpRetransSegs",
+    "TcpExtTCPTimeouts",
+    "TcpExtTCPLossProbes",
+    "TcpExtTCPSpuriousRTOs",
+    "TcpExtDelayedACKs",
+)
+# What docs/performance.md ("Placing workers") asks of a host whose workers talk across a wide area:
+# keep the congestion window across the compute between steps, and start a connection (or a route's
+# first burst) with room for a batch's partial products.
+TUNED_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
+TUNED_ROUTE = ("initcwnd", "64", "initrwnd", "64")
+NFQ_RULE = ["iptables", "-t", "mangle", "-A", "PREROUTING", "-i", "eth0", "-j", "NFQUEUE", "--queue-num", "0"]
 
 
 def available(netem: bool = False, delay: str = "netem") -> str | None:
@@ -41,8 +64,8 @@ def available(netem: bool = False, delay: str = "netem") -> str | None:
     if netem and delay == "nfqueue":
         if shutil.which("iptables") is None:
             return "needs iptables (nfqueue delays)"
-        if importlib.util.find_spec("netfilterqueue") is None:
-            return "needs the NetfilterQueue package (nfqueue delays): pip install NetfilterQueue"
+        if ctypes.util.find_library("netfilter_queue") is None:
+            return "needs libnetfilter_queue (nfqueue delays): apt install libnetfilter-queue1"
     name = f"fcprobe{uuid.uuid4().hex[:6]}"
     r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if r.returncode != 0:
@@ -79,9 +102,12 @@ def ip(*args: str, ns: str | None = None) -> None:
 class Hosts:
     """One namespace per address on a /24, all on one bridge in a switch namespace."""
 
-    def __init__(self, addresses: list[str], one_way_ms: float = 0.0, delay: str | None = "netem"):
+    def __init__(self, addresses: list[str], one_way_ms: float = 0.0, delay: str | None = "netem", tuned: bool = False):
         """`delay`: how `one_way_ms` is applied ("netem" or "nfqueue", DELAYS); "nfqueue" queues every
-        packet even at 0 ms (its cost then stays in the baseline); None: no delay at all."""
+        packet even at 0 ms (its cost then stays in the baseline); None: no delay at all. `tuned`:
+        every host gets the deployment settings docs/performance.md recommends for workers across a
+        wide area (TUNED_SYSCTLS, and the route's initial windows TUNED_ROUTE), as a user would set
+        them on their own hosts."""
         if delay not in (None, *DELAYS):
             raise ValueError(f"delay must be one of {DELAYS} or None, got {delay!r}")
         tag = uuid.uuid4().hex[:6]
@@ -89,6 +115,7 @@ class Hosts:
         self.ns = {a: f"fch{i}{tag}" for i, a in enumerate(addresses)}
         self.one_way_ms = one_way_ms
         self.delay = delay
+        self.tuned = tuned
         self.procs: list[subprocess.Popen] = []
         self.delayers: list[subprocess.Popen] = []
         self._tag = tag
@@ -107,16 +134,21 @@ class Hosts:
                 ip("link", "set", port, "up", ns=self.switch)
                 ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
                 ip("link", "set", "eth0", "up", ns=ns)
+                if self.tuned:
+                    prefix = addr.rsplit(".", 1)[0] + ".0/24"
+                    ip("route", "change", prefix, "dev", "eth0", "proto", "kernel", "src", addr, *TUNED_ROUTE, ns=ns)
+                    for key, value in TUNED_SYSCTLS.items():
+                        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"])
                 if self.delay == "netem" and self.one_way_ms > 0:  # limit: well above a bulk transfer's packets
-                    _run(
+                    _run(  # on the switch's port towards the host: the packets arriving there (RECEIVER_SIDE)
                         [
                             "tc",
                             "-n",
-                            ns,
+                            self.switch,
                             "qdisc",
                             "add",
                             "dev",
-                            "eth0",
+                            port,
                             "root",
                             "netem",
                             "delay",
@@ -134,7 +166,7 @@ class Hosts:
 
     def _queue_delay(self, ns: str) -> None:
         """Start the host's delay reader (it must be bound first: a queue nobody reads drops), then
-        send everything leaving eth0 to it."""
+        send everything arriving on eth0 to it (RECEIVER_SIDE)."""
         p = subprocess.Popen(
             [
                 "ip",
@@ -167,6 +199,18 @@ class Hosts:
         p = subprocess.Popen(["ip", "netns", "exec", self.ns[addr], *argv], text=True, **kw)  # exec: same pid
         self.procs.append(p)
         return p
+
+    def tcp_counters(self, addr: str) -> dict:
+        """The host's TCP counters since its namespace was made (`nstat`; a fresh namespace starts at
+        zero): retransmits, loss probes, timeouts, delayed ACKs (TCP_COUNTERS), {} without nstat."""
+        r = subprocess.run(
+            ["ip", "netns", "exec", self.ns[addr], "nstat", "-az", "--json"], capture_output=True, text=True
+        )
+        try:
+            counters = next(iter(json.loads(r.stdout).values()))
+        except (ValueError, StopIteration):
+            return {}
+        return {k: counters.get(k, 0) for k in TCP_COUNTERS}
 
     def link_down(self, addr: str) -> None:
         """Cut a host off the bridge: its interface goes down, its TCP connections hang (no RST)."""

@@ -3,17 +3,22 @@
     ip netns exec NS python -m fusion_compute.bench.nfq_delay --ms 0.5 [--queue 0]
 
 For kernels without `sch_netem` (this project's VM has none). Run in a host's network namespace, it
-binds netfilter queue Q (libnetfilter_queue through the NetfilterQueue package), prints "ready", and
-then accepts each queued packet D ms after the kernel queued it, in arrival order (a constant delay
-keeps the order, as netem's does). bench/netns.py then sends everything leaving the host's eth0 to
-that queue (`iptables -t mangle -A POSTROUTING -o eth0 -j NFQUEUE --queue-num Q`), so a packet
-between two hosts waits once, at its sender. Unlike netem it costs CPU per packet (a Python
-callback, then a verdict) and it wakes late (measured on this VM: 80-150 µs per wait, and a packet
-waits twice, once to be noticed and once to leave), so a round trip comes out 0.1-0.5 ms longer
-than asked; bench/rtt.py measures the round trip it really got (a TCP ping) and uses that. It stops
-on SIGTERM/SIGINT and when its parent (the bench) dies; without it the rule drops every packet (no
-silent undelayed path).
-Needs root, iptables and `pip install NetfilterQueue` (which builds against libnetfilter-queue-dev).
+binds netfilter queue Q through libnetfilter_queue (the C library, called with ctypes), prints
+"ready", and then accepts each queued packet D ms after the kernel queued it, in arrival order (a
+constant delay keeps the order, as netem's does). bench/netns.py then sends everything arriving on
+the host's eth0 to that queue (`iptables -t mangle -A PREROUTING -i eth0 -j NFQUEUE --queue-num Q`),
+so a packet between two hosts waits once, at its receiver (why not at its sender: netns.py).
+
+What it costs, and what keeps that small: the queue takes packets whole as TCP built them
+(`NFQA_CFG_F_GSO`: a 64 KB segmentation-offload packet is one entry, not 45 wire-sized ones; it is
+cut into MTU-sized frames after the verdict, as a NIC would), copies metadata only, and accepts
+every packet that is due with one batch verdict (`nfq_set_verdict_batch`: all ids up to the last
+due one). The NetfilterQueue package it used before queued every 1,448-byte segment on its own: a
+128 KB exchange took 1.3 ms longer at 0 ms added (bench/exchange.py). It still wakes late: a round
+trip comes out 0.1-0.5 ms longer than asked, so bench/rtt.py and bench/exchange.py measure the
+round trip they really got. It stops on SIGTERM/SIGINT and when its parent (the bench) dies; without
+it the rule drops every packet (no silent undelayed path).
+Needs root, iptables and libnetfilter-queue (Debian: libnetfilter-queue1).
 """
 
 from __future__ import annotations
@@ -21,27 +26,58 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import ctypes.util
 import os
 import select
 import signal
+import socket
 import sys
 import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_TIMERSLACK = 29
+NFQNL_COPY_META = 1
+NFQA_CFG_F_GSO = 1 << 2
+NF_ACCEPT = 1
+RCVBUF = 8 << 20  # the netlink socket's buffer: a queued packet it cannot hold would wait forever
+
+CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+def library() -> ctypes.CDLL | None:
+    """libnetfilter_queue, or None where it is not installed."""
+    name = ctypes.util.find_library("netfilter_queue")
+    if name is None:
+        return None
+    lib = ctypes.CDLL(name, use_errno=True)
+    lib.nfq_open.restype = ctypes.c_void_p
+    lib.nfq_create_queue.restype = ctypes.c_void_p
+    lib.nfq_create_queue.argtypes = [ctypes.c_void_p, ctypes.c_uint16, CALLBACK, ctypes.c_void_p]
+    lib.nfq_set_mode.argtypes = [ctypes.c_void_p, ctypes.c_uint8, ctypes.c_uint32]
+    lib.nfq_set_queue_maxlen.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    lib.nfq_set_queue_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+    lib.nfq_fd.argtypes = [ctypes.c_void_p]
+    lib.nfq_handle_packet.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.nfq_get_msg_packet_hdr.restype = ctypes.POINTER(ctypes.c_uint8)
+    lib.nfq_get_msg_packet_hdr.argtypes = [ctypes.c_void_p]
+    lib.nfq_set_verdict_batch.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+    lib.nfq_destroy_queue.argtypes = [ctypes.c_void_p]
+    lib.nfq_close.argtypes = [ctypes.c_void_p]
+    return lib
 
 
 def serve(queue: int, delay_s: float) -> None:
-    from netfilterqueue import COPY_META, NetfilterQueue
-
-    held: collections.deque = collections.deque()  # (due, packet), due non-decreasing
+    lib = library()
+    if lib is None:
+        raise ImportError("libnetfilter_queue")
+    held: collections.deque = collections.deque()  # (due, packet id), both non-decreasing
     clock = time.monotonic
 
-    def on_packet(pkt) -> None:
-        if delay_s <= 0:
-            pkt.accept()
-        else:
-            held.append((clock() + delay_s, pkt))
+    @CALLBACK
+    def on_packet(qh, nfmsg, nfad, data):  # the packet id: a big-endian u32 at the header's start
+        hdr = lib.nfq_get_msg_packet_hdr(nfad)
+        held.append((clock() + delay_s, int.from_bytes(bytes(hdr[0:4]), "big")))
+        return 0
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # a killed bench leaves no real-time reader behind
@@ -50,25 +86,53 @@ def serve(queue: int, delay_s: float) -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
     except (OSError, AttributeError):
         pass  # not root or no real-time class: ordinary scheduling, later wake-ups under load
-    nfq = NetfilterQueue()
-    nfq.bind(queue, on_packet, max_len=65536, mode=COPY_META)  # metadata only: the payload stays in the kernel
+    h = lib.nfq_open()
+    qh = lib.nfq_create_queue(h, queue, on_packet, None) if h else None
+    if not qh:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()) or "nfq_create_queue failed")
+    lib.nfq_set_mode(qh, NFQNL_COPY_META, 0)  # metadata only: the payload stays in the kernel
+    lib.nfq_set_queue_maxlen(qh, 65536)
+    if lib.nfq_set_queue_flags(qh, NFQA_CFG_F_GSO, NFQA_CFG_F_GSO) < 0:
+        print("nfq_delay: this kernel queues segmented packets (no NFQA_CFG_F_GSO)", file=sys.stderr)
+    fd = lib.nfq_fd(h)
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, 33, RCVBUF)  # SO_RCVBUFFORCE (root)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+    buf = ctypes.create_string_buffer(1 << 16)
+    view = memoryview(buf).cast("B")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
-    fd = nfq.get_fd()
+
+    def accept_due(now: float) -> None:
+        last = None
+        while held and held[0][0] <= now:
+            last = held.popleft()[1]
+        if last is not None:
+            lib.nfq_set_verdict_batch(qh, last, NF_ACCEPT)
+
     print("ready", flush=True)
     try:
         while not stop:
             wait = max(0.0, held[0][0] - clock()) if held else 0.5
-            if select.select([fd], [], [], wait)[0]:
-                nfq.run(block=False)
-            now = clock()
-            while held and held[0][0] <= now:
-                held.popleft()[1].accept()
+            if select.select([sock], [], [], wait)[0]:
+                while True:  # every message waiting now, then the verdicts that are due
+                    try:
+                        n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        break
+                    except OSError as e:  # ENOBUFS: the kernel dropped queue messages; those packets are lost
+                        print(f"nfq_delay: {e.strerror or e}", file=sys.stderr)
+                        break
+                    lib.nfq_handle_packet(h, buf, n)
+            accept_due(clock())
     finally:
-        while held:
-            held.popleft()[1].accept()
-        nfq.unbind()
+        accept_due(float("inf"))
+        lib.nfq_destroy_queue(qh)
+        lib.nfq_close(h)
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(a.queue, a.ms / 1000)
     except ImportError:
-        print("nfq_delay: needs the NetfilterQueue package (pip install NetfilterQueue)", file=sys.stderr)
+        print("nfq_delay: needs libnetfilter_queue (apt install libnetfilter-queue1)", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"nfq_delay: cannot bind queue {a.queue}: {e}", file=sys.stderr)

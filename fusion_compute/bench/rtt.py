@@ -76,12 +76,14 @@ def one(
     d: Path,
     timeout_s: float,
     delay: str,
+    tuned: bool = False,
 ) -> dict:
     """One fresh job at one RTT: workers in their hosts, the client job (`client` below) in its own;
     the round trip the client really sees to worker 1 is measured first (TCP ping)."""
     addrs = [f"{BASE}.{i + 1}" for i in range(n + 1)]
     topo = d / "topology.toml"
-    with Hosts(addrs, one_way_ms=rtt_ms / 2, delay=delay if (rtt_ms > 0 or delay == "nfqueue") else None) as hosts:
+    delayed = delay if (rtt_ms > 0 or delay == "nfqueue") else None
+    with Hosts(addrs, one_way_ms=rtt_ms / 2, delay=delayed, tuned=tuned) as hosts:
         measured = tcp_rtt_ms(hosts, addrs[0], addrs[1])
         workers = [
             hosts.popen(
@@ -125,6 +127,7 @@ def one(
                 w.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 w.kill()
+        counters = {addr: hosts.tcp_counters(addr) for addr in addrs}
         if client.returncode != 0:
             raise RuntimeError(
                 f"RTT {rtt_ms} ms, {variant}: {err.strip().splitlines()[-1] if err.strip() else 'failed'}"
@@ -139,6 +142,7 @@ def one(
         "batch_tokens_per_s": j["batch_decode_tokens_per_s"]["median"] if batch > 1 else None,
         "same_tokens_as_alone": j["same_tokens_as_alone"],
         "token_ids": j["tokens"],
+        "tcp_counters": counters,  # per host, the whole job: retransmits, loss probes, timeouts
     }
 
 
@@ -277,8 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         help="how the delay is made: netem, or nfqueue where the kernel has no netem (auto: netem if "
         "it can be made here)",
     )
+    p.add_argument(
+        "--systems",
+        default="fusion,megatron-tp",
+        help="which to run: fusion, megatron-tp or both (default both, comma-separated)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="sweeps over every point; the table has medians")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one run, seconds")
+    p.add_argument(
+        "--tuned", action="store_true", help="hosts with the deployment settings of docs/performance.md (netns.TUNED_*)"
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--out", default="out/bench-rtt", help="directory for rtt.json and its plot, rtt.png (default out/bench-rtt)"
@@ -295,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    variants = [{"fusion": "sharded", "megatron-tp": "megatron"}.get(x.strip(), "") for x in a.systems.split(",")]
+    if not all(variants):
+        print(f"bench.rtt: --systems takes fusion and/or megatron-tp, got {a.systems!r}", file=sys.stderr)
+        return 2
     delay = a.delay
     if delay == "auto":
         delay = "netem" if available(netem=True, delay="netem") is None else "nfqueue"
@@ -310,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         every = []
         for rep in range(a.repeats):  # the whole sweep again: drift on a shared machine hits every point alike
             for rtt in rtts:
-                for variant in ("sharded", "megatron"):
+                for variant in variants:
                     t0 = time.perf_counter()
-                    r = one(model, a.workers, rtt, variant, a.prompt, a.tokens, a.batch, d, a.timeout, delay)
+                    r = one(model, a.workers, rtt, variant, a.prompt, a.tokens, a.batch, d, a.timeout, delay, a.tuned)
                     r["wall_s"], r["repeat"] = round(time.perf_counter() - t0, 2), rep
                     every.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), file=sys.stderr)
@@ -323,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in dict.fromkeys((r["rtt_ms"], r["variant"]) for r in every)
     ]
     table = []
-    for variant in ("sharded", "megatron"):
+    for variant in variants:
         mine = [r for r in runs if r["variant"] == variant]
         rounds = rounds_per_token(model, a.workers, variant)
         system = "fusion" if variant == "sharded" else "megatron-tp"
@@ -338,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": a.tokens,
         "batch": a.batch,
         "delay": delay,
+        "tuned": a.tuned,
+        "congestion": _host_congestion(),
         "repeats": a.repeats,
         "same_tokens_everywhere": len({tuple(r["token_ids"]) for r in every}) == 1,
         "batch_same_as_alone": all(r["same_tokens_as_alone"] for r in runs),
@@ -346,6 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary) if a.json else render(summary))
     save(summary, Path(a.out))
     return 0
+
+
+def _host_congestion() -> str:
+    """The congestion control the links get (the host's default: a new namespace inherits it)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def save(summary: dict, out: Path) -> None:

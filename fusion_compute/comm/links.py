@@ -81,11 +81,37 @@ def tls_context(me: Identity, trusted: Iterable[PublicId], server: bool) -> ssl.
     return ctx
 
 
+# Congestion control, per socket. A job's links carry bursts (one message per collective, a few KB to
+# a few hundred KB) with compute between them, and each burst's latency is what a step pays. BBR (the
+# default on some hosts, this project's VM among them) paces every burst at its estimate of the
+# bandwidth, and from such bursty, application-limited traffic its estimate stays low: measured with
+# bench/exchange.py at a 5 ms round trip, <FIGURES>. A loss-based algorithm sends a burst up to the
+# congestion window at once, and recovers losses the same way (RACK, loss probes). So: cubic where
+# the host allows it, else reno (which Linux always allows); FUSION_TCP_CONGESTION=NAME asks for
+# another, FUSION_TCP_CONGESTION= (empty) keeps the host's default.
+TCP_CONGESTION = ("cubic", "reno")
+
 KEEPALIVE = (10, 5, 3)  # idle s, interval s, probes: a vanished host is noticed within ~25 s even when idle
+
+
+def congestion_control(sock: socket.socket) -> str | None:
+    """Set the first congestion control of TCP_CONGESTION (or FUSION_TCP_CONGESTION) the host allows
+    this process; returns the one in force, None where the platform has no such option."""
+    if not hasattr(socket, "TCP_CONGESTION"):
+        return None
+    wanted = os.environ.get("FUSION_TCP_CONGESTION")
+    for name in TCP_CONGESTION if wanted is None else (wanted,) if wanted else ():
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+            break
+        except OSError:  # not loaded, or not in net.ipv4.tcp_allowed_congestion_control
+            continue
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
 
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    congestion_control(sock)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if hasattr(socket, "TCP_KEEPIDLE"):
         idle, interval, count = KEEPALIVE
