@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fusion_compute.generation import batching
+from fusion_compute.generation import speculative as S
 from fusion_compute.generation.batching import Sequence, run_batch
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling import Sampler
@@ -106,6 +107,43 @@ def test_draft_length_adapts_and_pauses_while_drafts_do_not_pay():
     for _ in range(10):
         fixed.update(4, 0)
     assert fixed.next() == 4
+
+
+def test_acceptance_rate_counts_prefixes():
+    n = DraftLength(8)
+    assert n.acceptance() == 0.5  # the prior alone
+    n.update(4, 4)  # four hits, no miss
+    n.update(4, 1)  # one hit, then a miss
+    assert n.acceptance() == (5 + 1) / (5 + 1 + 2)
+
+
+def _fitted(per_column: float, base: float) -> S.StepCost:
+    cost = S.StepCost()
+    for i in range(S.COST_MIN_STEPS * 2):
+        width = 8 + 8 * (i % 4)  # widths 8..32: spread enough to fit
+        cost.observe(width, base + per_column * width)
+    return cost
+
+
+def test_step_cost_keeps_drafts_that_pay_and_cuts_the_rest():
+    assert S.StepCost().allocate([4, 4], [0.9, 0.1]) == [4, 4]  # nothing seen: DraftLength decides
+    flat = S.StepCost()
+    for _ in range(S.COST_MIN_STEPS * 2):
+        flat.observe(8, 0.1)  # one width only: a column's cost cannot be told from the base
+    assert flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]
+    base, per_column = _fitted(0.0, 0.45).fit()  # a wide-area step: its time is the network's
+    assert per_column == pytest.approx(0.0, abs=1e-9) and base == pytest.approx(0.45)
+    assert _fitted(0.0, 0.45).allocate([4, 4, 0], [0.9, 0.05, 0.5]) == [4, 4, 0]  # free columns: all kept
+    # A compute-bound batch of 8 (3 ms a column, 100 ms base): a session accepting 90 % keeps its
+    # four, one accepting 5 % keeps none; a sampled (fixed) session keeps its drafts whatever they cost.
+    ks = _fitted(0.003, 0.1).allocate([4] * 8, [0.9] + [0.05] * 7, fixed=[False] * 7 + [True])
+    assert ks == [4, 0, 0, 0, 0, 0, 0, 4], ks
+    # The rule itself: a draft is kept while gain × step time > column cost × expected tokens.
+    cost = _fitted(0.01, 0.1)
+    k = cost.allocate([8], [0.5])[0]
+    seconds, tokens = 0.1 + 0.01 * (1 + k), 1 + sum(0.5**j for j in range(1, k + 1))
+    assert k == 2 and 0.5 ** (k + 1) * seconds <= 0.01 * tokens  # the next would not pay
+    assert 0.5**k * (seconds - 0.01) > 0.01 * (tokens - 0.5**k)  # the last one did
 
 
 def test_config_refuses_bad_values():

@@ -31,7 +31,7 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
-from .speculative import DraftLength, SpecStats, Speculator, verify
+from .speculative import DraftLength, SpecStats, Speculator, StepCost, verify
 
 
 @dataclass
@@ -99,6 +99,8 @@ class BatchRunner:
         engine.draft_hint = speculator.config.num_speculative_tokens if speculator is not None else 0
         self._drafters: dict = {}  # slot -> its session's drafter (speculative.py)
         self._lengths: dict[int, DraftLength] = {}
+        # what a wider step costs here (speculative.StepCost); with a fixed draft length, nothing is cut
+        self._cost = StepCost() if speculator is not None and speculator.config.adaptive else None
         self.steps = 0
 
     @property
@@ -132,11 +134,14 @@ class BatchRunner:
         if not self.active:
             return []
         seqs = list(self.active.values())
-        drafts = {s.slot: self._draft(s) for s in seqs}
+        drafts = self._budget(seqs, {s.slot: self._draft(s) for s in seqs})
         items = [(s.slot, list(s.prompt_ids) if not s.out else [s.out[-1], *drafts[s.slot]]) for s in seqs]
         seen = len(self.engine.recoveries)
         self.hooks.before([(slot, len(self.engine.slot_history.get(slot, ())), len(ids)) for slot, ids in items])
+        t0 = time.perf_counter()
         logits = self.engine.forward_batch(items, all_logits={slot for slot, d in drafts.items() if d})
+        if self._cost is not None and all(s.out for s in seqs):  # decode steps only: a prefill is another cost
+            self._cost.observe(sum(len(ids) for _, ids in items), time.perf_counter() - t0)
         self.hooks.after()
         self.steps += 1
         for seq in seqs:
@@ -180,6 +185,20 @@ class BatchRunner:
         if k < 1:
             return []
         return self._drafters[seq.slot].propose(seq.prompt_ids + seq.out, k)
+
+    def _budget(self, seqs: list[Sequence], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Each decoding session's drafts cut to what StepCost says its columns are worth this step
+        (greedy sessions only: a sampled session keeps its drafts, so its draws follow its seed
+        whatever the batch and the clock)."""
+        decoding = [s for s in seqs if s.out]
+        if self._cost is None or not any(drafts[s.slot] for s in decoding):
+            return drafts
+        ks = self._cost.allocate(
+            [len(drafts[s.slot]) for s in decoding],
+            [self._lengths[s.slot].acceptance() for s in decoding],
+            [not s.sampling.greedy for s in decoding],
+        )
+        return {**drafts, **{s.slot: drafts[s.slot][:k] for s, k in zip(decoding, ks, strict=True)}}
 
     def _retire(self, seq: Sequence) -> None:
         seq.t_end = time.perf_counter()

@@ -30,10 +30,21 @@ Drafters (one per session):
 DraftLength adapts K per session: longer after a fully accepted step, shorter after a miss, and no
 drafts at all (for a growing number of steps) while acceptance stays low, so a session whose
 drafts do not pay costs only plain decode steps.
+
+StepCost weighs acceptance against what a wider step costs, per step: the loop tells it each decode
+step's width (columns) and wall time, it fits time = base + per_column × width over the recent
+steps, and it keeps a greedy session's j-th draft only while its expected gain (the session's
+acceptance rate to the j-th power) raises the step's expected tokens per second. Where a step's
+time is the network's (a wide-area round trip) a column costs almost nothing and every draft
+DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
+acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
+seed gives, must not depend on the batch or the clock.
 """
 
 from __future__ import annotations
 
+import heapq
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -83,6 +94,7 @@ class DraftLength:
         self.recent: deque[int] = deque(maxlen=WINDOW)  # accepted tokens of the last verifications
         self.paused = 0  # steps left without drafting
         self.pause = PAUSE_STEPS
+        self.history: deque[tuple[int, int]] = deque(maxlen=4 * WINDOW)  # (drafted, accepted) per verification
 
     def next(self) -> int:
         if self.paused:
@@ -91,6 +103,8 @@ class DraftLength:
         return self.k
 
     def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.history.append((drafted, accepted))
         if not self.adaptive or drafted == 0:
             return
         self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)  # transformers' heuristic
@@ -101,6 +115,70 @@ class DraftLength:
             self.paused, self.pause = self.pause, min(PAUSE_MAX, 2 * self.pause)
             self.recent.clear()
             self.k = 1  # after a pause, probe with one draft
+
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted given the ones before it were, from the recent
+        verifications (a verification accepts a prefix: `accepted` successes, then one failure unless
+        all were accepted), with one success and one failure as a prior."""
+        hits = sum(a for _, a in self.history)
+        misses = sum(a < d for d, a in self.history)
+        return (hits + 1) / (hits + misses + 2)
+
+
+# StepCost: the decode steps it fits over, the fewest it needs, and the least spread of widths that
+# lets it tell a column's cost from noise (below that it allows every draft).
+COST_WINDOW = 32
+COST_MIN_STEPS = 8
+COST_MIN_SPREAD = 2.0
+
+
+class StepCost:
+    """What a wider decode step costs, fitted from the steps the loop ran: time ≈ base + per_column ×
+    width (least squares over the last COST_WINDOW decode steps), and the drafts worth their columns."""
+
+    def __init__(self):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+
+    def observe(self, width: int, seconds: float) -> None:
+        self.samples.append((width, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base s, s per column), or None while the steps seen cannot separate the two."""
+        if len(self.samples) < COST_MIN_STEPS:
+            return None
+        ws = [float(w) for w, _ in self.samples]
+        ts = [t for _, t in self.samples]
+        if statistics.pstdev(ws) < COST_MIN_SPREAD:
+            return None
+        per_column, base = statistics.linear_regression(ws, ts)
+        return base, max(0.0, per_column)
+
+    def allocate(self, caps: list[int], rates: list[float], fixed: list[bool] | None = None) -> list[int]:
+        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap): the next
+        draft with the highest expected gain (rate ** j for a session's j-th) is added while it raises
+        expected tokens per second, i.e. while gain × step time > column cost × expected tokens.
+        Unfitted: the caps."""
+        fit = self.fit()
+        if fit is None or not caps:
+            return list(caps)
+        base, per_column = fit
+        fixed = fixed or [False] * len(caps)
+        ks = [cap if f else 0 for cap, f in zip(caps, fixed, strict=True)]
+        tokens = len(caps) + sum(sum(rates[i] ** j for j in range(1, ks[i] + 1)) for i in range(len(caps)))
+        seconds = max(base + per_column * (len(caps) + sum(ks)), 1e-6)
+        best = [(-rates[i], i) for i, cap in enumerate(caps) if cap > 0 and not fixed[i]]
+        heapq.heapify(best)
+        while best:
+            neg_gain, i = heapq.heappop(best)
+            gain = -neg_gain
+            if gain * seconds <= per_column * tokens:
+                break  # the best draft left lowers tokens per second, and so would every other
+            ks[i] += 1
+            tokens += gain
+            seconds += per_column
+            if ks[i] < caps[i]:
+                heapq.heappush(best, (-(rates[i] ** (ks[i] + 1)), i))
+        return ks
 
 
 @dataclass
