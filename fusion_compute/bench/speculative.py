@@ -354,9 +354,12 @@ def client(d: Path) -> int:
     cfg = _spec(job["k"])
     results: dict = {}
     with Engine(topo.model_for(0), opts) as eng:
+        # One speculator for the job, as `fusion serve` keeps one: what it learns of a wider step's
+        # cost (speculative.StepCost) carries from run to run, as from request to request there.
+        shared = Speculator(cfg, eng.config.vocab, eng.context)
 
         def spec() -> Speculator:
-            return Speculator(cfg, eng.config.vocab, eng.context)
+            return shared
 
         for name in WORKLOAD_NAMES:
             prompts = [list(p) for p in job["prompts"][name]]

@@ -31,7 +31,7 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
-from .speculative import DraftLength, SpecStats, Speculator, StepCost, verify
+from .speculative import DraftLength, SpecStats, Speculator, verify
 
 
 @dataclass
@@ -99,8 +99,7 @@ class BatchRunner:
         engine.draft_hint = speculator.config.num_speculative_tokens if speculator is not None else 0
         self._drafters: dict = {}  # slot -> its session's drafter (speculative.py)
         self._lengths: dict[int, DraftLength] = {}
-        # what a wider step costs here (speculative.StepCost); with a fixed draft length, nothing is cut
-        self._cost = StepCost() if speculator is not None and speculator.config.adaptive else None
+        self._cost = speculator.cost if speculator is not None else None  # speculative.StepCost, the job's
         self.steps = 0
 
     @property

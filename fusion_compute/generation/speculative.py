@@ -31,7 +31,7 @@ DraftLength adapts K per session: longer after a fully accepted step, shorter af
 drafts at all (for a growing number of steps) while acceptance stays low, so a session whose
 drafts do not pay costs only plain decode steps.
 
-StepCost weighs acceptance against what a wider step costs, per step: the loop tells it each decode
+StepCost (one per job) weighs acceptance against what a wider step costs: the loop tells it each decode
 step's width (columns) and wall time, it fits time = base + per_column × width over the recent
 steps, and it keeps a greedy session's j-th draft only while its expected gain (the session's
 acceptance rate to the j-th power) raises the step's expected tokens per second. Where a step's
@@ -128,7 +128,7 @@ class DraftLength:
 # StepCost: the decode steps it fits over, the fewest it needs, and the least spread of widths that
 # lets it tell a column's cost from noise (below that it allows every draft).
 COST_WINDOW = 32
-COST_MIN_STEPS = 8
+COST_MIN_STEPS = 6
 COST_MIN_SPREAD = 2.0
 
 
@@ -297,7 +297,8 @@ class DraftModelDrafter:
 
 class Speculator:
     """One job's speculative decoding: its config, the draft model (loaded once, shared by every
-    session), a drafter and a draft length per session, and the counters of the whole job."""
+    session), a drafter and a draft length per session, the counters of the whole job and what a
+    wider step costs on it (StepCost)."""
 
     def __init__(self, config: SpeculativeConfig, target_vocab: int, context: int, draft_model=None):
         """`draft_model`: an already loaded DenseModel (tests); else config.draft_model is loaded."""
@@ -309,6 +310,9 @@ class Speculator:
             self.model = draft_model if draft_model is not None else load_draft_model(config.draft_model, target_vocab)
             check_vocab(self.model.config.vocab, target_vocab)
         self.totals = SpecStats(config.method)
+        # what a wider step costs on this job's workers and network, learned across its runs and
+        # requests; with a fixed draft length nothing is cut
+        self.cost = StepCost() if config.adaptive else None
 
     def drafter(self) -> NgramDrafter | DraftModelDrafter:
         if self.model is not None:
