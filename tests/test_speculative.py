@@ -117,33 +117,39 @@ def test_acceptance_rate_counts_prefixes():
     assert n.acceptance() == (5 + 1) / (5 + 1 + 2)
 
 
-def _fitted(per_column: float, base: float) -> S.StepCost:
+def _fitted(per_column: float, base: float, per_span: float = 0.0) -> S.StepCost:
     cost = S.StepCost()
     for i in range(S.COST_MIN_STEPS * 2):
-        width = 8 + 8 * (i % 4)  # widths 8..32: spread enough to fit
-        cost.observe(width, base + per_column * width)
+        width, spans = 8 + 8 * (i % 4), i % 3  # widths 8..32, 0..2 drafting sessions: enough to fit
+        cost.observe(width, spans, base + per_column * width + per_span * spans)
     return cost
 
 
-def test_step_cost_keeps_drafts_that_pay_and_cuts_the_rest():
-    assert S.StepCost().allocate([4, 4], [0.9, 0.1]) == [4, 4]  # nothing seen: DraftLength decides
+def test_step_cost_fits_columns_and_spans():
+    base, per_column, per_span = _fitted(0.003, 0.1, 0.006).fit()
+    assert (base, per_column, per_span) == pytest.approx((0.1, 0.003, 0.006), abs=1e-9)
+    assert S.StepCost().fit() is None  # nothing seen
     flat = S.StepCost()
     for _ in range(S.COST_MIN_STEPS * 2):
-        flat.observe(8, 0.1)  # one width only: a column's cost cannot be told from the base
-    assert flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]
-    base, per_column = _fitted(0.0, 0.45).fit()  # a wide-area step: its time is the network's
-    assert per_column == pytest.approx(0.0, abs=1e-9) and base == pytest.approx(0.45)
+        flat.observe(8, 0, 0.1)  # one width only: a column's cost cannot be told from the base
+    assert flat.fit() is None and flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]  # then DraftLength decides
+
+
+def test_step_cost_keeps_drafts_that_pay_and_cuts_the_rest():
     assert _fitted(0.0, 0.45).allocate([4, 4, 0], [0.9, 0.05, 0.5]) == [4, 4, 0]  # free columns: all kept
-    # A compute-bound batch of 8 (3 ms a column, 100 ms base): a session accepting 90 % keeps its
-    # four, one accepting 5 % keeps none; a sampled (fixed) session keeps its drafts whatever they cost.
-    ks = _fitted(0.003, 0.1).allocate([4] * 8, [0.9] + [0.05] * 7, fixed=[False] * 7 + [True])
-    assert ks == [4, 0, 0, 0, 0, 0, 0, 4], ks
-    # The rule itself: a draft is kept while gain × step time > column cost × expected tokens.
-    cost = _fitted(0.01, 0.1)
-    k = cost.allocate([8], [0.5])[0]
-    seconds, tokens = 0.1 + 0.01 * (1 + k), 1 + sum(0.5**j for j in range(1, k + 1))
-    assert k == 2 and 0.5 ** (k + 1) * seconds <= 0.01 * tokens  # the next would not pay
-    assert 0.5**k * (seconds - 0.01) > 0.01 * (tokens - 0.5**k)  # the last one did
+    # A compute-bound batch of 8 (3 ms a column, 6 ms a drafting session, 100 ms base): the session
+    # accepting 90 % drafts, those accepting 5 % do not; a sampled (fixed) one keeps its drafts.
+    ks = _fitted(0.003, 0.1, 0.006).allocate([4] * 8, [0.9] + [0.05] * 7, fixed=[False] * 7 + [True])
+    assert ks[0] > 0 and ks[1:7] == [0] * 6 and ks[7] == 4, ks
+    # The rule itself: the number of drafts that makes expected tokens per second highest.
+    k = _fitted(0.01, 0.1).allocate([8], [0.5])[0]
+
+    def rate(m: int) -> float:
+        return (1 + sum(0.5**j for j in range(1, m + 1))) / (0.1 + 0.01 * (1 + m))
+
+    assert k == 2 and rate(2) == max(rate(m) for m in range(9)), [rate(m) for m in range(9)]
+    # A costly span: one draft of a session at 60 % does not pay for it, where a free span would.
+    assert _fitted(0.001, 0.1, 0.2).allocate([1], [0.6]) == [0] and _fitted(0.001, 0.1).allocate([1], [0.6]) == [1]
 
 
 def test_config_refuses_bad_values():

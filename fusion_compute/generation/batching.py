@@ -140,7 +140,8 @@ class BatchRunner:
         t0 = time.perf_counter()
         logits = self.engine.forward_batch(items, all_logits={slot for slot, d in drafts.items() if d})
         if self._cost is not None and all(s.out for s in seqs):  # decode steps only: a prefill is another cost
-            self._cost.observe(sum(len(ids) for _, ids in items), time.perf_counter() - t0)
+            spans = sum(bool(d) for d in drafts.values())
+            self._cost.observe(sum(len(ids) for _, ids in items), spans, time.perf_counter() - t0)
         self.hooks.after()
         self.steps += 1
         for seq in seqs:

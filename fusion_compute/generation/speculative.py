@@ -32,9 +32,10 @@ drafts at all (for a growing number of steps) while acceptance stays low, so a s
 drafts do not pay costs only plain decode steps.
 
 StepCost (one per job) weighs acceptance against what a wider step costs: the loop tells it each decode
-step's width (columns) and wall time, it fits time = base + per_column × width over the recent
-steps, and it keeps a greedy session's j-th draft only while its expected gain (the session's
-acceptance rate to the j-th power) raises the step's expected tokens per second. Where a step's
+step's width (columns), how many sessions in it carried drafts, and its wall time; it fits time =
+base + per_column × columns + per_span × drafting sessions over the recent steps, and gives each
+greedy session the number of drafts that makes the step's expected tokens per second highest (a
+session's j-th draft is worth its acceptance rate to the j-th power). Where a step's
 time is the network's (a wide-area round trip) a column costs almost nothing and every draft
 DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
 acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
@@ -43,7 +44,6 @@ seed gives, must not depend on the batch or the clock.
 
 from __future__ import annotations
 
-import heapq
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -133,51 +133,64 @@ COST_MIN_SPREAD = 2.0
 
 
 class StepCost:
-    """What a wider decode step costs, fitted from the steps the loop ran: time ≈ base + per_column ×
-    width (least squares over the last COST_WINDOW decode steps), and the drafts worth their columns."""
+    """What a wider decode step costs, fitted from the steps the loop ran (least squares over the last
+    COST_WINDOW decode steps): time ≈ base + per_column × columns + per_span × spans, where `spans`
+    counts the sessions whose step carries drafts (a verification span takes another attention path
+    on the workers and every column's logits on the client, whatever its length), and the drafts
+    worth what they cost."""
 
     def __init__(self):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
 
-    def observe(self, width: int, seconds: float) -> None:
-        self.samples.append((width, seconds))
+    def observe(self, width: int, spans: int, seconds: float) -> None:
+        """One decode step: its columns, the sessions in it that carried drafts, its wall time."""
+        self.samples.append((width, spans, seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        """(base s, s per column), or None while the steps seen cannot separate the two."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(base s, s per column, s per drafting session), or None while the steps seen cannot
+        separate a column's cost from the rest (too few, or all of about one width)."""
         if len(self.samples) < COST_MIN_STEPS:
             return None
-        ws = [float(w) for w, _ in self.samples]
-        ts = [t for _, t in self.samples]
+        ws = [float(w) for w, _, _ in self.samples]
         if statistics.pstdev(ws) < COST_MIN_SPREAD:
             return None
-        per_column, base = statistics.linear_regression(ws, ts)
-        return base, max(0.0, per_column)
+        ss = [float(n) for _, n, _ in self.samples]
+        ts = [t for _, _, t in self.samples]
+        if statistics.pstdev(ss) > 0.5:
+            x = torch.tensor([[1.0, w, n] for w, n in zip(ws, ss, strict=True)], dtype=torch.float64)
+            coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+            base, per_column, per_span = (float(c) for c in coef)
+            if per_column >= 0 and per_span >= 0:
+                return base, per_column, per_span
+        per_column, base = statistics.linear_regression(ws, ts)  # one regressor: spans folded into the rest
+        return base, max(0.0, per_column), 0.0
 
     def allocate(self, caps: list[int], rates: list[float], fixed: list[bool] | None = None) -> list[int]:
-        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap): the next
-        draft with the highest expected gain (rate ** j for a session's j-th) is added while it raises
-        expected tokens per second, i.e. while gain × step time > column cost × expected tokens.
-        Unfitted: the caps."""
+        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap). The
+        expected tokens of a session's first m drafts are rate + rate² + ... + rate^m (a draft counts
+        only if those before it were accepted); sessions are taken by falling rate, each given the m
+        (0 included) that makes the step's expected tokens per second highest. Unfitted: the caps."""
         fit = self.fit()
         if fit is None or not caps:
             return list(caps)
-        base, per_column = fit
+        base, per_column, per_span = fit
         fixed = fixed or [False] * len(caps)
         ks = [cap if f else 0 for cap, f in zip(caps, fixed, strict=True)]
         tokens = len(caps) + sum(sum(rates[i] ** j for j in range(1, ks[i] + 1)) for i in range(len(caps)))
-        seconds = max(base + per_column * (len(caps) + sum(ks)), 1e-6)
-        best = [(-rates[i], i) for i, cap in enumerate(caps) if cap > 0 and not fixed[i]]
-        heapq.heapify(best)
-        while best:
-            neg_gain, i = heapq.heappop(best)
-            gain = -neg_gain
-            if gain * seconds <= per_column * tokens:
-                break  # the best draft left lowers tokens per second, and so would every other
-            ks[i] += 1
-            tokens += gain
-            seconds += per_column
-            if ks[i] < caps[i]:
-                heapq.heappush(best, (-(rates[i] ** (ks[i] + 1)), i))
+        seconds = max(base + per_column * (len(caps) + sum(ks)) + per_span * sum(k > 0 for k in ks), 1e-6)
+        for i in sorted(range(len(caps)), key=lambda i: -rates[i]):
+            if fixed[i]:
+                continue
+            best_m, best, gained, best_gain = 0, tokens / seconds, 0.0, 0.0
+            for m in range(1, caps[i] + 1):
+                gained += rates[i] ** m
+                rate = (tokens + gained) / (seconds + per_span + m * per_column)
+                if rate > best:
+                    best_m, best, best_gain = m, rate, gained
+            if best_m:
+                ks[i] = best_m
+                tokens += best_gain
+                seconds += per_span + best_m * per_column
         return ks
 
 
