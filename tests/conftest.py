@@ -7,7 +7,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import forkserver  # noqa: E402
 from tiny_models import build  # noqa: E402
+
+from fusion_compute.runtime import launch  # noqa: E402
+
+# Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
+# differs); a test that checks how a real worker process behaves asks for `real_workers`.
+launch.use_launcher(forkserver.forked_worker)
+
+
+@pytest.fixture
+def real_workers():
+    """Workers this test's engines start are fresh `python -m fusion_compute worker` processes."""
+    previous = launch.use_launcher(None)
+    yield
+    launch.use_launcher(previous)
 
 
 @pytest.fixture(scope="session")

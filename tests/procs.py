@@ -3,9 +3,12 @@ with bounded waits."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+
+import forkserver
 
 from fusion_compute.runtime.launch import terminate_all
 
@@ -30,8 +33,17 @@ def reap(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
 
 
 def children(pid: int) -> set[int]:
+    """The live child processes of `pid`. For the test process itself, the workers it forked through
+    the fork server (tests/forkserver.py) count as its children, and the fork server and
+    multiprocessing's resource tracker, which live as long as the test run, do not."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    kids = {int(p) for p in out.split()}
+    if pid == os.getpid():
+        helpers = forkserver.helper_pids()
+        for helper in helpers & kids:
+            kids |= children(helper)
+        kids -= helpers
+    return kids
 
 
 def worker_pids() -> set[int]:

@@ -48,6 +48,7 @@ def structural(tiny, **kw) -> Engine:
     return Engine(tiny, opts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 def test_lost_worker_replaced_by_standby(tiny_qwen2, sig, when):
@@ -63,6 +64,7 @@ def test_lost_worker_replaced_by_standby(tiny_qwen2, sig, when):
             assert wait_gone({victim}) == set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_lost_worker_on_the_mpi_fabric(tiny_qwen2, sig):
     """The survivors' MPI waits end when the epoch is aborted (no busy wait on a dead peer), and the
@@ -77,6 +79,7 @@ def test_lost_worker_on_the_mpi_fabric(tiny_qwen2, sig):
             assert wait_gone({victim}) == set()
 
 
+@pytest.mark.slow
 def test_lost_worker_without_standby_replans_over_the_rest(tiny_qwen2):
     with structural(tiny_qwen2, n=3) as eng:
         ref = run(eng).token_ids
@@ -85,14 +88,18 @@ def test_lost_worker_without_standby_replans_over_the_rest(tiny_qwen2):
         assert res.token_ids == ref and res.recoveries[0]["order"] == [1, 3] and eng.plan.n == 2
 
 
+@pytest.mark.usefixtures("real_workers")  # the last words of a real `python -m fusion_compute worker` process
 def test_recovery_never_leaves_one_worker_holding_everything(tiny_qwen2):
     with structural(tiny_qwen2, n=2) as eng:
         victim = eng.procs.pids[0]
+        with open(f"/proc/{victim}/cmdline", "rb") as f:
+            assert b"fusion_compute\0worker" in f.read()  # a real worker process, not a fork server's child
         with pytest.raises(CommError, match="fewer than --min-workers 2") as e:
             run(eng, lambda: os.kill(victim, signal.SIGKILL))
         assert "worker 1 exited: exit code -9" in str(e.value)  # why it was lost, not only what is refused
 
 
+@pytest.mark.slow
 def test_dead_standby_is_skipped(tiny_qwen2):
     with structural(tiny_qwen2, n=3, standby=1) as eng:
         ref = run(eng).token_ids
@@ -103,6 +110,7 @@ def test_dead_standby_is_skipped(tiny_qwen2):
         assert res.token_ids == ref and res.recoveries[0]["order"] == [2, 3]  # no spare left: N - 1
 
 
+@pytest.mark.slow
 def test_worker_closing_mid_message(tiny_qwen2):
     with structural(tiny_qwen2, standby=1, args_for_worker={2: ("--inject-fault", "close-mid-message@12")}) as eng:
         res = run(eng)  # worker 2's 12th forward sends half its egress shard, then exits
@@ -110,6 +118,7 @@ def test_worker_closing_mid_message(tiny_qwen2):
         assert res.token_ids == run(eng).token_ids  # the same as a run with no fault at all
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim_rank", [1, 3], ids=["group-A", "group-B"])
 def test_masked_member_replaced_within_its_group(tiny_qwen2, victim_rank):
     opts = MaskedOptions(n_a=2, n_b=2, standby=1, context=128, timeout_s=30, liveness_s=LIVENESS_S)
@@ -122,6 +131,7 @@ def test_masked_member_replaced_within_its_group(tiny_qwen2, victim_rank):
         assert victim_rank not in new and eng.seats[new[victim_rank - 1]].group == ("A" if victim_rank == 1 else "B")
 
 
+@pytest.mark.slow
 def test_hygiene_kv_zeroed_at_session_end(tiny_qwen2):
     with structural(tiny_qwen2) as eng:
         eng.reset()
@@ -137,6 +147,7 @@ def test_hygiene_kv_zeroed_at_session_end(tiny_qwen2):
         assert eng.kv_abs_max() == 0.0  # the masked client's own KV cache, the only clear state
 
 
+@pytest.mark.slow
 def test_workers_leave_when_the_client_dies(tiny_qwen2, tmp_path):
     """Separately started workers (no parent-death signal): the pulse link closing ends them."""
     ids = keys(3)
@@ -201,6 +212,7 @@ with Engine(t.model_for(0), opts) as eng:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces unavailable: {available()}")
 def test_link_cut_in_a_namespace(tmp_path):
     """A worker's network goes down mid-decode: no heartbeat, so the client names it and replaces it

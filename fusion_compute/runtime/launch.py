@@ -11,9 +11,22 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import IO, Protocol
 
 
-def terminate_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+class Proc(Protocol):
+    """What WorkerProcs needs of a started worker: subprocess.Popen's face."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+def terminate_all(procs: Sequence[Proc], grace_s: float) -> None:
     """Stop every process still running: SIGTERM to all first (politely: an mpiexec then stops the
     processes it started), then SIGKILL to any still there when `grace_s` has passed; waits for each."""
     for p in procs:
@@ -28,7 +41,7 @@ def terminate_all(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Linux: the kernel sends SIGTERM to the worker if the client dies, even by SIGKILL.
     try:
         import ctypes
@@ -36,6 +49,44 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def popen_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: bytes | None) -> Proc:
+    """Start `fusion worker ARGS` as a fresh Python process, its output into `log`, `stdin` (its
+    secret key) written to its standard input and closed."""
+    cmd = [sys.executable, "-m", "fusion_compute", "worker", *args]
+    # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
+    # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
+    p = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        env=env,
+        preexec_fn=die_with_parent,
+        start_new_session=True,
+    )
+    if stdin is not None:
+        assert p.stdin is not None
+        try:
+            p.stdin.write(stdin)
+            p.stdin.close()
+        except OSError:
+            pass  # it died at once; the watchdog reports its last words
+    return p
+
+
+Launcher = Callable[[list[str], dict[str, str], IO[bytes], "bytes | None"], Proc]
+_launcher: Launcher = popen_worker
+
+
+def use_launcher(launcher: Launcher | None) -> Launcher:
+    """Start local workers with `launcher` from now on (None: `popen_worker`, the default); returns
+    the one it replaces. The seam is for the test suite, which starts workers from a fork server
+    that has already imported torch (tests/forkserver.py); a worker is the same program either way."""
+    global _launcher
+    previous, _launcher = _launcher, launcher or popen_worker
+    return previous
 
 
 MAX_WORDS = 300  # characters of a worker's last words kept in errors, logs and the gateway's /health
@@ -63,8 +114,8 @@ class WorkerProcs:
     ):
         """`stdin_for_rank(rank)`: bytes written to the worker's stdin, then closed (its secret key:
         never on a command line or in the environment, which other local users can read)."""
-        self.procs: list[subprocess.Popen] = []
-        self.logs = []
+        self.procs: list[Proc] = []
+        self.logs: list[IO[bytes]] = []
         self.closing = False
         self.failures: list[tuple[int, str]] = []
         self.quiet = True  # during start-up the client's own error says it; afterwards the watchdog does
@@ -77,27 +128,11 @@ class WorkerProcs:
         self._watch = threading.Thread(target=self._watchdog, daemon=True)
         self._watch.start()
 
-    def spawn(self, rank: int) -> subprocess.Popen:
+    def spawn(self, rank: int) -> Proc:
         """Start the worker process for participant `rank` (ranks are consecutive from 1)."""
         log = tempfile.TemporaryFile(mode="w+b")
-        cmd = [sys.executable, "-m", "fusion_compute", "worker", *self._args(rank)]
-        # Own session: a Ctrl-C at the terminal is the client's to handle (`fusion chat` stops a
-        # reply with it); the workers still die with the client (PDEATHSIG) or are stopped by it.
-        p = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE if self._stdin else subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=self._env,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,
-        )
-        if self._stdin is not None:
-            try:
-                p.stdin.write(self._stdin(rank))
-                p.stdin.close()
-            except OSError:
-                pass  # it died at once; the watchdog reports its last words
+        stdin = self._stdin(rank) if self._stdin is not None else None
+        p = _launcher(list(self._args(rank)), self._env, log, stdin)
         self.procs.append(p)
         self.logs.append(log)
         return p
