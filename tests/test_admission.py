@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from procs import fusion, reap
 from test_topology import keys, topo_text, write_keys
 
 from fusion_compute.comm import Identity, free_port
+
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
 PROMPT = "5,17,33,2,99"
 

@@ -49,6 +49,7 @@ def good(good_summary) -> dict:
     return good_summary["runs"][0]
 
 
+@pytest.mark.slow
 def test_summary_and_report(good_summary):
     s = good_summary
     assert s["all_ok"] and s["closed"] == f"{STEPS}/{STEPS}"
@@ -246,6 +247,7 @@ def assert_tamper_fails(good_dir, d: Path, name: str, case, capsys, epoch: str |
 # ---- negative controls on live runs ----
 
 
+@pytest.mark.slow
 def test_injected_gather_fails(tiny_llama, tmp_path):
     r = audited(tiny_llama, tmp_path, 2, inject_leak="gather@1")
     assert not r["ok"] and r["closed_decode"] == 0
@@ -273,6 +275,7 @@ def test_silent_gather_is_caught_by_the_socket_counters_only(tiny_llama, tmp_pat
         assert o["excess_sent"] == excess, o
 
 
+@pytest.mark.slow
 @needs_ss
 def test_allreduce_in_disguise_is_caught_by_the_socket_counters(tiny_qwen2, tmp_path):
     r = audited(tiny_qwen2, tmp_path, 3, inject_leak="rs-allreduce")
@@ -282,6 +285,7 @@ def test_allreduce_in_disguise_is_caught_by_the_socket_counters(tiny_qwen2, tmp_
         assert o["measured_sent"] > 1.5 * o["predicted_sent"], o  # an all-reduce moves far more
 
 
+@pytest.mark.slow
 def test_megatron_variant_fails_and_is_exact(tiny_qwen2, good, tmp_path):
     r = audited(tiny_qwen2, tmp_path, 3, variant="megatron")
     c = r["violation_counts"]
@@ -310,6 +314,7 @@ def test_run_bad_input_is_one_line(tiny_qwen2, tmp_path, capsys):
         assert rc != 0 and msg in err and err.count("\n") == 1, (extra, err)
 
 
+@pytest.mark.slow
 def test_cli_is_one_line_without_traceback(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "fusion_compute.cli.main", "audit", "verify", str(tmp_path / "missing")],

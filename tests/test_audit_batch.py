@@ -49,6 +49,7 @@ def _log(run: dict, rank: int) -> list[dict]:
     return _records(Path(run["dir"]) / "epoch0" / f"rank{rank}.jsonl")
 
 
+@pytest.mark.slow
 def test_batched_run_closes_every_step_and_session(run):
     assert run["ok"], run["first_violations"]
     assert (run["closed_sessions"], run["batched_sessions"]) == (SLOTS + 1, SLOTS + 1)
@@ -87,6 +88,7 @@ def test_score_elements():
     assert score_elements([(0, 0, 3), (1, 4, 1), (2, 9, 1)], 5, 0) == 3 * 3 + 2 * 10
 
 
+@pytest.mark.slow
 def test_kept_slot_fails_the_session_check(tiny_qwen2, tmp_path):
     r = batched(tiny_qwen2, tmp_path, 3, inject_leak="keep-slots")
     assert not r["ok"] and r["closed_sessions"] < r["batched_sessions"]

@@ -50,6 +50,7 @@ def kept(tiny_qwen2, tmp_path_factory) -> dict:
     return revoked_run(tiny_qwen2, tmp_path_factory.mktemp("kept"), negative_control="keep-revoked")
 
 
+@pytest.mark.slow
 def test_revocation_at_a_decode_step_passes_over_two_epochs(revoked):
     r = revoked
     assert r["ok"], r["first_violations"]
@@ -101,6 +102,7 @@ def test_revoked_worker_received_nothing_after_its_revocation(revoked):
         assert len(e["os"]) == 2 and all(o["ok"] and o["excess_sent"] == 0 for o in e["os"].values()), e["os"]
 
 
+@pytest.mark.slow
 def test_keeping_a_revoked_worker_fails_the_membership_check(kept, capsys):
     r = kept
     assert not r["ok"] and r["closed_decode"] == 0  # a run-level violation voids every certificate

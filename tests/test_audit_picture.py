@@ -176,6 +176,7 @@ def test_masked_audit_dir_is_refused_for_a_picture(tmp_path, capsys):
 # ---- the masked plan: what group A and each mask group receive ----
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", ["2+2", "1+2+1"])
 def test_masked_plan_picture(tiny_qwen2, tmp_path, groups):
     pic = tmp_path / "m.svg"

@@ -74,6 +74,7 @@ def accepted_from_logs(log: list[dict]) -> int:
     return accepted
 
 
+@pytest.mark.slow
 def test_speculative_run_passes_with_rollbacks(summary, good):
     assert summary["all_ok"] and good["ok"], good["first_violations"]
     assert good["verify_steps"] > 0 and good["closed_verify"] == good["verify_steps"]
@@ -106,12 +107,14 @@ def test_speculative_socket_counters_match_the_prediction(good):
         assert o["ok"] and o["excess_sent"] == 0 and o["excess_received"] == 0, o
 
 
+@pytest.mark.slow
 def test_same_tokens_without_speculation(tiny_qwen2, good, tmp_path):
     plain = run_cold_start(config(tiny_qwen2, tmp_path, speculative=None), 0)
     assert plain["ok"] and plain["verify_steps"] == 0 and plain["forwards"] == TOKENS + 1
     assert plain["generated_sha256"] == good["generated_sha256"]
 
 
+@pytest.mark.slow
 def test_batched_speculative_run_passes(tiny_qwen2, tmp_path):
     r = run_cold_start(config(tiny_qwen2, tmp_path, batch=3), 0)
     assert r["ok"], r["first_violations"]
@@ -121,6 +124,7 @@ def test_batched_speculative_run_passes(tiny_qwen2, tmp_path):
     assert sum(1 for x in _log(r, 1) if x["type"] == "rollback") == r["speculative"]["rollbacks"]
 
 
+@pytest.mark.slow
 def test_stale_rollback_fails(good, tiny_qwen2, tmp_path, capsys):
     """The negative control: workers that ignore the rollbacks run the next step where the rejected
     drafts still are. The honest run verifies; this one fails, naming the rollback invariant."""

@@ -110,6 +110,7 @@ def test_batch_limits(tiny_llama):
             BatchRunner(eng, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["structural", "masked"])
 def test_a_lost_worker_mid_batch_replays_every_slot(tiny_llama, mode):
     """SIGKILL a worker (masked: group A's, 1+1 with a standby per group) after the 4th step of a

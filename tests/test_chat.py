@@ -80,6 +80,7 @@ def long_chat_model(tmp_path_factory):
     return build_chat_model(tmp_path_factory.mktemp("chat-long"), seed=5, max_positions=4096)
 
 
+@pytest.mark.slow
 def test_chat_in_a_terminal(long_chat_model):
     t = Pty(
         [

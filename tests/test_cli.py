@@ -96,6 +96,7 @@ def bad_runs():
     return results, worker_pids() - before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(BAD)), ids=[b[1] for b in BAD])
 def test_bad_input_one_line(i, bad_runs):
     assert_one_line_error(bad_runs[0][i], BAD[i][1])
@@ -117,6 +118,7 @@ def test_serve_bad_batch_one_line(args, needle, no_new_workers):
     assert_one_line_error(run("serve", "--port", "0", *args), needle)
 
 
+@pytest.mark.slow
 def test_unsupported_architecture(unsupported_model, no_new_workers):
     assert_one_line_error(
         run("generate", "--model", str(unsupported_model), "--prompt-ids", "1"), "unsupported architecture"
@@ -124,6 +126,7 @@ def test_unsupported_architecture(unsupported_model, no_new_workers):
     assert_one_line_error(run("plan", "--model", str(unsupported_model), "--workers", "2"), "unsupported architecture")
 
 
+@pytest.mark.slow
 def test_plan_command(tiny_qwen2):
     r = run("plan", "--model", str(tiny_qwen2), "--workers", "3", "--capacity", "2,1,1")
     assert r.returncode == 0, r.stderr
@@ -137,6 +140,7 @@ def test_master_needs_keys_or_insecure(tiny_qwen2, no_new_workers):
     assert_one_line_error(r, "--master without --topology cannot pin the workers' keys")
 
 
+@pytest.mark.slow
 def test_rendezvous_times_out_without_workers(tiny_qwen2, no_new_workers):
     port = free_port()
     t0 = time.monotonic()
@@ -158,6 +162,7 @@ def test_rendezvous_times_out_without_workers(tiny_qwen2, no_new_workers):
     assert "warning: --insecure" in r.stderr  # plaintext is never silent
 
 
+@pytest.mark.slow
 def test_worker_with_unreachable_client_fails_in_time(tiny_qwen2, no_new_workers):
     t0 = time.monotonic()
     r = run(
@@ -177,6 +182,7 @@ def test_worker_with_unreachable_client_fails_in_time(tiny_qwen2, no_new_workers
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.slow
 def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
     """Multi-host shape on one machine, plaintext (--insecure): the client and each worker are
     independent processes; the workers claim their ranks. (The keyed way: test_topology.py.)"""
@@ -248,6 +254,7 @@ def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
     assert res["token_ids"] == local["token_ids"] and len(res["token_ids"]) == 8
 
 
+@pytest.mark.slow
 def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     """Kill a worker once the run is under way: the client exits non-zero with one line naming why, nothing
     hangs. On a loaded machine the worker may still be joining when it is killed (start-up's path, "exited
@@ -298,6 +305,7 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     assert re.search(r"worker \d exited( before joining)?: exit code -9", err), err  # the process's exit status
 
 
+@pytest.mark.slow
 def test_a_worker_failing_at_start_up_says_why(tiny_qwen2, tmp_path, no_new_workers):
     """A worker that fails while loading its share (a layer tensor only workers read has a dtype we do
     not take): the client's error carries the worker's own reason, not only its closed connection."""

@@ -19,6 +19,8 @@ from cdp import CHROMIUM, Browser
 from procs import reap
 from test_membership import _admin, _serve
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 NS = "{http://www.w3.org/2000/svg}"
 
 

@@ -14,6 +14,7 @@ REASON = available(netem=True, delay="nfqueue")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"nfqueue delays unavailable: {REASON}")
 
 
+@pytest.mark.slow
 def test_the_delay_tool_delays_and_loses_nothing():
     """A 4 ms round trip made by the netfilter queue: the round trip measured is at least what was
     asked (the tool may add, never take away), a 1-byte exchange costs about one one-way delay, and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fusion_compute.model import reference
@@ -35,6 +36,7 @@ def test_dense_llama(tiny_llama):
     check(tiny_llama)
 
 
+@pytest.mark.slow
 def test_dense_smollm_gguf(smollm_path, smollm_ref):
     """GGUF loading (Q4_1 dequantisation, Q/K un-permutation) end to end, in one process."""
     ref = reference.logits(smollm_ref, IDS)

@@ -94,6 +94,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)  # bitwise comparison: -0.0 != 0.0, NaN == same NaN
 
 
+@pytest.mark.slow
 def test_index_equals_gguf_reader(weights, reference):
     index = weights.index
     fields = {k: f for k, f in reference.fields.items() if not k.startswith("GGUF.")}
@@ -105,6 +106,7 @@ def test_index_equals_gguf_reader(weights, reference):
     assert ours == [(t.name, t.shape.tolist(), t.tensor_type, t.data_offset, t.n_bytes) for t in reference.tensors]
 
 
+@pytest.mark.slow
 def test_every_tensor_bit_identical_to_gguf_reader(weights, reference):
     """Every tensor of the bundled model, whole and sliced, equals gguf's dequantization of GGUFReader's
     memory map bit for bit (llama q/k rows un-permuted): the reader changed, the numbers did not."""

@@ -32,6 +32,7 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_failed_epoch_change_recovers_on_the_next_request(tiny_qwen2):
     opts = EngineOptions(
         n_workers=2,

@@ -25,6 +25,7 @@ def reference(tiny_qwen2):
         return run(eng).token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["cut-peer", "slow-rs"])
 def test_disruptive_peer_is_named_and_removed(tiny_qwen2, reference, fault, capfd):
     opts = EngineOptions(

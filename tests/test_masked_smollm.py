@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from chance import FALSE_FAILURE_RATE, chance_hits_bound
 
@@ -21,6 +22,8 @@ from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 from fusion_compute.weights.loader import open_weights
 from fusion_compute.weights.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
 QUESTION = "What is the capital of France?"
 NEW_TOKENS = 16

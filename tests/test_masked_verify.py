@@ -108,6 +108,7 @@ def clean(tiny_qwen2):
 LIARS = [("lie-one", 1, "A"), ("lie-bias", 2, "B1"), ("lie-stale", 3, "B2"), ("lie-zeros", 1, "A")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,rank,group", LIARS)
 def test_a_lying_member_is_caught_named_and_replaced(tiny_qwen2, tmp_path, clean, kind, rank, group):
     d = tmp_path / "audit"
@@ -137,6 +138,7 @@ def test_a_lying_member_is_caught_named_and_replaced(tiny_qwen2, tmp_path, clean
     assert len(report["epochs"]) == 2
 
 
+@pytest.mark.slow
 def test_a_liar_without_a_standby_leaves_the_job_waiting_for_one(tiny_qwen2, clean):
     opts = _opts()
     opts.args_for_worker = {2: ["--inject-fault", "lie-bias@2"]}
@@ -155,6 +157,7 @@ def test_a_liar_without_a_standby_leaves_the_job_waiting_for_one(tiny_qwen2, cle
         assert 2 not in eng.order
 
 
+@pytest.mark.slow
 def test_a_wrong_shape_is_a_one_line_error_and_the_step_recovers(tiny_qwen2, clean):
     opts = _opts(standby=1)
     opts.args_for_worker = {1: ["--inject-fault", "lie-shape@1"]}

@@ -31,6 +31,7 @@ def greedy(eng, logits, n: int) -> tuple[list[int], object]:
     return out, logits
 
 
+@pytest.mark.slow
 def test_migrate_mid_session_by_add_then_revoke(tiny_qwen2):
     with Engine(tiny_qwen2, EngineOptions(n_workers=2, context=128, timeout_s=30)) as eng:
         want = generate(eng, PROMPT, max_new_tokens=24, sampling=SamplingParams()).token_ids
@@ -65,6 +66,7 @@ def test_bad_membership_requests_harm_nothing(tiny_qwen2):
         assert [w["state"] for w in eng.workers()] == ["active", "active"]
 
 
+@pytest.mark.slow
 def test_chat_commands(tiny_qwen2, tmp_path):
     from test_serve import build_chat_model
 
@@ -121,6 +123,7 @@ def _serve(model, log, *extra: str) -> tuple[subprocess.Popen, str]:
     return proc, log.read_text().split("listening on ", 1)[1].split()[0].removesuffix("/v1")
 
 
+@pytest.mark.slow
 def test_serve_admin_endpoints(tmp_path):
     from test_serve import build_chat_model
 
@@ -150,6 +153,7 @@ def test_serve_admin_endpoints(tmp_path):
         reap([proc], grace_s=30)
 
 
+@pytest.mark.slow
 def test_admin_endpoints_need_an_api_key(tmp_path):
     from test_serve import build_chat_model
 

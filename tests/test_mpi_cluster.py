@@ -135,6 +135,7 @@ def local_tokens(tiny_qwen2) -> list[int]:
     return json.loads(local.stdout.strip().splitlines()[-1])["token_ids"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", [True, False], ids=["network", "shared-memory"])
 def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_tokens):
     """`network`: MPICH forced onto eth0. Without it (the negative control of the bridge check) the
@@ -204,6 +205,7 @@ def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
     """Each worker on its own host with its own key, but mpiexec's ranks in another order than the
     topology's: the misplaced workers say so in one line, the client fails, nothing hangs."""

@@ -18,6 +18,8 @@ from fusion_compute.masked.client import MaskedEngine, MaskedOptions
 from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 # The runtime's own fp32 error against float64: sums in another order (per-worker partials, then
 # the reduce-scatter), the norm after the matmul, and in masked mode fixed-point ring products
 # (~1e-8 relative). Measured on these 3-layer models: max |diff| ~1e-6 on logits of magnitude ~1.

@@ -160,6 +160,7 @@ def test_roles_are_the_audit_schema_roles():
     assert set(ROLES) == set(role_parts(dims))
 
 
+@pytest.mark.slow
 def test_fusion_plan_picture_command(tiny_qwen2, tmp_path):
     out = tmp_path / "plan.svg"
     r = subprocess.run(

@@ -18,11 +18,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from procs import fusion, reap
 from test_topology import keys, topo_text, write_keys
 
 from fusion_compute.comm import free_port, rendezvous
 from fusion_compute.comm.rendezvous import Admission, Credentials, Member, join_epoch
+
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
 PROMPT = "5,17,33,2,99"
 IDLE = 50

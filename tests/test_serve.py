@@ -172,6 +172,7 @@ def tiny_server(chat_model, tmp_path_factory):
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
 
 
+@pytest.mark.slow
 def test_chat_streamed_equals_non_streamed(tiny_server):
     c = tiny_server.client()
     r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10)
@@ -813,6 +814,7 @@ class SlowEngine(FlakyEngine):
         return super().forward(ids)
 
 
+@pytest.mark.slow
 def test_admin_call_behind_a_long_request_leaves_the_loop_free(card):
     """Issue 26 item 4: an admin call waits for the engine thread (between requests), and used to
     wait on the event loop itself: /health, and every stream, froze until the long request ended.

@@ -169,6 +169,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,data,status", MALFORMED, ids=[m[0] for m in MALFORMED])
 def test_malformed_http_gets_a_4xx_in_openai_format(live, name, data, status):
     raw, closed = exchange(live, data)
@@ -206,6 +207,7 @@ def test_conflicting_content_length_cannot_smuggle_a_request(live):
     assert [status for status, _, _ in responses(raw)] == [200, 200]
 
 
+@pytest.mark.slow
 def test_slow_or_silent_connections_are_let_go(live):
     t0 = time.monotonic()
     raw, closed = exchange(live, b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers never finish
@@ -366,6 +368,7 @@ def test_openapi_json(live):
 FUZZ_EXAMPLES = 200  # over all operations and both modes; 0.07 to 0.13 s each on a loaded 2-core machine
 
 
+@pytest.mark.slow
 def test_fuzz_from_the_schema(live):
     """Requests generated from /openapi.json (valid by the schema, and deliberately not), half of
     them with the served model's name so they get past the first check: never a 5xx, never a

@@ -12,6 +12,8 @@ from test_serve import API_KEY, build_chat_model, start_server, stop_server
 from fusion_compute.model import reference
 from fusion_compute.weights.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 
 @pytest.mark.parametrize("max_batch", [1, 4])  # one request at a time (queued), or decoded together
 def test_masked_server_answers_like_transformers(tmp_path, max_batch):

@@ -11,6 +11,7 @@ import select
 import subprocess
 import time
 
+import pytest
 import torch
 from test_serve import FUSION
 
@@ -75,6 +76,7 @@ def _run_with_stderr_pty(args: list[str], timeout_s: float = 120) -> tuple[subpr
     return subprocess.CompletedProcess(args, proc.returncode, out.decode(), ""), err.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_generate_progress_on_a_terminal_only(tiny_qwen2):
     args = [
         *FUSION,

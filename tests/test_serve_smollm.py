@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_serve import FUSION, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
 

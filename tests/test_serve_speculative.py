@@ -10,6 +10,8 @@ import pytest
 import requests
 from test_serve import build_chat_model, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory):

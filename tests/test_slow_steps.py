@@ -50,12 +50,14 @@ def reference(tiny_qwen2):
         return runs[0].token_ids, eng.clock.worst
 
 
+@pytest.mark.slow
 def test_honest_run_is_never_flagged(reference):
     _, worst = reference
     print(f"honest run: slowest step at {worst:.3f} of its deadline")  # (the fixture asserted no strike)
     assert worst < 1.0
 
 
+@pytest.mark.slow
 def test_dragging_worker_is_named_and_removed(tiny_qwen2, reference, capfd):
     tokens, _ = reference
     fault = ("--inject-fault", f"drag-rs@{STEP_RS * (SLOW_FROM - 1) + 1}")
@@ -82,6 +84,7 @@ def test_dragging_worker_is_named_and_removed(tiny_qwen2, reference, capfd):
     print(measured)  # (after capfd has taken the engine's log: shown with -s)
 
 
+@pytest.mark.slow
 def test_two_workers_ambiguous_request_fails_nobody_removed(tiny_qwen2, capfd):
     fault = ("--inject-fault", f"drag-rs@{STEP_RS * (SLOW_FROM - 1) + 1}")
     with Engine(tiny_qwen2, options(2, standby=1, args_for_worker={2: fault})) as eng:

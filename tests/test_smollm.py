@@ -15,6 +15,8 @@ from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 from fusion_compute.weights.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 NEW_TOKENS = 20
 QUESTION = "What is the capital of France?"
 

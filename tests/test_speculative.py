@@ -197,6 +197,7 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.slow
 def test_sampled_verify_keeps_the_target_distribution():
     """Verifications of drafts [d1, d2] against fixed target distributions (p1 for the first token,
     p2 for every later one): the first two tokens are distributed as p1 x p2 (draws from a seeded
@@ -236,6 +237,7 @@ def runs(eng, prompts, spec: Speculator | None, sampling=GREEDY, new=NEW):
     return [generate(eng, p, max_new_tokens=new, sampling=sampling, speculator=spec) for p in prompts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,n", [("qwen2", 3), ("llama", 2)])
 def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_qwen2, tiny_llama, zero_draft):
     """n-gram drafts (accepted and rejected: rollbacks), the target itself as draft model (every
@@ -309,6 +311,7 @@ def test_masked_mode_speculation_equals_greedy(tiny_qwen2):
         assert eng.verifier.failures == 0 and eng.kv_abs_max() == 0.0
 
 
+@pytest.mark.slow
 def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
     """Temperature 1, top-k 3 on the tiny Llama: the first three tokens of 480 seeded sessions
     with speculation (the target as draft model: its argmax proposals are accepted with p(d) and
@@ -366,6 +369,7 @@ def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
 # ---- the command line ----
 
 
+@pytest.mark.slow
 def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_llama, tmp_path):
     """One line on stderr and exit 2, in about the time it takes to read the model's header."""
     base = [sys.executable, "-m", "fusion_compute", "generate", "--prompt-ids", "1,2,3", "--workers", "2"]
@@ -390,6 +394,7 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
         assert "worker" not in out.stderr.lower(), out.stderr  # refused before any worker started
 
 
+@pytest.mark.slow
 def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
 

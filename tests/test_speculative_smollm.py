@@ -14,6 +14,8 @@ from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 from fusion_compute.weights.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 NEW_TOKENS = 24
 PROMPTS = [
     # input-grounded: the answer copies from the prompt, so drafts are accepted

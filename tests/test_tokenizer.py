@@ -69,6 +69,7 @@ def test_basics(ours):
     assert ours.encode("<|im_start|>") == [1]  # special text is one token; no BOS (add_bos_token false)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_equals_transformers(ours, hf, text):
     ids = ours.encode(text)

@@ -193,6 +193,7 @@ def _workers(topo: Path, key_files: list[Path]) -> list:
     ]
 
 
+@pytest.mark.slow
 def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     from fusion_compute.structural.plan import make_plan
     from fusion_compute.weights.loader import open_weights
@@ -250,6 +251,7 @@ def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     assert res["token_ids"] == local["token_ids"]
 
 
+@pytest.mark.slow
 def test_masked_run_with_topology_groups(tiny_qwen2, tmp_path):
     ids = keys(4)
     kf = write_keys(tmp_path, ids)
@@ -309,6 +311,7 @@ def test_masked_run_with_topology_groups(tiny_qwen2, tmp_path):
     assert res["token_ids"] == local["token_ids"]
 
 
+@pytest.mark.slow
 def test_serve_with_topology_and_separate_workers(tmp_path):
     import openai
 
@@ -356,6 +359,7 @@ def test_serve_with_topology_and_separate_workers(tmp_path):
         reap([proc, *workers])
 
 
+@pytest.mark.slow
 def test_hostile_input_files_refused_in_one_line(tmp_path, capsys):
     """Issue 26: `--topology /dev/zero` and `--key /dev/zero` read until MemoryError, a FIFO topology
     waited for a writer for ever, and a key file a megabyte long was read whole. Now a topology or

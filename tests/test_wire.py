@@ -26,7 +26,10 @@ from netns import Hosts, available
 from fusion_compute.comm import Identity
 
 REASON = available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}"),
+    pytest.mark.slow,  # every test here starts workers (the quick loop skips them)
+]
 README = Path(__file__).resolve().parent.parent / "README.md"
 FUSION = [sys.executable, "-m", "fusion_compute"]
 CLIENT, W1, W2 = "10.0.0.1", "10.0.0.2", "10.0.0.3"

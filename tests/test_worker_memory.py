@@ -14,6 +14,8 @@ from fusion_compute.runtime.progress import worker_elements
 from fusion_compute.structural.plan import make_plan
 from fusion_compute.weights.loader import open_weights
 
+pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
+
 MIB = 1 << 20
 ALLOWANCE = 300_000_000  # bytes: the interpreter and torch (~220 MiB measured) plus transients
 
