@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import forkserver  # noqa: E402
+import procs  # noqa: E402
 from tiny_models import build  # noqa: E402
 
 from fusion_compute.runtime import launch  # noqa: E402
@@ -15,6 +18,7 @@ from fusion_compute.runtime import launch  # noqa: E402
 # Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
 # differs); a test that checks how a real worker process behaves asks for `real_workers`.
 launch.use_launcher(forkserver.forked_worker)
+os.environ[procs.RUN_TAG] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # procs.worker_pids()
 
 
 @pytest.fixture

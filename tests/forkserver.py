@@ -12,7 +12,7 @@ What differs from a Popen'd worker, and why the tests that check it keep real pr
   exits, which it does when the test process does (its alive pipe closes), so a worker still dies
   with the test run, one step removed;
 - its command line is the fork server's, so `pgrep -f "fusion_compute worker"` misses it
-  (procs.worker_pids() adds the fork server's children);
+  (procs.children() counts the fork server's children as the test process's own);
 - torch was imported under the fork server's environment: a variable read only at import time
   (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS) is not re-read; the workers set their thread counts
   at run time (torch.set_num_threads, threadpoolctl), which is what the outputs depend on.

@@ -46,9 +46,24 @@ def children(pid: int) -> set[int]:
     return kids
 
 
+# Every process this test run starts inherits this variable (conftest.py sets it), workers included,
+# so "the workers this run left" excludes those of other runs on the machine (helpers, benches).
+RUN_TAG = "FUSION_TEST_RUN"
+
+
 def worker_pids() -> set[int]:
+    """The `fusion_compute worker` processes alive now that this test run started (by RUN_TAG)."""
     out = subprocess.run(["pgrep", "-f", "fusion_compute worker"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    mark = f"{RUN_TAG}={os.environ[RUN_TAG]}".encode()
+    return {int(p) for p in out.split() if mark in _environ(int(p))}
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:  # gone meanwhile, or not ours to read
+        return []
 
 
 def wait_gone(pids: set[int], timeout: float = 10) -> set[int]:

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from procs import worker_pids
 
 from fusion_compute.comm import free_port
 
@@ -21,11 +22,6 @@ FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*FUSION, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def worker_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "fusion_compute worker"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
