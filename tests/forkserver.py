@@ -15,7 +15,7 @@ What differs from a Popen'd worker, and why the tests that check it keep real pr
   (procs.children() counts the fork server's children as the test process's own);
 - torch was imported under the fork server's environment: a variable read only at import time
   (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS) is not re-read; the workers set their thread counts
-  at run time (torch.set_num_threads, threadpoolctl), which is what the outputs depend on.
+  at run time (torch.set_num_threads; masked/ring.py's limit_blas_threads for OpenBLAS).
 """
 
 from __future__ import annotations
