@@ -1,7 +1,10 @@
 """The speculative-decoding bench's pure parts (bench/speculative.py, bench/workloads.py): workload
-loading, and the arithmetic behind its figures. No worker process, no model file."""
+loading, and the arithmetic behind its figures; and bench/inflight.py's. No worker process, no model
+file."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -72,8 +75,22 @@ def test_acceptance_is_vllms_definition():
 def test_ratios_are_paired_not_divided_medians():
     pairs = [(2.0, 1.0), (3.0, 1.0), (1.0, 2.0)]  # (speculative, plain) of runs that ran back to back
     r = B.paired_ratios(pairs)
-    assert r == {"median": 2.0, "min": 0.5, "max": 3.0, "n": 3}
+    assert r == {"median": 2.0, "min": 0.5, "max": 3.0, "n": 3, "ci95": None}  # 3 pairs: no 95 % interval
     assert B.paired_ratios([]) is None
+
+
+def test_median_ci_is_the_sign_tests_order_statistics():
+    assert B.median_ci([1.0] * 5) is None  # P(all 5 on one side) = 1/32 > 2.5 %: no 95 % interval exists
+    assert B.median_ci([float(x) for x in range(1, 7)]) == [1.0, 6.0]  # 1/64 <= 2.5 %: min..max
+    assert B.median_ci([float(x) for x in range(1, 25)]) == [7.0, 18.0]  # P(Bin(24, 1/2) <= 6) = 1.1 %
+    assert B.median_ci([float(x) for x in range(100, 0, -1)]) == [40.0, 61.0]  # the textbook ranks, any order
+    # the interval holds the true median about 95 % of the time: draws of a known distribution
+    rng = random.Random(7)
+    hits = sum(lo <= 0.0 <= hi for lo, hi in (B.median_ci([rng.gauss(0, 1) for _ in range(24)]) for _ in range(2000)))
+    # exact coverage 97.7 % at n = 24 (discrete ranks): 1954 of 2000 expected, sd 6.7; both bounds are over
+    # 5 sd away (a false failure well under 1e-6), and an interval one rank too narrow (95.7 %) or too wide
+    # (99.5 %) would land near them
+    assert 0.93 * 2000 <= hits <= 0.995 * 2000
 
 
 def _job(rtt, measured, pairs_ig, pairs_oc, same=True):
@@ -111,3 +128,15 @@ def test_rtt_table_groups_pairs_over_repeats():
     assert ig5["measured_rtt_ms"]["median"] == pytest.approx(5.9)  # 5.8, 5.9 before each job; 5.9, 6.0 after
     assert ig5["same_tokens"] is False  # one pair differed: reported, not hidden
     assert "**2.50×**" in B.render({"batch": 8, "rtt_table": rows})
+
+
+def test_side_by_side_jobs_are_summed_and_their_overlap_measured():
+    from fusion_compute.bench.inflight import combine
+
+    def job(*windows):  # (start, end, decoded) per round
+        return {"runs": [{"start": s, "end": e, "decoded": n} for s, e, n in windows]}
+
+    together = combine([job((0.0, 2.0, 20)), job((0.0, 2.0, 40))], 1)
+    assert together == [{"tokens_per_s": 30.0, "side_by_side": 1.0}]  # 10 + 20 tok/s, fully overlapped
+    apart = combine([job((0.0, 1.0, 10), (5.0, 6.0, 10)), job((1.0, 2.0, 10), (5.5, 6.5, 10))], 2)
+    assert [r["side_by_side"] for r in apart] == [0.0, pytest.approx(1 / 3)]  # one after the other; half-overlapped

@@ -3,6 +3,7 @@ and without it across round trips of 0, 1 and 5 ms, in one run on one machine.
 
     python -m fusion_compute.bench.speculative [--workers 2] [--max-new-tokens 128] [--rtt 0,1,5]
         [--rtt-tokens 32] [--batch 8] [--repeats 2] [--k 4,16] [--draft-layers 8] [--out FILE]
+        [--singles 2] [--batch-pairs 1] [--workloads input_grounded,open_chat]
 
 Two workloads (bench/workloads.py): input-grounded (summarise, extract, rewrite, copy, fix given
 code) and open chat, in the bundled model's chat template, greedy, stopping at its end-of-turn token.
@@ -27,7 +28,10 @@ code) and open chat, in the bundled model's chat template, greedy, stopping at i
               worker 1's). In each job, for each workload: one session on a prompt without and with
               speculation, then `--batch` sessions together without and with it, the order of the
               pair alternating; `--repeats` sweeps over every RTT. Speed ratios are medians of the
-              per-pair ratios (the two runs of a pair ran back to back in one job).
+              per-pair ratios (the two runs of a pair ran back to back in one job), with a
+              distribution-free 95 % confidence interval for that median (`median_ci`) once a cell
+              has 6 pairs or more. `--singles` prompts and `--batch-pairs` batch pairs per job and
+              workload; `--workloads` narrows the sweep to one workload.
 
 Decode tokens/s is generate's (tokens after the first / the time after the first) for one session,
 and bench/batch.py's for a batch (every session's tokens after its first / the time from the last
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -96,8 +101,30 @@ def exchanges_per_forward(collectives: int, forwards: int) -> float:
 
 
 def paired_ratios(pairs: list[tuple[float, float]]) -> dict | None:
-    """(speculative, plain) tokens/s of runs that ran back to back: the per-pair ratios' median and range."""
-    return summary([s / p for s, p in pairs if p > 0])
+    """(speculative, plain) tokens/s of runs that ran back to back: the per-pair ratios' median and
+    range, and a 95 % confidence interval for the median ratio (`median_ci`)."""
+    ratios = [s / p for s, p in pairs if p > 0]
+    out = summary(ratios)
+    if out is not None:
+        out["ci95"] = median_ci(ratios)
+    return out
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> list[float] | None:
+    """A distribution-free confidence interval for the median (order statistics, the sign test's
+    binomial): [x_(j), x_(n+1-j)] with the largest j whose two tails P(Bin(n, 1/2) < j) each stay
+    within (1 - confidence) / 2. It assumes only that the pairs are independent draws of one ratio;
+    with fewer than 6 values no such interval reaches 95 % (None)."""
+    n, tail = len(values), (1 - confidence) / 2
+    xs, j, below = sorted(values), 0, 0.0
+    while True:
+        below += math.comb(n, j) / 2**n  # P(Bin(n, 1/2) <= j)
+        if below > tail:
+            break
+        j += 1
+    if j == 0:
+        return None
+    return [round(xs[j - 1], 4), round(xs[n - j], 4)]
 
 
 # ---- the acceptance job: local workers ----
@@ -361,7 +388,7 @@ def client(d: Path) -> int:
         def spec() -> Speculator:
             return shared
 
-        for name in WORKLOAD_NAMES:
+        for name in job["prompts"]:
             prompts = [list(p) for p in job["prompts"][name]]
             row: dict = {"single": [], "batch": []}
             for i in job["single_prompts"]:
@@ -384,9 +411,10 @@ def client(d: Path) -> int:
                         "same_tokens": runs[True].token_ids == runs[False].token_ids,
                     }
                 )
-            if batch > 1:
+            for b in range(job.get("batch_pairs", 1) if batch > 1 else 0):
                 bruns = {}
-                for on in (False, True) if job["spec_first"] is False else (True, False):
+                spec_first = job["spec_first"] != (b % 2 == 1)  # the order alternates within a job too
+                for on in (True, False) if spec_first else (False, True):
                     seqs = [Sequence(prompts[i % len(prompts)], m, greedy, stop) for i in range(batch)]
                     res = run_batch(eng, seqs, batch, speculator=spec() if on else None)
                     t_first, t_end = max(s.t_first for s in seqs), max(s.t_end for s in seqs)
@@ -422,12 +450,14 @@ def rtt_sweep(
     log=lambda s: None,
     on_job=lambda runs: None,
     limit: int | None = None,
+    names: tuple[str, ...] = WORKLOAD_NAMES,
+    batch_pairs: int = 1,
 ) -> list[dict]:
     from . import workloads
     from .rtt import keys, topology
 
     tok = _tokenizer(model)
-    loads = {name: workloads.load(name, tok, limit) for name in WORKLOAD_NAMES}
+    loads = {name: workloads.load(name, tok, limit) for name in names}
     longest = max(len(p) for w in loads.values() for p in w.prompts)
     d = Path(tempfile.mkdtemp(prefix="fc-spec-"))
     every = []
@@ -443,6 +473,7 @@ def rtt_sweep(
                     "stop_ids": list(tok.eos_ids),
                     "tokens": tokens,
                     "batch": batch,
+                    "batch_pairs": batch_pairs,
                     "k": k,
                     "context": longest + tokens + k + 8,
                     # each repeat its own prompts for the single session: pairs over several prompts
@@ -470,7 +501,7 @@ def rtt_table(every: list[dict]) -> list[dict]:
         measured = [r["measured_rtt_ms"] for r in jobs] + [r["measured_rtt_after_ms"] for r in jobs]
         for name in WORKLOAD_NAMES:
             for mode in ("single", "batch"):
-                pairs = [p for r in jobs for p in r["workloads"][name][mode]]
+                pairs = [p for r in jobs for p in r["workloads"].get(name, {}).get(mode, [])]
                 if not pairs:
                     continue
                 rows.append(
@@ -519,8 +550,8 @@ def render(report: dict) -> str:
     if rows:
         out += [
             "",
-            "| RTT added (ms) | RTT measured (ms, median (min..max)) | workload | sessions | pairs | plain tok/s | speculative tok/s | ratio per pair, median (min..max) | same tokens |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| RTT added (ms) | RTT measured (ms, median (min..max)) | workload | sessions | pairs | plain tok/s | speculative tok/s | ratio per pair, median (min..max) | median's 95 % CI | same tokens |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             m, q = r["measured_rtt_ms"], r["ratio"]
@@ -528,7 +559,8 @@ def render(report: dict) -> str:
                 f"| {r['rtt_ms']:g} | {m['median']:.2f} ({m['min']:.2f}..{m['max']:.2f}) | {r['workload']} | "
                 f"{'1' if r['mode'] == 'single' else report['batch']} | {r['pairs']} | "
                 f"{r['plain_tokens_per_s']['median']:.2f} | {r['spec_tokens_per_s']['median']:.2f} | "
-                f"**{q['median']:.2f}×** ({q['min']:.2f}..{q['max']:.2f}) | {r['same_tokens']} |"
+                f"**{q['median']:.2f}×** ({q['min']:.2f}..{q['max']:.2f}) | "
+                f"{'-' if not q.get('ci95') else '{:.2f}..{:.2f}'.format(*q['ci95'])} | {r['same_tokens']} |"
             )
     return "\n".join(out)
 
@@ -565,6 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt-tokens", type=int, default=32, help="new tokens per session in the sweep")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--singles", type=int, default=2, help="single-session prompts per workload per job")
+    p.add_argument(
+        "--batch-pairs", type=int, default=1, help="batch pairs (plain and speculative) per workload per job"
+    )
+    p.add_argument(
+        "--workloads", default=",".join(WORKLOAD_NAMES), help="which workloads the RTT sweep runs (comma-separated)"
+    )
     p.add_argument("--repeats", type=int, default=2, help="sweeps over every RTT")
     p.add_argument("--delay", choices=("netem", "nfqueue"), default="nfqueue")
     p.add_argument("--skip-acceptance", action="store_true")
@@ -580,6 +618,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.workers < 2 or not ks or min(ks) < 1 or a.max_new_tokens < 2 or a.repeats < 1 or a.batch < 1:
         print("bench.speculative: needs --workers >= 2, K >= 1, --max-new-tokens >= 2, --repeats, --batch >= 1")
+        return 2
+    names = tuple(x for x in a.workloads.split(",") if x)
+    if not names or set(names) - set(WORKLOAD_NAMES) or a.batch_pairs < 0 or a.singles < 0:
+        print(
+            f"bench.speculative: --workloads takes {', '.join(WORKLOAD_NAMES)}; --batch-pairs and --singles >= 0",
+            file=sys.stderr,
+        )
         return 2
     if rtts:
         why = available(netem=True, delay=a.delay)
@@ -627,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                 log=log,
                 limit=a.limit,
                 on_job=lambda runs: out.write_text(json.dumps(report | {"rtt_runs": runs}, indent=1)),
+                names=names,
+                batch_pairs=a.batch_pairs,
             )
         finally:
             report["rtt_runs"] = every
