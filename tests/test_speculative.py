@@ -117,6 +117,25 @@ def test_acceptance_rate_counts_prefixes():
     assert n.acceptance() == (5 + 1) / (5 + 1 + 2)
 
 
+def test_a_new_session_starts_from_the_jobs_acceptance():
+    pool = S.JobAcceptance()
+    assert pool.rate() == 0.5  # nothing seen: one success and one failure
+    for _ in range(20):
+        pool.add(4, 0)  # every session's drafts missed at once
+    pool.add(0, 0)  # a step without drafts is no verification
+    low = pool.rate()
+    assert low == 1 / 22 and len(pool.history) == 20
+    fresh = DraftLength(8)
+    assert fresh.acceptance() == 0.5 and fresh.acceptance(low) == pytest.approx(low)
+    fresh.update(4, 4)  # its own hits outweigh the prior as they come
+    assert fresh.acceptance(low) == pytest.approx((4 + S.PRIOR_TRIALS * low) / (4 + S.PRIOR_TRIALS))
+    # The budget (3 ms a column, 6 ms a drafting session, 100 ms base): a fresh session at even odds
+    # drafts; at the rate this job's drafts really earn, it does not.
+    cost = _fitted(0.003, 0.1, 0.006)
+    assert cost.allocate([4], [DraftLength(8).acceptance()])[0] > 0
+    assert cost.allocate([4], [DraftLength(8).acceptance(low)]) == [0]
+
+
 def _fitted(per_column: float, base: float, per_span: float = 0.0) -> S.StepCost:
     cost = S.StepCost()
     for i in range(S.COST_MIN_STEPS * 2):
@@ -133,6 +152,18 @@ def test_step_cost_fits_columns_and_spans():
     for _ in range(S.COST_MIN_STEPS * 2):
         flat.observe(8, 0, 0.1)  # one width only: a column's cost cannot be told from the base
     assert flat.fit() is None and flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]  # then DraftLength decides
+
+
+def test_step_cost_remembers_a_columns_cost_once_every_draft_is_cut():
+    """A budget that cut every draft sees only plain steps, all of one width: it keeps what a column
+    and a drafting session cost (and refits the base, which follows the network), instead of letting
+    every draft back in to learn it again."""
+    cost = _fitted(0.003, 0.1, 0.006)
+    for _ in range(S.COST_WINDOW):
+        cost.observe(8, 0, 0.25 + 0.003 * 8)  # plain steps only; the base moved (a slower network)
+    assert cost.fit() == pytest.approx((0.25, 0.003, 0.006), abs=1e-9)
+    assert cost.allocate([4] * 8, [0.05] * 8) == [0] * 8  # still cut: 5 % drafts do not pay for 3 ms columns
+    assert cost.allocate([4] * 8, [0.9] + [0.05] * 7)[0] > 0  # a session whose drafts pay keeps them
 
 
 def test_step_cost_keeps_drafts_that_pay_and_cuts_the_rest():
@@ -271,6 +302,7 @@ def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_
             with_miss = runs(eng, PROMPTS, miss)
             assert [r.token_ids for r in with_miss] == want
             assert miss.totals.num_accepted_tokens == 0 < miss.totals.num_drafts
+            assert miss.pool.rate() < 0.1 < hit.pool.rate()  # the job's pooled rate: the next session's prior
         assert eng.slot_history == {} and eng.kv_probe() == [0.0] * n  # released and zeroed
 
 

@@ -157,6 +157,7 @@ class BatchRunner:
                     seq.spec.add(len(proposed), accepted)
                     if self.speculator is not None:
                         self.speculator.totals.add(len(proposed), accepted)
+                        self.speculator.pool.add(len(proposed), accepted)
                 if accepted < len(proposed):  # the rejected columns' KV entries are never attended
                     self.engine.rollback(seq.slot, len(self.engine.slot_history[seq.slot]) - (len(proposed) - accepted))
             else:
@@ -193,9 +194,10 @@ class BatchRunner:
         decoding = [s for s in seqs if s.out]
         if self._cost is None or not any(drafts[s.slot] for s in decoding):
             return drafts
+        prior = self.speculator.pool.rate() if self.speculator is not None else 0.5
         ks = self._cost.allocate(
             [len(drafts[s.slot]) for s in decoding],
-            [self._lengths[s.slot].acceptance() for s in decoding],
+            [self._lengths[s.slot].acceptance(prior) for s in decoding],
             [not s.sampling.greedy for s in decoding],
         )
         return {**drafts, **{s.slot: drafts[s.slot][:k] for s, k in zip(decoding, ks, strict=True)}}

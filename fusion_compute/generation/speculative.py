@@ -116,17 +116,45 @@ class DraftLength:
             self.recent.clear()
             self.k = 1  # after a pause, probe with one draft
 
-    def acceptance(self) -> float:
+    def acceptance(self, prior: float = 0.5) -> float:
         """The chance that a draft is accepted given the ones before it were, from the recent
         verifications (a verification accepts a prefix: `accepted` successes, then one failure unless
-        all were accepted), with one success and one failure as a prior."""
+        all were accepted), with PRIOR_TRIALS trials at rate `prior` before them: the job's own rate
+        (Speculator.prior), so that a new session starts from what drafts earn on this job, not from
+        even odds."""
+        hits = sum(a for _, a in self.history)
+        misses = sum(a < d for d, a in self.history)
+        return (hits + PRIOR_TRIALS * prior) / (hits + misses + PRIOR_TRIALS)
+
+
+# A session's acceptance estimate starts from the job's: PRIOR_TRIALS pseudo-trials at the rate the job's
+# last POOL verifications (every session's) had, itself from one success and one failure while the job
+# has none. Measured (docs/performance.md, issue 23): with even odds for every new session, a batch of
+# open-chat sessions of 24 tokens each drafted on that prior for most of their short lives, and read
+# 0.92-0.95x the plain batch at 0-5 ms on a quiet machine (18 pairs per cell).
+PRIOR_TRIALS = 2.0
+POOL = 64
+
+
+class JobAcceptance:
+    """Every session's recent verifications on one job, pooled: the prior of a session's own rate."""
+
+    def __init__(self):
+        self.history: deque[tuple[int, int]] = deque(maxlen=POOL)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.history.append((drafted, accepted))
+
+    def rate(self) -> float:
         hits = sum(a for _, a in self.history)
         misses = sum(a < d for d, a in self.history)
         return (hits + 1) / (hits + misses + 2)
 
 
 # StepCost: the decode steps it fits over, the fewest it needs, and the least spread of widths that
-# lets it tell a column's cost from noise (below that it allows every draft).
+# lets it tell a column's cost from noise (below that it keeps its last fit's per-column and
+# per-session costs and refits only the base; before any fit it allows every draft).
 COST_WINDOW = 32
 COST_MIN_STEPS = 6
 COST_MIN_SPREAD = 2.0
@@ -141,29 +169,44 @@ class StepCost:
 
     def __init__(self):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
+        # the last fit that could tell a column's cost: once the budget cuts every draft, the steps all
+        # have one width and the window alone would forget what a column costs, let every draft back
+        # in, and learn it again (measured: an open-chat batch at 0 ms lost 7-11 % so)
+        self.last: tuple[float, float] | None = None  # (s per column, s per drafting session)
 
     def observe(self, width: int, spans: int, seconds: float) -> None:
         """One decode step: its columns, the sessions in it that carried drafts, its wall time."""
         self.samples.append((width, spans, seconds))
+        if spans:  # a step with drafts: the window may tell a column's cost now; keep it (self.last)
+            self.fit()
 
     def fit(self) -> tuple[float, float, float] | None:
         """(base s, s per column, s per drafting session), or None while the steps seen cannot
-        separate a column's cost from the rest (too few, or all of about one width)."""
+        separate a column's cost from the rest (too few, or all of about one width) and none before
+        them could: then the last such fit's costs, with the base refitted to the recent steps."""
         if len(self.samples) < COST_MIN_STEPS:
             return None
         ws = [float(w) for w, _, _ in self.samples]
-        if statistics.pstdev(ws) < COST_MIN_SPREAD:
-            return None
         ss = [float(n) for _, n, _ in self.samples]
         ts = [t for _, _, t in self.samples]
+        if statistics.pstdev(ws) < COST_MIN_SPREAD:
+            if self.last is None:
+                return None
+            per_column, per_span = self.last
+            base = statistics.fmean(t - per_column * w - per_span * n for w, n, t in zip(ws, ss, ts, strict=True))
+            return base, per_column, per_span
+        fitted = None
         if statistics.pstdev(ss) > 0.5:
             x = torch.tensor([[1.0, w, n] for w, n in zip(ws, ss, strict=True)], dtype=torch.float64)
             coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
             base, per_column, per_span = (float(c) for c in coef)
             if per_column >= 0 and per_span >= 0:
-                return base, per_column, per_span
-        per_column, base = statistics.linear_regression(ws, ts)  # one regressor: spans folded into the rest
-        return base, max(0.0, per_column), 0.0
+                fitted = base, per_column, per_span
+        if fitted is None:
+            per_column, base = statistics.linear_regression(ws, ts)  # one regressor: spans folded into the rest
+            fitted = base, max(0.0, per_column), 0.0
+        self.last = fitted[1:]
+        return fitted
 
     def allocate(self, caps: list[int], rates: list[float], fixed: list[bool] | None = None) -> list[int]:
         """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap). The
@@ -323,6 +366,7 @@ class Speculator:
             self.model = draft_model if draft_model is not None else load_draft_model(config.draft_model, target_vocab)
             check_vocab(self.model.config.vocab, target_vocab)
         self.totals = SpecStats(config.method)
+        self.pool = JobAcceptance()  # what drafts earn on this job, across sessions and requests
         # what a wider step costs on this job's workers and network, learned across its runs and
         # requests; with a fixed draft length nothing is cut
         self.cost = StepCost() if config.adaptive else None
