@@ -52,23 +52,14 @@ def client(argv: list[str]) -> int:
     """One job's client, in the client's host: open, warm up, say "ready", wait for "go" on stdin,
     decode its sessions `rounds` times; print one JSON line (times on the wall clock, comparable
     across the jobs of one machine)."""
-    from ..cli.options import load_key
     from ..generation.batching import Sequence, run_batch
     from ..generation.sampling_params import SamplingParams
-    from ..runtime.topology import Topology
-    from ..structural.client import Engine, EngineOptions
+    from ..structural.client import Engine
+    from .rtt import topology_job
 
     d, first, count, total, tokens, rounds = Path(argv[0]), *(int(x) for x in argv[1:6])
-    topo = Topology.load(str(d / "topology.toml"))
-    opts = EngineOptions(
-        n_workers=topo.n_workers,
-        capacities=topo.capacities,
-        topology=topo,
-        key=load_key(str(d / "client.key")),
-        timeout_s=300,
-        liveness_s=60,  # J jobs on 2 cores: a step can take long without a worker being lost
-        log=lambda line: None,
-    )
+    # J jobs on 2 cores: a step can take long without a worker being lost
+    topo, opts = topology_job(str(d / "topology.toml"), str(d / "client.key"), timeout_s=300, liveness_s=60)
     opts.context = PROMPT_LEN + tokens + 8
     greedy = SamplingParams()
     clock = time.time() - time.perf_counter()  # perf_counter -> wall clock

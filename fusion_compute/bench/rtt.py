@@ -146,24 +146,32 @@ def one(
     }
 
 
-def client(argv: list[str]) -> int:
-    """The client job, run in the client's host: one session alone, then `batch` sessions together
-    (bench/batch.py's workload, once), on the workers the topology names; prints one JSON line."""
+def topology_job(topo_path: str, key_path: str, **kw):
+    """(topology, EngineOptions) of a bench client whose workers a topology file names, signed with
+    `key_path`; `kw`: more options (timeout_s, liveness_s). Quiet: the bench prints its own lines."""
     from ..cli.options import load_key
     from ..runtime.topology import Topology
     from ..structural.client import EngineOptions
-    from .batch import measure
 
-    topo_path, key, prompt_len, tokens, batch = argv
     topo = Topology.load(topo_path)
     opts = EngineOptions(
         n_workers=topo.n_workers,
         capacities=topo.capacities,
         topology=topo,
-        key=load_key(key),
-        timeout_s=60,
+        key=load_key(key_path),
         log=lambda line: None,
+        **kw,
     )
+    return topo, opts
+
+
+def client(argv: list[str]) -> int:
+    """The client job, run in the client's host: one session alone, then `batch` sessions together
+    (bench/batch.py's workload, once), on the workers the topology names; prints one JSON line."""
+    from .batch import measure
+
+    topo_path, key, prompt_len, tokens, batch = argv
+    topo, opts = topology_job(topo_path, key, timeout_s=60)
     r = measure(
         topo.model_for(0), topo.n_workers, "tls", max(1, int(batch)), int(prompt_len), int(tokens), 1, opts=opts
     )

@@ -354,27 +354,17 @@ def rtt_job(d: Path, model: str, n: int, rtt_ms: float, delay: str, timeout_s: f
 def client(d: Path) -> int:
     """The client job, in the client's host: reads `d`/job.json (prompts, tokens, batch, which prompt
     and which order), runs the pairs, prints one JSON line."""
-    from ..cli.options import load_key
     from ..generation.batching import Sequence, run_batch
     from ..generation.generate import generate
     from ..generation.sampling_params import SamplingParams
     from ..generation.speculative import Speculator
-    from ..runtime.topology import Topology
-    from ..structural.client import Engine, EngineOptions
+    from ..structural.client import Engine
+    from .rtt import topology_job
 
     job = json.loads((d / "job.json").read_text())
-    topo = Topology.load(str(d / "topology.toml"))
-    opts = EngineOptions(
-        n_workers=topo.n_workers,
-        capacities=topo.capacities,
-        topology=topo,
-        key=load_key(str(d / "client.key")),
-        timeout_s=300,
-        # a batch of 8 with 17 columns each at 5 ms moves large messages through the delay tool's one
-        # Python process per host: a step can take seconds, which is not a lost worker
-        liveness_s=60,
-        log=lambda line: None,
-    )
+    # a batch of 8 with 17 columns each at 5 ms moves large messages through the delay tool's one
+    # Python process per host: a step can take seconds, which is not a lost worker
+    topo, opts = topology_job(str(d / "topology.toml"), str(d / "client.key"), timeout_s=300, liveness_s=60)
     opts.context = job["context"]
     greedy = SamplingParams()
     stop, m, batch = job["stop_ids"], job["tokens"], job["batch"]
