@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from .netns import Hosts, available
-from .rtt import BASE, fusion_argv, keys, tcp_rtt_ms
+from .rtt import BASE, keys, tcp_rtt_ms, topology, topology_job, worker_argv
 
 PROMPT_LEN = 16
 
@@ -55,7 +55,6 @@ def client(argv: list[str]) -> int:
     from ..generation.batching import Sequence, run_batch
     from ..generation.sampling_params import SamplingParams
     from ..structural.client import Engine
-    from .rtt import topology_job
 
     d, first, count, total, tokens, rounds = Path(argv[0]), *(int(x) for x in argv[1:6])
     # J jobs on 2 cores: a step can take long without a worker being lost
@@ -86,13 +85,6 @@ def client(argv: list[str]) -> int:
     return 0
 
 
-def topology(d: Path, model: str, lines: list[str], addrs: list[str], port: int) -> None:
-    text = [f'model = "{model}"', "", "[client]", f'address = "{addrs[0]}:{port}"', f'key = "{lines[0]}"']
-    for addr, line in zip(addrs[1:], lines[1:], strict=True):
-        text += ["", "[[worker]]", f'address = "{addr}"', f'key = "{line}"']
-    (d / "topology.toml").write_text("\n".join(text) + "\n")
-
-
 def combine(outs: list[dict], rounds: int) -> list[dict]:
     """Per round, the jobs' aggregate decode tokens/s (each job's tokens after every session's first,
     over its own decode window, summed) and how far they ran side by side: the time all of them were
@@ -121,18 +113,7 @@ def point(model: str, n: int, rtt_ms: float, jobs: int, sessions: int, tokens: i
         for j in range(jobs):
             dj = d / f"job{j}"
             for i in range(1, n + 1):
-                hosts.popen(
-                    addrs[i],
-                    fusion_argv(
-                        "worker",
-                        "--topology",
-                        str(dj / "topology.toml"),
-                        "--key",
-                        str(dj / f"worker{i}.key"),
-                        "--threads",
-                        "1",
-                    ),
-                )
+                hosts.popen(addrs[i], worker_argv(dj / "topology.toml", dj / f"worker{i}.key"))
             clients.append(
                 hosts.popen(
                     addrs[0],

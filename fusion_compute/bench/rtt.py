@@ -56,13 +56,19 @@ def keys(d: Path, n: int) -> list[str]:
     return lines
 
 
-def topology(d: Path, model: str, lines: list[str], addrs: list[str]) -> Path:
-    text = [f'model = "{model}"', "", "[client]", f'address = "{addrs[0]}:29500"', f'key = "{lines[0]}"']
+def topology(d: Path, model: str, lines: list[str], addrs: list[str], port: int = 29500) -> Path:
+    text = [f'model = "{model}"', "", "[client]", f'address = "{addrs[0]}:{port}"', f'key = "{lines[0]}"']
     for addr, line in zip(addrs[1:], lines[1:], strict=True):
         text += ["", "[[worker]]", f'address = "{addr}"', f'key = "{line}"']
     path = d / "topology.toml"
     path.write_text("\n".join(text) + "\n")
     return path
+
+
+def worker_argv(topo: Path, key: Path, *extra: str) -> list[str]:
+    """A benchmark worker: `fusion worker` on the topology, with its key, one thread (client and
+    workers share the machine's cores)."""
+    return fusion_argv("worker", "--topology", str(topo), "--key", str(key), "--threads", "1", *extra)
 
 
 def one(
@@ -86,20 +92,7 @@ def one(
     with Hosts(addrs, one_way_ms=rtt_ms / 2, delay=delayed, tuned=tuned) as hosts:
         measured = tcp_rtt_ms(hosts, addrs[0], addrs[1])
         workers = [
-            hosts.popen(
-                addrs[i],
-                fusion_argv(
-                    "worker",
-                    "--topology",
-                    str(topo),
-                    "--key",
-                    str(d / f"worker{i}.key"),
-                    "--threads",
-                    "1",
-                    "--variant",
-                    variant,
-                ),
-            )
+            hosts.popen(addrs[i], worker_argv(topo, d / f"worker{i}.key", "--variant", variant))
             for i in range(1, n + 1)
         ]
         client = hosts.popen(

@@ -316,7 +316,7 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
 
 def rtt_job(d: Path, model: str, n: int, rtt_ms: float, delay: str, timeout_s: float) -> dict:
     from .netns import Hosts
-    from .rtt import BASE, fusion_argv, tcp_rtt_ms
+    from .rtt import BASE, tcp_rtt_ms, worker_argv
 
     addrs = [f"{BASE}.{i + 1}" for i in range(n + 1)]
     topo = d / "topology.toml"
@@ -325,7 +325,7 @@ def rtt_job(d: Path, model: str, n: int, rtt_ms: float, delay: str, timeout_s: f
         workers = [
             hosts.popen(
                 addrs[i],
-                fusion_argv("worker", "--topology", str(topo), "--key", str(d / f"worker{i}.key"), "--threads", "1"),
+                worker_argv(topo, d / f"worker{i}.key"),
             )
             for i in range(1, n + 1)
         ]

@@ -194,7 +194,8 @@ class BatchRunner:
         decoding = [s for s in seqs if s.out]
         if self._cost is None or not any(drafts[s.slot] for s in decoding):
             return drafts
-        prior = self.speculator.pool.rate() if self.speculator is not None else 0.5
+        assert self.speculator is not None  # a StepCost is the speculator's
+        prior = self.speculator.pool.rate()
         ks = self._cost.allocate(
             [len(drafts[s.slot]) for s in decoding],
             [self._lengths[s.slot].acceptance(prior) for s in decoding],
