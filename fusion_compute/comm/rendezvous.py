@@ -211,6 +211,7 @@ class Joined:
     member: Member
     host: str  # where it listens for peers
     port: int
+    epoch: int  # the epoch it was admitted for
 
 
 # ---- client side ----
@@ -327,12 +328,14 @@ class Admission:
                 link.close()
             return
         host = member.host or str(join.get("host") or where.rsplit(":", 1)[0])
-        with self._lock:
+        with self._lock:  # queued under the lock: `expect()` sorts the queue against one expectation
             epoch, wanted = self._expect
             expected = member.pid in wanted and join.get("epoch") in (None, epoch)
+            if expected:
+                self._arrived.put(Joined(link, member, host, int(join["port"]), epoch))
         if expected:
-            self._arrived.put(Joined(link, member, host, int(join["port"])))
-        elif member.standby or join.get("epoch") is None:  # a standby, or an early or spare worker
+            return
+        if member.standby or join.get("epoch") is None:  # a standby, or an early or spare worker
             try:
                 send_json(link, {"standby": True, "pid": member.pid, "group": member.group})
                 link.flush(time.monotonic() + 2)
@@ -396,13 +399,20 @@ class Admission:
 
     def expect(self, epoch: int, pids: list[int]) -> None:
         """From now on, data JOINs of `pids` for `epoch` are collected (others get standby answers)."""
+        stale: list[Joined] = []
         with self._lock:
             self._expect = (epoch, set(pids))
-        while True:  # drop arrivals of an abandoned epoch
-            try:
-                self._arrived.get_nowait().link.close()
-            except queue.Empty:
-                break
+            keep: list[Joined] = []
+            while True:  # drop arrivals of an abandoned epoch; keep those this one wants (a worker
+                try:  # that started fast joins epoch 0 before the engine gets here)
+                    j = self._arrived.get_nowait()
+                except queue.Empty:
+                    break
+                (keep if j.epoch == epoch and j.member.pid in pids else stale).append(j)
+            for j in keep:
+                self._arrived.put(j)
+        for j in stale:
+            j.link.close()
 
     def remove(self, pid: int) -> None:
         """`pid` may never join again (revoked, or failed and replaced)."""
