@@ -9,7 +9,6 @@ nothing is left running."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -17,7 +16,6 @@ from procs import fusion, reap
 from test_topology import keys, topo_text, write_keys
 
 from fusion_compute.comm import Identity, free_port
-from fusion_compute.comm.rendezvous import Admission, Credentials, Member, join_epoch
 
 pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
@@ -158,52 +156,3 @@ def test_wrong_group_is_refused(tiny_qwen2, tmp_path):
     assert "presented itself for group B, but the roster lists it in group A" in text, text
     assert rogue.returncode != 0 and "refused" in r_err
     assert client.returncode != 0 and "did not join in time" in text and "Traceback" not in text
-
-
-def test_a_worker_that_joins_before_the_engine_expects_it_is_kept():
-    """A worker that starts fast (a fork server, a worker already waiting) joins epoch 0 before the
-    engine calls `expect(0, ...)`: its arrival is kept for the epoch, not dropped as an abandoned
-    epoch's (which closed its link and failed the start with "the client closed the connection").
-    An arrival of an epoch the engine has moved past is still dropped."""
-    ids = keys(3)
-    roster = [Member(pid, "127.0.0.1", ids[pid].public) for pid in (1, 2)]
-    adm = Admission(ids[0], roster, "127.0.0.1")
-    results: dict[int, object] = {}
-
-    def worker(pid: int) -> None:
-        cred = Credentials(ids[pid], ids[0].public, ("127.0.0.1", adm.port), pid)
-        try:
-            results[pid] = join_epoch(cred, None, time.monotonic() + 30)
-        except Exception as e:  # reported by the assertions below
-            results[pid] = e
-
-    threads = [threading.Thread(target=worker, args=(pid,), daemon=True) for pid in (1, 2)]
-    try:
-        threads[0].start()
-        deadline = time.monotonic() + 20
-        while adm._arrived.qsize() < 1 and time.monotonic() < deadline:  # worker 1 has joined
-            time.sleep(0.02)
-        assert adm._arrived.qsize() == 1
-        adm.expect(0, [1, 2])  # the engine arrives: worker 1's early JOIN is epoch 0's
-        threads[1].start()
-        joined = adm.collect([1, 2], time.monotonic() + 20)
-        adm.welcome(0, [1, 2], joined, time.monotonic() + 20, lambda m: {})
-        for t in threads:
-            t.join(timeout=20)
-        for pid in (1, 2):
-            assert isinstance(results[pid], tuple), results[pid]
-            for link in results[pid][1].values():
-                link.close()
-        # An epoch abandoned with an arrival still queued: the next epoch drops it.
-        adm.expect(1, [1])
-        w = threading.Thread(target=worker, args=(1,), daemon=True)
-        w.start()
-        deadline = time.monotonic() + 20
-        while adm._arrived.qsize() < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        adm.expect(2, [1])
-        assert adm._arrived.qsize() == 0
-        w.join(timeout=20)
-        assert isinstance(results[1], Exception) and "closed the connection" in str(results[1]), results[1]
-    finally:
-        adm.close()

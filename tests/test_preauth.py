@@ -229,6 +229,19 @@ def _roster(n: int):
     return ids, [Member(pid, "127.0.0.1", ids[pid].public) for pid in range(1, n + 1)]
 
 
+def _joiner(ids, adm: Admission, results: dict[int, object], timeout_s: float):
+    """A worker's side of epoch 0 as a thread target: `results[pid]` gets join_epoch's answer or error."""
+
+    def worker(pid: int) -> None:
+        cred = Credentials(ids[pid], ids[0].public, ("127.0.0.1", adm.port), pid)
+        try:
+            results[pid] = join_epoch(cred, None, time.monotonic() + timeout_s)
+        except Exception as e:  # reported by the caller's assertions
+            results[pid] = e
+
+    return worker
+
+
 def test_listeners_stay_bounded_in_process(tmp_path):
     """The same floods against an in-process rendezvous, where the listener's own counters can be
     read: worker 1's peer listener (learned from its JOIN) is flooded before the WELCOME, and the
@@ -237,13 +250,7 @@ def test_listeners_stay_bounded_in_process(tmp_path):
     ids, roster = _roster(2)
     adm = Admission(ids[0], roster, "127.0.0.1")
     results: dict[int, object] = {}
-
-    def worker(pid: int) -> None:
-        cred = Credentials(ids[pid], ids[0].public, ("127.0.0.1", adm.port), pid)
-        try:
-            results[pid] = join_epoch(cred, None, time.monotonic() + 60)
-        except Exception as e:  # reported by the assertion below
-            results[pid] = e
+    worker = _joiner(ids, adm, results, 60)
 
     floods: list[Flood] = []
     before = threading.active_count()
@@ -336,3 +343,45 @@ def test_the_cap_closes_excess_connections_at_once_and_an_honest_worker_gets_in(
     assert adm.refusals.counts["too many unauthenticated connections"] > over
     assert threads_seen <= before + rendezvous.MAX_PENDING + 1, (before, threads_seen)
     assert admitted < 2 * rendezvous.HANDSHAKE_S, admitted
+
+
+def test_a_worker_that_joins_before_the_engine_expects_it_is_kept():
+    """A worker that starts fast (a fork server, a worker already waiting) joins epoch 0 before the
+    engine calls `expect(0, ...)`: its arrival is kept for the epoch, not dropped as an abandoned
+    epoch's (which closed its link and failed the start with "the client closed the connection").
+    An arrival of an epoch the engine has moved past is still dropped."""
+    ids, roster = _roster(2)
+    adm = Admission(ids[0], roster, "127.0.0.1")
+    results: dict[int, object] = {}
+    worker = _joiner(ids, adm, results, 30)
+
+    threads = [threading.Thread(target=worker, args=(pid,), daemon=True) for pid in (1, 2)]
+    try:
+        threads[0].start()
+        deadline = time.monotonic() + 20
+        while adm._arrived.qsize() < 1 and time.monotonic() < deadline:  # worker 1 has joined
+            time.sleep(0.02)
+        assert adm._arrived.qsize() == 1
+        adm.expect(0, [1, 2])  # the engine arrives: worker 1's early JOIN is epoch 0's
+        threads[1].start()
+        joined = adm.collect([1, 2], time.monotonic() + 20)
+        adm.welcome(0, [1, 2], joined, time.monotonic() + 20, lambda m: {})
+        for t in threads:
+            t.join(timeout=20)
+        for pid in (1, 2):
+            assert isinstance(results[pid], tuple), results[pid]
+            for link in results[pid][1].values():
+                link.close()
+        # An epoch abandoned with an arrival still queued: the next epoch drops it.
+        adm.expect(1, [1])
+        w = threading.Thread(target=worker, args=(1,), daemon=True)
+        w.start()
+        deadline = time.monotonic() + 20
+        while adm._arrived.qsize() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        adm.expect(2, [1])
+        assert adm._arrived.qsize() == 0
+        w.join(timeout=20)
+        assert isinstance(results[1], Exception) and "closed the connection" in str(results[1]), results[1]
+    finally:
+        adm.close()
