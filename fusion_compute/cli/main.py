@@ -167,6 +167,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
+    from ..runtime.launch import leave_now
     from ..structural.worker import run
 
     run(O.worker_options(a))
@@ -175,7 +176,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     # the links' system calls (seen about once in ten plaintext runs).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    leave_now(0)
 
 
 # ---- keys ----

@@ -10,7 +10,6 @@ keys, unless the user asked for --insecure.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import resource
 import socket
@@ -24,6 +23,7 @@ import torch
 
 from ..comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
 from ..runtime.faults import comm_fault, parse_fault, rejoin
+from ..runtime.launch import leave_now
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
 from ..weights.loader import WeightSource, open_weights
 from .ops import Span
@@ -88,7 +88,7 @@ class Worker:
                 log.flush()
             except (OSError, ValueError):  # closed meanwhile by the main thread: already written
                 pass
-        os._exit(0)
+        leave_now(0)
 
     def _cut(self) -> None:
         fabric = self.fabric
