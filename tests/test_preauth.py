@@ -358,10 +358,7 @@ def test_a_worker_that_joins_before_the_engine_expects_it_is_kept():
     threads = [threading.Thread(target=worker, args=(pid,), daemon=True) for pid in (1, 2)]
     try:
         threads[0].start()
-        deadline = time.monotonic() + 20
-        while adm._arrived.qsize() < 1 and time.monotonic() < deadline:  # worker 1 has joined
-            time.sleep(0.02)
-        assert adm._arrived.qsize() == 1
+        assert _wait_until(lambda: adm._arrived.qsize() == 1, 20)  # worker 1 has joined
         adm.expect(0, [1, 2])  # the engine arrives: worker 1's early JOIN is epoch 0's
         threads[1].start()
         joined = adm.collect([1, 2], time.monotonic() + 20)
@@ -376,9 +373,7 @@ def test_a_worker_that_joins_before_the_engine_expects_it_is_kept():
         adm.expect(1, [1])
         w = threading.Thread(target=worker, args=(1,), daemon=True)
         w.start()
-        deadline = time.monotonic() + 20
-        while adm._arrived.qsize() < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert _wait_until(lambda: adm._arrived.qsize() == 1, 20)
         adm.expect(2, [1])
         assert adm._arrived.qsize() == 0
         w.join(timeout=20)

@@ -330,11 +330,9 @@ class Admission:
         host = member.host or str(join.get("host") or where.rsplit(":", 1)[0])
         with self._lock:  # queued under the lock: `expect()` sorts the queue against one expectation
             epoch, wanted = self._expect
-            expected = member.pid in wanted and join.get("epoch") in (None, epoch)
-            if expected:
+            if member.pid in wanted and join.get("epoch") in (None, epoch):
                 self._arrived.put(Joined(link, member, host, int(join["port"]), epoch))
-        if expected:
-            return
+                return
         if member.standby or join.get("epoch") is None:  # a standby, or an early or spare worker
             try:
                 send_json(link, {"standby": True, "pid": member.pid, "group": member.group})

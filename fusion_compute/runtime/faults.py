@@ -39,7 +39,6 @@ set down in a namespace): tests/test_faults.py.
 from __future__ import annotations
 
 import math
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ import torch
 
 from ..comm import CommError
 from ..errors import UsageError
+from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
 COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs")
@@ -146,7 +146,7 @@ def _send_fault(fault: Fault) -> Callable:
                         tensor = torch.full_like(tensor, math.nan)
                     else:  # close-mid-message: the header and half the shard, then the process is gone
                         comm.send_truncated(tensor, dst, 0.5)
-                        os._exit(3)
+                        leave_now(3)
             return honest(tensor, dst, kind, op)
 
         comm.send = faulty
