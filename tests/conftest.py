@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -18,6 +21,9 @@ from fusion_compute.runtime import launch  # noqa: E402
 # Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
 # differs); a test that checks how a real worker process behaves asks for `real_workers`.
 launch.use_launcher(forkserver.forked_worker)
+_forks = tempfile.mkdtemp(prefix="fusion-test-forks-")  # who forked what (procs.children)
+forkserver.use_registry(_forks)
+atexit.register(shutil.rmtree, _forks, ignore_errors=True)
 os.environ[procs.RUN_TAG] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # procs.worker_pids()
 
 

@@ -7,25 +7,51 @@ imports torch and the worker's modules once, then forks a child per worker, whic
 `fusion worker ARGS` entry point with the worker's environment, log and stdin (its secret key).
 
 What differs from a Popen'd worker, and why the tests that check it keep real processes (the
-`real_workers` fixture in conftest.py; `fusion` command-line tests start their own anyway):
+`real_workers` fixture in conftest.py):
 - its parent is the fork server, not the client: PR_SET_PDEATHSIG fires when the fork server
   exits, which it does when the test process does (its alive pipe closes), so a worker still dies
   with the test run, one step removed;
 - its command line is the fork server's, so `pgrep -f "fusion_compute worker"` misses it
-  (procs.children() counts the fork server's children as the test process's own);
+  (procs.worker_pids() reads the registry below; procs.children() counts the fork server's
+  children as the test process's own);
 - torch was imported under the fork server's environment: a variable read only at import time
   (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS) is not re-read; the workers set their thread counts
   at run time (torch.set_num_threads; masked/ring.py's limit_blas_threads for OpenBLAS).
+
+`command()` does the same for a whole `fusion ARGS` command (procs.fusion and procs.run use it): a
+forked child runs cli.main's `main(ARGS)` with the standard streams, environment and working
+directory the test gives it, leaves as the interpreter would (non-daemon threads joined, atexit
+handlers run, streams flushed, the exit status main returned), and starts its own local workers from
+this same fork server. What differs from `python -m fusion_compute ARGS`:
+- torch, the package and cryptography are already imported, so a test cannot see what a command
+  imports (test_structure.py checks that bad input is refused before torch loads, in a fresh
+  interpreter);
+- its parent is the fork server, and so is its workers': `pgrep -P` finds none of them. Whoever asks
+  for a fork writes it down in the run's registry (a file per forked pid: its role, the asker's pid
+  and its start time, against reused pids), so procs.children(PID) and procs.worker_pids() still
+  find them;
+- its workers die with the fork server (PR_SET_PDEATHSIG), not with it; killed, it loses them as a
+  client on another host does, by its links closing. The tests of a terminal (test_chat,
+  test_serve_progress), of the installed `fusion` script and of processes in network namespaces or
+  under mpiexec (test_wire, test_mpi_cluster, test_faults) start real processes, as does
+  `procs.fusion(..., real=True)`.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.reduction
+import multiprocessing.util
 import os
+import signal
 import subprocess
 import sys
-from typing import IO
+import threading
+import time
+import traceback
+from typing import IO, Any
 
 # What a worker imports before it serves, so that no forked child imports it again: the profile of
 # a suite run (py-spy) showed cryptography's serialization, imported lazily by the key file's
@@ -46,6 +72,45 @@ PRELOAD = [
     "fusion_compute.masked.worker",
     "fusion_compute.weights.gguf",
 ]
+
+# The folder where every fork is written down (use_registry; procs.forked() reads it). Not the
+# environment: a forked process's /proc/PID/environ shows the fork server's, whatever it sets.
+_registry: str | None = None
+
+
+def use_registry(folder: str) -> None:
+    global _registry
+    _registry = folder
+
+
+def _register(pid: int, role: str) -> None:
+    if _registry is not None:
+        with open(os.path.join(_registry, str(pid)), "w") as f:
+            f.write(f"{role} {os.getpid()} {start_time(pid)}")
+
+
+def start_time(pid: int) -> str:
+    """When `pid` started (clock ticks since boot): with the pid, it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def registered() -> dict[int, tuple[str, int]]:
+    """pid -> (role, the pid it was forked for) of every forked process still alive."""
+    found = {}
+    for name in os.listdir(_registry) if _registry is not None else []:
+        try:
+            with open(os.path.join(_registry, name)) as f:
+                role, parent, started = f.read().split()
+        except (OSError, ValueError):
+            continue  # being written
+        if start_time(int(name)) == started:
+            found[int(name)] = (role, int(parent))
+    return found
+
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload([*PRELOAD, __name__])
@@ -125,7 +190,170 @@ def forked_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: b
     """runtime.launch's Launcher: `fusion worker ARGS`, forked from the fork server."""
     p = _context.Process(target=_worker, args=(args, env, _Fd(log.fileno()), stdin), daemon=True)
     p.start()
+    assert p.pid is not None
+    _register(p.pid, "worker")
     return ForkedWorker(p)
+
+
+def _command(args: list[str], env: dict[str, str], cwd: str | None, fds: list[int], registry: str | None) -> None:
+    """The child: `fusion ARGS` on the given stdin, stdout and stderr, ended as the interpreter ends."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # line-buffered on a terminal only, as Python's
+    sys.stderr = sys.__stderr__ = open(2, "w", closefd=False, buffering=1, errors="backslashreplace")
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = ["fusion", *args]
+    # Its workers come from this fork server too: reuse it (the child knows its address and holds a
+    # copy of the alive pipe) instead of starting another; and multiprocessing's exit handler, which
+    # would stop them at exit, is not the interpreter's: a command leaves them as a real one would.
+    multiprocessing.forkserver._forkserver.ensure_running = lambda: None  # type: ignore[method-assign]
+    multiprocessing.process.current_process()._config["daemon"] = False
+    atexit.unregister(multiprocessing.util._exit_function)
+    from fusion_compute.cli.main import main
+    from fusion_compute.runtime import launch
+
+    launch.use_launcher(forked_worker)
+    if registry is not None:
+        use_registry(registry)
+    interrupted = False
+    try:
+        code: Any = main(args)
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        interrupted, code = True, 1
+        traceback.print_exc()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own exit steps, in its order
+    atexit._run_exitfuncs()
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            pass
+    if interrupted:  # as CPython: an uncaught KeyboardInterrupt ends the process by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit((code or 0) & 0xFF)
+
+
+class ForkedCommand(ForkedWorker):
+    """subprocess.Popen's face over a forked `fusion ARGS` (what the suite's tests use of it)."""
+
+    def __init__(self, process, args: list[str], stdin: IO | None, stdout: IO | None, stderr: IO | None):
+        super().__init__(process)
+        self.args = args
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self._readers: list[threading.Thread] = []
+        self._output: dict[int, Any] = {}
+
+    def send_signal(self, sig: int) -> None:
+        if self._p.exitcode is None:  # as Popen: never signal a pid that may have been reused
+            os.kill(self.pid, sig)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """As Popen.communicate: feeds `input` and closes stdin, reads stdout and stderr to their
+        end, waits; raises subprocess.TimeoutExpired after `timeout` s (call again to go on)."""
+        if not self._readers:
+            if self.stdin is not None:
+                stdin, self.stdin = self.stdin, None
+
+                def feed() -> None:
+                    try:
+                        if input:
+                            stdin.write(input)
+                        stdin.close()
+                    except OSError:
+                        pass  # it exited without reading: Popen ignores a broken pipe too
+
+                self._readers.append(threading.Thread(target=feed, daemon=True))
+            for i, stream in ((1, self.stdout), (2, self.stderr)):
+                if stream is not None:
+                    self._readers.append(threading.Thread(target=self._read, args=(i, stream), daemon=True))
+            for t in self._readers:
+                t.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._output.get(1), self._output.get(2)
+
+    def _read(self, i: int, stream: IO) -> None:
+        self._output[i] = stream.read()
+        stream.close()
+
+    def __enter__(self) -> ForkedCommand:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in (self.stdin, self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+def command(
+    args: list[str],
+    *,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    text: bool = True,
+) -> ForkedCommand:
+    """`fusion ARGS` forked from the fork server; the streams take what subprocess.Popen takes
+    (None: this process's own, PIPE, DEVNULL, a file or a descriptor; stderr also STDOUT)."""
+    child: list[int] = []  # its fds 0, 1 and 2, as this process holds them
+    mine: list[IO | None] = []  # the pipe ends this process keeps
+    close: list[int] = []  # what to close here once the child holds its copies
+    for target, spec in enumerate((stdin, stdout, stderr)):
+        if spec is None:
+            child.append(target)
+            mine.append(None)
+        elif spec == subprocess.STDOUT and target == 2:
+            child.append(child[1])
+            mine.append(None)
+        elif spec == subprocess.DEVNULL:
+            fd = os.open(os.devnull, os.O_RDWR)
+            child.append(fd)
+            close.append(fd)
+            mine.append(None)
+        elif spec == subprocess.PIPE:
+            r, w = os.pipe()
+            theirs, ours = (r, w) if target == 0 else (w, r)
+            child.append(theirs)
+            close.append(theirs)
+            mode = ("w" if target == 0 else "r") + ("" if text else "b")
+            mine.append(open(ours, mode))
+        else:
+            child.append(spec if isinstance(spec, int) else spec.fileno())
+            mine.append(None)
+    env = dict(os.environ if env is None else env)
+    where = None if cwd is None else os.fspath(cwd)
+    fds = [_Fd(fd) for fd in child]
+    p = _context.Process(target=_command, args=(list(args), env, where, fds, _registry), daemon=True)
+    try:
+        p.start()
+    finally:
+        for fd in close:
+            os.close(fd)
+    assert p.pid is not None
+    _register(p.pid, "worker" if args[:1] == ["worker"] else "command")  # as `pgrep -f "fusion_compute worker"`
+    return ForkedCommand(p, list(args), *mine)
 
 
 def helper_pids() -> set[int]:

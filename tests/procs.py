@@ -1,5 +1,9 @@
 """Processes that tests start: the `fusion` command line, and stopping what a test started, by PID,
-with bounded waits."""
+with bounded waits.
+
+`fusion` and `run` fork the command from the suite's fork server (tests/forkserver.py says what
+differs); `real=True` starts `python -m fusion_compute` as a fresh process, for the tests that check
+what only a real process shows (what it imports, its terminal, what happens when it dies)."""
 
 from __future__ import annotations
 
@@ -15,16 +19,34 @@ from fusion_compute.runtime.launch import terminate_all
 FUSION = [sys.executable, "-m", "fusion_compute"]
 
 
-def fusion(*args: str, **kw) -> subprocess.Popen:
+def fusion(*args: str, real: bool = False, **kw) -> subprocess.Popen | forkserver.ForkedCommand:
     """Start `fusion ARGS` with stdout/stderr piped as text (stdin closed unless given)."""
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     kw.setdefault("stdin", subprocess.DEVNULL)
-    return subprocess.Popen([*FUSION, *args], text=True, **kw)
+    if real:
+        return subprocess.Popen([*FUSION, *args], text=True, **kw)
+    return forkserver.command(list(args), **kw)
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*FUSION, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+def run(
+    *args: str, timeout: float = 120, input: str | None = None, real: bool = False, **kw
+) -> subprocess.CompletedProcess:
+    """`fusion ARGS` to its end (subprocess.run's face): `input` on its stdin (else none), stdout and
+    stderr as text; killed at `timeout`."""
+    kw.setdefault("stdin", subprocess.DEVNULL if input is None else subprocess.PIPE)
+    if real:
+        if input is not None:
+            del kw["stdin"]  # subprocess.run pipes `input` itself
+        return subprocess.run([*FUSION, *args], input=input, capture_output=True, text=True, timeout=timeout, **kw)
+    p = forkserver.command(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    try:
+        out, err = p.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess([*FUSION, *args], p.wait(), out, err)
 
 
 def reap(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
@@ -33,17 +55,17 @@ def reap(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
 
 
 def children(pid: int) -> set[int]:
-    """The live child processes of `pid`. For the test process itself, the workers it forked through
-    the fork server (tests/forkserver.py) count as its children, and the fork server and
-    multiprocessing's resource tracker, which live as long as the test run, do not."""
+    """The live child processes of `pid`, and those the fork server forked for it (its registry). For the test process itself, everything the fork server forked counts as its own,
+    and the fork server and multiprocessing's resource tracker, which live as long as the test run,
+    do not."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    kids = {int(p) for p in out.split()}
+    kids = {int(p) for p in out.split()} | {p for p, (_, parent) in forkserver.registered().items() if parent == pid}
     if pid == os.getpid():
         helpers = forkserver.helper_pids()
         for helper in helpers & kids:
             kids |= children(helper)
         kids -= helpers
-    return kids
+    return {p for p in kids if _alive(p)}
 
 
 # Every process this test run starts inherits this variable (conftest.py sets it), workers included,
@@ -52,10 +74,13 @@ RUN_TAG = "FUSION_TEST_RUN"
 
 
 def worker_pids() -> set[int]:
-    """The `fusion_compute worker` processes alive now that this test run started (by RUN_TAG)."""
+    """The `fusion_compute worker` processes alive now that this test run started (by RUN_TAG), the
+    forked ones included."""
     out = subprocess.run(["pgrep", "-f", "fusion_compute worker"], capture_output=True, text=True).stdout
     mark = f"{RUN_TAG}={os.environ[RUN_TAG]}".encode()
-    return {int(p) for p in out.split() if mark in _environ(int(p))}
+    real = {int(p) for p in out.split() if mark in _environ(int(p))}
+    forked = {p for p, (role, _) in forkserver.registered().items() if role == "worker"}
+    return {p for p in real | forked if _alive(p)}
 
 
 def _environ(pid: int) -> list[bytes]:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
+import procs
 import pytest
 from test_audit import _rechain, _records, _steps, broken_chain, extra_coordinates
 from test_picture import check_drawing
@@ -180,13 +179,7 @@ def test_masked_audit_dir_is_refused_for_a_picture(tmp_path, capsys):
 @pytest.mark.parametrize("groups", ["2+2", "1+2+1"])
 def test_masked_plan_picture(tiny_qwen2, tmp_path, groups):
     pic = tmp_path / "m.svg"
-    r = subprocess.run(
-        [sys.executable, "-m", "fusion_compute", "plan", "--model", str(tiny_qwen2), "--mode", "masked"]
-        + ["--workers", groups, "--picture", str(pic)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = procs.run("plan", "--model", str(tiny_qwen2), "--mode", "masked", "--workers", groups, "--picture", str(pic))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["mode"] == "masked"
     sizes = tuple(int(x) for x in groups.split("+"))

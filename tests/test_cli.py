@@ -8,20 +8,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import worker_pids
+from procs import children, fusion, run, worker_pids
 
 from fusion_compute.comm import free_port
-
-FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]
-
-
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*FUSION, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
@@ -79,10 +72,10 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def bad_runs():
-    """Every BAD command line run as a user runs it (a `fusion generate` process each), four at a time
-    (the cases are independent; most are refused before torch loads, those that need the model's
-    vocabulary or window spend ~2 s importing it), and the worker processes any of them left running
-    10 s after the last one ended (there must be none)."""
+    """Every BAD command line run as a `fusion generate` process of its own (forked, procs.run), four
+    at a time (the cases are independent), and the worker processes any of them left running 10 s
+    after the last one ended (there must be none). That bad input is refused before torch is even
+    imported is test_structure.py's check, in a fresh interpreter."""
     before = worker_pids()
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(lambda case: run("generate", *case[0]), BAD))
@@ -185,49 +178,37 @@ def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
     port = free_port()
     master = f"127.0.0.1:{port}"
     ids = "5,17,33,2,99"
-    client = subprocess.Popen(
-        [
-            *FUSION,
-            "generate",
-            "--model",
-            str(tiny_qwen2),
-            "--workers",
-            "2",
-            "--master",
-            master,
-            "--insecure",
-            "--prompt-ids",
-            ids,
-            "--max-new-tokens",
-            "8",
-            "--json",
-            "--timeout",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    client = fusion(
+        "generate",
+        "--model",
+        str(tiny_qwen2),
+        "--workers",
+        "2",
+        "--master",
+        master,
+        "--insecure",
+        "--prompt-ids",
+        ids,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--timeout",
+        "60",
     )
     workers = [
-        subprocess.Popen(
-            [
-                *FUSION,
-                "worker",
-                "--model",
-                str(tiny_qwen2),
-                "--rank",
-                str(r),
-                "--insecure",
-                "--master",
-                master,
-                "--threads",
-                "1",
-                "--timeout",
-                "60",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        fusion(
+            "worker",
+            "--model",
+            str(tiny_qwen2),
+            "--rank",
+            str(r),
+            "--insecure",
+            "--master",
+            master,
+            "--threads",
+            "1",
+            "--timeout",
+            "60",
         )
         for r in (1, 2)
     ]
@@ -259,34 +240,27 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
     from tiny_models import build
 
     long_model = build(tmp_path / "long", "qwen2", max_position_embeddings=8192)  # minutes of decoding
-    client = subprocess.Popen(
-        [
-            *FUSION,
-            "generate",
-            "--model",
-            str(long_model),
-            "--workers",
-            "2",
-            "--prompt-ids",
-            "1,2,3",
-            "--max-new-tokens",
-            "100000",
-            "--context",
-            "8192",
-            "--timeout",
-            "30",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    client = fusion(
+        "generate",
+        "--model",
+        str(long_model),
+        "--workers",
+        "2",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "100000",
+        "--context",
+        "8192",
+        "--timeout",
+        "30",
     )
     try:
         deadline = time.monotonic() + 60
         mine: set[int] = set()
         while not mine and time.monotonic() < deadline:
             time.sleep(0.2)
-            kids = subprocess.run(["pgrep", "-P", str(client.pid)], capture_output=True, text=True).stdout
-            mine = {int(p) for p in kids.split()}
+            mine = children(client.pid)
         assert mine, "no workers spawned"
         time.sleep(3)  # usually reaches the decode loop by then (see the docstring when it does not)
         os.kill(min(mine), signal.SIGKILL)

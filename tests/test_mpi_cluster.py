@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 from netns import Hosts, available
 
@@ -130,7 +131,7 @@ def generate(model: Path, *args: str) -> list[str]:
 @pytest.fixture(scope="module")
 def local_tokens(tiny_qwen2) -> list[int]:
     """The reference: three local workers on TLS."""
-    local = subprocess.run(generate(tiny_qwen2, "--workers", "3"), capture_output=True, text=True, timeout=300)
+    local = procs.run(*generate(tiny_qwen2, "--workers", "3")[len(FUSION) :], timeout=300)
     assert local.returncode == 0, local.stderr
     return json.loads(local.stdout.strip().splitlines()[-1])["token_ids"]
 

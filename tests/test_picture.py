@@ -8,10 +8,9 @@ a tampered picture (one bar shifted) must fail the same comparison.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 
+import procs
 import pytest
 
 from fusion_compute.model.config import ModelConfig
@@ -163,25 +162,7 @@ def test_roles_are_the_audit_schema_roles():
 @pytest.mark.slow
 def test_fusion_plan_picture_command(tiny_qwen2, tmp_path):
     out = tmp_path / "plan.svg"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fusion_compute",
-            "plan",
-            "--model",
-            str(tiny_qwen2),
-            "--workers",
-            "3",
-            "--capacity",
-            "2,1,1",
-            "--picture",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = procs.run("plan", "--model", str(tiny_qwen2), "--workers", "3", "--capacity", "2,1,1", "--picture", str(out))
     assert r.returncode == 0, r.stderr
     plan_json = json.loads(r.stdout)  # the JSON is still printed
     assert [s["residual"] for s in plan_json["shares"]] == [[0, 36], [36, 54], [54, 72]]
@@ -192,21 +173,5 @@ def test_fusion_plan_picture_command(tiny_qwen2, tmp_path):
         if g.get("class") == "hold" and g.get("data-role") == "resid.in"
     }
     assert resid == {0: [(0, 36)], 1: [(36, 54)], 2: [(54, 72)]}
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fusion_compute",
-            "plan",
-            "--model",
-            str(tiny_qwen2),
-            "--workers",
-            "2",
-            "--picture",
-            str(tmp_path / "no" / "dir.svg"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = procs.run("plan", "--model", str(tiny_qwen2), "--workers", "2", "--picture", str(tmp_path / "no" / "dir.svg"))
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--picture" in bad.stderr, bad.stderr

@@ -3,8 +3,8 @@ live server on 127.0.0.1 (a tiny random Qwen2 with a small ChatML tokenizer, and
 SmolLM2 for one real end-to-end check), plus the request checks, stop matching and the queue's
 error isolation on their own. Malformed HTTP, limits and schema fuzzing: test_serve_fuzz.py.
 
-Every server is started as a separate process and stopped by PID; the workers it spawned are
-checked gone afterwards. Every wait is bounded."""
+Every server is started as a separate process (forked: tests/procs.py) and stopped by PID; the
+workers it spawned are checked gone afterwards. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import openai  # a test dependency: missing must fail, not skip
 import pytest
+from procs import children, fusion
 from pydantic import ValidationError
 
 from fusion_compute.serving.gateway import (
@@ -35,7 +36,7 @@ from fusion_compute.serving.gateway import (
 )
 from fusion_compute.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
-FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]
+FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]  # a real process (test_chat, test_serve_progress)
 API_KEY = "test-key"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -91,8 +92,8 @@ class Live:
 
 
 def child_pids(pid: int) -> set[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    """The processes `pid` started: its children, or those forked for it (procs.children)."""
+    return children(pid)
 
 
 def alive(pid: int) -> bool:
@@ -109,9 +110,7 @@ def alive(pid: int) -> bool:
 
 def start_server(args: list[str], log: Path, timeout_s: float = 120) -> Live:
     f = open(log, "w")
-    proc = subprocess.Popen(
-        [*FUSION, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f
-    )
+    proc = fusion("serve", "--port", "0", *args, stdout=subprocess.DEVNULL, stderr=f)
     f.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

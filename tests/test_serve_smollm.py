@@ -4,12 +4,12 @@ through `fusion chat`."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import procs
 import pytest
-from test_serve import FUSION, start_server, stop_server
+from test_serve import start_server, stop_server
 
 pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
@@ -80,21 +80,15 @@ def test_eight_concurrent_requests_batched_as_if_alone(smollm_server):
 
 def test_chat_url_keeps_history(smollm_server):
     """`fusion chat --url` against the server: the second question only makes sense with the first."""
-    r = subprocess.run(
-        [
-            *FUSION,
-            "chat",
-            "--url",
-            smollm_server.url.removesuffix("/v1"),
-            "--api-key",
-            "test-key",
-            "--max-tokens",
-            "16",
-        ],
+    r = procs.run(
+        "chat",
+        "--url",
+        smollm_server.url.removesuffix("/v1"),
+        "--api-key",
+        "test-key",
+        "--max-tokens",
+        "16",
         input="What is the capital of France?\nWhat about Germany?\n/history\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import procs
 import pytest
 
 from fusion_compute.generation.generate import generate
@@ -40,24 +39,8 @@ def test_greedy_identical_to_transformers(smollm_path, chat_ids, n):
 
 
 def test_cli_json_answers_paris(smollm_path, smollm_ref):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fusion_compute.cli.main",
-            "generate",
-            "--workers",
-            "3",
-            "--chat",
-            "--prompt",
-            QUESTION,
-            "--max-new-tokens",
-            "16",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = procs.run(
+        "generate", "--workers", "3", "--chat", "--prompt", QUESTION, "--max-new-tokens", "16", "--json", timeout=300
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()

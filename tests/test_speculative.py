@@ -11,10 +11,9 @@ distribution, with its false-failure rate stated; a wrong rule makes it fail).
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 
@@ -404,7 +403,7 @@ def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
 @pytest.mark.slow
 def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_llama, tmp_path):
     """One line on stderr and exit 2, in about the time it takes to read the model's header."""
-    base = [sys.executable, "-m", "fusion_compute", "generate", "--prompt-ids", "1,2,3", "--workers", "2"]
+    base = ["generate", "--prompt-ids", "1,2,3", "--workers", "2"]
     cases = [
         (["--model", str(tiny_qwen2), "--speculative", "ngram", "--num-speculative-tokens", "0"], r"\[1, 64\]"),
         (["--model", str(tiny_qwen2), "--speculative", "medusa"], "unknown speculative method"),
@@ -419,7 +418,7 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
     import re
 
     for args, needle in cases:
-        out = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+        out = procs.run(*base, *args, timeout=120)
         assert out.returncode == 2, (args, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and re.search(needle, lines[0]), (args, out.stderr)
@@ -431,17 +430,10 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
 
     args = ["--model", str(tiny_llama), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "16"]
-    cmd = [sys.executable, "-m", "fusion_compute", "generate", "--workers", "2", "--json", *args]
-    plain = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=True).stdout)
-    spec = json.loads(
-        subprocess.run(
-            cmd + ["--speculative", "ngram", "--num-speculative-tokens", "3"],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=True,
-        ).stdout
-    )
+    cmd = ["generate", "--workers", "2", "--json", *args]
+    runs = [procs.run(*cmd, timeout=180), procs.run(*cmd, "--speculative", "ngram", "--num-speculative-tokens", "3")]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+    plain, spec = (json.loads(r.stdout) for r in runs)
     assert spec["token_ids"] == plain["token_ids"]
     s = spec["speculative"]
     assert set(s) == {"method", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length"}

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import FUSION, fusion, reap, run
+from procs import fusion, reap, run
 from test_serve import build_chat_model
 
 from fusion_compute.comm import Identity, free_port
@@ -399,13 +399,7 @@ def test_hostile_input_files_refused_in_one_line(tmp_path, capsys):
         assert time.monotonic() - t0 < 10, args
     assert Topology.load(good).n_workers == 2  # the bound leaves an ordinary file alone
     with open("/dev/zero", "rb") as zero:  # --key - (how a local client hands a worker its key) is bounded too
-        r = subprocess.run(
-            [*FUSION, "worker", "--topology", str(good), "--key", "-"],
-            stdin=zero,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = run("worker", "--topology", str(good), "--key", "-", stdin=zero, timeout=60)
     assert r.returncode == 2 and f"key on stdin: more than the {MAX_KEY_FILE} bytes" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
