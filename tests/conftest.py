@@ -53,7 +53,33 @@ def smollm_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm_ref(smollm_path):
+def smollm_ref(smollm_path, tmp_path_factory):
+    """transformers' SmolLM2 in float64 (model/reference.py), loaded from the GGUF once per run.
+
+    transformers' GGUF path costs ~20 s of CPU, most of it parsing the file's metadata, and each
+    pytest process (xdist) needs the model. The first one to ask loads it so and leaves its weights in
+    the run's shared temporary folder with its config, as float32 (exact: asserted, they are
+    dequantized from 4-bit blocks with float16 scales); the others load that folder (~3 s). Weights
+    and logits are bit-identical either way (checked when this was written)."""
+    import fcntl
+
+    import torch
+    from safetensors.torch import save_file
+
     from fusion_compute.model.reference import load_reference
 
-    return load_reference(smollm_path)
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
+        return load_reference(smollm_path)
+    shared = tmp_path_factory.getbasetemp().parent / "smollm-reference"  # this run's, for every process
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (shared / "model.safetensors").exists():
+            return load_reference(shared)  # an HF folder now: from_pretrained, float64
+        ref = load_reference(smollm_path)
+        weights = {k: v.float() for k, v in ref.state_dict().items()}
+        assert all(torch.equal(weights[k].double(), v) for k, v in ref.state_dict().items()), "not float32-exact"
+        ref.config.save_pretrained(shared)
+        save_file(weights, shared / "model.safetensors.part")
+        (shared / "model.safetensors.part").rename(shared / "model.safetensors")
+        return ref
