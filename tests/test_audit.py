@@ -376,6 +376,7 @@ def test_parse_ss_counts_per_pid():
         "\t cubic wscale:7,7 bytes_sent:1000 bytes_retrans:100 bytes_acked:901 bytes_received:50 segs_out:3\n"
         'ESTAB 0 0 127.0.0.1:40001 127.0.0.1:50001 users:(("python",pid=12,fd=6))\n'
         "\t cubic bytes_sent:7 bytes_received:9\n"
+        "\n"  # a blank line is skipped, not read as a socket
         'ESTAB 0 0 127.0.0.1:40002 127.0.0.1:50002 users:(("python",pid=11,fd=7))\n'
         "\t cubic bytes_received:20\n"
     )
