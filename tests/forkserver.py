@@ -9,8 +9,9 @@ imports torch and the worker's modules once, then forks a child per worker, whic
 What differs from a Popen'd worker, and why the tests that check it keep real processes (the
 `real_workers` fixture in conftest.py):
 - its parent is the fork server, not the client: PR_SET_PDEATHSIG fires when the fork server
-  exits, which it does when the test process does (its alive pipe closes), so a worker still dies
-  with the test run, one step removed;
+  exits, which it does once the test process and every forked command have closed its alive pipe
+  (a forked worker closes its copy at once), so a worker still dies with the test run, one step
+  removed;
 - its command line is the fork server's, so `pgrep -f "fusion_compute worker"` misses it
   (procs.worker_pids() reads the registry below; procs.children() counts the fork server's
   children as the test process's own);
@@ -24,16 +25,16 @@ directory the test gives it, leaves as the interpreter would (non-daemon threads
 handlers run, streams flushed, the exit status main returned), and starts its own local workers from
 this same fork server. What differs from `python -m fusion_compute ARGS`:
 - torch, the package and cryptography are already imported, so a test cannot see what a command
-  imports (test_structure.py checks that bad input is refused before torch loads, in a fresh
-  interpreter);
+  imports, nor anything an import prints (test_structure.py checks that bad input is refused
+  before torch loads, in a fresh interpreter; the README tests run the installed script);
 - its parent is the fork server, and so is its workers': `pgrep -P` finds none of them. Whoever asks
-  for a fork writes it down in the run's registry (a file per forked pid: its role, the asker's pid
+  for a fork writes it down in the test process's registry (a file per forked pid: its role, the asker's pid
   and its start time, against reused pids), so procs.children(PID) and procs.worker_pids() still
   find them;
 - its workers die with the fork server (PR_SET_PDEATHSIG), not with it; killed, it loses them as a
   client on another host does, by its links closing. The tests of a terminal (test_chat,
   test_serve_progress), of the installed `fusion` script and of processes in network namespaces or
-  under mpiexec (test_wire, test_mpi_cluster, test_faults) start real processes, as does
+  under mpiexec (test_wire, test_mpi_cluster, test_faults's namespace test) start real processes, as does
   `procs.fusion(..., real=True)`.
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import multiprocessing.util
@@ -133,6 +135,10 @@ def _rebuild_fd(dup) -> int:
 
 def _worker(args: list[str], env: dict[str, str], log_fd: int, stdin: bytes | None) -> None:
     """The child: the worker's session, environment, output and stdin, then `fusion worker ARGS`."""
+    # A worker forks nothing: it lets go of the fork server's alive pipe, so the server ends when the
+    # test process and the forked commands have, and PR_SET_PDEATHSIG then ends the worker.
+    os.close(multiprocessing.forkserver._forkserver._forkserver_alive_fd)  # type: ignore[arg-type]
+    multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
     os.setsid()
     from fusion_compute.runtime.launch import die_with_parent
 
@@ -186,12 +192,37 @@ class ForkedWorker:
             self._p.kill()
 
 
+def _start(p: multiprocessing.process.BaseProcess, role: str) -> None:
+    """Start `p`, make its exit status safe to read from several threads, write it down."""
+    p.start()
+    popen: Any = p._popen  # type: ignore[attr-defined]
+    lock = threading.Lock()
+
+    # multiprocessing's popen_forkserver.Popen.poll is not thread-safe: the exit status is 8 bytes on
+    # a pipe, and a second thread that finds the pipe ready after the first has read them takes the
+    # EOF for a lost fork server and records 255. WorkerProcs's watchdog and the thread stopping a
+    # job both poll, and Process.start polls every other child; so one reader at a time.
+    def poll(flag: int = os.WNOHANG) -> int | None:
+        if popen.returncode is None:
+            if not multiprocessing.connection.wait([popen.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            with lock:
+                if popen.returncode is None:
+                    try:
+                        popen.returncode = multiprocessing.forkserver.read_signed(popen.sentinel)
+                    except (OSError, EOFError):
+                        popen.returncode = 255  # as multiprocessing: the fork server itself is gone
+        return popen.returncode
+
+    popen.poll = poll
+    assert p.pid is not None
+    _register(p.pid, role)
+
+
 def forked_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: bytes | None) -> ForkedWorker:
     """runtime.launch's Launcher: `fusion worker ARGS`, forked from the fork server."""
     p = _context.Process(target=_worker, args=(args, env, _Fd(log.fileno()), stdin), daemon=True)
-    p.start()
-    assert p.pid is not None
-    _register(p.pid, "worker")
+    _start(p, "worker")
     return ForkedWorker(p)
 
 
@@ -232,16 +263,16 @@ def _command(args: list[str], env: dict[str, str], cwd: str | None, fds: list[in
     except BaseException:
         traceback.print_exc()
         code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own exit steps, in its order
-    atexit._run_exitfuncs()
-    if code is not None and not isinstance(code, int):
+    if code is not None and not isinstance(code, int):  # the interpreter's own exit steps, in its order
         print(code, file=sys.stderr)
         code = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except OSError:
-            pass
+            code = 120  # as CPython when flushing stdout fails at exit
     if interrupted:  # as CPython: an uncaught KeyboardInterrupt ends the process by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -259,8 +290,11 @@ class ForkedCommand(ForkedWorker):
         self._output: dict[int, Any] = {}
 
     def send_signal(self, sig: int) -> None:
-        if self._p.exitcode is None:  # as Popen: never signal a pid that may have been reused
-            os.kill(self.pid, sig)
+        if self.poll() is None:  # as Popen: not once its exit is known
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # it exited meanwhile (the fork server reaps at once)
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
         """As Popen.communicate: feeds `input` and closes stdin, reads stdout and stderr to their
@@ -289,10 +323,16 @@ class ForkedCommand(ForkedWorker):
             if t.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for out in self._output.values():
+            if isinstance(out, Exception):
+                raise out
         return self._output.get(1), self._output.get(2)
 
     def _read(self, i: int, stream: IO) -> None:
-        self._output[i] = stream.read()
+        try:
+            self._output[i] = stream.read()
+        except Exception as e:  # e.g. undecodable text: raised to the caller, as Popen does
+            self._output[i] = e
         stream.close()
 
     def __enter__(self) -> ForkedCommand:
@@ -347,12 +387,15 @@ def command(
     fds = [_Fd(fd) for fd in child]
     p = _context.Process(target=_command, args=(list(args), env, where, fds, _registry), daemon=True)
     try:
-        p.start()
+        _start(p, "worker" if args[:1] == ["worker"] else "command")  # as `pgrep -f "fusion_compute worker"`
+    except BaseException:
+        for stream in mine:
+            if stream is not None:
+                stream.close()
+        raise
     finally:
         for fd in close:
             os.close(fd)
-    assert p.pid is not None
-    _register(p.pid, "worker" if args[:1] == ["worker"] else "command")  # as `pgrep -f "fusion_compute worker"`
     return ForkedCommand(p, list(args), *mine)
 
 

@@ -44,7 +44,7 @@ def run(
         out, err = p.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        p.communicate()
+        p.wait(timeout=10)
         raise
     return subprocess.CompletedProcess([*FUSION, *args], p.wait(), out, err)
 
@@ -65,7 +65,7 @@ def children(pid: int) -> set[int]:
         for helper in helpers & kids:
             kids |= children(helper)
         kids -= helpers
-    return {p for p in kids if _alive(p)}
+    return kids
 
 
 # Every process this test run starts inherits this variable (conftest.py sets it), workers included,
