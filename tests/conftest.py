@@ -77,8 +77,9 @@ def smollm_ref(smollm_path, tmp_path_factory):
         if (shared / "model.safetensors").exists():
             return load_reference(shared)  # an HF folder now: from_pretrained, float64
         ref = load_reference(smollm_path)
-        weights = {k: v.float() for k, v in ref.state_dict().items()}
-        assert all(torch.equal(weights[k].double(), v) for k, v in ref.state_dict().items()), "not float32-exact"
+        exact = ref.state_dict()
+        weights = {k: v.float() for k, v in exact.items()}
+        assert all(torch.equal(weights[k].double(), v) for k, v in exact.items()), "not float32-exact"
         ref.config.save_pretrained(shared)
         save_file(weights, shared / "model.safetensors.part")
         (shared / "model.safetensors.part").rename(shared / "model.safetensors")

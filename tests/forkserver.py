@@ -27,15 +27,15 @@ this same fork server. What differs from `python -m fusion_compute ARGS`:
 - torch, the package and cryptography are already imported, so a test cannot see what a command
   imports, nor anything an import prints (test_structure.py checks that bad input is refused
   before torch loads, in a fresh interpreter; the README tests run the installed script);
-- its parent is the fork server, and so is its workers': `pgrep -P` finds none of them. Whoever asks
-  for a fork writes it down in the test process's registry (a file per forked pid: its role, the asker's pid
-  and its start time, against reused pids), so procs.children(PID) and procs.worker_pids() still
-  find them;
+- its parent is the fork server, and so is its workers': `pgrep -P` finds none of them. Whoever
+  asks for a fork writes it down in the test process's registry (a file per forked pid: its role,
+  the asker's pid and its start time, against reused pids), so procs.children(PID) and
+  procs.worker_pids() still find them;
 - its workers die with the fork server (PR_SET_PDEATHSIG), not with it; killed, it loses them as a
   client on another host does, by its links closing. The tests of a terminal (test_chat,
   test_serve_progress), of the installed `fusion` script and of processes in network namespaces or
-  under mpiexec (test_wire, test_mpi_cluster, test_faults's namespace test) start real processes, as does
-  `procs.fusion(..., real=True)`.
+  under mpiexec (test_wire, test_mpi_cluster, test_faults's namespace test) start real processes
+  (procs.FUSION).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ PRELOAD = [
     "fusion_compute.weights.gguf",
 ]
 
-# The folder where every fork is written down (use_registry; procs.forked() reads it). Not the
+# The folder where every fork is written down (use_registry; registered() reads it). Not the
 # environment: a forked process's /proc/PID/environ shows the fork server's, whatever it sets.
 _registry: str | None = None
 
@@ -334,15 +334,6 @@ class ForkedCommand(ForkedWorker):
         except Exception as e:  # e.g. undecodable text: raised to the caller, as Popen does
             self._output[i] = e
         stream.close()
-
-    def __enter__(self) -> ForkedCommand:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for stream in (self.stdin, self.stdout, self.stderr):
-            if stream is not None:
-                stream.close()
-        self.wait()
 
 
 def command(

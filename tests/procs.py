@@ -2,8 +2,7 @@
 with bounded waits.
 
 `fusion` and `run` fork the command from the suite's fork server (tests/forkserver.py says what
-differs); `real=True` starts `python -m fusion_compute` as a fresh process, for the tests that check
-what only a real process shows (what it imports, its terminal, what happens when it dies)."""
+differs, and which tests start `python -m fusion_compute` (FUSION) as a fresh process instead)."""
 
 from __future__ import annotations
 
@@ -19,26 +18,18 @@ from fusion_compute.runtime.launch import terminate_all
 FUSION = [sys.executable, "-m", "fusion_compute"]
 
 
-def fusion(*args: str, real: bool = False, **kw) -> subprocess.Popen | forkserver.ForkedCommand:
+def fusion(*args: str, **kw) -> forkserver.ForkedCommand:
     """Start `fusion ARGS` with stdout/stderr piped as text (stdin closed unless given)."""
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     kw.setdefault("stdin", subprocess.DEVNULL)
-    if real:
-        return subprocess.Popen([*FUSION, *args], text=True, **kw)
     return forkserver.command(list(args), **kw)
 
 
-def run(
-    *args: str, timeout: float = 120, input: str | None = None, real: bool = False, **kw
-) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = 120, input: str | None = None, **kw) -> subprocess.CompletedProcess:
     """`fusion ARGS` to its end (subprocess.run's face): `input` on its stdin (else none), stdout and
     stderr as text; killed at `timeout`."""
     kw.setdefault("stdin", subprocess.DEVNULL if input is None else subprocess.PIPE)
-    if real:
-        if input is not None:
-            del kw["stdin"]  # subprocess.run pipes `input` itself
-        return subprocess.run([*FUSION, *args], input=input, capture_output=True, text=True, timeout=timeout, **kw)
     p = forkserver.command(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
     try:
         out, err = p.communicate(input, timeout=timeout)
@@ -55,9 +46,9 @@ def reap(procs: list[subprocess.Popen], grace_s: float = 10) -> None:
 
 
 def children(pid: int) -> set[int]:
-    """The live child processes of `pid`, and those the fork server forked for it (its registry). For the test process itself, everything the fork server forked counts as its own,
-    and the fork server and multiprocessing's resource tracker, which live as long as the test run,
-    do not."""
+    """The live child processes of `pid`, and those the fork server forked for it (its registry).
+    For the test process itself, everything the fork server forked counts as its own, and the fork
+    server and multiprocessing's resource tracker, which live as long as the test run, do not."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     kids = {int(p) for p in out.split()} | {p for p, (_, parent) in forkserver.registered().items() if parent == pid}
     if pid == os.getpid():

@@ -14,7 +14,8 @@ import termios
 import time
 
 import pytest
-from test_serve import FUSION, alive, build_chat_model, child_pids
+from procs import FUSION, children
+from test_serve import alive, build_chat_model
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r")
 
@@ -56,7 +57,7 @@ class Pty:
         os.write(self.master, text.encode())
 
     def close(self) -> None:
-        kids = child_pids(self.proc.pid)
+        kids = children(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +35,6 @@ from fusion_compute.serving.gateway import (
 )
 from fusion_compute.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
-FUSION = [sys.executable, "-m", "fusion_compute.cli.main"]  # a real process (test_chat, test_serve_progress)
 API_KEY = "test-key"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -91,11 +89,6 @@ class Live:
             conn.close()
 
 
-def child_pids(pid: int) -> set[int]:
-    """The processes `pid` started: its children, or those forked for it (procs.children)."""
-    return children(pid)
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -126,7 +119,7 @@ def start_server(args: list[str], log: Path, timeout_s: float = 120) -> Live:
 
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, then check the server and every worker it spawned are gone (kill by PID if not)."""
-    kids = child_pids(proc.pid)
+    kids = children(proc.pid)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

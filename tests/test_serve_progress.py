@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_serve import FUSION
+from procs import FUSION
 
 from fusion_compute.runtime.progress import PREFIX, CountingSource, WorkerReporter, parse_progress
 
