@@ -1,6 +1,6 @@
 """Speculative decoding on the bundled SmolLM2-135M-Instruct (issue 23): greedy tokens with n-gram
-drafts identical to transformers' and to decoding without speculation, on several prompts, for
-N = 2 and 3 and masked 1+1, in fewer sharded forwards."""
+drafts identical to transformers' (and so to decoding without speculation: check() says why it is not
+run again), on several prompts, for N = 2 and 3 and masked 1+1, in fewer sharded forwards."""
 
 from __future__ import annotations
 
@@ -37,16 +37,19 @@ def cases(smollm_path, smollm_ref):
 
 
 def check(eng, tok, cases) -> None:
+    """Speculative greedy tokens equal transformers', in fewer sharded forwards than decoding without
+    speculation takes. That decoding is not run again here: it takes one forward per token
+    (test_speculative.py asserts it, `r.steps == NEW`) and its tokens equal transformers' on SmolLM2
+    (test_smollm.py at N = 1, 2, 4 and through the CLI at N = 3, test_masked_smollm.py masked), so
+    equal to `want` is equal to it; running it cost about a third of this file's CPU."""
     spec = Speculator(SpeculativeConfig("ngram", 4), eng.config.vocab, eng.context)
     steps = plain_steps = 0
     for ids, want in cases:
-        plain = generate(eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids)
         got = generate(
             eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids, speculator=spec
         )
-        assert plain.token_ids == want, tok.decode(plain.token_ids)
         assert got.token_ids == want, f"{tok.decode(got.token_ids)!r} vs {tok.decode(want)!r}"
-        steps, plain_steps = steps + got.steps, plain_steps + plain.steps
+        steps, plain_steps = steps + got.steps, plain_steps + len(want)
     t = spec.totals
     assert t.num_accepted_tokens > 0 and steps < plain_steps, (t, steps, plain_steps)
 
