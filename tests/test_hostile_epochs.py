@@ -20,7 +20,7 @@ from fusion_compute.comm import CommError
 from fusion_compute.runtime.membership import TooFewWorkers
 from fusion_compute.structural.client import Engine, EngineOptions
 
-JOIN_S = 8.0  # the join deadline of every epoch (start-up's too): what the stuck standby costs once
+JOIN_S = 5.0  # the join deadline of every epoch (start-up's too): what the stuck standby costs once
 
 
 def _alive(pid: int) -> bool:

@@ -24,6 +24,10 @@ from fusion_compute.structural.client import Engine, EngineOptions
 TIMEOUT_S = 10.0  # per message: the dragging worker's 0.4 s per message and 4.8 s per step stay under it
 STEP_RS = 12  # reduce-scatter calls per step on the tiny Qwen2 (measured: a dragged step takes 12 x 0.4 s)
 SLOW_FROM = 11  # the step the worker starts dragging at (the 10 before set the healthy median)
+# The step bound's floor (--step-deadline-min, 2 s by default): at 1.5 s a dragged step (4.8 s) is cut
+# at STRIKES x 1.5 = 4.5 s and judged in that one step, where 2 s took two (~9.6 s of waiting per test).
+# A healthy tiny step takes milliseconds; the honest run below is held to the same floor.
+DEADLINE_MIN_S = 1.5
 
 
 def run(eng, stamps: list[float] | None = None):
@@ -35,7 +39,14 @@ def run(eng, stamps: list[float] | None = None):
 
 
 def options(n: int, **kw) -> EngineOptions:
-    return EngineOptions(n_workers=n, context=128, timeout_s=TIMEOUT_S, liveness_s=LIVENESS_S, **kw)
+    return EngineOptions(
+        n_workers=n,
+        context=128,
+        timeout_s=TIMEOUT_S,
+        liveness_s=LIVENESS_S,
+        step_deadline_min_s=DEADLINE_MIN_S,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
