@@ -33,9 +33,13 @@ this same fork server. What differs from `python -m fusion_compute ARGS`:
   procs.worker_pids() still find them;
 - its workers die with the fork server (PR_SET_PDEATHSIG), not with it; killed, it loses them as a
   client on another host does, by its links closing. The tests of a terminal (test_chat,
-  test_serve_progress), of the installed `fusion` script and of processes in network namespaces or
-  under mpiexec (test_wire, test_mpi_cluster, test_faults's namespace test) start real processes
-  (procs.FUSION).
+  test_serve_progress), of the installed `fusion` script (test_wire's README steps) and of processes
+  under mpiexec (test_mpi_cluster) start real processes (procs.FUSION).
+
+A command can also be forked into a network namespace (`command(netns=...)`, tests/netns.py's
+`Hosts.fusion` and `Hosts.python`: test_wire's captures, test_faults's cut link): the child enters the
+namespace with setns before it runs anything, as `ip netns exec` does first, and so do the workers it
+starts; `_enter_netns` says what `ip netns exec` does besides, which no test needs.
 """
 
 from __future__ import annotations
@@ -133,8 +137,38 @@ def _rebuild_fd(dup) -> int:
     return dup.detach()
 
 
-def _worker(args: list[str], env: dict[str, str], log_fd: int, stdin: bytes | None) -> None:
+CLONE_NEWNET = 0x40000000
+
+# The network namespace this process's forks enter (None: the fork server's own). A forked command
+# started in a namespace (command(netns=...)) sets it, so the local workers it starts join it too.
+_netns: str | None = None
+
+
+def _enter_netns(name: str | None) -> None:
+    """Move this (single-threaded, just forked) process into network namespace `name`, as `ip netns
+    exec` does first (setns on /var/run/netns/NAME; os.setns is Python 3.12's, so libc's through
+    ctypes). Threads it starts later are created in it too. What `ip netns exec` adds and a fork
+    skips: a private mount namespace with /sys remounted to show the namespace's interfaces, and
+    /etc/netns/NAME's files bound over /etc (none exist here); the tests' processes use neither."""
+    global _netns
+    if name is None:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    _netns = name
+
+
+def _worker(args: list[str], env: dict[str, str], log_fd: int, stdin: bytes | None, netns: str | None) -> None:
     """The child: the worker's session, environment, output and stdin, then `fusion worker ARGS`."""
+    _enter_netns(netns)
     # A worker forks nothing: it lets go of the fork server's alive pipe, so the server ends when the
     # test process and the forked commands have, and PR_SET_PDEATHSIG then ends the worker.
     os.close(multiprocessing.forkserver._forkserver._forkserver_alive_fd)  # type: ignore[arg-type]
@@ -221,13 +255,23 @@ def _start(p: multiprocessing.process.BaseProcess, role: str) -> None:
 
 def forked_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: bytes | None) -> ForkedWorker:
     """runtime.launch's Launcher: `fusion worker ARGS`, forked from the fork server."""
-    p = _context.Process(target=_worker, args=(args, env, _Fd(log.fileno()), stdin), daemon=True)
+    p = _context.Process(target=_worker, args=(args, env, _Fd(log.fileno()), stdin, _netns), daemon=True)
     _start(p, "worker")
     return ForkedWorker(p)
 
 
-def _command(args: list[str], env: dict[str, str], cwd: str | None, fds: list[int], registry: str | None) -> None:
-    """The child: `fusion ARGS` on the given stdin, stdout and stderr, ended as the interpreter ends."""
+def _command(
+    args: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    fds: list[int],
+    registry: str | None,
+    netns: str | None,
+    code: str | None,
+) -> None:
+    """The child: `fusion ARGS` (or, given `code`, `python -c CODE ARGS`) on the given stdin, stdout
+    and stderr, in network namespace `netns` if given, ended as the interpreter ends."""
+    _enter_netns(netns)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
@@ -239,7 +283,7 @@ def _command(args: list[str], env: dict[str, str], cwd: str | None, fds: list[in
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    sys.argv = ["fusion", *args]
+    sys.argv = ["fusion", *args] if code is None else ["-c", *args]
     # Its workers come from this fork server too: reuse it (the child knows its address and holds a
     # copy of the alive pipe) instead of starting another; and multiprocessing's exit handler, which
     # would stop them at exit, is not the interpreter's: a command leaves them as a real one would.
@@ -253,30 +297,36 @@ def _command(args: list[str], env: dict[str, str], cwd: str | None, fds: list[in
     if registry is not None:
         use_registry(registry)
     interrupted = False
+    status: Any = None
     try:
-        code: Any = main(args)
+        if code is None:
+            status = main(args)
+        else:  # as `python -c`: the code runs as __main__
+            import builtins
+
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
     except SystemExit as e:
-        code = e.code
+        status = e.code
     except KeyboardInterrupt:
-        interrupted, code = True, 1
+        interrupted, status = True, 1
         traceback.print_exc()
     except BaseException:
         traceback.print_exc()
-        code = 1
-    if code is not None and not isinstance(code, int):  # the interpreter's own exit steps, in its order
-        print(code, file=sys.stderr)
-        code = 1
+        status = 1
+    if status is not None and not isinstance(status, int):  # the interpreter's own exit steps, in its order
+        print(status, file=sys.stderr)
+        status = 1
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except OSError:
-            code = 120  # as CPython when flushing stdout fails at exit
+            status = 120  # as CPython when flushing stdout fails at exit
     if interrupted:  # as CPython: an uncaught KeyboardInterrupt ends the process by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    os._exit((code or 0) & 0xFF)
+    os._exit((status or 0) & 0xFF)
 
 
 class ForkedCommand(ForkedWorker):
@@ -345,9 +395,13 @@ def command(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     text: bool = True,
+    netns: str | None = None,
+    code: str | None = None,
 ) -> ForkedCommand:
     """`fusion ARGS` forked from the fork server; the streams take what subprocess.Popen takes
-    (None: this process's own, PIPE, DEVNULL, a file or a descriptor; stderr also STDOUT)."""
+    (None: this process's own, PIPE, DEVNULL, a file or a descriptor; stderr also STDOUT). `netns`:
+    in that network namespace (as `ip netns exec NAME`), the workers it starts too; `code`: `python
+    -c CODE ARGS` instead of `fusion ARGS`."""
     child: list[int] = []  # its fds 0, 1 and 2, as this process holds them
     mine: list[IO | None] = []  # the pipe ends this process keeps
     close: list[int] = []  # what to close here once the child holds its copies
@@ -376,9 +430,11 @@ def command(
     env = dict(os.environ if env is None else env)
     where = None if cwd is None else os.fspath(cwd)
     fds = [_Fd(fd) for fd in child]
-    p = _context.Process(target=_command, args=(list(args), env, where, fds, _registry), daemon=True)
+    p = _context.Process(target=_command, args=(list(args), env, where, fds, _registry, netns, code), daemon=True)
     try:
-        _start(p, "worker" if args[:1] == ["worker"] else "command")  # as `pgrep -f "fusion_compute worker"`
+        _start(
+            p, "worker" if code is None and args[:1] == ["worker"] else "command"
+        )  # as `pgrep -f "fusion_compute worker"`
     except BaseException:
         for stream in mine:
             if stream is not None:

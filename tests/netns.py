@@ -25,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 
+import forkserver
+
 from fusion_compute.bench.netns import Hosts as _Hosts
 from fusion_compute.bench.netns import available
 
@@ -149,7 +151,26 @@ class Capture:
 
 
 class Hosts(_Hosts):
-    """The runtime's hosts (fusion_compute/bench/netns.py) plus a capture on the bridge."""
+    """The runtime's hosts (fusion_compute/bench/netns.py) plus a capture on the bridge, and commands
+    forked into a host from the suite's fork server (tests/forkserver.py) rather than started with
+    `ip netns exec` (popen): the same entry points without importing torch again in each."""
 
     def capture(self, limit_s: float = 600) -> Capture:
         return Capture(self, limit_s)
+
+    def fusion(self, addr: str, *args: str, **kw) -> forkserver.ForkedCommand:
+        """`fusion ARGS` on host `addr` (stdout and stderr piped as text, stdin closed unless given);
+        stopped with the hosts, as popen's are."""
+        return self._fork(addr, list(args), None, kw)
+
+    def python(self, addr: str, code: str, *args: str, **kw) -> forkserver.ForkedCommand:
+        """`python -c CODE ARGS` on host `addr`, as `fusion` above."""
+        return self._fork(addr, list(args), code, kw)
+
+    def _fork(self, addr: str, args: list[str], code: str | None, kw: dict) -> forkserver.ForkedCommand:
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        p = forkserver.command(args, netns=self.ns[addr], code=code, **kw)
+        self.procs.append(p)  # type: ignore[arg-type]  # Popen's face: terminate, kill, wait, poll
+        return p

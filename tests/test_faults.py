@@ -218,9 +218,7 @@ def test_link_cut_in_a_namespace(tmp_path):
     """A worker's network goes down mid-decode: no heartbeat, so the client names it and replaces it
     with the standby on another host; the tokens are those of a run without the cut."""
     import subprocess
-    import sys
 
-    from procs import FUSION
     from tiny_models import build
 
     model = build(tmp_path / "long", "qwen2", max_position_embeddings=2048)
@@ -235,13 +233,11 @@ def test_link_cut_in_a_namespace(tmp_path):
     with Hosts(NS) as hosts:
         for mode in ("plain", "cut"):
             workers = [
-                hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(k), "--threads", "1"])
+                hosts.fusion(h, "worker", "--topology", str(topo), "--key", str(k), "--threads", "1")
                 for h, k in zip(NS[1:], kf[1:], strict=True)
             ]
-            client = hosts.popen(
-                NS[0],
-                [sys.executable, "-c", CUT_CLIENT, str(topo), str(kf[0]), ",".join(map(str, PROMPT)), mode],
-                stdin=subprocess.PIPE,
+            client = hosts.python(
+                NS[0], CUT_CLIENT, str(topo), str(kf[0]), ",".join(map(str, PROMPT)), mode, stdin=subprocess.PIPE
             )
             if mode == "cut":
                 assert client.stdout.readline().strip() == "decoding", client.stderr.read()

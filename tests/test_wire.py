@@ -74,32 +74,29 @@ def structural_run(hosts: Hosts, model, tmp: Path, secure: bool) -> tuple:
             )
         )
         workers = [
-            hosts.popen(h, [*FUSION, "worker", "--topology", str(topo), "--key", str(tmp / f"k{r}.key"), *base])
+            hosts.fusion(h, "worker", "--topology", str(topo), "--key", str(tmp / f"k{r}.key"), *base)
             for r, h in ((1, W1), (2, W2))
         ]
         client_args = ["--topology", str(topo), "--key", str(tmp / "k0.key")]
     else:
         workers = [
-            hosts.popen(h, [*FUSION, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure", *base])
+            hosts.fusion(h, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure", *base)
             for r, h in ((1, W1), (2, W2))
         ]
         client_args = ["--master", f"{CLIENT}:{PORT}", "--workers", "2", "--insecure"]
-    client = hosts.popen(
+    client = hosts.fusion(
         CLIENT,
-        [
-            *FUSION,
-            "generate",
-            "--model",
-            str(model),
-            *client_args,
-            "--prompt-ids",
-            ",".join(map(str, PROMPT)),
-            "--max-new-tokens",
-            "6",
-            "--json",
-            "--timeout",
-            "60",
-        ],
+        "generate",
+        "--model",
+        str(model),
+        *client_args,
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--timeout",
+        "60",
     )
     return finish([client, *workers])
 
@@ -170,35 +167,18 @@ def test_masked_session_key_on_the_wire(tiny_qwen2, tmp_path, secure):
                 f'[[worker]]\naddress = "{W2}"\ngroup = "B"\nkey = "{ids[2].public.line()}"\n'
             )
             workers = [
-                hosts.popen(
-                    h, [*FUSION, "worker", "--topology", str(topo), "--key", str(tmp_path / f"k{r}.key"), *base]
-                )
+                hosts.fusion(h, "worker", "--topology", str(topo), "--key", str(tmp_path / f"k{r}.key"), *base)
                 for r, h in ((1, W1), (2, W2))
             ]
-            client = hosts.popen(
-                CLIENT,
-                [
-                    sys.executable,
-                    "-c",
-                    MASKED_CLIENT,
-                    str(tiny_qwen2),
-                    str(audit_dir),
-                    "tls",
-                    str(topo),
-                    str(tmp_path / "k0.key"),
-                ],
+            client = hosts.python(
+                CLIENT, MASKED_CLIENT, str(tiny_qwen2), str(audit_dir), "tls", str(topo), str(tmp_path / "k0.key")
             )
         else:
             workers = [
-                hosts.popen(
-                    h, [*FUSION, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure", *base]
-                )
+                hosts.fusion(h, "worker", "--master", f"{CLIENT}:{PORT}", "--rank", str(r), "--insecure", *base)
                 for r, h in ((1, W1), (2, W2))
             ]
-            client = hosts.popen(
-                CLIENT,
-                [sys.executable, "-c", MASKED_CLIENT, str(tiny_qwen2), str(audit_dir), "tcp", f"{CLIENT}:{PORT}"],
-            )
+            client = hosts.python(CLIENT, MASKED_CLIENT, str(tiny_qwen2), str(audit_dir), "tcp", f"{CLIENT}:{PORT}")
         results = finish([client, *workers])
     for rc, _, err in results:
         assert rc == 0, err
