@@ -383,3 +383,40 @@ def test_a_worker_that_joins_before_the_engine_expects_it_is_kept():
         assert isinstance(results[1], Exception) and "closed the connection" in str(results[1]), results[1]
     finally:
         adm.close()
+
+
+def test_closing_the_greeters_cuts_greetings_in_progress_and_turns_later_ones_away():
+    """Greeters.close() shuts down every connection still being greeted (a greeting blocked on its
+    read sees EOF; one whose socket cannot be shut down is passed over), and a connection that
+    arrives after close() is closed at once, without a greeting."""
+    g = rendezvous.Greeters("test", rendezvous.Refusals(lambda line: None), cap=4)
+    reading, release = threading.Event(), threading.Event()
+    got: dict[str, bytes] = {}
+    greeted: list[str] = []
+
+    def greet(conn: socket.socket, addr: str) -> None:
+        greeted.append(addr)
+        if addr == "reader":
+            reading.set()
+            got[addr] = conn.recv(1)  # blocks until close() shuts the connection down
+        else:
+            release.wait(10)
+
+    ours, theirs = socket.socketpair()
+    never_connected = socket.socket()  # shutdown raises ENOTCONN
+    late, late_peer = socket.socketpair()
+    try:
+        g.start(ours, "reader", greet)
+        g.start(never_connected, "unconnected", greet)
+        assert reading.wait(10)
+        g.close()
+        deadline = time.monotonic() + 10
+        while "reader" not in got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == {"reader": b""}  # EOF: cut, not left waiting for the peer
+        g.start(late, "late", greet)
+        assert late.fileno() == -1 and "late" not in greeted  # closed at once
+    finally:
+        release.set()
+        for s in (ours, theirs, never_connected, late, late_peer):
+            s.close()

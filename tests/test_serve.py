@@ -283,6 +283,15 @@ INVALID = [
     ("n 2", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, 400, None),
     ("tools", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, None),
     (
+        "response_format json",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": CHAT, "response_format": {"type": "json_object"}},
+        400,
+        None,
+    ),
+    ("echo", "/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, None),
+    ("suffix", "/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, None),
+    (
         "prompt too long",
         "/v1/chat/completions",
         {"model": "tiny", "messages": [{"role": "user", "content": LONG}]},
