@@ -18,15 +18,17 @@ from test_faults import LIVENESS_S, NEW, PROMPT
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
-from fusion_compute.runtime.deadline import StepDeadline
+from fusion_compute.runtime.deadline import DEFAULT_MIN_S, StepDeadline
 from fusion_compute.structural.client import Engine, EngineOptions
 
 TIMEOUT_S = 10.0  # per message: the dragging worker's 0.4 s per message and 4.8 s per step stay under it
 STEP_RS = 12  # reduce-scatter calls per step on the tiny Qwen2 (measured: a dragged step takes 12 x 0.4 s)
 SLOW_FROM = 11  # the step the worker starts dragging at (the 10 before set the healthy median)
-# The step bound's floor (--step-deadline-min, 2 s by default): at 1.5 s a dragged step (4.8 s) is cut
-# at STRIKES x 1.5 = 4.5 s and judged in that one step, where 2 s took two (~9.6 s of waiting per test).
-# A healthy tiny step takes milliseconds; the honest run below is held to the same floor.
+# The step bound's floor (--step-deadline-min, 2 s by default). At 1.5 s a dragged step (4.8 s) is cut
+# at STRIKES x 1.5 = 4.5 s and judged in that one step (the honest run below is held to the same floor;
+# a healthy tiny step takes milliseconds). At the default 2 s (the two-worker test) it earns 2 strikes
+# and is not cut, so the judgement comes when the second dragged step makes the strikes due: both ways
+# of reaching a verdict run.
 DEADLINE_MIN_S = 1.5
 
 
@@ -44,8 +46,7 @@ def options(n: int, **kw) -> EngineOptions:
         context=128,
         timeout_s=TIMEOUT_S,
         liveness_s=LIVENESS_S,
-        step_deadline_min_s=DEADLINE_MIN_S,
-        **kw,
+        **{"step_deadline_min_s": DEADLINE_MIN_S, **kw},
     )
 
 
@@ -98,7 +99,9 @@ def test_dragging_worker_is_named_and_removed(tiny_qwen2, reference, capfd):
 @pytest.mark.slow
 def test_two_workers_ambiguous_request_fails_nobody_removed(tiny_qwen2, capfd):
     fault = ("--inject-fault", f"drag-rs@{STEP_RS * (SLOW_FROM - 1) + 1}")
-    with Engine(tiny_qwen2, options(2, standby=1, args_for_worker={2: fault})) as eng:
+    with Engine(
+        tiny_qwen2, options(2, standby=1, args_for_worker={2: fault}, step_deadline_min_s=DEFAULT_MIN_S)
+    ) as eng:
         t0 = time.monotonic()
         with pytest.raises(StepDeadline, match=r"ambiguous between workers \[1, 2\]") as e:
             run(eng)
