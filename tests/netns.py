@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import forkserver
+import procs
 
 from fusion_compute.bench.netns import Hosts as _Hosts
 from fusion_compute.bench.netns import available
@@ -168,9 +169,6 @@ class Hosts(_Hosts):
         return self._fork(addr, list(args), code, kw)
 
     def _fork(self, addr: str, args: list[str], code: str | None, kw: dict) -> forkserver.ForkedCommand:
-        kw.setdefault("stdout", subprocess.PIPE)
-        kw.setdefault("stderr", subprocess.PIPE)
-        kw.setdefault("stdin", subprocess.DEVNULL)
-        p = forkserver.command(args, netns=self.ns[addr], code=code, **kw)
-        self.procs.append(p)  # type: ignore[arg-type]  # Popen's face: terminate, kill, wait, poll
+        p = procs.fusion(*args, netns=self.ns[addr], code=code, **kw)
+        self.procs.append(p)  # Popen's face: terminate, kill, wait, poll
         return p

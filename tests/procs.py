@@ -19,7 +19,8 @@ FUSION = [sys.executable, "-m", "fusion_compute"]
 
 
 def fusion(*args: str, **kw) -> forkserver.ForkedCommand:
-    """Start `fusion ARGS` with stdout/stderr piped as text (stdin closed unless given)."""
+    """Start `fusion ARGS` with stdout/stderr piped as text (stdin closed unless given); the other
+    keywords are forkserver.command's (e.g. netns, or code for `python -c CODE ARGS`)."""
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     kw.setdefault("stdin", subprocess.DEVNULL)

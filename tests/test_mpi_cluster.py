@@ -15,20 +15,18 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import procs
 import pytest
 from netns import Hosts, available
+from test_wire import generate_args
 
 from fusion_compute.comm import Identity
 
 REASON = available() or (None if shutil.which("mpiexec") else "mpiexec not installed (the mpi extra)")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cannot run an mpiexec cluster here: {REASON}")
-FUSION = [sys.executable, "-m", "fusion_compute"]
 CLIENT, WORKERS = "10.0.0.1", ["10.0.0.2", "10.0.0.3", "10.0.0.4"]
-PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 LAUNCHER = """#!/bin/sh
 # hydra's ssh stand-in: LAUNCHER [ssh options] HOST COMMAND... -> COMMAND in HOST's namespace
 while [ "${1#-}" != "$1" ]; do shift; done
@@ -95,7 +93,7 @@ def mpiexec(
             *([":"] if i else []),
             "-n",
             "1",
-            *FUSION,
+            *procs.FUSION,
             "worker",
             "--topology",
             str(topo),
@@ -111,27 +109,10 @@ def mpiexec(
     return cmd
 
 
-def generate(model: Path, *args: str) -> list[str]:
-    return [
-        *FUSION,
-        "generate",
-        "--model",
-        str(model),
-        "--prompt-ids",
-        ",".join(map(str, PROMPT)),
-        "--max-new-tokens",
-        "6",
-        "--json",
-        "--timeout",
-        "60",
-        *args,
-    ]
-
-
 @pytest.fixture(scope="module")
 def local_tokens(tiny_qwen2) -> list[int]:
     """The reference: three local workers on TLS."""
-    local = procs.run(*generate(tiny_qwen2, "--workers", "3")[len(FUSION) :], timeout=300)
+    local = procs.run(*generate_args(tiny_qwen2, "--workers", "3"), timeout=300)
     assert local.returncode == 0, local.stderr
     return json.loads(local.stdout.strip().splitlines()[-1])["token_ids"]
 
@@ -149,18 +130,21 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
             launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, network))
             client = hosts.popen(
                 CLIENT,
-                generate(
-                    tiny_qwen2,
-                    "--topology",
-                    str(topo),
-                    "--key",
-                    str(keys[0]),
-                    "--comm-backend",
-                    "mpi",
-                    "--no-recover",
-                    "--join-timeout",
-                    "60",
-                ),
+                [
+                    *procs.FUSION,
+                    *generate_args(
+                        tiny_qwen2,
+                        "--topology",
+                        str(topo),
+                        "--key",
+                        str(keys[0]),
+                        "--comm-backend",
+                        "mpi",
+                        "--no-recover",
+                        "--join-timeout",
+                        "60",
+                    ),
+                ],
             )
             out, err = client.communicate(timeout=300)
             w_out, w_err = launch.communicate(timeout=120)
@@ -191,14 +175,17 @@ def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
             f'key = "{Identity.new().public.line()}"\n'
         )
     p = subprocess.run(
-        generate(
-            tiny_qwen2,
-            "--topology",
-            str(topo),
-            "--key",
-            str(keys[0]),
-            *(extra if "--comm-backend" in extra else ["--comm-backend", "mpi", *extra]),
-        ),
+        [
+            *procs.FUSION,
+            *generate_args(
+                tiny_qwen2,
+                "--topology",
+                str(topo),
+                "--key",
+                str(keys[0]),
+                *(extra if "--comm-backend" in extra else ["--comm-backend", "mpi", *extra]),
+            ),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -215,18 +202,21 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
         launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, order=(3, 2, 1)))
         client = hosts.popen(
             CLIENT,
-            generate(
-                tiny_qwen2,
-                "--topology",
-                str(topo),
-                "--key",
-                str(keys[0]),
-                "--comm-backend",
-                "mpi",
-                "--no-recover",
-                "--join-timeout",
-                "60",
-            ),
+            [
+                *procs.FUSION,
+                *generate_args(
+                    tiny_qwen2,
+                    "--topology",
+                    str(topo),
+                    "--key",
+                    str(keys[0]),
+                    "--comm-backend",
+                    "mpi",
+                    "--no-recover",
+                    "--join-timeout",
+                    "60",
+                ),
+            ],
         )
         out, err = client.communicate(timeout=300)
         w_out, w_err = launch.communicate(timeout=120)

@@ -41,13 +41,8 @@ def run(eng, stamps: list[float] | None = None):
 
 
 def options(n: int, **kw) -> EngineOptions:
-    return EngineOptions(
-        n_workers=n,
-        context=128,
-        timeout_s=TIMEOUT_S,
-        liveness_s=LIVENESS_S,
-        **{"step_deadline_min_s": DEADLINE_MIN_S, **kw},
-    )
+    kw.setdefault("step_deadline_min_s", DEADLINE_MIN_S)
+    return EngineOptions(n_workers=n, context=128, timeout_s=TIMEOUT_S, liveness_s=LIVENESS_S, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,10 +30,26 @@ pytestmark = [
     pytest.mark.slow,  # every test here starts workers (the quick loop skips them)
 ]
 README = Path(__file__).resolve().parent.parent / "README.md"
-FUSION = [sys.executable, "-m", "fusion_compute"]
 CLIENT, W1, W2 = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 PORT = 29500
+
+
+def generate_args(model: Path, *args: str) -> list[str]:
+    """`fusion generate` on PROMPT, 6 new tokens, JSON out (test_mpi_cluster's clients too)."""
+    return [
+        "generate",
+        "--model",
+        str(model),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--timeout",
+        "60",
+        *args,
+    ]
 
 
 def ingress_needles(model, ids: list[int], n_workers: int = 2, window: int = 32, step: int = 64) -> list[bytes]:
@@ -84,20 +99,7 @@ def structural_run(hosts: Hosts, model, tmp: Path, secure: bool) -> tuple:
             for r, h in ((1, W1), (2, W2))
         ]
         client_args = ["--master", f"{CLIENT}:{PORT}", "--workers", "2", "--insecure"]
-    client = hosts.fusion(
-        CLIENT,
-        "generate",
-        "--model",
-        str(model),
-        *client_args,
-        "--prompt-ids",
-        ",".join(map(str, PROMPT)),
-        "--max-new-tokens",
-        "6",
-        "--json",
-        "--timeout",
-        "60",
-    )
+    client = hosts.fusion(CLIENT, *generate_args(model, *client_args))
     return finish([client, *workers])
 
 
