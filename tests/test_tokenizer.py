@@ -119,12 +119,16 @@ def test_stream_decoder_never_splits_characters(ours):
     assert all("\ufffd" not in d for d in deltas)
     assert "" in deltas  # some emoji bytes were held back
     assert "".join(deltas) + stream.flush() == text
-    # whole chunks at once, and a dangling half character only at flush
+    # whole chunks at once; a dangling half character is dropped at flush, never U+FFFD (a reply cut by
+    # its length limit mid-emoji ends before the emoji, as vLLM's incremental detokenizer ends it)
     stream = ours.stream()
     assert stream.push(ids[:3]) + stream.push(ids[3:]) == text
     half = ours.encode("😀")[:1]
     stream = ours.stream()
-    assert stream.push(half) == "" and stream.flush() == "\ufffd"
+    assert stream.push(half) == "" and stream.flush() == ""
+    cut = ours.encode("ok 😀")[:-1]  # "ok", then " " and half the emoji's bytes in one token
+    stream = ours.stream()
+    assert "".join(stream.push(i) for i in cut) + stream.flush() == "ok "
 
 
 def test_hf_dir_roundtrip(tmp_path):

@@ -277,11 +277,13 @@ class StreamDecoder:
         return text[len(prefix_text) :]
 
     def flush(self) -> str:
-        """Whatever is still held back (at end of generation, even an incomplete character)."""
+        """Whatever is still held back at the end of generation, less a last character the tokens
+        left incomplete (a reply cut by its length limit mid-emoji): dropped, as vLLM's incremental
+        detokenizer drops it, rather than ending the text in U+FFFD."""
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return text[len(prefix_text) :]
+        return text[len(prefix_text) :].rstrip("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special) if ids else ""
