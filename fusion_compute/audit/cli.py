@@ -47,7 +47,6 @@ def _guard(name: str, func):
 
     def run(a: argparse.Namespace) -> int:
         from ..errors import UsageError
-        from ..masked.audit import MaskedAuditError
         from ..model.config import ModelError
         from ..structural.plan import PlanError
         from .inject import LeakSpecError
@@ -56,7 +55,15 @@ def _guard(name: str, func):
 
         try:
             return func(a)
-        except (AuditCliError, AuditFormatError, LeakSpecError, MaskedAuditError, UsageError) as e:
+        except (AuditCliError, AuditFormatError, LeakSpecError, UsageError) as e:
+            print(f"fusion audit {name}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except Exception as e:
+            # masked/audit.py imports torch: its error class is looked up only once it has been imported
+            # (it must have been, to raise it), so a refusal before that costs no torch import.
+            masked = sys.modules.get("fusion_compute.masked.audit")
+            if masked is None or not isinstance(e, masked.MaskedAuditError):
+                raise
             print(f"fusion audit {name}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         except (AuditRunError, ModelError, PlanError, OSError) as e:
@@ -200,11 +207,13 @@ def cmd_verify_masked(root: Path, as_json: bool) -> int:
 
 def cmd_verify(a: argparse.Namespace) -> int:
     """One cold-start directory, or a run's OUT directory (every cold*/ in it), or a masked run's."""
+    root = Path(a.dir)
+    if not root.is_dir():  # answered before torch loads (masked/audit.py imports it)
+        raise AuditCliError(f"{a.dir}: {'not a directory' if root.exists() else 'no such directory'}")
     from ..masked.audit import log_path
     from .schema import MANIFEST
     from .verify import verify_dir
 
-    root = Path(a.dir)
     if log_path(root, 0).is_file():
         if a.picture:
             raise AuditCliError(
