@@ -340,7 +340,25 @@ def add_parser(sub) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+BENCH_NEEDS = ("transformers", "accelerate")  # the [bench] extra (matplotlib, its third, is optional: plots)
+INSTALL_HINT = 'pip install -e ".[bench]"'
+
+
+def check_extra(needs: tuple[str, ...] | None = None) -> None:
+    """Refuse at once, naming the extra, when a package the bench imports later is missing (rather than
+    failing in a subprocess tens of seconds in, once per package)."""
+    import importlib.util
+
+    missing = [m for m in needs or BENCH_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise BenchError(
+            f"fusion bench needs {' and '.join(missing)} (the [bench] extra): {INSTALL_HINT} in the project's directory"
+        )
+
+
 def cmd_bench(a) -> int:
+    if a.batch is None:  # the batch comparison runs fusion only
+        check_extra()
     if a.repeats < 1 or a.decode_tokens < 2 or a.cores < 1:
         raise BenchError("--repeats and --cores must be >= 1, --decode-tokens >= 2")
     if a.qwen_1_5b and a.model:
