@@ -39,6 +39,19 @@ atexit.register(shutil.rmtree, _forks, ignore_errors=True)
 os.environ[procs.RUN_TAG] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # procs.worker_pids()
 
 
+@pytest.fixture(autouse=True)
+def _package_logging_reset():
+    """A command run in this process (cli.main.main) configures the package's logger (cli/logs.py):
+    put it back after each test, so that no later test inherits its handler or level."""
+    yield
+    import logging
+
+    log = logging.getLogger("fusion_compute")
+    log.handlers.clear()
+    log.setLevel(logging.NOTSET)
+    log.propagate = True
+
+
 @pytest.fixture
 def real_workers():
     """Workers this test's engines start are fresh `python -m fusion_compute worker` processes."""

@@ -16,14 +16,17 @@ from procs import children, fusion, run, worker_pids
 
 from fusion_compute.comm import free_port
 
+# A log line off a terminal (cli/logs.py): a UTC timestamp, then the program's name.
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z fusion[ a-z]*: ")
+
 
 def assert_one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:
     """Non-zero exit, no traceback, one error line (a warning the user asked for, e.g. --insecure's,
-    may stand before it)."""
+    may stand before it, and so may the run's timestamped log lines when it got as far as starting)."""
     assert r.returncode != 0
     err = r.stderr.strip()
     assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if not ln.startswith("fusion: warning:")]
+    lines = [ln for ln in err.splitlines() if not ln.startswith("fusion: warning:") and not LOG_LINE.match(ln)]
     assert len(lines) == 1, err
     assert needle in lines[0], err
 
@@ -57,7 +60,14 @@ BAD = [
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["--prompt", "hi", "--top-p", "1.5"], "top-p"),
     (["--prompt", "hi", "--top-k", "-1"], "top-k"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit"),
+    (
+        ["--prompt", "hi", "--max-tokens", "20", "--context", "40"],
+        "the context window is 40 tokens and the prompt has 31",
+    ),
+    (["--prompt", "hi", "--chat", "--raw"], "opposites"),
     (["--prompt", "hi", "--capacity", "1,a"], "--capacity"),
     (["--prompt", "hi", "--capacity", "1,1,1"], "3 capacities given for 2"),
     (["--prompt", "hi", "--master", "localhost"], "HOST:PORT"),
@@ -124,6 +134,26 @@ def test_plan_command(tiny_qwen2):
     assert_one_line_error(run("plan", "--model", str(tiny_qwen2), "--workers", "37"), "at most 12")
 
 
+@pytest.mark.slow
+def test_the_chat_template_is_the_default_and_raw_continues(tmp_path, no_new_workers):
+    """`--prompt` goes through the model's chat template unless --raw (then the text as it is; --chat,
+    the old way to ask for the template, still works): the prompt's token count says which ran."""
+    from test_serve import build_chat_model
+
+    from fusion_compute.weights.tokenizer import load_tokenizer
+
+    model = build_chat_model(tmp_path / "chat")
+    tok = load_tokenizer(model)
+    base = ["generate", "--model", str(model), "--prompt", "hello world", "--max-tokens", "2", "--json"]
+    runs = {flag: run(*base, *([flag] if flag else []), "--threads", "1") for flag in ("", "--raw", "--chat")}
+    for flag, r in runs.items():
+        assert r.returncode == 0, (flag, r.stderr)
+    prompt = {flag: json.loads(r.stdout)["prompt_tokens"] for flag, r in runs.items()}
+    chat_ids = tok.chat_ids([{"role": "user", "content": "hello world"}])
+    assert prompt == {"": len(chat_ids), "--raw": len(tok.encode("hello world")), "--chat": len(chat_ids)}
+    assert prompt[""] != prompt["--raw"]
+
+
 def test_master_needs_keys_or_insecure(tiny_qwen2, no_new_workers):
     r = run("generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", "--master", f"127.0.0.1:{free_port()}")
     assert_one_line_error(r, "--master without --topology cannot pin the workers' keys")
@@ -169,6 +199,8 @@ def test_worker_with_unreachable_client_fails_in_time(tiny_qwen2, no_new_workers
     )
     assert_one_line_error(r, "could not reach the client")
     assert time.monotonic() - t0 < 20
+    # off a terminal it said what it waited for, and for how long, in a timestamped line
+    assert re.search(r"Z fusion worker: .*waiting for the client at 127\.0\.0\.1:\d+ \(gives up after 2 s", r.stderr)
 
 
 @pytest.mark.slow
@@ -209,20 +241,35 @@ def test_separately_started_workers_join(tiny_qwen2, no_new_workers):
             "1",
             "--timeout",
             "60",
+            *(["--log-format", "json"] if r == 2 else []),
         )
         for r in (1, 2)
     ]
     try:
         out, err = client.communicate(timeout=120)
         assert client.returncode == 0, err
+        logs = []
         for w in workers:
             w.wait(timeout=30)
-            assert w.returncode == 0, w.stderr.read()
+            logs.append(w.stderr.read())
+            assert w.returncode == 0, logs[-1]
     finally:
         for p in [client, *workers]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    # What a service's log needs, off a terminal: timestamped lines (worker 1), JSON objects (worker 2).
+    said = [LOG_LINE.sub("", ln) for ln in logs[0].splitlines() if LOG_LINE.match(ln)]
+    assert any(ln.startswith("joined epoch 0 as rank 1 of 2") for ln in said), logs[0]
+    assert any(ln.startswith("ready: plan ") for ln in said) and said[-1].startswith("the client ended the job"), said
+    records = [json.loads(ln) for ln in logs[1].splitlines() if not ln.startswith("fusion: warning:")]
+    assert {r["prog"] for r in records} == {"fusion worker"}
+    assert any(r["message"].startswith("joined epoch 0 as rank 2 of 2") for r in records), records
+    # the client's own log: started, ready, the plan's lines, done
+    assert (
+        re.search(r"Z fusion generate: starting: .*2 workers \(structural\)", err)
+        and "fusion generate: done: 8 tokens" in err
+    )
     res = json.loads(out)
     # Same answer as the default local spawn.
     local = json.loads(
@@ -249,7 +296,7 @@ def test_worker_death_ends_run_cleanly(tmp_path, no_new_workers):
         "--prompt-ids",
         "1,2,3",
         "--max-new-tokens",
-        "100000",
+        "8000",
         "--context",
         "8192",
         "--timeout",

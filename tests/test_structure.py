@@ -223,7 +223,8 @@ def test_dag_check_can_fail():
 
 def test_the_command_line_starts_without_torch():
     """`fusion --help`, `fusion keys` and refused arguments answer in a fraction of a second: the parser
-    and the key commands do not import torch (about 1.6 s here); a run imports it when it starts."""
+    and the key commands do not import torch (about 1.6 s here), nor do `fusion plan` and `fusion audit
+    verify` to refuse a path; a run imports it when it starts."""
     import subprocess
     import sys
 
@@ -239,6 +240,11 @@ def test_the_command_line_starts_without_torch():
             "max-new-tokens",
         ),
         (["generate", "--mode", "masked", "--workers", "2", "--prompt", "hi"], "--mode masked needs group sizes"),
+        (["generate", "--prompt", "hi", "--raw", "--chat"], "opposites"),
+        (["plan", "--model", "/no/such/model"], "model not found"),
+        (["plan", "--picture", "/no/such/dir/p.svg"], "no such directory"),
+        (["audit", "verify", "/no/such/dir"], "no such directory"),
+        (["chat", "--mode", "masked", "--workers", "2+2"], "fusion serve --mode masked"),
     ]
     code = (
         "import json, sys; from fusion_compute.cli.main import build_parser, main; build_parser(); "

@@ -340,8 +340,17 @@ def _membership(backend: Any, cmd: str, arg: str) -> str:
     for w in state["workers"]:
         rank = f"rank {w['rank']}" if w["rank"] else "-"
         group = f" group {w['group']}" if w.get("group") else ""
-        rows.append(f"  worker {w['id']:<3} {rank:<8}{group} {w['state']}  {w.get('where') or ''}".rstrip())
+        rows.append(f"  worker {w['id']:<3} {rank:<8}{group} {w['state']}  {_address(w.get('where'))}".rstrip())
     return "\n".join(rows)
+
+
+def _address(where: str | None) -> str:
+    """Where a worker is, without the role it was enrolled in: the roster's label reads "standby 3
+    [127.0.0.1, key ...]" even once that standby holds a rank ("rank 1 active standby 3" read as two
+    states), so the listing keeps the bracketed address and key only."""
+    if not where:
+        return ""
+    return where[where.index("[") :] if "[" in where else where
 
 
 _PARAMS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
@@ -394,6 +403,8 @@ def _turn(
     stdout.flush()
     if info.get("finish_reason") == "cancelled":
         stderr.write("(stopped)\n")
+    elif not "".join(parts).strip():
+        stderr.write("(no text: the model ended its turn at once; /reset or rephrase)\n")
     elif interactive:
         usage = info.get("usage") or {}
         timing = info.get("timing") or {}
@@ -411,16 +422,23 @@ def _turn(
 
 
 def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
+    from .options import add_sampling_args
+    from .parser import help_groups
+
     c = sub.add_parser("chat", help="interactive chat in the terminal (local engine, or --url of a fusion serve)")
-    add_engine(c)
-    c.add_argument("--url", help="talk to a running `fusion serve` (http://HOST:PORT) instead of starting workers")
-    c.add_argument("--api-key", help="API key for --url")
-    c.add_argument("--system", help="system prompt")
-    c.add_argument("--max-tokens", type=int, help="reply length limit per turn (default 256, capped by the context)")
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--seed", type=int)
+    g = help_groups(c, "chat", "sampling", "workers", "network", "recovery", "speculative")
+    ch = g["chat"]
+    ch.add_argument("--url", help="talk to a running `fusion serve` (http://HOST:PORT) instead of starting workers")
+    ch.add_argument("--api-key", help="API key for --url (default: none)")
+    ch.add_argument("--system", help="system prompt (default: none)")
+    add_sampling_args(g["sampling"], "reply length limit per turn (default 256, capped by the context)")
+    g["workers"].add_argument(
+        "--mode",
+        choices=("structural", "masked"),
+        default="structural",
+        help="structural only here: for the masked mode, `fusion serve --mode masked` and `fusion chat --url`",
+    )
+    add_engine(g)
     c.set_defaults(func=cmd_chat)
 
 
@@ -428,10 +446,19 @@ def cmd_chat(a: Any) -> int:
     from ..errors import UsageError
     from ..generation.sampling_params import SamplingParams
     from ..runtime.progress import is_tty
+    from . import logs
+    from .parser import flag_name
 
+    logs.setup("fusion chat", info=False)  # the engine's warnings (a recovery) on stderr; the chat on stdout
+    if not a.url and (a.mode == "masked" or isinstance(a.workers, tuple)):
+        groups = "+".join(map(str, a.workers)) if isinstance(a.workers, tuple) else "2+2"
+        raise UsageError(
+            "fusion chat runs the structural mode on its own workers; for the masked mode start "
+            f"`fusion serve --mode masked --workers {groups}` and chat with it: `fusion chat --url http://127.0.0.1:8000`"
+        )
     SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # fail before spawning
     if a.max_tokens is not None and a.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+        raise UsageError(f"{flag_name(a, 'max_tokens', '--max-tokens')} must be >= 1, got {a.max_tokens}")
     params: dict = {"temperature": a.temperature, "top_p": a.top_p}
     if a.top_k:
         params["top_k"] = a.top_k

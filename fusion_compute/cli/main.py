@@ -11,19 +11,28 @@ import time
 from collections.abc import Callable
 
 from ..errors import FusionError, InputError, UsageError
+from . import logs
 from . import options as O
+from .parser import FusionParser, flag_name, help_groups
+
+DEFAULT_NEW_TOKENS = 64  # generate's reply limit when --max-tokens is not given (capped by the context)
 
 # ---- generate ----
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from ..generation.sampling_params import SamplingParams
-    from ..runtime.progress import is_tty, load_monitor, log_startup
+    from ..runtime.progress import is_tty, load_monitor, log_startup, startup_lines
     from ..weights.source import resolve_model_path
 
+    # Bars and the start-up table on a terminal; off one, timestamped lines (logs.py).
+    tty = is_tty(sys.stderr) and a.log_format == "text"
+    log = logs.setup("fusion generate", quiet=a.quiet, fmt=a.log_format, info=not tty)
     # The command line's own checks first: a bad value is refused before torch or the model loads.
     if (a.prompt is None) == (a.prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if a.chat and a.raw:
+        raise UsageError("--chat and --raw are opposites: give one (the chat template is the default)")
     if a.chat and a.prompt is None:
         raise UsageError("--chat needs --prompt TEXT")
     sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
@@ -34,10 +43,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     opts = O.engine_options(a, masked=masked)
     if masked:
         opts.audit_dir = a.audit_dir
-    else:
+    if not a.quiet:
         opts.progress = load_monitor(sys.stderr)  # bars on a terminal only; stdout stays clean
-    if a.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    max_flag = flag_name(a, "max_tokens", "--max-tokens")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise UsageError(f"{max_flag} must be >= 1, got {a.max_tokens}")
     given_ids = None if a.prompt_ids is None else O.int_list(a.prompt_ids, "--prompt-ids")
     if not (given_ids if a.prompt is None else a.prompt.strip()):
         raise InputError("empty prompt")
@@ -51,13 +61,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     src = open_weights(path)
     tok = O.tokenizer_for(path, src, needed=a.prompt is not None)
+    ids, chat = given_ids, False
     if a.prompt is not None:
-        ids = tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
-    else:
-        ids = given_ids
+        # The chat template unless --raw, as llama.cpp's CLI and Ollama do: an instruct model given bare
+        # text often ends its turn at once (an empty answer).
+        chat = not a.raw and (a.chat or tok.chat_template is not None)
+        ids = tok.chat_ids([{"role": "user", "content": a.prompt}]) if chat else tok.encode(a.prompt)
+        if not chat and not a.raw:
+            log.info(f"{path.name} has no chat template: the prompt is continued as plain text")
     # Validate before any worker starts: bad input never costs a spawn.
     context = effective_context(src.config.max_positions, a.context)
-    check_prompt(ids, src.config.vocab, context, a.max_new_tokens)
+    check_prompt(ids, src.config.vocab, context, 1)
+    max_tokens = new_tokens_limit(a.max_tokens, max_flag, len(ids), context, src.config.max_positions, log)
     speculator = O.speculator_for(spec, src.config, context)  # the draft model loads (and is checked) here
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None
@@ -65,26 +80,51 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from ..masked.client import MaskedEngine as Engine  # same interface as the structural Engine
     else:
         from ..structural.client import Engine
+    workers = "+".join(map(str, opts.sizes)) if masked else str(opts.n_workers)
+    log.info(
+        f"starting: {path.name}, {workers} workers ({a.mode}), prompt {len(ids)} tokens, up to {max_tokens} new, "
+        f"context {context}"
+    )
     with Engine(path, opts, source=src) as engine:
         load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
-        if is_tty(sys.stderr) and not masked:
+        if tty and not a.quiet:
             log_startup(engine, sys.stderr, opts.topology)
+        else:
+            log.info(f"ready in {load_s:.1f} s")
+            for line in startup_lines(engine, opts.topology):
+                log.info(line.removeprefix("fusion: "))
+        pieces: list[str] = []
+        first = FirstToken(sys.stderr if tty and not a.quiet else None, len(ids), log)
 
         def on_token(t: int) -> None:
-            if not a.json and stream is not None and t not in eos:
-                sys.stdout.write(stream.push(t))
-                sys.stdout.flush()
+            first.arrived()
+            if stream is not None and t not in eos:
+                pieces.append(stream.push(t))
+                if not a.json:
+                    sys.stdout.write(pieces[-1])
+                    sys.stdout.flush()
 
-        res = generate(
-            engine,
-            ids,
-            max_new_tokens=a.max_new_tokens,
-            sampling=sampling,
-            stop_ids=eos,
-            on_token=on_token,
-            speculator=speculator,
+        try:
+            res = generate(
+                engine,
+                ids,
+                max_new_tokens=max_tokens,
+                sampling=sampling,
+                stop_ids=eos,
+                on_token=on_token,
+                speculator=speculator,
+            )
+        finally:
+            first.arrived()
+        tail = stream.flush() if stream is not None else ""
+        text = "".join(pieces) + tail  # what streamed: an incomplete last character is dropped, not U+FFFD
+        log.info(
+            f"done: {len(res.token_ids)} tokens in {res.steps} steps ({res.finish_reason}), first after "
+            f"{res.ttft_s:.1f} s, then {res.decode_tokens_per_s:.2f} tokens/s"
         )
-        text = tok.decode([t for t in res.token_ids if t not in eos]) if tok else ""
+        warning = no_text_warning(text, res.token_ids, res.finish_reason, chat) if tok is not None else None
+        if warning is not None:
+            log.warning(warning)
         if a.json:
             out = {
                 "token_ids": res.token_ids,
@@ -116,16 +156,74 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 }
             print(json.dumps(out))
         else:
-            sys.stdout.write((stream.flush() if stream else " ".join(map(str, res.token_ids))) + "\n")
+            sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
             sys.stdout.flush()
     return 0
+
+
+def no_text_warning(text: str, token_ids: list[int], finish_reason: str, chat: bool) -> str | None:
+    """What to say when a run's answer has no text (exit 0 all the same: the model chose it)."""
+    if text.strip():
+        return None
+    why = "it ended its turn at once" if finish_reason == "stop" else "blank or special tokens only"
+    hint = "--raw continues the prompt as plain text instead" if chat else "without --raw the chat template applies"
+    return f"the model produced no text ({len(token_ids)} tokens: {why}); {hint}"
+
+
+def new_tokens_limit(requested: int | None, flag: str, n_prompt: int, context: int, window: int, log) -> int:
+    """The reply's limit, by `fusion serve`'s rule: one asked for beyond the room the context leaves after
+    the prompt is refused (exit 2); the default is capped to that room, saying so."""
+    room = context - n_prompt
+    if requested is None:
+        if room < DEFAULT_NEW_TOKENS:
+            log.warning(f"at most {room} new tokens: the prompt's {n_prompt} fill the rest of the {context} context")
+        return min(DEFAULT_NEW_TOKENS, room)
+    if requested > room:
+        more = f" or raise --context (the model's window is {window})" if context < window else ""
+        raise UsageError(
+            f"{flag} {requested} does not fit: the context window is {context} tokens and the prompt has "
+            f"{n_prompt}, which leaves {room}; ask for at most {room}{more}"
+        )
+    return requested
+
+
+class FirstToken:
+    """Until the first token arrives, a line on a terminal that counts the seconds of the prefill (the
+    masked mode's takes tens of seconds on a laptop-class CPU); nothing off a terminal."""
+
+    def __init__(self, stream, n_prompt: int, log):
+        import threading
+
+        self.stream, self.n_prompt, self.t0 = stream, n_prompt, time.monotonic()
+        self.done = threading.Event()
+        self.thread = None
+        if stream is not None:
+            self.thread = threading.Thread(target=self._run, daemon=True, name="fusion-prefill-progress")
+            self.thread.start()
+
+    def _run(self) -> None:
+        shown = False
+        while not self.done.wait(1.0):
+            elapsed = time.monotonic() - self.t0
+            self.stream.write(f"\r\x1b[2Kfusion: prefill of {self.n_prompt} prompt tokens ... {elapsed:.0f} s")
+            self.stream.flush()
+            shown = True
+        if shown:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+
+    def arrived(self) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            if self.thread is not None:
+                self.thread.join(timeout=2)
 
 
 # ---- plan ----
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from ..weights.loader import open_weights
+    from ..weights.source import resolve_model_path
 
     masked = a.mode == "masked"
     if masked != isinstance(a.workers, tuple):
@@ -138,7 +236,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
         raise UsageError("--mode masked: every group needs >= 1 worker, and --capacity does not apply")
     if not masked and a.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {a.workers}")
-    config = open_weights(a.model).config
+    # Bad paths are refused here, before torch loads (seconds) with the weights' reader.
+    path = resolve_model_path(a.model)
+    if a.picture and not os.path.isdir(os.path.dirname(os.path.abspath(a.picture))):
+        raise InputError(f"--picture {a.picture}: no such directory")
+    from ..weights.loader import open_weights
+
+    config = open_weights(path).config
     if masked:
         from ..masked.plan import make_masked_plan
         from ..masked.ring import DEFAULT_LIMB_BITS
@@ -170,6 +274,9 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from ..runtime.launch import leave_now
     from ..structural.worker import run
 
+    logs.setup("fusion worker", quiet=a.quiet, fmt=a.log_format)  # a service's lines, timestamped off a terminal
+    if a.quiet and a.progress == "auto":
+        a.progress = "off"
     run(O.worker_options(a))
     # The job is over and everything is wiped: leave now, without the interpreter's teardown, which
     # can abort ("terminate called without an active exception") while daemon threads still sit in
@@ -203,41 +310,54 @@ def cmd_keys(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fusion", description="Exact LLM inference with the state sharded across workers.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from .. import __version__
+
+    p = FusionParser(prog="fusion", description="Exact LLM inference with the state sharded across workers.")
+    p.add_argument("--version", action="version", version=f"fusion {__version__}")
+    sub = p.add_subparsers(dest="cmd")
 
     g = sub.add_parser("generate", help="generate text (spawns local workers unless --topology)")
-    O.add_engine_args(g)
-    g.add_argument("--prompt", help="prompt text")
-    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument(
+    gs = help_groups(g, "prompt", "sampling", "workers", "network", "recovery", "speculative", "audit", "logging")
+    pr = gs["prompt"]
+    pr.add_argument("--prompt", help="prompt text, sent through the model's chat template (see --raw)")
+    pr.add_argument("--prompt-ids", help="prompt as comma-separated token ids, as they are")
+    pr.add_argument(
+        "--raw",
+        action="store_true",
+        help="plain continuation: the prompt text as it is, without the chat template (the default for a model "
+        "that has none)",
+    )
+    pr.add_argument("--chat", action="store_true", help="the chat template (the default now; kept for scripts)")
+    pr.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    O.add_sampling_args(
+        gs["sampling"], f"most new tokens (default {DEFAULT_NEW_TOKENS}); refused beyond the room the context leaves"
+    )
+    gs["workers"].add_argument(
         "--mode",
         choices=("structural", "masked"),
         default="structural",
         help="masked: workers see only one-time-pad-masked data (--workers A+B or A+B1+...+Bk; docs/masked.md)",
     )
-    g.add_argument(
+    O.add_engine_args(gs)
+    gs["audit"].add_argument(
         "--audit-dir",
         metavar="DIR",
         help="masked mode: every rank logs its transfers, the client every product check, into DIR "
-        "(then `fusion audit verify DIR`)",
+        "(then `fusion audit verify DIR`; default: no log)",
     )
+    O.add_logging_args(gs["logging"])
     g.set_defaults(func=cmd_generate)
 
     pl = sub.add_parser("plan", help="print the sharding plan as JSON")
-    pl.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    pl.add_argument("--workers", type=O.workers_arg, required=True, help="N, or A+B (A+B1+...+Bk) with --mode masked")
-    pl.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
+    pl.add_argument("--model", help=O.MODEL_HELP)
     pl.add_argument(
-        "--mode", choices=("structural", "masked"), default="structural", help="whose plan (default structural)"
+        "--workers",
+        type=O.workers_arg,
+        default=2,
+        help="N, or A+B (A+B1+...+Bk) with --mode masked (default 2, as generate)",
     )
+    pl.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1 (default: equal shares)")
+    pl.add_argument("--mode", choices=("structural", "masked"), default="structural", help="whose plan")
     pl.add_argument(
         "--picture",
         metavar="FILE",
@@ -246,16 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     w = sub.add_parser("worker", help="run one worker: join a client (--topology FILE --key FILE, or --master)")
-    O.add_worker_args(w)
+    O.add_worker_args(help_groups(w, "workers", "network", "audit", "logging", "testing"))
     w.set_defaults(func=cmd_worker)
 
     k = sub.add_parser("keys", help="participant key pairs: `keys new FILE`, `keys show FILE`")
-    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    ksub = k.add_subparsers(dest="keys_cmd")
     kn = ksub.add_parser("new", help="write a new key file (mode 0600) and print its public line")
     kn.add_argument("path")
+    kn.set_defaults(func=cmd_keys)
     ks = ksub.add_parser("show", help="print a key file's public line")
     ks.add_argument("path")
-    k.set_defaults(func=cmd_keys)
+    ks.set_defaults(func=cmd_keys)
 
     from ..audit.cli import add_audit_parser
     from ..bench.run import add_parser as add_bench_parser
@@ -273,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = a.func
-    prefix = f"fusion {a.cmd}" + (f" (rank {a.rank})" if a.cmd == "worker" and getattr(a, "rank", None) else "")
+    prefix = "fusion" + (f" {a.cmd}" if a.cmd else "")
+    prefix += f" (rank {a.rank})" if a.cmd == "worker" and getattr(a, "rank", None) else ""
     try:
         return func(a)
     except FusionError as e:
-        print(f"{prefix}: error: {e}", file=sys.stderr)
+        logs.error_line(prefix, str(e))
         return e.exit_code
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
@@ -286,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FUSION_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"{prefix}: error: {type(e).__name__}: {first}", file=sys.stderr)
+        logs.error_line(prefix, f"{type(e).__name__}: {first}")
         return 1
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from ..errors import FusionError, UsageError
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from ..runtime.engine_options import EngineOptions
 from ..runtime.topology import GROUP_NAME, Topology, check_here
+from .logs import engine_notice
+from .parser import StoreFlag
 
 # ---- values ----
 
@@ -76,7 +79,7 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_deprecated_alias(p: argparse.ArgumentParser, old: str, successor: str, **kw: Any) -> None:
+def add_deprecated_alias(p: Any, old: str, successor: str, **kw: Any) -> None:
     """`old` as a hidden alias of the flag `successor` (already added, with the same `type`/`choices`
     in `kw`): a script that still says `old` runs as before, warned."""
     dest = successor.lstrip("-").replace("-", "_")
@@ -118,81 +121,120 @@ def load_key(path: str | None) -> Identity | None:
 # ---- engine (client side) ----
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument(
+MODEL_HELP = "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)"
+
+
+def add_engine_args(g: dict[str, Any]) -> None:
+    """The client's flags shared by generate, serve and chat, in their help groups (parser.help_groups:
+    "workers", "network", "recovery", "speculative"). A new flag is one line in its group."""
+    w, net, rec = g["workers"], g["network"], g["recovery"]
+    w.add_argument("--model", help=MODEL_HELP)
+    w.add_argument(
         "--workers",
         type=workers_arg,
         help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked",
     )
-    p.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1")
-    p.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
-    p.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
-    p.add_argument(
+    w.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1 (default: equal shares)")
+    w.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
+    w.add_argument("--threads", type=int, help="torch threads per local worker (default: cores / workers, >= 1)")
+    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
+    net.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
+    net.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
+    net.add_argument(
         "--master", help="HOST:PORT to listen at for separately started workers (needs --insecure without a topology)"
     )
-    p.add_argument(
+    net.add_argument(
         "--insecure",
         action="store_true",
         help="plaintext links and unauthenticated workers: only on a network you trust",
     )
-    p.add_argument(
+    net.add_argument(
         "--comm-backend",
         choices=COMM_BACKENDS,
         default=None,
-        help="what carries the job's messages: tls (default): authenticated, encrypted links; tcp: plaintext "
-        "(--insecure); gloo / nccl: torch.distributed among local workers; mpi: MPI shared memory among local "
-        "workers (the [mpi] extra)",
+        help="what carries the job's messages: tls (default; with --device cuda among local workers: nccl): "
+        "authenticated, encrypted links; tcp: plaintext (--insecure); gloo / nccl: torch.distributed among local "
+        "workers; mpi: MPI shared memory among local workers (the [mpi] extra)",
     )
-    add_deprecated_alias(p, "--engine", "--comm-backend", choices=COMM_BACKENDS)
-    p.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
-    p.add_argument("--threads", type=int, help="torch threads per local worker")
-    p.add_argument(
+    add_deprecated_alias(net, "--engine", "--comm-backend", choices=COMM_BACKENDS)
+    net.add_argument(
         "--timeout", type=float, default=120.0, help="bound on every wait for a worker, seconds (default 120)"
     )
-    p.add_argument(
+    net.add_argument(
         "--join-timeout",
         type=float,
         default=120.0,
         help="bound on start-up (workers joining and loading), seconds (default 120)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
-    p.add_argument(
+    rec.add_argument(
         "--standby",
         type=int,
         default=0,
         help="local spare workers that replace a lost one (masked mode: per group); default 0",
     )
-    p.add_argument(
+    rec.add_argument(
         "--min-workers",
         type=int,
         default=None,
         help="never continue with fewer workers than this after a loss (default 2)",
     )
-    p.add_argument(
+    rec.add_argument(
         "--liveness",
         type=float,
         default=5.0,
         help="a worker silent this long (no heartbeat) has failed, seconds (default 5)",
     )
-    p.add_argument(
+    rec.add_argument(
         "--step-deadline-factor",
         type=float,
         default=DEFAULT_FACTOR,
         help="a step's deadline is this many times the median of healthy steps of its size; workers that "
         f"keep steps over it are judged by their accounts (default {DEFAULT_FACTOR:g}; 0: no step bound)",
     )
-    p.add_argument(
+    rec.add_argument(
         "--step-deadline-min",
         type=float,
         default=DEFAULT_MIN_S,
         help=f"a step's deadline is never under this many seconds (default {DEFAULT_MIN_S:g})",
     )
-    p.add_argument("--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering")
-    add_speculative_args(p)
+    rec.add_argument(
+        "--no-recover", action="store_true", help="on a lost worker, fail the request instead of recovering"
+    )
+    add_speculative_args(g["speculative"])
 
 
-def add_speculative_args(p: argparse.ArgumentParser) -> None:
+# The reply's length limit has one name in generate, chat and serve: --max-tokens, after the request
+# field of OpenAI's API and vLLM (max_tokens), which `fusion serve` takes and `fusion chat` sends;
+# --max-new-tokens (transformers' generate() name, and this command's until now) stays an alias.
+MAX_TOKENS_FLAGS = ("--max-tokens", "--max-new-tokens")
+
+
+def add_sampling_args(s: Any, max_tokens_help: str) -> None:
+    """--max-tokens and the sampling parameters (generate and chat), in the "sampling" group."""
+    s.add_argument(*MAX_TOKENS_FLAGS, dest="max_tokens", type=int, metavar="K", action=StoreFlag, help=max_tokens_help)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (default 0: all)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: all)")
+    s.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run)")
+
+
+def add_logging_args(g: Any) -> None:
+    """--quiet and --log-format (worker, serve, generate): what they write on stderr (cli/logs.py)."""
+    g.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress and no log lines on stderr, only warnings and errors",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text: one line per event, timestamped off a terminal; json: one JSON object per line, for "
+        "log collectors (default text)",
+    )
+
+
+def add_speculative_args(p: Any) -> None:
     """Speculative decoding on the client (generation/speculative.py), in vLLM's words."""
     from ..generation.speculative_config import METHODS
 
@@ -200,9 +242,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         metavar="METHOD",
         help=f"speculative decoding: {' or '.join(METHODS)} (drafts proposed on this machine, verified by one "
-        "sharded forward: the same tokens in fewer rounds; docs/speculative.md)",
+        "sharded forward: the same tokens in fewer rounds; default: off)",
     )
-    p.add_argument("--draft-model", help="a small model of the same vocabulary that proposes drafts (HF dir or GGUF)")
+    p.add_argument(
+        "--draft-model",
+        help="a small model of the same vocabulary that proposes drafts (HF dir or GGUF; default: none)",
+    )
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -315,6 +360,7 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
             caps = capacities(a.capacity)
         opts = EngineOptions(n_workers=n, capacities=caps, **common)
     opts.check()  # UsageError (exit 2) naming the flag to change
+    opts.log = engine_notice(logging.getLogger("fusion_compute.engine"))  # logs.py: timestamped off a terminal
     if opts.insecure:
         opts.log(
             "warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
@@ -346,37 +392,49 @@ def tokenizer_for(path: Path, src: Any, needed: bool) -> Any:
 # ---- worker ----
 
 
-def add_worker_args(w: argparse.ArgumentParser) -> None:
-    w.add_argument("--model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    w.add_argument("--topology", help="TOML topology file: this worker finds itself in it by its --key")
-    w.add_argument("--key", help="this worker's key file (- reads it from stdin)")
-    w.add_argument("--master", help="the client's HOST:PORT (without a topology)")
-    w.add_argument("--client-key", help="the client's public key line (without a topology)")
-    w.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
-    w.add_argument("--rank", type=int, help="claim this rank (checked by the client; required with --insecure)")
-    w.add_argument(
+def add_worker_args(g: dict[str, Any]) -> None:
+    """`fusion worker`'s flags in their help groups ("workers", "network", "audit", "logging", "testing")."""
+    w, net = g["workers"], g["network"]
+    w.add_argument("--model", help=MODEL_HELP)
+    w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda")
+    net.add_argument("--topology", help="TOML topology file: this worker finds itself in it by its --key")
+    net.add_argument("--key", help="this worker's key file (- reads it from stdin)")
+    net.add_argument("--master", help="the client's HOST:PORT (without a topology)")
+    net.add_argument("--client-key", help="the client's public key line (without a topology)")
+    net.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
+    net.add_argument("--rank", type=int, help="claim this rank (checked by the client; required with --insecure)")
+    net.add_argument(
         "--group", type=group_arg, help="masked mode: claim this group, A, B or B1..Bk (checked by the client)"
     )
-    w.add_argument(
+    net.add_argument(
+        "--timeout", type=float, default=120.0, help="bound on every wait for a peer, seconds (default 120)"
+    )
+    net.add_argument(
+        "--join-timeout",
+        type=float,
+        default=120.0,
+        help="bound on reaching and joining the client, seconds: then it gives up (default 120)",
+    )
+    g["audit"].add_argument("--audit-dir", help="record this worker's audit log into DIR (default: none)")
+    log = g["logging"]
+    log.add_argument(
         "--progress",
         choices=("auto", "bar", "lines", "off"),
         default="auto",
-        help="load progress on stderr: auto = a bar on a terminal, else nothing",
+        help="load progress on stderr: auto = a bar on a terminal, else nothing (default auto)",
     )
-    w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
-    w.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a peer, seconds")
-    w.add_argument("--join-timeout", type=float, default=120.0, help="bound on joining the client, seconds")
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
-    w.add_argument(
+    add_logging_args(log)
+    t = g["testing"]
+    t.add_argument(
         "--inject-leak",
         help="audit negative control: gather@LAYER | silent-gather@LAYER | rs-allreduce | keep-slots | stale-rollback (masked: a-to-b)",
     )
-    w.add_argument(
+    t.add_argument(
         "--inject-fault",
         help="tests only: close-mid-message@STEP, nan-egress@STEP, hello-fingerprint@1, never-join@N, cut-peer@N, slow-rs@N, drag-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
     )
-    w.add_argument(
+    t.add_argument(
         "--variant",
         choices=("sharded", "megatron"),
         default="sharded",

@@ -10,7 +10,6 @@ imported only when `fusion serve` runs, not by every `fusion` command.
 from __future__ import annotations
 
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +26,13 @@ LISTEN_BACKLOG = 128
 
 
 def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway (the client role) over sharded workers")
-    add_engine(s)
-    s.add_argument(
+    from .options import MAX_TOKENS_FLAGS, add_logging_args
+    from .parser import help_groups
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP gateway (the client role) over sharded workers")
+    g = help_groups(p, "serving", "workers", "network", "recovery", "speculative", "logging")
+    s = g["serving"]
+    g["workers"].add_argument(
         "--mode",
         choices=("structural", "masked"),
         default="structural",
@@ -39,7 +42,12 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     s.add_argument("--served-model-name", help="model id for the API (default: the model file or directory name)")
     s.add_argument(
-        "--max-tokens", type=int, help=f"default max_tokens when a request names none (default {DEFAULT_MAX_TOKENS})"
+        *MAX_TOKENS_FLAGS,
+        dest="max_tokens",
+        type=int,
+        metavar="K",
+        help=f"max_tokens of a request that names none (default {DEFAULT_MAX_TOKENS}, capped by the room its "
+        "prompt leaves in the context)",
     )
     s.add_argument(
         "--max-queue",
@@ -67,7 +75,9 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
         help="seconds for a request's headers to arrive, then for its body (default %(default)g)",
     )
     s.add_argument("--api-key", help="require Authorization: Bearer KEY (default: none, as befits 127.0.0.1)")
-    s.set_defaults(func=cmd_serve)
+    add_engine(g)
+    add_logging_args(g["logging"])
+    p.set_defaults(func=cmd_serve)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -96,10 +106,17 @@ def cmd_serve(a: Any) -> int:
 
     from ..serving.api_server import create_app, run_http, wrap
     from ..serving.http_limits import printable
+    from . import logs
+
+    logger = logs.setup("fusion serve", quiet=a.quiet, fmt=a.log_format)  # timestamped off a terminal
 
     def log(line: str) -> None:
-        sys.stderr.write(printable(line) + "\n")
-        sys.stderr.flush()
+        # The serving modules name the program in their lines; the log's format names it now.
+        text = printable(line).removeprefix("fusion serve: ")
+        if text.startswith("warning: "):
+            logger.warning(text.removeprefix("warning: "))
+        else:
+            logger.info(text)
 
     # Bind first: a busy port fails in a second, not after the workers have loaded.
     try:

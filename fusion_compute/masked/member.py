@@ -18,10 +18,17 @@ from .plan import make_masked_plan
 
 
 def run_member(
-    src: WeightSource, welcome: dict, rank: int, links: dict, o: Any, keep: Callable[[Any], None] = lambda log: None
+    src: WeightSource,
+    welcome: dict,
+    rank: int,
+    links: dict,
+    o: Any,
+    keep: Callable[[Any], None] = lambda log: None,
+    counting: Callable[[WeightSource, int], WeightSource] = lambda src, total: src,
 ) -> None:
     """A masked worker process after joining: `welcome` names the group sizes; `o` is
-    worker.WorkerOptions; `keep` is handed the audit log (the process flushes it if it must exit)."""
+    worker.WorkerOptions; `keep` is handed the audit log (the process flushes it if it must exit);
+    `counting(src, total)` wraps the weight source to report load progress (progress.CountingSource)."""
     from .audit import AuditLog
     from .ring import limit_blas_threads
 
@@ -30,7 +37,10 @@ def run_member(
     if fault is not None and not fault.lie:
         raise UsageError(f"--inject-fault {o.inject_fault}: a masked worker knows only the lie-* faults")
     limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
-    group = make_masked_plan(src.config, sizes[0], sizes[1:], 8).group_of(rank)[0] if rank <= sum(sizes) else None
+    plan = make_masked_plan(src.config, sizes[0], sizes[1:], 8)  # the limb width changes no row counts
+    group = plan.group_of(rank)[0] if rank <= sum(sizes) else None
+    if group is not None:
+        src = counting(src, plan.weight_elements(*plan.group_of(rank)))
     epoch = int(welcome.get("epoch") or 0)
     audit = AuditLog(o.audit_dir, rank, "worker", group, sizes, epoch=epoch) if o.audit_dir else None
     if audit is not None:

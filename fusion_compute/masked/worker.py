@@ -14,6 +14,7 @@ layer is done so A and B run side by side.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -91,6 +92,10 @@ class MaskedWorker:
         load_ms = int((time.perf_counter() - t0) * 1000)
         c.send(torch.tensor([1, mine, load_ms, _rss_kb()]), 0, P.KIND_CONTROL, "hello")
         c.send(self.weights.meta.contiguous(), 0, P.KIND_META, "meta")
+        logging.getLogger(__name__).info(
+            f"ready: group {self.group} member {self.member} of plan {self.plan.fingerprint()}, its rows loaded in "
+            f"{load_ms / 1000:.1f} s, RSS {_rss_kb() / 1024:.0f} MiB"
+        )
         return mask_kind
 
     def serve(self) -> None:

@@ -410,6 +410,7 @@ class EngineBase(Membership):
             opts.device,
         ]
         args += ["--client-key", me.public.line(), "--key", "-"] if me is not None else ["--insecure"]
+        args += ["--quiet"]  # this client logs for its workers; their log files keep their errors and warnings
         if opts.progress is not None:
             args += ["--progress", "lines"]  # workers report load progress into their logs
         args += self.worker_args()

@@ -108,7 +108,10 @@ class CountingSource:
 
 
 def worker_elements(plan: Any, w: int) -> int:
-    """fp32 weight elements worker w holds, all layers (the plan's per-layer count times layers)."""
+    """fp32 weight elements worker w (0-based; rank w + 1) reads, all layers: a structural plan's
+    per-layer count times layers, or a masked plan's member's rows (masked/plan.py)."""
+    if hasattr(plan, "group_of"):  # masked.plan.MaskedPlan
+        return plan.weight_elements(*plan.group_of(w + 1))
     return plan.weight_elements(w) * plan.config.n_layers
 
 
@@ -241,15 +244,51 @@ LINKS = {
 }
 
 
+def _masked_lines(engine: Any, topology: Any) -> list[str]:
+    """The masked mode's start-up log: which group each worker is in, what it holds, its memory."""
+    plan = engine.plan
+    info = {i["rank"]: i for i in getattr(engine, "worker_info", [])}
+    pids = engine.procs.pids if getattr(engine, "procs", None) is not None else []
+    masks = ", ".join(f"{g} ({len(plan.ranks(g))})" for g in plan.mask_groups)
+    lines = [
+        f"fusion: masked plan {plan.fingerprint()}: group A ({len(plan.ranks('A'))}) multiplies one-time-pad-masked "
+        f"inputs, mask group{'s' if len(plan.mask_groups) > 1 else ''} {masks} multiply the masks; the client does "
+        "every nonlinear step and keeps the KV cache"
+    ]
+    opts = getattr(engine, "opts", None)
+    if opts is not None:
+        lines.append(f"fusion: links: {LINKS.get(opts.comm_backend, opts.comm_backend)}")
+    for rank in range(1, plan.n + 1):
+        g, m = plan.group_of(rank)
+        where = f"pid {pids[rank - 1]}" if rank - 1 < len(pids) else "remote"
+        if topology is not None:
+            p = topology.participant(rank)
+            where = f"{p.name + ' ' if p.name else ''}{p.host}" + (f", key {p.key.fingerprint}" if p.key else "")
+        i = info.get(rank, {})
+        rss = f"{i['peak_rss_mb']:.0f} MiB" if "peak_rss_mb" in i else "?"
+        load = f"{i['load_s']:.1f} s" if "load_s" in i else "?"
+        lines.append(
+            f"  worker {rank} ({where}): group {g} member {m}, weight rows {worker_elements(plan, rank - 1) * 4 / MIB:.1f} "
+            f"MiB as read, peak RSS {rss}, loaded in {load}"
+        )
+    lines.append("  client (this process): tokenizer, embedding, norms, LM head, KV cache, sampling, product checks")
+    return lines
+
+
 def startup_lines(engine: Any, topology: Any = None) -> list[str]:
     """Who holds what share and how much memory each worker uses, one line per worker."""
     plan, c = engine.plan, engine.config
+    head = (
+        f"fusion: model {engine.model_path.name} ({c.arch}, {c.n_layers} layers, hidden {c.hidden}, "
+        f"{c.n_heads} heads / {c.n_kv_heads} KV heads), context {engine.context} tokens per session"
+    )
+    if hasattr(plan, "group_of"):  # masked.plan.MaskedPlan
+        return [head, *_masked_lines(engine, topology)]
     info = {i["rank"]: i for i in getattr(engine, "worker_info", [])}
     pids = engine.procs.pids if getattr(engine, "procs", None) is not None else []
     kv_total = c.n_kv_heads * c.head_dim
     lines = [
-        f"fusion: model {engine.model_path.name} ({c.arch}, {c.n_layers} layers, hidden {c.hidden}, "
-        f"{c.n_heads} heads / {c.n_kv_heads} KV heads), context {engine.context} tokens per session",
+        head,
         f"fusion: plan {plan.fingerprint()}: {plan.n} worker{'s' if plan.n != 1 else ''}"
         + (
             ", no worker holds the residual, q/k/v, MLP activations or KV cache whole"

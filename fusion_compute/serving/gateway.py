@@ -21,6 +21,7 @@ and `audit`, which says `checked: false` and why.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -414,7 +415,7 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
     from ..cli.options import engine_options, speculative_config, speculator_for, tokenizer_for
     from ..errors import UsageError
     from ..runtime.engine_options import effective_context
-    from ..runtime.progress import is_tty, load_monitor, log_startup
+    from ..runtime.progress import is_tty, load_monitor, log_startup, startup_lines
     from ..weights.loader import open_weights, resolve_model_path
 
     stderr = stderr or sys.stderr
@@ -430,18 +431,24 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
     if tok is None:
         raise UsageError(f"{path}: no tokenizer, which serving text needs")
     context = effective_context(src.config.max_positions, a.context)
+    if max_tokens is not None and max_tokens >= context:  # no prompt could leave that much room
+        raise UsageError(
+            f"--max-tokens {max_tokens} cannot fit the context window of {context} tokens with any prompt "
+            f"(the model's window is {src.config.max_positions}; --context sets it)"
+        )
     speculator = speculator_for(spec, src.config, context)  # the draft model loads before any worker starts
     if masked:
-        from ..masked.client import MaskedEngine
-
-        engine = MaskedEngine(path, opts, source=src)
+        from ..masked.client import MaskedEngine as Engine  # the same start-up as the structural Engine
     else:
         from ..structural.client import Engine
-
-        opts.progress = load_monitor(stderr)
-        engine = Engine(path, opts, source=src)
-        if always_log or is_tty(stderr):
-            log_startup(engine, stderr, opts.topology)
+    quiet = getattr(a, "quiet", False)
+    opts.progress = None if quiet else load_monitor(stderr)
+    engine = Engine(path, opts, source=src)
+    if is_tty(stderr) and not quiet:
+        log_startup(engine, stderr, opts.topology)  # the table, on a terminal
+    elif always_log:  # a service's log (cli/logs.py: timestamped lines off a terminal)
+        for line in startup_lines(engine, opts.topology):
+            logging.getLogger(__name__).info(line.removeprefix("fusion: "))
     name = getattr(a, "served_model_name", None) or model_id(path)
     card = ModelCard(
         id=name,

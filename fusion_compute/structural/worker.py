@@ -9,11 +9,11 @@ keys, unless the user asked for --insecure.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import resource
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +30,8 @@ from .ops import Span
 from .plan import Plan, make_plan
 from .protocol import CONTROL_LEN, MAX_SLOTS, Op, fingerprint_int
 from .sharded import ShardedModel
+
+_log = logging.getLogger(__name__)  # what the worker says it does: cli/logs.py formats it
 
 
 @dataclass
@@ -50,7 +52,7 @@ class WorkerOptions:
     inject_leak: str | None = None
     inject_fault: str | None = None  # tests only: faults.py
     variant: str = "sharded"
-    log: Callable[[str], None] = lambda line: sys.stderr.write(f"fusion worker: {line}\n")
+    log: Callable[[str], None] = _log.warning  # refused connections, epochs that ended or did not open
 
 
 class Worker:
@@ -78,11 +80,13 @@ class Worker:
             self._cut()  # a wait on a peer that will never answer ends now
         if "revoke" in word:
             self.wipe()
+            _log.info("revoked by the client: shards wiped")
         self.words.put(word)
 
     def on_client_gone(self) -> None:
         """The client's pulse link closed: the job is over for this worker, whatever it was doing."""
         self.wipe()
+        _log.info("the client's link closed: shards wiped, leaving")
         for log in self.audit_logs:  # what it recorded so far is the audit's (a revoked worker's too)
             try:
                 log.flush()
@@ -118,7 +122,7 @@ class Worker:
             if welcome.get("mode") == "masked":
                 from ..masked.member import run_member
 
-                run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append)
+                run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append, counting=self.counting)
                 return True
             plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
             audit = None
@@ -172,6 +176,12 @@ class Worker:
             with self._links_lock:
                 self.links = {}
 
+    def counting(self, src: WeightSource, total: int) -> CountingSource:
+        """`src`, counting what this worker reads of its `total` elements for its load progress."""
+        return CountingSource(
+            src, total, lambda done, total: self.report.phase("ready" if done >= total else "load", done, total)
+        )
+
     def model_for(self, plan: Plan, w: int, comm: Comm, variant: str) -> ShardedModel:
         """This epoch's model: the loaded one when plan and rank are unchanged (a replaced peer, a
         new session), else its new slices read from the weights file."""
@@ -182,11 +192,7 @@ class Worker:
         if self.model is not None:
             self.model.wipe()
         self.model = self.model_key = None
-        src = CountingSource(
-            self.src,
-            worker_elements(plan, w),
-            lambda done, total: self.report.phase("ready" if done >= total else "load", done, total),
-        )
+        src = self.counting(self.src, worker_elements(plan, w))
         if variant == "megatron":
             from .megatron import MegatronModel
 
@@ -211,7 +217,12 @@ def run(o: WorkerOptions) -> None:
         parse_leak(o.inject_leak, src.config.n_layers)  # a bad spec fails before joining
     report.phase("join")
     cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
+    _log.info(
+        f"{src.config.arch} model opened; waiting for the client at {o.master[0]}:{o.master[1]} "
+        f"(gives up after {o.join_timeout_s:g} s, --join-timeout)"
+    )
     welcome, links = join_epoch(cred, None, time.monotonic() + o.join_timeout_s, o.log)
+    _joined(welcome)
     me = Worker(o, src, report)
     join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
     pulse = Pulse(
@@ -225,6 +236,7 @@ def run(o: WorkerOptions) -> None:
             if welcome is not None and not welcome.get("standby"):
                 try:
                     if me.serve_epoch(welcome, links):
+                        _log.info("the client ended the job: shards wiped, leaving")
                         return
                 except CommError as e:  # a peer died or the client aborted the epoch: wait for its word
                     o.log(f"epoch {welcome.get('epoch')} ended: {e}")
@@ -235,15 +247,27 @@ def run(o: WorkerOptions) -> None:
             while "abort" in word:  # already acted on (links cut); the next word says what comes next
                 word = me.words.get()
             if "join" not in word:  # stop, or revoke: the job is over for this worker
+                _log.info("revoked: leaving" if "revoke" in word else "the client ended the job: leaving")
                 return
             try:
                 welcome, links = join(cred, int(word["join"]), time.monotonic() + o.join_timeout_s, o.log)
+                _joined(welcome)
             except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
                 o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
                 welcome, links = None, {}
     finally:
         me.wipe()
         pulse.close()
+
+
+def _joined(welcome: dict) -> None:
+    if welcome.get("standby"):
+        _log.info(f"admitted as a standby (participant {welcome.get('pid')}): waiting to be called in")
+    else:
+        _log.info(
+            f"joined epoch {welcome.get('epoch') or 0} as rank {welcome.get('rank')} of {welcome.get('n_workers')} "
+            f"({welcome.get('mode') or 'structural'} mode, participant {welcome.get('pid')})"
+        )
 
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
@@ -275,6 +299,9 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
     load_ms = int((time.perf_counter() - t0) * 1000)
     comm.send(torch.tensor([1, mine, load_ms, rss_kb()]), 0, "control", "hello")
+    _log.info(
+        f"ready: plan {plan.fingerprint()}, its share loaded in {load_ms / 1000:.1f} s, RSS {rss_kb() / 1024:.0f} MiB"
+    )
     n_res = plan.workers[w].n_residual
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
