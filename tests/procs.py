@@ -7,6 +7,7 @@ differs, and which tests start `python -m fusion_compute` (FUSION) as a fresh pr
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ import forkserver
 from fusion_compute.runtime.launch import terminate_all
 
 FUSION = [sys.executable, "-m", "fusion_compute"]
+# A `fusion` log line off a terminal (cli/logs.py): a UTC timestamp, then the program's name.
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z fusion[ a-z]*: ")
 
 
 def fusion(*args: str, **kw) -> forkserver.ForkedCommand:

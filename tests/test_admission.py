@@ -12,7 +12,7 @@ import json
 import time
 
 import pytest
-from procs import fusion, reap
+from procs import LOG_LINE, fusion, reap
 from test_topology import keys, topo_text, write_keys
 
 from fusion_compute.comm import Identity, free_port
@@ -101,7 +101,9 @@ def test_rogues_are_refused_and_the_run_proceeds(tiny_qwen2, tmp_path):
     assert (
         f"key {ids[2].public.fingerprint}] presented itself as rank 1, but the roster lists its key as rank 2" in text
     )
-    # Each rogue got one line and a non-zero exit, and never a WELCOME (so never a byte of state).
+    # Each rogue got one error line (after its log's timestamped lines: what it waited for) and a non-zero
+    # exit, and never a WELCOME (so never a byte of state).
+    u_err, r_err = ("\n".join(ln for ln in e.splitlines() if not LOG_LINE.match(ln)) for e in (u_err, r_err))
     assert unlisted.returncode != 0 and len(u_err.strip().splitlines()) == 1, u_err
     assert "TLS handshake with the client" in u_err or "did not admit this worker" in u_err, u_err
     assert (

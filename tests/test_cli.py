@@ -12,12 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import children, fusion, run, worker_pids
+from procs import LOG_LINE, children, fusion, run, worker_pids
 
 from fusion_compute.comm import free_port
-
-# A log line off a terminal (cli/logs.py): a UTC timestamp, then the program's name.
-LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z fusion[ a-z]*: ")
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, needle: str) -> None:

@@ -220,3 +220,15 @@ def test_bench_names_its_extra_before_starting(monkeypatch, capsys, tmp_path):
     assert time.monotonic() - t0 < 5 and not (tmp_path / "b").exists()  # refused before anything ran
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
     assert [re.split("[<>=]", x)[0] for x in extras] == ["transformers", "accelerate", "matplotlib"]
+
+
+@pytest.mark.slow  # builds a model with transformers: about 4 s
+def test_chat_and_serve_refuse_a_limit_beyond_the_context_before_any_worker(tmp_path, capsys):
+    from test_serve import build_chat_model
+
+    model = str(build_chat_model(tmp_path / "m"))  # context 256
+    capsys.readouterr()  # (transformers' progress while the model was written)
+    for cmd in (["chat"], ["serve", "--port", "0"]):
+        assert main([*cmd, "--model", model, "--max-tokens", "256"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--max-tokens 256 cannot fit the context window of 256 tokens" in err[0], err

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import fusion, reap, run
+from procs import LOG_LINE, fusion, reap, run
 from test_serve import build_chat_model
 
 from fusion_compute.comm import Identity, free_port
@@ -221,11 +221,13 @@ def test_generate_with_topology_and_separate_workers(tiny_qwen2, tmp_path):
     try:
         out, err = client.communicate(timeout=120)
         assert client.returncode == 0, err
-        assert err == ""  # stderr not a terminal: no bars, no start-up log
+        # stderr not a terminal: no bars, no control codes, only timestamped log lines (cli/logs.py)
+        assert err and "\x1b" not in err and all(LOG_LINE.match(ln) for ln in err.splitlines()), err
         for w in workers:
             w.wait(timeout=30)
-            assert w.returncode == 0, w.stderr.read()
-            assert w.stderr.read() == ""  # not a terminal: no progress output
+            said = w.stderr.read()
+            assert w.returncode == 0, said
+            assert "\x1b" not in said and all(LOG_LINE.match(ln) for ln in said.splitlines()), said
     finally:
         reap([client, *workers])
     res = json.loads(out)

@@ -63,6 +63,7 @@ class WorkerReporter:
         self.label = label
         self._last = (None, -1)
         self._t = 0.0
+        self._open = False  # a bar is drawn on the current line (no newline after it yet)
 
     def phase(self, phase: str, done: int = 0, total: int = 0) -> None:
         if self.mode == "off":
@@ -82,7 +83,15 @@ class WorkerReporter:
             self.stream.write(
                 f"\r\x1b[2K{self.label}: {_PHASE_TEXT.get(phase, phase):<18} [{_bar(pct / 100)}] {pct:3d}%{size}{end}"
             )
+            self._open = not end
         self.stream.flush()
+
+    def end_line(self) -> None:
+        """Before a log line on the same terminal: end the bar's line, so the log starts on its own."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
 
 
 class CountingSource:

@@ -217,11 +217,13 @@ def run(o: WorkerOptions) -> None:
         parse_leak(o.inject_leak, src.config.n_layers)  # a bad spec fails before joining
     report.phase("join")
     cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
+    report.end_line()
     _log.info(
         f"{src.config.arch} model opened; waiting for the client at {o.master[0]}:{o.master[1]} "
         f"(gives up after {o.join_timeout_s:g} s, --join-timeout)"
     )
     welcome, links = join_epoch(cred, None, time.monotonic() + o.join_timeout_s, o.log)
+    report.end_line()
     _joined(welcome)
     me = Worker(o, src, report)
     join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
@@ -251,6 +253,7 @@ def run(o: WorkerOptions) -> None:
                 return
             try:
                 welcome, links = join(cred, int(word["join"]), time.monotonic() + o.join_timeout_s, o.log)
+                report.end_line()
                 _joined(welcome)
             except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
                 o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
