@@ -261,7 +261,8 @@ def _masked_lines(engine: Any, topology: Any) -> list[str]:
     masks = ", ".join(f"{g} ({len(plan.ranks(g))})" for g in plan.mask_groups)
     lines = [
         f"fusion: masked plan {plan.fingerprint()}: group A ({len(plan.ranks('A'))}) multiplies one-time-pad-masked "
-        f"inputs, mask group{'s' if len(plan.mask_groups) > 1 else ''} {masks} multiply the masks; the client does "
+        f"inputs, mask group{'s' if len(plan.mask_groups) > 1 else ''} {masks} "
+        f"multipl{'y' if len(plan.mask_groups) > 1 else 'ies'} the masks; the client does "
         "every nonlinear step and keeps the KV cache"
     ]
     opts = getattr(engine, "opts", None)
