@@ -72,8 +72,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     # Validate before any worker starts: bad input never costs a spawn.
     context = effective_context(src.config.max_positions, a.context)
     check_prompt(ids, src.config.vocab, context, 1)
-    max_tokens = new_tokens_limit(a.max_tokens, max_flag, len(ids), context, src.config.max_positions, log)
     speculator = O.speculator_for(spec, src.config, context)  # the draft model loads (and is checked) here
+    max_tokens = new_tokens_limit(a.max_tokens, max_flag, len(ids), context, src.config.max_positions, log)
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None
     if masked:
@@ -176,7 +176,9 @@ def new_tokens_limit(requested: int | None, flag: str, n_prompt: int, context: i
     room = context - n_prompt
     if requested is None:
         if room < DEFAULT_NEW_TOKENS:
-            log.warning(f"at most {room} new tokens: the prompt's {n_prompt} fill the rest of the {context} context")
+            log.warning(
+                f"at most {room} new tokens: the prompt's {n_prompt} leave {room} of the {context}-token context"
+            )
         return min(DEFAULT_NEW_TOKENS, room)
     if requested > room:
         more = f" or raise --context (the model's window is {window})" if context < window else ""

@@ -283,7 +283,9 @@ class StreamDecoder:
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return text[len(prefix_text) :].rstrip("\ufffd")
+        # An incomplete last character decodes to one U+FFFD (the decoder replaces each maximal invalid
+        # run once); earlier ones stand for bytes that no later token could have completed: kept.
+        return text[len(prefix_text) :].removesuffix("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special) if ids else ""
