@@ -137,6 +137,8 @@ def test_cli_k_groups_audited_and_verified(tiny_qwen2, tmp_path, capsys):
         str(d),
     )
     assert code == 0, err
+    # off a terminal, the masked start-up log in timestamped lines: each worker's group and member
+    assert "fusion generate: masked plan " in err and "): group B2 member 0, weight rows" in err, err
     j = json.loads(out)
     assert j["groups"] == [1, 1, 1] and j["verified"]["failed"] == 0 and j["verified"]["token_checks"] == (3 + 2) * 12
     code, out, err = _cli(capsys, "audit", "verify", str(d))

@@ -43,7 +43,9 @@ def test_masked_server_answers_like_transformers(tmp_path, max_batch):
 
         def want(messages: list[dict]) -> str:
             ids = reference.greedy(ref, tok.chat_ids(messages), 8, stop_ids=tok.eos_ids)
-            return tok.decode([t for t in ids if t not in tok.eos_ids], skip_special=True)
+            # the answer drops a last character its tokens left incomplete (one U+FFFD in a plain decode),
+            # as vLLM's detokenizer does: this random model's bytes often end mid-character
+            return tok.decode([t for t in ids if t not in tok.eos_ids], skip_special=True).removesuffix("\ufffd")
 
         def ask(text: str):
             messages = [{"role": "user", "content": text}]
