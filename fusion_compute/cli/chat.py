@@ -404,7 +404,8 @@ def _turn(
             bits.append(f"{timing['decode_tokens_per_s']:.1f} tok/s")
         if fusion.get("workers"):
             bits.append(f"{fusion['workers']} workers, {fusion.get('steps', '?')} steps")
-        bits.append("audit " + ("checked" if audit else "not checked"))
+        if audit:  # a live reply is never audited (serving/gateway.py); say nothing unless one was
+            bits.append("audit checked")
         stderr.write("\x1b[2m[" + " · ".join(bits) + "]\x1b[0m\n" if stderr.isatty() else "[" + ", ".join(bits) + "]\n")
         stderr.flush()
     return "".join(parts)
