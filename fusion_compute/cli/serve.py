@@ -1,6 +1,6 @@
 """`fusion serve`: the OpenAI-compatible HTTP gateway, on the user side, from the command line.
 
-The gateway *is* the client role (DESIGN.md §2): text and token ids never leave this machine except
+The gateway *is* the client role (docs/design.md, "Roles"): text and token ids never leave this machine except
 in the HTTP answer to the caller, which is why it binds 127.0.0.1 unless told otherwise. This file
 is the command: its flags, binding the port, starting the workers, and an orderly stop. The core
 is gateway.py (transport-free), the HTTP side api_server.py and http_limits.py; the HTTP stack is
