@@ -103,7 +103,7 @@ def table_of(text: str) -> dict[str, tuple[int, int]]:
 
 def report_table(md: str) -> dict[str, tuple[int, int]]:
     """The same from report.md's "Invariants checked" table ("| chain | 30 | 0 |")."""
-    section = md.split("## Invariants checked", 1)[1].split("\n\n", 2)[1]
+    section = md.split("## Invariants checked", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\w+) \| ([\d,]+) \| (\d+) \|$", section, re.M)
     return {inv: (int(c.replace(",", "")), int(v)) for inv, c, v in rows}
 
