@@ -9,7 +9,8 @@ bash scripts/setup.sh
 # The prompt goes through the model's chat template: by default where `generate` has --raw to opt out,
 # with --chat where it does not.
 chat=()
-if ! $PY -m fusion_compute generate --help | grep -q -- '--raw'; then chat=(--chat); fi
+usage=$("$PY" -m fusion_compute generate --help)
+if [[ "$usage" != *--raw* ]]; then chat=(--chat); fi
 workers=${WORKERS:-3}
 echo "demo.sh: fusion generate --workers $workers: $workers local worker processes each load their slices of" \
   "the model, then the answer prints as it is generated" >&2
