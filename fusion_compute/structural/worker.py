@@ -16,12 +16,26 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
+from ..comm import (
+    Comm,
+    CommError,
+    Credentials,
+    Identity,
+    PeerError,
+    PublicId,
+    Pulse,
+    Witness,
+    farewell_all,
+    join_epoch,
+    open_pulse,
+)
+from ..errors import FusionError
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
@@ -157,7 +171,8 @@ class Worker:
             )
             comm = self.sabotage(comm)
             try:
-                serve(self, plan, rank - 1, comm, audit=audit)
+                with telling_why(links):  # before the links close
+                    serve(self, plan, rank - 1, comm, audit=audit)
                 return True
             finally:
                 comm.close()
@@ -166,6 +181,9 @@ class Worker:
         except PeerError as e:  # the peer whose link failed the epoch: this worker's evidence if asked
             if not e.watched:
                 self.witness.lost_peer(e.rank)
+            raise
+        except Exception as e:  # a failure of its own before the epoch's comm (its fabric): say why
+            farewell_all(links.values(), reason_of(e))
             raise
         finally:
             self.fabric = None
@@ -220,6 +238,7 @@ def run(o: WorkerOptions) -> None:
         me.on_client_gone,
         witness=me.witness,
     )
+    leaving: str | None = None  # why this process ends, when by a failure of its own: the client hears it
     try:
         while True:
             if welcome is not None and not welcome.get("standby"):
@@ -241,9 +260,32 @@ def run(o: WorkerOptions) -> None:
             except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
                 o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
                 welcome, links = None, {}
+    except Exception as e:
+        leaving = reason_of(e)
+        raise
     finally:
         me.wipe()
-        pulse.close()
+        pulse.close(leaving)
+
+
+@contextmanager
+def telling_why(links: dict) -> Iterator[None]:
+    """A failure of the worker's own (not a peer's, not the client's abort: those are PeerErrors)
+    is said on every link of the epoch, client and peers, before it propagates: the client reports
+    the worker's own words, not only that a connection closed (comm/links.py, Link.farewell)."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as e:
+        farewell_all(links.values(), reason_of(e))
+        raise
+
+
+def reason_of(e: BaseException) -> str:
+    """A failure in one line, as `fusion worker` prints it (cli.main): what its farewells say."""
+    first = (str(e).splitlines() or [""])[0]
+    return first if isinstance(e, FusionError) else f"{type(e).__name__}: {first}"
 
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
