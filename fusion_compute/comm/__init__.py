@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
-from .links import farewell_all, wire_bytes
+from .links import farewell_all, farewell_on_failure, reason_of, wire_bytes
 from .liveness import Pulse, Watch, Witness
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
@@ -62,9 +62,11 @@ __all__ = [
     "Watch",
     "Witness",
     "farewell_all",
+    "farewell_on_failure",
     "free_port",
     "join_epoch",
     "open_pulse",
+    "reason_of",
     "wire_bytes",
 ]
 

@@ -36,9 +36,11 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
+from ..errors import FusionError
 from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .identity import Identity, PublicId
 
@@ -369,6 +371,26 @@ def farewell_all(links: Iterable[Link], reason: str, grace_s: float = 1.0) -> No
     for link in links:
         if not link.closed:
             link.farewell(reason, deadline)
+
+
+@contextmanager
+def farewell_on_failure(links: dict[int, Link]) -> Iterator[None]:
+    """A failure of this participant's own inside the block (not a PeerError: a peer's failure or
+    the client's abort) is said on every link of `links` before it propagates, so that the other
+    end reports this participant's own words, not only that a connection closed."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as e:
+        farewell_all(links.values(), reason_of(e))
+        raise
+
+
+def reason_of(e: BaseException) -> str:
+    """A failure in one line, as the `fusion` command prints it (cli.main): what a farewell says."""
+    first = (str(e).splitlines() or [""])[0]
+    return first if isinstance(e, FusionError) else f"{type(e).__name__}: {first}"
 
 
 # ---- establishing a link ----

@@ -16,8 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +31,11 @@ from ..comm import (
     Pulse,
     Witness,
     farewell_all,
+    farewell_on_failure,
     join_epoch,
     open_pulse,
+    reason_of,
 )
-from ..errors import FusionError
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
@@ -171,7 +171,7 @@ class Worker:
             )
             comm = self.sabotage(comm)
             try:
-                with telling_why(links):  # before the links close
+                with farewell_on_failure(links):  # before the links close
                     serve(self, plan, rank - 1, comm, audit=audit)
                 return True
             finally:
@@ -266,26 +266,6 @@ def run(o: WorkerOptions) -> None:
     finally:
         me.wipe()
         pulse.close(leaving)
-
-
-@contextmanager
-def telling_why(links: dict) -> Iterator[None]:
-    """A failure of the worker's own (not a peer's, not the client's abort: those are PeerErrors)
-    is said on every link of the epoch, client and peers, before it propagates: the client reports
-    the worker's own words, not only that a connection closed (comm/links.py, Link.farewell)."""
-    try:
-        yield
-    except PeerError:
-        raise
-    except Exception as e:
-        farewell_all(links.values(), reason_of(e))
-        raise
-
-
-def reason_of(e: BaseException) -> str:
-    """A failure in one line, as `fusion worker` prints it (cli.main): what its farewells say."""
-    first = (str(e).splitlines() or [""])[0]
-    return first if isinstance(e, FusionError) else f"{type(e).__name__}: {first}"
 
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
