@@ -161,3 +161,34 @@ def test_a_pulse_farewell_is_the_watchs_reason():
         assert watch.failed() == {1: "worker 1 exited: RuntimeError: CUDA out of memory"}
     finally:
         watch.close()
+
+
+@pytest.mark.slow
+def test_health_of_a_served_job_says_the_workers_own_words(tmp_path):
+    """`fusion serve`'s path: the request that lost the worker gets 503 with its words, `/health`
+    (Scheduler.health) says degraded with them, and the serve log has them."""
+    from test_serve import build_chat_model, completion, run_job
+
+    from fusion_compute.serving.gateway import Gateway, ModelCard
+    from fusion_compute.weights.tokenizer import load_tokenizer
+
+    chat_model = build_chat_model(tmp_path / "m")
+    tok = load_tokenizer(chat_model)
+    card = ModelCard(id="tiny", tokenizer=tok, context=128, vocab=tok.vocab_size, eos_ids=tok.eos_ids)
+    from fusion_compute.serving.scheduler import Scheduler
+    from fusion_compute.structural.client import Engine, EngineOptions
+
+    faulty = {2: ("--inject-fault", "fail@3")}
+    opts = EngineOptions(n_workers=2, context=128, timeout_s=30, liveness_s=2.0, args_for_worker=faulty)
+    logged: list[str] = []
+    scheduler = Scheduler(Gateway(Engine(chat_model, opts), card), log=logged.append)
+    try:
+        kind, error = run_job(scheduler, completion({"model": "tiny", "prompt": [1, 2], "max_tokens": 8}, card), 60)
+        said = "RuntimeError: fault fail@3: this worker's own error at its forward"
+        assert (kind, error.status) == ("error", 503) and said in error.message, error.message
+        status, why = scheduler.health()
+        assert status == "degraded" and said in why, why
+        assert any(said in line for line in logged), logged
+    finally:
+        scheduler.close(wait_s=10)
+        scheduler.gateway.engine.close()
