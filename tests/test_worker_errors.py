@@ -86,11 +86,9 @@ def test_last_words_read_only_the_logs_tail():
 @pytest.mark.slow
 def test_a_start_up_failure_is_told_in_the_workers_words(tiny_qwen2):
     """The worker survives its own failure (it waits for the client's next word, as with the NCCL
-    fabric and no CUDA): no process exit to read, yet the client's error says why, at once."""
-    t0 = time.monotonic()
+    fabric and no CUDA): no process exit to read, yet the client's error says why."""
     with pytest.raises(CommError, match=rf"worker 2 \[.*\] closed the connection: {HELLO_FAILS}$"):
         structural(tiny_qwen2, args_for_worker={2: ("--inject-fault", "fail-hello@1")})
-    assert time.monotonic() - t0 < 25  # no wait for an exit that does not come (5 s before)
 
 
 @pytest.mark.slow
@@ -100,7 +98,22 @@ def test_a_failure_mid_run_is_in_the_recovery_record_and_the_error(tiny_qwen2):
         assert len(res.token_ids) == NEW and res.recoveries[0]["lost"] == [2]
         assert "fault fail@5: this worker's own error at its forward" in res.recoveries[0]["reason"]
     with structural(tiny_qwen2, args_for_worker={1: ("--inject-fault", "fail@5")}) as eng:
-        with pytest.raises(TooFewWorkers, match=r"worker 1 exited: .*RuntimeError: fault fail@5: this worker's own"):
+        with pytest.raises(
+            TooFewWorkers, match=r"worker 1 (\[.*\] )?exited: .*RuntimeError: fault fail@5: this worker's own"
+        ):
+            run(eng)
+
+
+@pytest.mark.slow
+def test_a_fresh_worker_process_is_heard_the_same_way(tiny_qwen2, real_workers):
+    """The suite forks its workers from a fork server (tests/forkserver.py); a user's are fresh
+    `python -m fusion_compute worker` processes (launch.popen_worker): the same words reach the client,
+    read from its output once its process has exited, or, when the client looks first, from the
+    farewell on its pulse link ("worker 2 [address, key] exited: ...")."""
+    with structural(tiny_qwen2, args_for_worker={2: ("--inject-fault", "fail@2")}) as eng:
+        with pytest.raises(
+            TooFewWorkers, match=r"worker 2 (\[.*\] )?exited: .*RuntimeError: fault fail@2: this worker's own"
+        ):
             run(eng)
 
 
