@@ -33,6 +33,7 @@ Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 App = Callable[[Scope, Receive, Send], Any]
 
+MIN_PER_PEER = 16  # connections from one address that are always allowed (up to the global cap)
 OVER_SHARE_S = 2.0  # a connection over its peer's share has this long to send its (keyed) request's headers
 LOG_NOTE = "fusion.log"  # scope key: a dict where routes leave `extra` (text) and `status` for AccessLog
 
@@ -159,10 +160,11 @@ def limited_protocol(
     max_per_peer: int | None = None,
     api_key: str | None = None,
 ) -> type[LimitedH11]:
-    """`max_per_peer`: default an eighth of `max_connections` (at least 1)."""
+    """`max_per_peer`: by default an eighth of `max_connections`, but never under MIN_PER_PEER (a
+    browser or a client library opens several at once; a small budget is then not split)."""
     limits = {
         "max_connections": max_connections,
-        "max_per_peer": max_per_peer if max_per_peer is not None else max(1, max_connections // 8),
+        "max_per_peer": max_per_peer if max_per_peer is not None else max(MIN_PER_PEER, max_connections // 8),
         "api_key": api_key,
         "header_timeout_s": header_timeout_s,
         "log": staticmethod(log),
