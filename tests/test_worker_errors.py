@@ -105,6 +105,17 @@ def test_a_failure_mid_run_is_in_the_recovery_record_and_the_error(tiny_qwen2):
 
 
 @pytest.mark.slow
+def test_a_failure_mid_run_that_the_worker_survives_is_in_the_record(tiny_qwen2):
+    """No process exit and no closed pulse: only the farewell on its data links says why (as a
+    fabric that breaks mid-run). The client reads it, or its peer's account of it, and the record
+    of the recovery carries the worker's words."""
+    with structural(tiny_qwen2, standby=1, args_for_worker={2: ("--inject-fault", "fail-alive@5")}) as eng:
+        res = run(eng)
+        assert len(res.token_ids) == NEW and res.recoveries[0]["lost"] == [2], res.recoveries
+        assert "fault fail-alive@5: this worker's fabric failed at its forward" in res.recoveries[0]["reason"]
+
+
+@pytest.mark.slow
 def test_a_fresh_worker_process_is_heard_the_same_way(tiny_qwen2, real_workers):
     """The suite forks its workers from a fork server (tests/forkserver.py); a user's are fresh
     `python -m fusion_compute worker` processes (launch.popen_worker): the same words reach the client,

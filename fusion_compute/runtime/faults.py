@@ -15,6 +15,9 @@
                            NCCL fabric without CUDA) and waits for the client's next word.
   fail@STEP                at its STEP-th forward the worker fails with an error of its own (a
                            RuntimeError, as a kernel or a device would raise) and its process exits.
+  fail-alive@STEP          at its STEP-th forward the worker fails with an error of its own that it
+                           survives (a CommError, as a fabric that breaks mid-run): it drops the epoch
+                           and waits for the client's next word, its pulse beating.
                            The client must report the worker's own error, not only a closed connection.
 
   never-join@N      from the N-th word to join a later epoch on, the worker ignores the word (it logs
@@ -68,7 +71,8 @@ SEND_FAULTS = (
     "hello-fingerprint",
     "fail-hello",
     "fail",
-)  # onto Comm.send
+    "fail-alive",
+)  # composed onto Comm.send
 KINDS = (*SEND_FAULTS, "never-join", *COMM_FAULTS, *LIES)
 SLOW_S = 2.0
 DRAG_S = 0.4  # over one 0.25 s receive tick (the peers' accounts see it), far under any --timeout
@@ -163,6 +167,8 @@ def _send_fault(fault: Fault) -> Callable:
                 if egresses[0] == fault.step:
                     if fault.kind == "fail":
                         raise RuntimeError(f"fault fail@{fault.step}: this worker's own error at its forward")
+                    if fault.kind == "fail-alive":
+                        raise CommError(f"fault fail-alive@{fault.step}: this worker's fabric failed at its forward")
                     if fault.kind == "nan-egress":
                         tensor = torch.full_like(tensor, math.nan)
                     elif fault.kind == "huge-egress":  # +3e38, -3e38, ... : finite, and far past any residual
