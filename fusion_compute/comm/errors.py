@@ -21,7 +21,12 @@ class PeerError(CommError):
 
 
 class PeerLost(PeerError):
-    """The peer closed its connection or its process died."""
+    """The peer closed its connection or its process died. `said`: the reason the peer gave as it
+    left (its farewell on the link, links.Link.farewell), when it gave one."""
+
+    def __init__(self, rank: int, message: str, watched: bool = False, said: str | None = None):
+        super().__init__(rank, message, watched)
+        self.said = said
 
 
 class PeerTimeout(PeerError):

@@ -12,7 +12,10 @@ on pyzmq DEALER sockets with CURVE, and large messages encrypt at AES-GCM speed 
 against ~0.5 GB/s for CURVE's XSalsa20-Poly1305; a closed peer is seen at once (EOF) instead of
 through socket monitors; and the bytes on the wire follow an exact model (below).
 
-Framing: a message is an 8-byte little-endian length, then the payload. With TLS, a message whose
+Framing: a message is an 8-byte little-endian length, then the payload. A header with its top bit
+(FAREWELL) set is a farewell: its low bits count the bytes of a one-line UTF-8 reason that follows,
+the sender's last message on the link before it closes (`Link.farewell`); the receiver raises
+PeerLost carrying that reason, so the far end learns why, not only that, the link closed. With TLS, a message whose
 header and payload fit one record (8 + P <= 16384) is written as one record; a larger one as a
 header record then the payload in records of 16384 bytes. Every record costs 22 bytes (5 header,
 1 inner content type, 16 tag), so the bytes on the wire are exactly `wire_bytes(P, tls)`.
@@ -33,9 +36,11 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
+from ..errors import FusionError
 from .errors import CommError, PeerError, PeerLost, PeerTimeout
 from .identity import Identity, PublicId
 
@@ -45,6 +50,8 @@ TLS_OVERHEAD = 22  # bytes per TLS 1.3 record on the wire: 5 header + 1 content 
 TICK_S = 0.25  # a blocking receive wakes up this often to check its deadline and the liveness watch
 RAW_CHUNK = 1 << 18
 MAX_MESSAGE = 1 << 34  # a length above this is a corrupt or hostile header, not a tensor
+FAREWELL = 1 << 63  # a header with this bit: a farewell, whose reason's length is the low bits
+MAX_FAREWELL = 512  # bytes of a farewell's reason (one line; it reaches logs, errors and /health)
 
 
 def wire_bytes(payload: int, tls: bool) -> int:
@@ -145,6 +152,7 @@ class Link:
         self._error: BaseException | None = None
         self._closing = False
         self.closed = False
+        self.said: str | None = None  # the peer's farewell reason, once received
         # Called at every receive tick: raises when the job must stop waiting (a peer found dead by
         # the liveness watch, or an abort), whoever this link's own peer is.
         self.check: Callable[[], None] | None = None
@@ -153,16 +161,19 @@ class Link:
     # ---- sending ----
 
     def send(self, payload: memoryview) -> None:
+        self._send_framed(len(payload), payload)
+
+    def _send_framed(self, header: int, payload: memoryview) -> None:
         n = len(payload)
         if self.tls is not None:
             if HEADER.size + n <= TLS_RECORD:
-                self.tls.write(HEADER.pack(n) + payload)
+                self.tls.write(HEADER.pack(header) + payload)
             else:
-                self.tls.write(HEADER.pack(n))
+                self.tls.write(HEADER.pack(header))
                 self.tls.write(payload)
             parts = [memoryview(self._out.read())]
         else:
-            parts = [memoryview(HEADER.pack(n)), payload]
+            parts = [memoryview(HEADER.pack(header)), payload]
         with self._lock:
             self._raise_writer_error()
             if not self._queue:
@@ -182,13 +193,31 @@ class Link:
         self.sock.sendall(head)
         self.close()
 
+    def farewell(self, reason: str, deadline: float) -> None:
+        """Tell the peer why this end is leaving, as the link's last message (one line, cut to
+        MAX_FAREWELL bytes), and push it out until `deadline`. Best effort: a peer already gone
+        hears nothing. The caller closes the link afterwards."""
+        line = (reason.splitlines() or [""])[0].encode(errors="replace")[:MAX_FAREWELL]
+        line = line.decode(errors="ignore").encode()  # not cut inside a character
+        try:
+            self._send_framed(FAREWELL | len(line), memoryview(line))
+            self.flush(deadline)
+        except (CommError, OSError, ssl.SSLError):
+            pass
+
+    def _lost(self, detail: str = "") -> PeerLost:
+        """The error of a link whose peer closed it: with the peer's farewell reason when it gave one."""
+        if self.said is not None:
+            return PeerLost(self.rank, f"{self.label} closed the connection: {self.said}", said=self.said)
+        return PeerLost(self.rank, f"{self.label} closed the connection{detail}")
+
     def _send_now(self, parts: list[memoryview]) -> list[memoryview]:
         try:
             sent = self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
         except BlockingIOError:
             return parts
         except OSError as e:
-            raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+            raise self._lost(f" ({e.strerror or e})") from None
         while parts and sent >= len(parts[0]):
             sent -= len(parts[0])
             parts.pop(0)
@@ -225,7 +254,7 @@ class Link:
     def _raise_writer_error(self) -> None:
         if self._error is not None:
             e = self._error
-            raise PeerLost(self.rank, f"{self.label} closed the connection ({getattr(e, 'strerror', None) or e})")
+            raise self._lost(f" ({getattr(e, 'strerror', None) or e})")
 
     def flush(self, deadline: float) -> None:
         """Block until every queued byte is in the kernel (or the deadline passes)."""
@@ -257,9 +286,9 @@ class Link:
                     raise PeerTimeout(self.rank, f"{self.label} did not answer within the deadline") from None
                 continue
             except OSError as e:
-                raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+                raise self._lost(f" ({e.strerror or e})") from None
             if n == 0:
-                raise PeerLost(self.rank, f"{self.label} closed the connection")
+                raise self._lost()
             return n
 
     def _read_exact(self, view: memoryview, deadline: float) -> None:
@@ -276,7 +305,7 @@ class Link:
             except ssl.SSLError as e:
                 raise PeerLost(self.rank, f"{self.label}: TLS error ({e.reason or e})") from None
             if k == 0:
-                raise PeerLost(self.rank, f"{self.label} closed the connection")
+                raise self._lost()
             if k > 0:
                 got += k
                 continue
@@ -284,8 +313,15 @@ class Link:
             self._inc.write(memoryview(self._raw)[:n])
 
     def recv_size(self, deadline: float) -> int:
+        if self.said is not None:  # the peer said goodbye: nothing comes after it
+            raise self._lost()
         self._read_exact(memoryview(self._hdr), deadline)
         (n,) = HEADER.unpack(self._hdr)
+        if n & FAREWELL and n & ~FAREWELL <= MAX_FAREWELL:
+            reason = bytearray(n & ~FAREWELL)
+            self._read_exact(memoryview(reason), deadline)
+            self.said = reason.decode(errors="replace").strip() or "(no reason given)"
+            raise self._lost()
         if n > MAX_MESSAGE:
             raise PeerError(self.rank, f"{self.label} sent a malformed message header (length {n})")
         return n
@@ -326,6 +362,35 @@ class Link:
         except OSError:
             pass
         self.sock.close()
+
+
+def farewell_all(links: Iterable[Link], reason: str, grace_s: float = 1.0) -> None:
+    """Say `reason` on every open link of `links` (Link.farewell), within `grace_s` in all: the
+    last word of a participant leaving for a failure of its own. The caller closes them."""
+    deadline = time.monotonic() + grace_s
+    for link in links:
+        if not link.closed:
+            link.farewell(reason, deadline)
+
+
+@contextmanager
+def farewell_on_failure(links: dict[int, Link]) -> Iterator[None]:
+    """A failure of this participant's own inside the block (not a PeerError: a peer's failure or
+    the client's abort) is said on every link of `links` before it propagates, so that the other
+    end reports this participant's own words, not only that a connection closed."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as e:
+        farewell_all(links.values(), reason_of(e))
+        raise
+
+
+def reason_of(e: BaseException) -> str:
+    """A failure in one line, as the `fusion` command prints it (cli.main): what a farewell says."""
+    first = (str(e).splitlines() or [""])[0]
+    return first if isinstance(e, FusionError) else f"{type(e).__name__}: {first}"
 
 
 # ---- establishing a link ----

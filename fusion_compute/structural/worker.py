@@ -21,7 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
+from ..comm import (
+    Comm,
+    CommError,
+    Credentials,
+    Identity,
+    PeerError,
+    PublicId,
+    Pulse,
+    Witness,
+    farewell_all,
+    farewell_on_failure,
+    join_epoch,
+    open_pulse,
+    reason_of,
+)
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
@@ -157,7 +171,8 @@ class Worker:
             )
             comm = self.sabotage(comm)
             try:
-                serve(self, plan, rank - 1, comm, audit=audit)
+                with farewell_on_failure(links):  # before the links close
+                    serve(self, plan, rank - 1, comm, audit=audit)
                 return True
             finally:
                 comm.close()
@@ -166,6 +181,9 @@ class Worker:
         except PeerError as e:  # the peer whose link failed the epoch: this worker's evidence if asked
             if not e.watched:
                 self.witness.lost_peer(e.rank)
+            raise
+        except Exception as e:  # a failure of its own before the epoch's comm (its fabric): say why
+            farewell_all(links.values(), reason_of(e))
             raise
         finally:
             self.fabric = None
@@ -220,6 +238,7 @@ def run(o: WorkerOptions) -> None:
         me.on_client_gone,
         witness=me.witness,
     )
+    leaving: str | None = None  # why this process ends, when by a failure of its own: the client hears it
     try:
         while True:
             if welcome is not None and not welcome.get("standby"):
@@ -241,9 +260,12 @@ def run(o: WorkerOptions) -> None:
             except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
                 o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
                 welcome, links = None, {}
+    except Exception as e:
+        leaving = reason_of(e)
+        raise
     finally:
         me.wipe()
-        pulse.close()
+        pulse.close(leaving)
 
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
