@@ -105,3 +105,41 @@ def test_refused_in_one_line_before_any_worker(tiny_qwen2):
         assert needle in err, (args, err)
     time.sleep(0.5)
     assert worker_pids() - before == set(), "a refused command started a worker"
+
+
+def test_topology_device_per_worker(tmp_path):
+    """`device = "cuda:1"` in a worker's table is where that worker computes (its own --device wins);
+    a bad name is refused with the table named; on this machine (no GPU) the worker refuses it."""
+    from fusion_compute.cli.main import build_parser
+    from fusion_compute.cli.options import worker_options
+    from fusion_compute.comm import Identity, free_port
+    from fusion_compute.runtime.topology import Topology, TopologyError
+
+    ids = [Identity.new() for _ in range(3)]
+    paths = []
+    for i, ident in enumerate(ids):
+        paths.append(tmp_path / f"p{i}.key")
+        ident.save(paths[-1])
+
+    def topology(device: str) -> str:
+        text = f'[client]\naddress = "127.0.0.1:{free_port()}"\nkey = "{ids[0].public.line()}"\n'
+        text += f'[[worker]]\naddress = "127.0.0.1"\nkey = "{ids[1].public.line()}"\ndevice = "{device}"\n'
+        return text + f'[[worker]]\naddress = "127.0.0.1"\nkey = "{ids[2].public.line()}"\n'
+
+    f = tmp_path / "t.toml"
+    f.write_text(topology("cuda:1"))
+    t = Topology.load(f)
+    assert [w.device for w in t.workers] == ["cuda:1", None]
+
+    def worker(key: int, *flags: str):
+        return worker_options(
+            build_parser().parse_args(["worker", "--topology", str(f), "--key", str(paths[key]), *flags])
+        )
+
+    assert worker(2).device == "cpu"
+    assert worker(1, "--device", "cpu").device == "cpu"
+    with pytest.raises(UsageError, match="--device cuda:1: torch sees no GPU"):
+        worker(1)
+    f.write_text(topology("gpu"))
+    with pytest.raises(TopologyError, match=r"\[\[worker\]\] #1: device must be cpu, cuda or cuda:K"):
+        Topology.load(f)

@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import torch
 
+# dtypes numpy has: their bytes are read through numpy directly (the float32 path, as fast as ever)
+_NUMPY = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8})
+
 
 def host(t: torch.Tensor) -> torch.Tensor:
     """`t` in host memory, contiguous (itself when it already is)."""
-    return t.detach().contiguous().cpu()
+    return t.contiguous() if not t.is_cuda else t.contiguous().cpu()
 
 
 def raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous host tensor, as a flat memoryview (sent from, or received into)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy().data  # flat first: a (k, 1) column may stride by anything
+    """The bytes of a contiguous host tensor (no autograd history), as a flat memoryview (sent from, or
+    received into). bfloat16 goes through its bytes: numpy has no such type."""
+    if t.dtype in _NUMPY:
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data  # flat first: a (k, 1) column may stride by anything
 
 
 def words(t: torch.Tensor):
@@ -36,4 +42,6 @@ def accumulate(stack: torch.Tensor) -> torch.Tensor:
     """Sum over dim 0 in a float32 accumulator, rounded once to the stack's dtype. (torch's own sum of
     a bfloat16 tensor accumulates in float32 on the CPU and CUDA today; this says so rather than rely
     on a reduction kernel: adding the partials one by one in the dtype would round after each.)"""
+    if stack.dtype == torch.float32:
+        return stack.sum(0)  # the same sum, without the no-op conversions' cost per collective
     return stack.sum(0, dtype=torch.float32).to(stack.dtype)

@@ -78,5 +78,11 @@ def attend_scored(
     if mask is not None:
         shape = scores.shape
         scores = scores.view(*shape[:-2], gs, t, shape[-1]).masked_fill(mask, float("-inf")).view(shape)
-    # softmax in float32 then the values' dtype, as transformers does (no-ops in float32)
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    return softmax32(scores) @ v
+
+
+def softmax32(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim in float32, in the scores' dtype (transformers' eager attention)."""
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
 from ..model import architecture as arch
-from ..model.kernels import inv_freq_tensor
 from ..weights.loader import WeightSource
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step
 from .plan import Plan, runs
@@ -99,39 +97,26 @@ class MegatronModel(ShardedModel):
     RoPE and mask per step): forward(x_dT, pos) maps the ingress shard to the egress shard (so the
     client runs unchanged), replicating the residual in between."""
 
-    def __init__(
-        self,
-        src: WeightSource,
-        plan: Plan,
-        w: int,
-        comm: Comm,
-        device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        c = plan.config
-        self.plan, self.w, self.comm = plan, w, comm
-        self.device, self.dtype = device or torch.device("cpu"), dtype
-        self.res_sizes = list(plan.residual_sizes)
-        self.layers = [
-            MegatronLayer(
-                i,
-                load_layer(src, plan, w, i).to(self.device, dtype),
-                plan.workers[w].attention,
-                comm=comm,
-                me=w,
-                qkv_sizes_aug=[],
-                gu_sizes_aug=[],
-                res_sizes=self.res_sizes,
-                hidden=c.hidden,
-                head_dim=c.head_dim,
-                group_size=c.group_size,
-                eps=c.rms_eps,
-            )
-            for i in range(c.n_layers)
-        ]
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
-        self.max_seq = self.n_slots = 0
-        self.lengths: list[int] = []
+    @property
+    def res_sizes(self) -> list[int]:
+        return list(self.plan.residual_sizes)
+
+    def make_layer(self, src: WeightSource, i: int) -> ShardedLayer:
+        plan, w, c = self.plan, self.w, self.plan.config
+        return MegatronLayer(
+            i,
+            load_layer(src, plan, w, i).to(self.device, self.dtype),
+            plan.workers[w].attention,
+            comm=self.comm,
+            me=w,
+            qkv_sizes_aug=[],
+            gu_sizes_aug=[],
+            res_sizes=self.res_sizes,
+            hidden=c.hidden,
+            head_dim=c.head_dim,
+            group_size=c.group_size,
+            eps=c.rms_eps,
+        )
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         step = self._step(spans)

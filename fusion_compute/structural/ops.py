@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate
+from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32
 from .plan import AttnBlock
 
 
@@ -296,8 +296,7 @@ class ShardedLayer:
         self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int, dl: int
     ) -> torch.Tensor:
         """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
-        p = torch.softmax((scores * self.scale).masked_fill(dec.pad, float("-inf")), dim=-1, dtype=torch.float32)
-        p = p.to(scores.dtype)  # softmax in float32, as transformers does (a no-op in float32)
+        p = softmax32((scores * self.scale).masked_fill(dec.pad, float("-inf")))
         values = cache.v[dec.lo : dec.hi, :, : dec.pad.shape[-1]]
         if dec.rows is None:
             o = p @ values

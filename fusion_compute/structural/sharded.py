@@ -80,29 +80,28 @@ class ShardedModel:
         c = plan.config
         self.plan, self.w, self.comm = plan, w, comm
         self.device, self.dtype = device or torch.device("cpu"), dtype
-        qkv_aug = [s + 1 for s in plan.qkv_sizes]
-        gu_aug = [s + 1 for s in plan.gate_up_sizes]
-        res = list(plan.residual_sizes)
-        self.layers = [
-            ShardedLayer(
-                i,
-                load_layer(src, plan, w, i).to(self.device, dtype),
-                plan.workers[w].attention,
-                comm=comm,
-                me=w,
-                qkv_sizes_aug=qkv_aug,
-                gu_sizes_aug=gu_aug,
-                res_sizes=res,
-                hidden=c.hidden,
-                head_dim=c.head_dim,
-                group_size=c.group_size,
-                eps=c.rms_eps,
-            )
-            for i in range(c.n_layers)
-        ]
+        self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
+
+    def make_layer(self, src: WeightSource, i: int) -> ShardedLayer:
+        """Layer i with its slices read and placed (the Megatron-style baseline makes its own)."""
+        plan, w, c = self.plan, self.w, self.plan.config
+        return ShardedLayer(
+            i,
+            load_layer(src, plan, w, i).to(self.device, self.dtype),
+            plan.workers[w].attention,
+            comm=self.comm,
+            me=w,
+            qkv_sizes_aug=[s + 1 for s in plan.qkv_sizes],
+            gu_sizes_aug=[s + 1 for s in plan.gate_up_sizes],
+            res_sizes=list(plan.residual_sizes),
+            hidden=c.hidden,
+            head_dim=c.head_dim,
+            group_size=c.group_size,
+            eps=c.rms_eps,
+        )
 
     def attach_audit(self, audit) -> None:
         for layer in self.layers:
