@@ -328,20 +328,6 @@ def test_min_workers_above_the_run_is_refused_by_the_library_too():
     assert EngineOptions(n_workers=1).floor == 2 and EngineOptions(n_workers=3, min_workers=3).floor == 3
 
 
-def test_cuda_defaults_to_nccl_only_among_local_workers():
-    """NCCL is plaintext and local-only: with --device cuda a local run gets it, a run across hosts
-    keeps the links (tls, or tcp when --insecure is asked for)."""
-    from fusion_compute.cli import options as O
-    from fusion_compute.cli.main import build_parser
-
-    def backend(*flags: str) -> str:
-        return O.engine_options(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])).comm_backend
-
-    assert backend("--device", "cuda") == "nccl"
-    assert backend("--device", "cuda", "--master", "127.0.0.1:29500", "--insecure") == "tcp"
-    assert backend("--device", "cpu") == "tls"
-
-
 def test_option_checks_are_usage_errors_not_comm_errors():
     """Every refusal of `EngineOptions.check` is about the options (exit code 2), never a CommError,
     which means a peer or the wire failed."""

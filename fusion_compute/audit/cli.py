@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..runtime.placement import DTYPES
 from ..structural.protocol import MAX_SLOTS
 
 EXIT_FAIL = 1
@@ -115,6 +116,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         variant=a.variant,
         threads=a.threads,
         timeout_s=a.timeout,
+        device=a.device,
+        dtype=a.dtype,
         netcount=not a.no_netcount,
         exposure=not a.no_exposure,
         revoke_at=a.revoke_at,
@@ -378,6 +381,8 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
     r.add_argument("--threads", type=int, help="torch threads per worker")
     r.add_argument("--timeout", type=float, default=120.0)
+    r.add_argument("--device", default="cpu", help="the workers' device: cpu (default), cuda or cuda:K (the links)")
+    r.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute and wire dtype (default float32)")
     r.add_argument("--no-netcount", action="store_true", help="skip the OS socket byte accounting")
     r.add_argument("--no-exposure", action="store_true", help="skip the exposure ranks and attack in the report")
     r.add_argument(

@@ -12,7 +12,8 @@ from typing import Any
 from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
-from ..runtime.engine_options import EngineOptions
+from ..runtime.engine_options import EngineOptions, default_backend
+from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
 from ..runtime.topology import GROUP_NAME, Topology, check_here
 
 # ---- values ----
@@ -202,7 +203,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=120.0,
         help="bound on start-up (workers joining and loading), seconds (default 120)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="the local workers' device: cpu (default), cuda (spread over the GPUs; NCCL among workers when "
+        "each has its own, else the links) or cuda:K",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=DEFAULT_DTYPE,
+        help="weights, activations, KV cache and the wire: float32 (default; exact), bfloat16 or float16",
+    )
+    p.add_argument(
+        "--client-device",
+        help="embedding, final norm and LM head: cpu, cuda or cuda:K (default: the local workers' device, else cpu)",
+    )
     p.add_argument(
         "--standby",
         type=int,
@@ -292,9 +308,7 @@ def speculator_for(cfg: Any, config: Any, context: int) -> Any:
 def _comm_backend(a: argparse.Namespace) -> str:
     if a.comm_backend is not None:
         return a.comm_backend
-    if a.device == "cuda" and not (getattr(a, "topology", None) or a.master):
-        return "nccl"  # among local workers; across machines the links stay TLS (or TCP with --insecure)
-    return "tcp" if a.insecure else "tls"
+    return "tcp" if a.insecure else "tls"  # a local --device cuda run may get nccl: engine_options
 
 
 def _topology(a: argparse.Namespace) -> Topology | None:
@@ -333,6 +347,8 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         timeout_s=a.timeout,
         join_timeout_s=a.join_timeout,
         device=a.device,
+        dtype=a.dtype,
+        client_device=a.client_device,
         standby=a.standby,
         min_workers=a.min_workers,
         liveness_s=a.liveness,
@@ -360,7 +376,11 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
                 raise UsageError(f"--workers must be >= 1, got {n}")
             caps = capacities(a.capacity)
         opts = EngineOptions(n_workers=n, capacities=caps, **common)
+        if a.comm_backend is None and is_cuda(a.device) and opts.is_local:
+            parse_device(a.device)
+            opts.comm_backend = default_backend(a.device, n + a.standby, gpu_count(), a.insecure)
     opts.check()  # UsageError (exit 2) naming the flag to change
+    opts.check_gpus()  # a GPU this machine lacks: before anything loads
     if opts.insecure:
         opts.log(
             "warning: --insecure: links are plaintext and workers are not authenticated: anyone on the "
@@ -412,7 +432,10 @@ def add_worker_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     w.add_argument("--timeout", type=float, default=120.0, help="bound on every wait for a peer, seconds")
     w.add_argument("--join-timeout", type=float, default=120.0, help="bound on joining the client, seconds")
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    w.add_argument(
+        "--device",
+        help="cpu, cuda or cuda:K: where this worker computes (default: its topology entry's `device`, else cpu)",
+    )
     w.add_argument("--audit-dir", help="record this worker's audit log into DIR")
     w.add_argument(
         "--inject-leak",
@@ -438,7 +461,7 @@ def worker_options(a: argparse.Namespace) -> Any:
     positive(a.timeout, "--timeout")
     positive(a.join_timeout, "--join-timeout")
     key = None if a.insecure else load_key(a.key)
-    listen_host, rank, group, model = None, a.rank, a.group, a.model
+    listen_host, rank, group, model, device = None, a.rank, a.group, a.model, a.device
     if a.topology:
         if a.master or a.client_key:
             raise UsageError("--topology names the client and its key: drop --master/--client-key")
@@ -460,6 +483,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         listen_host, model = me.host, model or topo.model_for(me.rank)
         rank = rank if rank is not None else me.rank
         group = group or me.group
+        device = device or me.device
     else:
         master = host_port(a.master)
         if master is None:
@@ -474,6 +498,9 @@ def worker_options(a: argparse.Namespace) -> Any:
             client_key = PublicId.parse(a.client_key, "--client-key")
     if rank is not None and rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
+    device = device or "cpu"
+    if is_cuda(device):
+        check_gpus([device], gpu_count())  # one line, exit 2, before it joins
     return WorkerOptions(
         master=master,
         key=key,
@@ -485,7 +512,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         threads=a.threads,
         timeout_s=a.timeout,
         join_timeout_s=a.join_timeout,
-        device=a.device,
+        device=device,
         progress=a.progress,
         audit_dir=a.audit_dir,
         inject_leak=a.inject_leak,

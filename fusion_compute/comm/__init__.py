@@ -17,6 +17,7 @@ schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
   liveness.py      heartbeats: a worker that dies or freezes is named within seconds
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
   events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
+  buffers.py       tensors of any dtype and device as the bytes a backend moves; the fp32 sum of partials
   torch_fabric.py  torch.distributed among workers: NCCL on GPUs, gloo for comparison
   mpi_fabric.py    MPI among workers: shared memory on one machine, or an mpiexec world
   errors.py        `CommError` and the per-peer errors that name who failed

@@ -21,6 +21,12 @@ partial while recording only the addressed rows, and the socket byte counters ca
 
 When a worker-group `fabric` is given (torch.distributed: NCCL on GPUs, or gloo for comparison),
 reduce_scatter and sum_scores run on it instead; the client's links stay what they are.
+
+Tensors may live on a GPU and be float32, bfloat16 or float16 (runtime/placement.py): every message
+is the tensor's bytes in its own dtype, staged through host memory on the links and on a fabric that
+moves host buffers (gloo, MPI), passed as device buffers to one that moves them itself (NCCL); every
+owner sums what it receives in a float32 accumulator (buffers.py). Events record the bytes per
+element that travelled.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from .buffers import accumulate, host, raw
 from .errors import CommError
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .links import Link
@@ -48,9 +55,9 @@ class Fabric(Protocol):
     def abort(self) -> None: ...  # end the waits in progress: the epoch is over (called from another thread)
     def close(self) -> None: ...
 
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return t.detach().numpy().data.cast("B")
+    # a fabric takes tensors on the workers' GPU as they are (NCCL: `device_buffers = True`), or host
+    # tensors, which Comm stages for it (gloo, MPI)
+    device_buffers: bool
 
 
 class _Sent:
@@ -89,7 +96,6 @@ class Comm:
         score_groups: Sequence[Sequence[int]] = (),
         recorder: Recorder | None = None,
         fabric: Fabric | None = None,
-        device: torch.device | None = None,
         backend: str = "tls",
     ):
         self.rank = rank
@@ -99,7 +105,6 @@ class Comm:
         self.recorder: Recorder = recorder or NullRecorder()
         self.counters = Counters()
         self.fabric = fabric
-        self.device = device or torch.device("cpu")
         self.backend = backend  # comm backend: "tls" | "tcp" (insecure) | "gloo" / "nccl" / "mpi" (a fabric)
         # owner ranks of each split KV group this rank belongs to
         self.score_owners: dict[int, list[int]] = {
@@ -121,21 +126,21 @@ class Comm:
             raise CommError(f"rank {self.rank} has no link to rank {peer}") from None
 
     def _put(self, peer: int, t: torch.Tensor) -> None:
-        self._link(peer).send(_bytes(t.contiguous()))
+        self._link(peer).send(raw(host(t)))
 
     def _get(self, peer: int, out: torch.Tensor, what: str, wait_s: float | None = None) -> torch.Tensor:
-        """Receive the next message from `peer` into `out` (contiguous), after any posted receives."""
+        """Receive the next message from `peer` into `out` (contiguous, host), after any posted receives."""
         pending = self._posted.get(peer)
         while pending:
             self._complete(pending[-1])
-        self._link(peer).recv_into(_bytes(out), self._deadline(wait_s), what)
+        self._link(peer).recv_into(raw(out), self._deadline(wait_s), what)
         return out
 
     def _complete(self, handle: _Posted) -> None:
         pending = self._posted[handle.src]
         while not handle.done:
             first = pending.popleft()
-            self._link(first.src).recv_into(_bytes(first.tensor), self._deadline(), first.what)
+            self._link(first.src).recv_into(raw(first.tensor), self._deadline(), first.what)
             first.done = True
 
     # ---- events ----
@@ -169,9 +174,10 @@ class Comm:
         if len(sizes) == 1:
             return send
         sent, received = self._rs_counts(sizes, send.shape[1])
-        if self.fabric is not None:
-            out = self.fabric.reduce_scatter(send, sizes)
-            self._emit("reduce_scatter", op, sent, received)
+        fabric = self.fabric
+        if fabric is not None:
+            out = self._staged(send, lambda buf: fabric.reduce_scatter(buf, sizes))
+            self._emit("reduce_scatter", op, sent, received, send.element_size())
             return out
         chunks = send.split(list(sizes))  # contiguous row blocks of a row-major (R, T) partial
         return self._scatter_blocks(lambda q: chunks[q], sizes, op)
@@ -188,9 +194,28 @@ class Comm:
             return self.reduce_scatter(torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op)
         if fabric_from is None:
             return self._scatter_blocks(chunk, sizes, op)
-        out = fabric_from(chunk, sizes)
-        self._emit("reduce_scatter", op, *self._rs_counts(sizes, out.shape[1]))
+        if self.fabric is not None and self.fabric.device_buffers:
+            out = fabric_from(chunk, sizes)
+        else:  # host buffers for the fabric, each block staged as it is made
+            device = None
+
+            def staged(q: int) -> torch.Tensor:
+                nonlocal device
+                block = chunk(q)
+                device = block.device
+                return host(block)
+
+            out = fabric_from(staged, sizes)
+            out = out.to(device)
+        self._emit("reduce_scatter", op, *self._rs_counts(sizes, out.shape[1]), out.element_size())
         return out
+
+    def _staged(self, t: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A fabric collective on `t`: as it is for a fabric of device buffers, else through host memory
+        and back to t's device (a no-op copy on the CPU)."""
+        if self.fabric is not None and self.fabric.device_buffers:
+            return collective(t)
+        return collective(host(t)).to(t.device)
 
     def _scatter_blocks(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int], op: str) -> torch.Tensor:
         """The links' reduce-scatter: every peer's block sent as it is made (the next rank's first), then
@@ -205,39 +230,50 @@ class Comm:
         assert mine is not None  # the loop's last rank is this worker's
         t = mine.shape[1]
         sent, received = self._rs_counts(sizes, t)
-        stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T): one slot per worker
-        stack[me] = mine
+        stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T) in host memory: one slot per worker
         for q in received:
             self._get(q, stack[q - 1], op)
-        self._emit("reduce_scatter", op, sent, received)
-        return stack.sum(0)
+        stack = stack.to(mine.device)  # the received partials join this worker's on its device
+        stack[me] = mine
+        self._emit("reduce_scatter", op, sent, received, mine.element_size())
+        return accumulate(stack)
 
     def sum_scores(self, scores: torch.Tensor, group: int, op: str) -> torch.Tensor:
         """In-place sum of partial attention scores among the owners of one split KV group."""
         owners = self.score_owners[group]
         peers = [r for r in owners if r != self.rank]
-        n = scores.numel()
+        n, itemsize = scores.numel(), scores.element_size()
         if self.fabric is not None:
-            self.fabric.sum_among(scores, group)
+            # A fabric sums in place; a 2-byte dtype is summed as float32 (its accumulator: MPI has no
+            # bfloat16 sum), so 4 bytes per element travel.
+            acc = scores.float()
+            summed = self._staged(acc, lambda buf: self._sum_among(buf, group))
+            scores.copy_(summed)
+            itemsize = acc.element_size()
         else:
             mine = scores.contiguous()
             for r in peers:
                 self._put(r, mine)
-            stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)
+            stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)  # host
             for i, r in enumerate(owners):
-                if r == self.rank:
-                    stack[i] = mine
-                else:
+                if r != self.rank:
                     self._get(r, stack[i], op)
-            scores.copy_(stack.sum(0))
-        self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers})
+            stack = stack.to(scores.device)
+            stack[owners.index(self.rank)] = mine
+            scores.copy_(accumulate(stack))
+        self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers}, itemsize)
         return scores
+
+    def _sum_among(self, buf: torch.Tensor, group: int) -> torch.Tensor:
+        assert self.fabric is not None
+        self.fabric.sum_among(buf, group)
+        return buf
 
     # ---- client <-> worker ----
 
     def send(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> None:
         """Point-to-point: ingress (client -> worker shard), egress (worker shard -> client), control."""
-        self._put(dst, tensor.cpu())
+        self._put(dst, tensor)
         self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
 
     def recv(self, tensor: torch.Tensor, src: int, kind: str, op: str, wait_s: float | None = None) -> torch.Tensor:
@@ -266,7 +302,7 @@ class Comm:
 
     def send_truncated(self, tensor: torch.Tensor, dst: int, keep: float) -> None:
         """FAULT INJECTION ONLY (faults.py): part of a message, then the connection closes."""
-        self._link(dst).send_truncated(_bytes(tensor.contiguous()), keep)
+        self._link(dst).send_truncated(raw(host(tensor)), keep)
 
     # ---- baselines and negative controls ----
 
@@ -274,23 +310,25 @@ class Comm:
         """A deliberate leak, for negative controls and the Megatron-style baseline only: every
         worker gets every worker's shard. (n_rows_q, T) chunks -> (Σ sizes, T)."""
         me, n, t = self.rank - 1, len(sizes), shard.shape[1]
-        if self.fabric is not None:
-            out = self.fabric.all_gather(shard, sizes)
+        fabric = self.fabric
+        if fabric is not None:
+            out = self._staged(shard, lambda buf: fabric.all_gather(buf, sizes))
         else:
             for q in range(n):
                 if q != me:
                     self._put(q + 1, shard)
             out = torch.empty((sum(sizes), t), dtype=shard.dtype)
             for q, rows in enumerate(out.split(list(sizes))):
-                if q == me:
-                    rows.copy_(shard)
-                else:
+                if q != me:
                     self._get(q + 1, rows, op)
+            out = out.to(shard.device)
+            out.split(list(sizes))[me].copy_(shard)
         self._emit(
             "gather",
             op,
             {q + 1: sizes[me] * t for q in range(n) if q != me},
             {q + 1: sizes[q] * t for q in range(n) if q != me},
+            shard.element_size(),
         )
         return out
 
@@ -298,22 +336,30 @@ class Comm:
         """Megatron-style baseline only: full-width sum replicated on every worker (each worker sends
         its whole tensor to every other: one round, (N-1)x the bytes of the tensor)."""
         peers = [r for r in range(1, self.world) if r != self.rank]
+        itemsize = tensor.element_size()
         if self.fabric is not None:
-            self.fabric.all_reduce(tensor)
+            acc = tensor.float()  # summed as float32, as sum_scores on a fabric
+            tensor.copy_(self._staged(acc, lambda buf: self._all_reduce(buf)))
+            itemsize = acc.element_size()
         else:
             mine = tensor.contiguous().clone()
             for r in peers:
                 self._put(r, mine)
             stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
             for r in range(1, self.world):
-                if r == self.rank:
-                    stack[r - 1] = mine
-                else:
+                if r != self.rank:
                     self._get(r, stack[r - 1], op)
-            tensor.copy_(stack.sum(0))
+            stack = stack.to(tensor.device)
+            stack[self.rank - 1] = mine
+            tensor.copy_(accumulate(stack))
         n = tensor.numel()
-        self._emit("all_reduce", op, {r: n for r in peers}, {r: n for r in peers})
+        self._emit("all_reduce", op, {r: n for r in peers}, {r: n for r in peers}, itemsize)
         return tensor
+
+    def _all_reduce(self, buf: torch.Tensor) -> torch.Tensor:
+        assert self.fabric is not None
+        self.fabric.all_reduce(buf)
+        return buf
 
     # ---- lifetime ----
 

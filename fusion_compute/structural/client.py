@@ -36,7 +36,7 @@ class Engine(EngineBase):
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
 
     def welcome(self) -> dict:
-        return {"capacities": [s.capacity for s in self.plan.workers]}
+        return {"capacities": [s.capacity for s in self.plan.workers]}  # (the dtype: engine._welcome)
 
     # ---- protocol ----
 
@@ -143,19 +143,21 @@ class Engine(EngineBase):
             self.wire.send(span_words, s.rank, "control", "spans")
             self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
         shards = [
-            self.wire.recv(torch.empty(s.n_residual, total), s.rank, "egress", "final") for s in self.plan.workers
+            self.wire.recv(torch.empty(s.n_residual, total, dtype=self.dtype), s.rank, "egress", "final")
+            for s in self.plan.workers
         ]
         self._check_egress(shards)
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
         ends = list(itertools.accumulate(t for _, _, t in spans))
         cols = [list(range(e - t, e)) if slot in full else [e - 1] for (slot, _, t), e in zip(spans, ends, strict=True)]
         picked = [c for cs in cols for c in cs]
-        x_cH = torch.cat(shards).T[torch.tensor(picked)]  # on the user side only
+        x_cH = torch.cat(shards).to(self.client_device).T[torch.tensor(picked)]  # on the user side only
         x_cH = rms_norm(x_cH, self.final_norm, self.config.rms_eps)
         if len(spans) == 1:
             logits_cV = x_cH @ self.lm_head.T  # (T or 1, V)
         else:  # V x n rather than n x V: the BLAS streams the (V, H) head once for all n (8 rows: 12 vs 18 ms here)
             logits_cV = (self.lm_head @ x_cH.T).T
+        logits_cV = logits_cV.float().cpu()  # the sampler's and the drafter's: float32, host (no-ops on a CPU fp32 run)
         self._check_logits(logits_cV, shards, picked)
         out, at = [], 0
         for (slot, _, _), cs in zip(spans, cols, strict=True):

@@ -38,6 +38,7 @@ from ..comm import (
 )
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
+from ..runtime.placement import DEFAULT_DTYPE, DTYPES, torch_dtype
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
 from ..weights.loader import WeightSource, open_weights
 from .ops import Span
@@ -58,7 +59,7 @@ class WorkerOptions:
     threads: int | None = None
     timeout_s: float = 120.0
     join_timeout_s: float = 120.0
-    device: str = "cpu"
+    device: str = "cpu"  # where this worker's weights, KV cache and steps live: cpu, cuda, cuda:K
     progress: str = "auto"
     audit_dir: str | None = None
     inject_leak: str | None = None
@@ -130,11 +131,16 @@ class Worker:
         self.witness.start(welcome.get("epoch"), links)
         try:
             if welcome.get("mode") == "masked":
+                if o.device != "cpu":
+                    raise RuntimeError(f"the masked mode runs on the CPU; this worker was started on {o.device}")
                 from ..masked.member import run_member
 
                 run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append)
                 return True
             plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
+            dtype = welcome.get("dtype", DEFAULT_DTYPE)  # the client's: the wire carries it
+            if dtype not in DTYPES:
+                raise RuntimeError(f"the client asked for dtype {dtype!r}, not one of {', '.join(DTYPES)}")
             audit = None
             if o.audit_dir:
                 from ..audit.recorder import AuditRecorder
@@ -154,7 +160,13 @@ class Worker:
                     from ..comm.torch_fabric import TorchFabric
 
                     fabric = TorchFabric(
-                        f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners
+                        f["backend"],
+                        rank - 1,
+                        n,
+                        f["store"],
+                        timeout_s=o.timeout_s,
+                        score_groups=plan.group_owners,
+                        device=torch.device(o.device),
                     )
                 self.fabric = fabric  # an abort word ends its waits
             backend = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
@@ -166,13 +178,12 @@ class Worker:
                 score_groups=plan.group_owners,
                 recorder=audit,
                 fabric=fabric,
-                device=fabric.device if fabric else None,
                 backend=backend,
             )
             comm = self.sabotage(comm)
             try:
                 with farewell_on_failure(links):  # before the links close
-                    serve(self, plan, rank - 1, comm, audit=audit)
+                    serve(self, plan, rank - 1, comm, audit=audit, dtype=dtype)
                 return True
             finally:
                 comm.close()
@@ -190,10 +201,10 @@ class Worker:
             with self._links_lock:
                 self.links = {}
 
-    def model_for(self, plan: Plan, w: int, comm: Comm, variant: str) -> ShardedModel:
-        """This epoch's model: the loaded one when plan and rank are unchanged (a replaced peer, a
-        new session), else its new slices read from the weights file."""
-        key = (plan.fingerprint(), w, variant)
+    def model_for(self, plan: Plan, w: int, comm: Comm, variant: str, dtype: str = DEFAULT_DTYPE) -> ShardedModel:
+        """This epoch's model: the loaded one when plan, rank and dtype are unchanged (a replaced peer,
+        a new session), else its new slices read from the weights file onto this worker's device."""
+        key = (plan.fingerprint(), w, variant, dtype)
         if self.model is not None and self.model_key == key:
             self.model.rebind(comm)
             return self.model
@@ -208,9 +219,9 @@ class Worker:
         if variant == "megatron":
             from .megatron import MegatronModel
 
-            model = MegatronModel(src, plan, w, comm)
+            model = MegatronModel(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
         else:
-            model = ShardedModel(src, plan, w, comm)
+            model = ShardedModel(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
         release_freed_memory()  # the load's transient copies (measured ~25 MiB per worker) go back now
         self.model, self.model_key = model, key
         return model
@@ -268,7 +279,7 @@ def run(o: WorkerOptions) -> None:
         pulse.close(leaving)
 
 
-def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
+def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str = DEFAULT_DTYPE) -> None:
     """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD
     (one or several sessions, each in its KV slot), RELEASE (zero one slot), RESET, WIPE, SHUTDOWN
     (protocol.Op).
@@ -286,7 +297,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         comm.flush()
         raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model file?")
     t0 = time.perf_counter()
-    model = me.model_for(plan, w, comm, variant)
+    model = me.model_for(plan, w, comm, variant, dtype)
     model.reset(context)
     if leak:
         from ..audit.inject import install_leak
@@ -319,8 +330,8 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
             batch = words if model.n_slots > 1 else None
             if audit is not None:
                 audit.begin_step(t, pos, spans=batch)
-            x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
-            x_dT = model.forward(x_dT.to(comm.device), spans)
+            x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
+            x_dT = model.forward(x_dT.to(model.device), spans)
             comm.send(x_dT, 0, "egress", "final")
             if audit is not None:
                 audit.end_step()

@@ -131,7 +131,14 @@ def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[R
     """`departing`: rank -> why its worker left during this epoch (its log may lack an end record)."""
     dims, n = manifest["model"]["dims"], int(manifest["workers"])
     res = Result(dir=str(d), workers=n, layers=int(dims["layers"]), variant=manifest.get("variant", "sharded"))
-    ctx = Verification(res, dims, n, res.layers, wire=str(manifest.get("wire")))
+    wire_dtype = manifest.get("wire_dtype", "float32")  # absent: a log from before it was recorded
+    ctx = Verification(
+        res, dims, n, res.layers, wire=str(manifest.get("wire")), itemsize=S.WIRE_ITEMSIZE.get(wire_dtype, 4)
+    )
+    if wire_dtype not in S.WIRE_ITEMSIZE:
+        res.violations.append(
+            Violation("structure", f"manifest's wire dtype is none the verifier knows ({wire_dtype!r})")
+        )
     if ctx.wire not in S.LINK_BACKENDS:
         res.violations.append(
             Violation("os_bytes", f"manifest's wire is no link backend the model knows ({ctx.wire!r})")
