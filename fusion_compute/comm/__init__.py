@@ -26,10 +26,10 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
-from .links import wire_bytes
+from .links import say_farewell, wire_bytes
 from .liveness import Pulse, Watch, Witness
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
@@ -52,6 +52,7 @@ __all__ = [
     "Member",
     "NullRecorder",
     "PeerError",
+    "PeerLeft",
     "PeerLost",
     "PeerTimeout",
     "PublicId",
@@ -61,6 +62,7 @@ __all__ = [
     "Watch",
     "Witness",
     "free_port",
+    "say_farewell",
     "join_epoch",
     "open_pulse",
     "wire_bytes",

@@ -26,3 +26,14 @@ class PeerLost(PeerError):
 
 class PeerTimeout(PeerError):
     """The peer did not answer within the deadline (frozen, overloaded, or cut off)."""
+
+
+class PeerLeft(PeerLost):
+    """The peer left the epoch and said why first (a farewell frame, links.Link.farewell): a knock-on
+    close. `reason`: what it announced, {"cause": the rank whose link failed it first-hand or None,
+    "after": the rank whose own farewell made it leave or None, "why": its error's first line}.
+    Not first-hand evidence against anyone: only the leaver's word."""
+
+    def __init__(self, rank: int, message: str, reason: dict):
+        super().__init__(rank, message)
+        self.reason = reason

@@ -12,7 +12,11 @@ on pyzmq DEALER sockets with CURVE, and large messages encrypt at AES-GCM speed 
 against ~0.5 GB/s for CURVE's XSalsa20-Poly1305; a closed peer is seen at once (EOF) instead of
 through socket monitors; and the bytes on the wire follow an exact model (below).
 
-Framing: a message is an 8-byte little-endian length, then the payload. With TLS, a message whose
+Framing: a message is an 8-byte little-endian length, then the payload. A length with its top bit set
+(FAREWELL) is a *farewell*: the last frame a participant sends on a link before it closes it, carrying
+a short JSON reason (`Link.farewell`; at most FAREWELL_MAX bytes). Its receiver raises `PeerLeft`
+instead of reading a message: the close was announced, and says why (docs/resilience.md, "Blame by
+evidence": a knock-on close is not first-hand evidence). With TLS, a message whose
 header and payload fit one record (8 + P <= 16384) is written as one record; a larger one as a
 header record then the payload in records of 16384 bytes. Every record costs 22 bytes (5 header,
 1 inner content type, 16 tag), so the bytes on the wire are exactly `wire_bytes(P, tls)`.
@@ -26,7 +30,9 @@ full socket buffer while it is itself waiting to receive, and bytes keep flowing
 from __future__ import annotations
 
 import collections
+import json
 import os
+import select
 import socket
 import ssl
 import struct
@@ -36,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import cast
 
-from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
 from .identity import Identity, PublicId
 
 HEADER = struct.Struct("<Q")
@@ -45,6 +51,27 @@ TLS_OVERHEAD = 22  # bytes per TLS 1.3 record on the wire: 5 header + 1 content 
 TICK_S = 0.25  # a blocking receive wakes up this often to check its deadline and the liveness watch
 RAW_CHUNK = 1 << 18
 MAX_MESSAGE = 1 << 34  # a length above this is a corrupt or hostile header, not a tensor
+FAREWELL = 1 << 63  # a header with this bit: a farewell of (length & ~FAREWELL) bytes of JSON
+FAREWELL_MAX = 1024
+WHY_MAX = 300  # characters of a farewell's reason kept (it is the peer's word: bounded, one line)
+
+
+def farewell_reason(raw: bytes) -> dict | None:
+    """A farewell's payload as {"cause", "after", "why"} (ranks or None, one bounded line), or None
+    when it is not one (malformed: the peer's word is checked like any input)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    out: dict = {}
+    for key in ("cause", "after"):
+        v = obj.get(key)
+        out[key] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16 else None
+    why = obj.get("why")
+    out["why"] = " ".join(str(why).split())[:WHY_MAX] if why is not None else ""
+    return out
 
 
 def wire_bytes(payload: int, tls: bool) -> int:
@@ -145,6 +172,7 @@ class Link:
         self._error: BaseException | None = None
         self._closing = False
         self.closed = False
+        self.left: dict | None = None  # the peer's farewell, once received (farewell_reason)
         # Called at every receive tick: raises when the job must stop waiting (a peer found dead by
         # the liveness watch, or an abort), whoever this link's own peer is.
         self.check: Callable[[], None] | None = None
@@ -188,7 +216,7 @@ class Link:
         except BlockingIOError:
             return parts
         except OSError as e:
-            raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+            raise self._gone(f"closed the connection ({e.strerror or e})") from None
         while parts and sent >= len(parts[0]):
             sent -= len(parts[0])
             parts.pop(0)
@@ -225,7 +253,40 @@ class Link:
     def _raise_writer_error(self) -> None:
         if self._error is not None:
             e = self._error
-            raise PeerLost(self.rank, f"{self.label} closed the connection ({getattr(e, 'strerror', None) or e})")
+            raise self._gone(f"closed the connection ({getattr(e, 'strerror', None) or e})")
+
+    def _gone(self, what: str) -> PeerLost:
+        """A send failed: the peer closed. If it said farewell first, that is the error (it announced
+        why); else a plain PeerLost."""
+        if self.departure() == "left":
+            return self._left_error()
+        return PeerLost(self.rank, f"{self.label} {what}")
+
+    def _left_error(self) -> PeerLeft:
+        left = self.left or {}
+        return PeerLeft(self.rank, f"{self.label} left the epoch: {left.get('why') or 'no reason given'}", left)
+
+    def farewell(self, reason: dict, grace_s: float = 0.5) -> None:
+        """Say why before closing (the last frame on this link), then close it. Best effort: a peer
+        already gone is no error. `reason`: {"cause", "after", "why"} (farewell_reason)."""
+        if self.closed:
+            return
+        try:
+            payload = json.dumps(farewell_reason(json.dumps(reason).encode())).encode()[:FAREWELL_MAX]
+            header = HEADER.pack(FAREWELL | len(payload))
+            if self.tls is not None:
+                self.tls.write(header + payload)
+                parts = [memoryview(self._out.read())]
+            else:
+                parts = [memoryview(header), memoryview(payload)]
+            with self._lock:
+                if self._error is None:
+                    self._queue.extend(memoryview(bytes(p)) for p in parts)
+                    self._start_writer()
+                    self._wake.notify()
+            self.close(time.monotonic() + grace_s)
+        except (CommError, OSError, ssl.SSLError, ValueError):
+            self.close()
 
     def flush(self, deadline: float) -> None:
         """Block until every queued byte is in the kernel (or the deadline passes)."""
@@ -284,8 +345,18 @@ class Link:
             self._inc.write(memoryview(self._raw)[:n])
 
     def recv_size(self, deadline: float) -> int:
+        if self.left is not None:  # nothing follows a farewell
+            raise self._left_error()
         self._read_exact(memoryview(self._hdr), deadline)
         (n,) = HEADER.unpack(self._hdr)
+        if n & FAREWELL and n & ~FAREWELL <= FAREWELL_MAX:
+            raw = bytearray(n & ~FAREWELL)
+            self._read_exact(memoryview(raw), deadline)
+            reason = farewell_reason(bytes(raw))
+            if reason is None:
+                raise PeerError(self.rank, f"{self.label} sent a malformed farewell")
+            self.left = reason
+            raise self._left_error()
         if n > MAX_MESSAGE:
             raise PeerError(self.rank, f"{self.label} sent a malformed message header (length {n})")
         return n
@@ -308,6 +379,37 @@ class Link:
         self._read_exact(memoryview(buf), deadline)
         return bytes(buf)
 
+    def departure(self, wait_s: float = 0.05) -> str:
+        """What became of the peer, as far as this end can tell now: "left" (it said farewell:
+        `self.left`), "closed" (its end closed without one), "sent" (whole messages came, and
+        nothing after them), or "open" (nothing new). Reads and drops whatever messages come (the
+        epoch they belong to is over)."""
+        if self.left is not None:
+            return "left"
+        if self.closed:
+            return "open"  # closed by this end: nothing more to read
+        deadline = time.monotonic() + wait_s
+        check, self.check = self.check, None  # a liveness verdict about someone else is not this link's news
+        sent = False
+        try:
+            while self.has_buffered() or select.select([self.sock], [], [], 0)[0]:
+                n = self.recv_size(deadline)  # raises PeerLeft at a farewell
+                junk = memoryview(bytearray(1 << 16))
+                while n > 0:
+                    k = min(n, len(junk))
+                    self._read_exact(junk[:k], deadline)
+                    n -= k
+                sent = True
+        except PeerLeft:
+            return "left"
+        except PeerTimeout:
+            return "open"  # part of a message, and no more yet
+        except (CommError, OSError, ValueError):
+            return "closed"
+        finally:
+            self.check = check
+        return "sent" if sent else "open"
+
     def close(self, deadline: float | None = None) -> None:
         if self.closed:
             return
@@ -326,6 +428,23 @@ class Link:
         except OSError:
             pass
         self.sock.close()
+
+
+def say_farewell(links: dict[int, Link], err: BaseException, grace_s: float = 0.5) -> None:
+    """This participant drops the epoch because of `err`: tell every peer why on its link (the last
+    frame there, `Link.farewell`), then close the links. The reason names the peer whose link failed
+    it first-hand (`cause`: closed without a farewell, or silent past the deadline), or the peer whose
+    own farewell made it leave (`after`: a knock-on, no evidence against anyone), or neither (its own
+    failure), and the error's first line (`why`: the client's message carries it)."""
+    first_hand = isinstance(err, PeerError) and not err.watched and not isinstance(err, PeerLeft)
+    reason = {
+        "cause": err.rank if first_hand and isinstance(err, PeerError) else None,
+        "after": err.rank if isinstance(err, PeerLeft) else None,
+        "why": (str(err).splitlines() or [type(err).__name__])[0],
+    }
+    deadline = time.monotonic() + grace_s
+    for link in links.values():
+        link.farewell(reason, grace_s=max(0.0, deadline - time.monotonic()))
 
 
 # ---- establishing a link ----
