@@ -157,29 +157,31 @@ class Comm:
             self._get(peer, pending.pop(peer), what, wait_s)
         last = time.monotonic()
         self._awaiting(pending, last)
-        while pending:
-            links = {p: self._link(p) for p in pending}
-            ready = [p for p, link in links.items() if link.has_buffered()]
+        links = {p: self._link(p) for p in pending}
+        while len(pending) > 1:
+            ready = [p for p in pending if links[p].has_buffered()]
             if not ready:
-                socks = {link.sock: p for p, link in links.items()}
+                socks = {links[p].sock: p for p in pending}
                 left = deadline - time.monotonic()
                 got, _, _ = select.select(list(socks), [], [], max(0.0, min(TICK_S, left)))
                 ready = sorted(socks[s] for s in got)
             if not ready:  # a tick: the links' check (a lost worker, a step's limit), then the deadline
-                check = next((link.check for link in links.values() if link.check is not None), None)
+                check = next((links[p].check for p in pending if links[p].check is not None), None)
                 if check is not None:
                     check()
                 if time.monotonic() >= deadline:
                     first = min(pending)
                     raise PeerTimeout(first, f"{links[first].label} did not answer within the deadline")
                 continue
-            for p in ready:
+            for p in ready[: len(pending) - 1]:  # the last one is read below, charged
                 links[p].recv_into(_bytes(pending.pop(p)), deadline, what)
-                now = time.monotonic()
-                if not pending and self.witness is not None:
-                    self.witness.charge(p, now - last)
-                last = now
-                self._awaiting(pending, last)
+                last = time.monotonic()
+            self._awaiting(pending, last)
+        for p, out in pending.items():  # the last: a plain blocking read (one syscall), all of it charged
+            links[p].recv_into(_bytes(out), deadline, what)
+            if self.witness is not None:
+                self.witness.charge(p, time.monotonic() - last)
+        self._awaiting({}, last)
 
     def _awaiting(self, pending: dict[int, torch.Tensor], since: float) -> None:
         self.awaiting = frozenset(pending)
