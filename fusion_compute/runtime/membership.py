@@ -250,6 +250,9 @@ class Membership:
         """Open the next epoch without as many of `causes` as standbys (or the floor) allow, the first
         ones first: they become standbys themselves (told to wipe; none barred). False when not even
         one can be spared."""
+        if self.procs is not None:  # a local spare still starting up is worth the wait
+            for p in causes:
+                self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
         for k in range(len(causes), 0, -1):
             aside = set(causes[:k])
             try:
