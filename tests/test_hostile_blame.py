@@ -54,27 +54,36 @@ def reference(model, n: int) -> list[int]:
     return _references[n]
 
 
-def options(n: int, **kw) -> EngineOptions:
+def attacked(model, n: int, who: int, fault: str, **kw):
+    """One greedy run of N = n workers and a standby, worker `who` running `--inject-fault FAULT`:
+    the result, the last epoch's order and every worker's state."""
     kw.setdefault("timeout_s", TIMEOUT_S)
-    return EngineOptions(n_workers=n, standby=1, context=128, liveness_s=LIVENESS_S, **kw)
+    opts = EngineOptions(
+        n_workers=n,
+        standby=1,
+        context=128,
+        liveness_s=LIVENESS_S,
+        args_for_worker={who: ("--inject-fault", fault)},
+        **kw,
+    )
+    with Engine(model, opts) as eng:
+        res = run(eng)
+        return res, eng.order, {w["id"]: w["state"] for w in eng.workers()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dragger", [1, 2, 3])
 def test_sub_tick_dragger_is_named_whatever_its_rank(tiny_qwen2, dragger, capfd):
     want = reference(tiny_qwen2, 3)
-    fault = ("--inject-fault", f"drag-sub@{STEP_RS * (SLOW_FROM - 1) + 1}")
-    opts = options(3, step_deadline_min_s=SUB_DEADLINE_MIN_S, args_for_worker={dragger: fault})
-    with Engine(tiny_qwen2, opts) as eng:
-        res = run(eng)
-        assert res.token_ids == want
-        assert [r["lost"] for r in res.recoveries] == [[dragger]], res.recoveries
-        reason = res.recoveries[0]["reason"]
-        for honest in {1, 2, 3} - {dragger}:
-            assert f"worker {honest} was kept waiting" in reason and f"by worker {dragger}" in reason, reason
-        assert "the client was kept waiting" not in reason, reason  # its own account blames nobody
-        states = {w["id"]: w["state"] for w in eng.workers()}
-        assert states[dragger] == "removed" and eng.order == [4 if p == dragger else p for p in (1, 2, 3)], states
+    fault = f"drag-sub@{STEP_RS * (SLOW_FROM - 1) + 1}"
+    res, order, states = attacked(tiny_qwen2, 3, dragger, fault, step_deadline_min_s=SUB_DEADLINE_MIN_S)
+    assert res.token_ids == want
+    assert [r["lost"] for r in res.recoveries] == [[dragger]], res.recoveries
+    reason = res.recoveries[0]["reason"]
+    for honest in {1, 2, 3} - {dragger}:
+        assert f"worker {honest} was kept waiting" in reason and f"by worker {dragger}" in reason, reason
+    assert "the client was kept waiting" not in reason, reason  # its own account blames nobody
+    assert states[dragger] == "removed" and order == [4 if p == dragger else p for p in (1, 2, 3)], states
     err = capfd.readouterr().err
     assert f"worker {dragger} is the cause" in err, err[-3000:]
     print(reason)
@@ -84,17 +93,13 @@ def test_sub_tick_dragger_is_named_whatever_its_rank(tiny_qwen2, dragger, capfd)
 @pytest.mark.parametrize(("liar", "victim"), [(2, 1), (1, 2), (3, 1)])
 def test_link_closing_liar_is_removed_not_its_victim(tiny_qwen2, liar, victim, capfd):
     want = reference(tiny_qwen2, 3)
-    fault = ("--inject-fault", f"close-link@{STEP_RS * 5 + 1}")
-    opts = options(3, timeout_s=LINK_TIMEOUT_S, args_for_worker={liar: fault})
-    with Engine(tiny_qwen2, opts) as eng:
-        res = run(eng)
-        assert res.token_ids == want
-        assert [r["lost"] for r in res.recoveries] == [[liar]], res.recoveries
-        reason = res.recoveries[0]["reason"]
-        assert f"worker {victim} left naming worker {liar}" in reason, reason
-        assert f"worker {liar} names worker {victim} but did not leave naming it" in reason, reason
-        states = {w["id"]: w["state"] for w in eng.workers()}
-        assert states[liar] == "removed" and states[victim] == "active", states
+    res, _, states = attacked(tiny_qwen2, 3, liar, f"close-link@{STEP_RS * 5 + 1}", timeout_s=LINK_TIMEOUT_S)
+    assert res.token_ids == want
+    assert [r["lost"] for r in res.recoveries] == [[liar]], res.recoveries
+    reason = res.recoveries[0]["reason"]
+    assert f"worker {victim} left naming worker {liar}" in reason, reason
+    assert f"worker {liar} names worker {victim} but did not leave naming it" in reason, reason
+    assert states[liar] == "removed" and states[victim] == "active", states
     assert f"blaming worker [{liar}]" in capfd.readouterr().err
 
 
@@ -103,21 +108,19 @@ def test_link_closing_liar_is_removed_not_its_victim(tiny_qwen2, liar, victim, c
 def test_two_workers_a_lying_dragger_does_not_stop_the_service(tiny_qwen2, liar, capfd):
     want = reference(tiny_qwen2, 2)
     honest = 3 - liar
-    fault = ("--inject-fault", f"drag-lie@{STEP_RS * (SLOW_FROM - 1) + 1}")
-    opts = options(2, step_deadline_min_s=LIE_DEADLINE_MIN_S, args_for_worker={liar: fault})
-    with Engine(tiny_qwen2, opts) as eng:
-        res = run(eng)  # before: "ambiguous between workers [1, 2] ... nobody is removed", and it failed
-        assert res.token_ids == want
-        states = {w["id"]: w["state"] for w in eng.workers()}
-        assert liar not in eng.order and honest in eng.order and 3 in eng.order, (eng.order, states)
-        assert states[honest] == "active", states
-        first = res.recoveries[0]
-        assert first["lost"] == [] and first["set_aside"] == [1], res.recoveries  # the lower id first: a guess
-        if liar == 2:  # the guess was wrong: the ambiguity followed worker 2 (with 1, then with 3)
-            assert [r["lost"] for r in res.recoveries[1:]] == [[2]], res.recoveries
-            assert states[2] == "removed" and eng.order == [3, 1], (eng.order, states)
-        else:  # right: the job goes on without the liar, which is set aside, not barred
-            assert len(res.recoveries) == 1 and states[1] == "standby", (res.recoveries, states)
+    fault = f"drag-lie@{STEP_RS * (SLOW_FROM - 1) + 1}"
+    # before: "ambiguous between workers [1, 2] ... nobody is removed", and every request failed
+    res, order, states = attacked(tiny_qwen2, 2, liar, fault, step_deadline_min_s=LIE_DEADLINE_MIN_S)
+    assert res.token_ids == want
+    assert liar not in order and honest in order and 3 in order, (order, states)
+    assert states[honest] == "active", states
+    first = res.recoveries[0]
+    assert first["lost"] == [] and first["set_aside"] == [1], res.recoveries  # the lower id first: a guess
+    if liar == 2:  # the guess was wrong: the ambiguity followed worker 2 (with 1, then with 3)
+        assert [r["lost"] for r in res.recoveries[1:]] == [[2]], res.recoveries
+        assert states[2] == "removed" and order == [3, 1], (order, states)
+    else:  # right: the job goes on without the liar, which is set aside, not barred
+        assert len(res.recoveries) == 1 and states[1] == "standby", (res.recoveries, states)
     err = capfd.readouterr().err
     assert "setting aside worker [1] (not barred)" in err, err[-3000:]
     if liar == 2:
