@@ -435,7 +435,8 @@ def say_farewell(links: dict[int, Link], err: BaseException, grace_s: float = 0.
     frame there, `Link.farewell`), then close the links. The reason names the peer whose link failed
     it first-hand (`cause`: closed without a farewell, or silent past the deadline), or the peer whose
     own farewell made it leave (`after`: a knock-on, no evidence against anyone), or neither (its own
-    failure), and the error's first line (`why`: the client's message carries it)."""
+    failure), and, to the client only, the error's first line (`why`: its message carries it; a peer
+    needs only the cause)."""
     first_hand = isinstance(err, PeerError) and not err.watched and not isinstance(err, PeerLeft)
     reason = {
         "cause": err.rank if first_hand and isinstance(err, PeerError) else None,
@@ -444,7 +445,8 @@ def say_farewell(links: dict[int, Link], err: BaseException, grace_s: float = 0.
     }
     deadline = time.monotonic() + grace_s
     for link in links.values():
-        link.farewell(reason, grace_s=max(0.0, deadline - time.monotonic()))
+        said = reason if link.rank == 0 else {**reason, "why": ""}
+        link.farewell(said, grace_s=max(0.0, deadline - time.monotonic()))
 
 
 # ---- establishing a link ----
