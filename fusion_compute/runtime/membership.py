@@ -171,8 +171,8 @@ class Membership:
         """Who to remove when a data link failed (`suspect`: the worker whose link the client was
         reading) and every pulse still beats: the evidence decides, never the link alone (blame.py).
         Each worker of the epoch is asked what it saw (liveness.Witness); the client adds its own:
-        what its link to each worker says (left, with the reason it gave; closed; open), whether the
-        failure came while it waited for every egress, and whom alone it waited for."""
+        what its link to each worker says (left, with the reason it gave; closed; open), whose step
+        output it was still owed when the link failed, and whom alone it waited for."""
         order, window = self.order, self.opts.timeout_s
         ranks = {rank: pid for rank, pid in enumerate(order, start=1)}
 
