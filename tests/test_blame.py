@@ -289,20 +289,23 @@ def test_a_farewell_says_why_and_is_read_as_one():
     a send to a peer that left first reports its farewell too; a malformed reason is bounded."""
     a, b = _tcp()
     mine, theirs = Link(a, None, 2, "worker 2"), Link(b, None, 1, "worker 1")
-    theirs.farewell({"cause": 3, "after": None, "why": "worker 3 closed the connection\nsecond line"})
-    with pytest.raises(PeerLeft, match="worker 2 left the epoch: worker 3 closed the connection second line") as e:
+    theirs.farewell("worker 3 closed the connection\nsecond line", time.monotonic() + 2, cause=3)
+    with pytest.raises(PeerLeft, match="worker 2 closed the connection: worker 3 closed the connection$") as e:
         mine.recv_size(time.monotonic() + 2)
-    assert e.value.reason["cause"] == 3 and e.value.reason["after"] is None
+    assert e.value.reason == {"cause": 3, "after": None, "why": "worker 3 closed the connection"}
+    assert e.value.said == "worker 3 closed the connection"
     assert mine.departure() == "left"
     with pytest.raises(PeerLeft):
         mine.recv_size(time.monotonic() + 2)  # nothing follows a farewell
     mine.close()
+    theirs.close()
+    # the peer's word is checked: wrong types dropped, the line bounded, a bare line taken as the reason
     assert farewell_reason(b'{"cause": true, "after": -1, "why": "' + b"x" * 5000 + b'"}') == {
         "cause": None,
         "after": None,
         "why": "x" * 300,
     }
-    assert farewell_reason(b"[1]") is None
+    assert farewell_reason(b"out of\nmemory") == {"cause": None, "after": None, "why": "out of memory"}
 
 
 def test_departure_tells_left_closed_open():

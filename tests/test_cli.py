@@ -296,7 +296,8 @@ def test_a_worker_failing_at_start_up_says_why(tiny_qwen2, tmp_path, no_new_work
     f.write_bytes(bytes(raw))
     r = run("generate", "--model", str(model), "--prompt-ids", "1,2,3", "--max-new-tokens", "2")
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert f"exited: fusion worker: error: model.safetensors: {name} has unsupported dtype I32" in r.stderr, r.stderr
+    # said on its link as it left (its farewell: comm/links.py), before its process exited
+    assert f"closed the connection: model.safetensors: {name} has unsupported dtype I32" in r.stderr, r.stderr
 
 
 def test_a_workers_own_error_line_is_its_last_words():

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
+from .options import add_api_key_args, api_key
+
 HELP = """commands:
   /reset          start a new conversation (keeps the system prompt)
   /system TEXT    set the system prompt (and start over)
@@ -404,7 +406,8 @@ def _turn(
             bits.append(f"{timing['decode_tokens_per_s']:.1f} tok/s")
         if fusion.get("workers"):
             bits.append(f"{fusion['workers']} workers, {fusion.get('steps', '?')} steps")
-        bits.append("audit " + ("checked" if audit else "not checked"))
+        if audit:  # a live reply is never audited (serving/gateway.py); say nothing unless one was
+            bits.append("audit checked")
         stderr.write("\x1b[2m[" + " · ".join(bits) + "]\x1b[0m\n" if stderr.isatty() else "[" + ", ".join(bits) + "]\n")
         stderr.flush()
     return "".join(parts)
@@ -414,7 +417,7 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
     c = sub.add_parser("chat", help="interactive chat in the terminal (local engine, or --url of a fusion serve)")
     add_engine(c)
     c.add_argument("--url", help="talk to a running `fusion serve` (http://HOST:PORT) instead of starting workers")
-    c.add_argument("--api-key", help="API key for --url")
+    add_api_key_args(c, "API key for --url")
     c.add_argument("--system", help="system prompt")
     c.add_argument("--max-tokens", type=int, help="reply length limit per turn (default 256, capped by the context)")
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -446,7 +449,7 @@ def cmd_chat(a: Any) -> int:
         )
     try:
         if a.url:
-            backend: Any = HttpBackend(a.url, a.api_key)
+            backend: Any = HttpBackend(a.url, api_key(a, "chat"))
         else:
             from ..serving.gateway import open_gateway
 

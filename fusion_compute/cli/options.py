@@ -115,6 +115,52 @@ def load_key(path: str | None) -> Identity | None:
     return Identity.load(path)
 
 
+# ---- the HTTP API key (serve, chat --url) ----
+
+API_KEY_ENV = "FUSION_API_KEY"
+MAX_API_KEY_FILE = 4096  # bytes: an API key file holds one line
+
+
+def add_api_key_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--api-key-file FILE, and --api-key VALUE (kept: it shows in `ps`); else $FUSION_API_KEY."""
+    p.add_argument("--api-key-file", metavar="FILE", help=f"{what}: the key is FILE's first line (else ${API_KEY_ENV})")
+    p.add_argument("--api-key", metavar="KEY", help="the same, on the command line (every local user sees it in ps)")
+
+
+def api_key(a: argparse.Namespace, prog: str) -> str | None:
+    """The API key from --api-key-file, --api-key or $FUSION_API_KEY (in that order; the two flags
+    together are refused). --api-key still works, with a warning: any local user reads a command
+    line (ps, /proc/PID/cmdline), not another user's file or environment."""
+    if a.api_key is not None and a.api_key_file is not None:
+        raise UsageError("give --api-key-file or --api-key, not both")
+    if a.api_key_file is not None:
+        from ..comm.identity import read_small_file
+
+        data, mode = read_small_file(Path(a.api_key_file), MAX_API_KEY_FILE, "API key file", UsageError)
+        key = (data.decode("utf-8", errors="replace").splitlines() or [""])[0].strip()
+        if not key:
+            raise UsageError(f"{a.api_key_file}: the API key file's first line is empty")
+        if mode & 0o044:
+            print(
+                f"fusion {prog}: warning: API key file {a.api_key_file} is readable by "
+                f"{'others' if mode & 0o004 else 'its group'} (mode {mode & 0o777:03o}); chmod 600 it",
+                file=sys.stderr,
+            )
+        return key
+    if a.api_key is not None:
+        if not a.api_key:
+            raise UsageError("--api-key is empty")
+        print(
+            f"fusion {prog}: warning: --api-key shows the key to every user of this machine (ps); "
+            f"use --api-key-file FILE or ${API_KEY_ENV}",
+            file=sys.stderr,
+        )
+        return a.api_key
+    import os
+
+    return os.environ.get(API_KEY_ENV) or None
+
+
 # ---- engine (client side) ----
 
 

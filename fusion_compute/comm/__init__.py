@@ -11,7 +11,8 @@ participants; `gloo`, `nccl` and `mpi` keep the client's links but run the worke
 schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
 
   identity.py      participant key pairs and the one-line public keys the topology pins
-  links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext
+  links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext;
+                   a farewell frame tells the peer why this end leaves
   rendezvous.py    admission against the roster, epochs, then wiring every pair of workers
   liveness.py      heartbeats: a worker that dies or freezes is named within seconds
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
-from .links import say_farewell, wire_bytes
+from .links import farewell_all, farewell_on_failure, reason_of, say_farewell, wire_bytes
 from .liveness import Pulse, Watch, Witness
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
@@ -61,10 +62,13 @@ __all__ = [
     "WORKER_COLLECTIVES",
     "Watch",
     "Witness",
+    "farewell_all",
+    "farewell_on_failure",
     "free_port",
-    "say_farewell",
     "join_epoch",
     "open_pulse",
+    "reason_of",
+    "say_farewell",
     "wire_bytes",
 ]
 

@@ -15,8 +15,8 @@ Ranks: 0 is the client (user side); 1..N are workers. Verbs and what moves:
 Baselines and negative controls only: `all_gather_workers` (every worker gets every shard) and
 `all_reduce_workers` (Megatron-style replicated sum).
 
-The reduce-scatter is never an all-reduce in disguise: only addressed rows leave a worker (DESIGN.md
-§4). The negative control `rs_allreduce` (audit) breaks exactly that: it sends every peer the whole
+The reduce-scatter is never an all-reduce in disguise: only addressed rows leave a worker (docs/design.md,
+"The operators"). The negative control `rs_allreduce` (audit) breaks exactly that: it sends every peer the whole
 partial while recording only the addressed rows, and the socket byte counters catch it.
 
 Waiting is charged to whoever caused it (docs/resilience.md, "Blame by evidence"): a rank that needs

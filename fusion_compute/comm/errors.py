@@ -21,7 +21,12 @@ class PeerError(CommError):
 
 
 class PeerLost(PeerError):
-    """The peer closed its connection or its process died."""
+    """The peer closed its connection or its process died. `said`: the reason the peer gave as it
+    left (its farewell on the link, links.Link.farewell), when it gave one."""
+
+    def __init__(self, rank: int, message: str, watched: bool = False, said: str | None = None):
+        super().__init__(rank, message, watched)
+        self.said = said
 
 
 class PeerTimeout(PeerError):
@@ -29,11 +34,11 @@ class PeerTimeout(PeerError):
 
 
 class PeerLeft(PeerLost):
-    """The peer left the epoch and said why first (a farewell frame, links.Link.farewell): a knock-on
-    close. `reason`: what it announced, {"cause": the rank whose link failed it first-hand or None,
-    "after": the rank whose own farewell made it leave or None, "why": its error's first line}.
-    Not first-hand evidence against anyone: only the leaver's word."""
+    """The peer said why before it closed (a farewell frame, links.Link.farewell): an announced close,
+    no first-hand evidence against anyone (only the leaver's word). `reason`: what it announced,
+    {"why": its error's line (also `said`), "cause": the rank whose link failed it first-hand or None,
+    "after": the rank whose own farewell made it leave or None}."""
 
     def __init__(self, rank: int, message: str, reason: dict):
-        super().__init__(rank, message)
+        super().__init__(rank, message, said=reason.get("why") or "(no reason given)")
         self.reason = reason

@@ -4,7 +4,9 @@ that stops (dead, frozen, cut off) within a deadline, names it, and tells the ot
   worker  `Pulse`: a thread that sends a beat every `interval_s` on the pulse link and obeys the
           client's words on it: `ask` (what did you see: answered by its `Witness`), `abort` (give up the current epoch: every data link is shut down at
           once, so a wait on a vanished peer ends now), `stop` (the job is over), `revoke` (wipe and
-          leave). A client that goes away closes the pulse link: the worker leaves at once.
+          leave). A client that goes away closes the pulse link: the worker leaves at once. A worker
+          that leaves for a failure of its own says why on the pulse link as it closes it
+          (`close(reason)`), and the watch records that reason as the failure.
   client  `Watch`: a thread that reads every worker's pulse link. A worker has failed when its
           pulse link closes (its process died: seen at once) or when no beat came for `deadline_s`
           (frozen, or its network cut). `check()` raises the failure as a `PeerError` naming the
@@ -82,8 +84,15 @@ class Pulse:
             if not self._stop.is_set():
                 self.on_client_gone()
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """Stop beating and close the pulse link; `reason`: why this worker is leaving (its own
+        failure), said to the client as the link's last message (Link.farewell) once the beating
+        thread has stopped (a link is used by one thread at a time)."""
         self._stop.set()
+        if reason is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * self.interval_s + 1.0)
+            if not self._thread.is_alive():
+                self.link.farewell(reason, time.monotonic() + 1.0)
         self.link.close()
 
 
@@ -309,7 +318,10 @@ class Watch:
                         with self._guard:
                             self._saw[rank] = msg["saw"]
                 except (CommError, OSError, ValueError) as e:
-                    self._fail(rank, f"{link.label} exited: its connection closed ({e})")
+                    if link.said is not None:  # it said why as it left
+                        self._fail(rank, f"{link.label} exited: {link.said}")
+                    else:
+                        self._fail(rank, f"{link.label} exited: its connection closed ({e})")
             for rank, link in links.items():
                 silent = now - self._seen.get(rank, now)
                 if silent > self.deadline_s:

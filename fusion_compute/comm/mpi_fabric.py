@@ -30,7 +30,7 @@ waiting with MPI's blocking Wait slowed a computing process on the same 2 cores 
 not at all.
 
 The reduce-scatter is an all-to-all with per-peer counts plus a local sum, never a reduce-scatter
-primitive (DESIGN.md §4), exactly as on the other backends. The layers' reduce-scatters use
+primitive (docs/design.md, "The operators"), exactly as on the other backends. The layers' reduce-scatters use
 `reduce_scatter_from`: the same rows as point-to-point `Isend`/`Irecv`, each peer's block sent as soon
 as it is made, so that the exchange overlaps the product (as the links do, comm.py).
 """

@@ -12,7 +12,7 @@ joins it.
 
 The reduce-scatter is `all_to_all_single` with per-peer split sizes plus a local sum, never
 `reduce_scatter`: gloo implements that as an all-reduce followed by keeping one chunk, so every
-rank would briefly hold the complete sum (DESIGN.md §4). This is the only module that imports
+rank would briefly hold the complete sum (docs/design.md, "The operators"). This is the only module that imports
 torch.distributed.
 """
 

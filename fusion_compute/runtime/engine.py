@@ -133,7 +133,8 @@ class EngineBase(Membership):
                 self.procs.quiet = False
         except BaseException as e:
             try:  # (a timeout is not looked into: the worker is still running)
-                why = self._exit_words(e) if isinstance(e, PeerLost) else None
+                # a worker that said why as it left (its farewell) is in the error already
+                why = self._exit_words(e) if isinstance(e, PeerLost) and e.said is None else None
                 if why is not None:  # the link only saw the connection close; the process said why
                     e.args = (f"{e} ({why})",)
             finally:

@@ -1,7 +1,7 @@
 """Sharded operators: one decoder layer as small explicit steps over one worker's shards.
 
 Layout of local tensors is feature-major, (rows, T): a linear is then `W @ x` with no transposes,
-and a reduce-scatter chunk is a contiguous block of rows. Names carry ownership (STYLE.md):
+and a reduce-scatter chunk is a contiguous block of rows. Names carry ownership (docs/design.md, "Code habits"):
 lowercase = this worker's shard, uppercase = full extent.
 
   step            input            output            placement change
@@ -151,7 +151,7 @@ def norm_linear_scatter(
     eps: float,
     op: str,
 ) -> torch.Tensor:
-    """y = W · RMSNorm(x), norm fused into the scatter (DESIGN.md §4).
+    """y = W · RMSNorm(x), norm fused into the scatter (docs/design.md, "The operators").
 
     W diag(g) x / s with s = sqrt(Σ_r ‖x_r‖² / H + ε): every worker appends its local Σx² (one
     scalar per token) to each chunk it sends, so the owner gets the global Σx² in the same

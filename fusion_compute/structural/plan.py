@@ -1,7 +1,7 @@
 """The plan: which worker owns which coordinates of every protected tensor, as data.
 
 One function, `make_plan(config, n_workers, capacities)`, fixes a layout for every role
-(DESIGN.md §3). Workers, the client, tests, the benchmark and the audit all read the same frozen
+(docs/design.md, "The plan"). Workers, the client, tests, the benchmark and the audit all read the same frozen
 object; `plan.to_json()` prints it.
 
 Layouts (worker w = rank w + 1):

@@ -47,7 +47,7 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
         h_in=list(range(*share.mlp)),
     )
 
-    # the norm's gain folds into the columns this worker holds (DESIGN.md §4: RMSNorm fused into the linear)
+    # the norm's gain folds into the columns this worker holds (docs/design.md, "The operators": RMSNorm fused into the linear)
     qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
     qkv_w = augmented(qkv, qkv_rows)
     del qkv

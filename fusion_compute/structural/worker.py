@@ -33,6 +33,7 @@ from ..comm import (
     Witness,
     join_epoch,
     open_pulse,
+    reason_of,
     say_farewell,
 )
 from ..runtime.faults import comm_fault, parse_fault, rejoin
@@ -176,14 +177,14 @@ class Worker:
             try:
                 serve(self, plan, rank - 1, comm, audit=audit)
                 return True
-            except BaseException as e:
-                self._leaving(links, e)  # before the links close
+            except BaseException as e:  # its own failure or a peer's: said on every link, before they close
+                self._leaving(links, e)
                 raise
             finally:
                 comm.close()
                 if audit is not None:
                     audit.close()
-        except BaseException as e:
+        except BaseException as e:  # (also a failure of its own before the epoch's comm: its fabric)
             self._leaving(links, e)
             raise
         finally:
@@ -250,6 +251,7 @@ def run(o: WorkerOptions) -> None:
         me.on_client_gone,
         witness=me.witness,
     )
+    leaving: str | None = None  # why this process ends, when by a failure of its own: the client hears it
     try:
         while True:
             if welcome is not None and not welcome.get("standby"):
@@ -271,9 +273,12 @@ def run(o: WorkerOptions) -> None:
             except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
                 o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
                 welcome, links = None, {}
+    except Exception as e:
+        leaving = reason_of(e)
+        raise
     finally:
         me.wipe()
-        pulse.close()
+        pulse.close(leaving)
 
 
 def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:

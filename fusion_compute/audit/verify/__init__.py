@@ -5,7 +5,7 @@ every module of this package imports only audit/schema.py and the standard libra
 plan, operators, comm, client or worker code, so a bug there cannot certify itself
 (tests/test_audit.py parses the imports). From the dimensions and the shares each worker declares
 in its log header it recomputes, on its own, every coordinate set a worker should hold and every
-transfer it should make, then checks each step (DESIGN.md §5):
+transfer it should make, then checks each step (docs/design.md, "The protected interval and its invariants"):
 
   chain           every log's hash chain is intact and ends at the hash the manifest recorded
   structure       header / sessions / steps / end in order; steps consecutive; the same steps on
