@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..comm import Comm, CommError, Identity, Member, PeerError, PublicId
+from ..comm import Comm, CommError, Identity, Member, PeerError, PeerLost, PeerTimeout, PublicId
 from ..errors import UsageError, WorkerMisbehaved
 from .blame import blame_link, follows
 from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, Verdict, judge
@@ -35,6 +35,9 @@ from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadli
 
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+_CLOSED = (PeerLost, PeerTimeout)  # a link that closed or went silent: whose fault is for the evidence
 
 
 class TooFewWorkers(CommError):
@@ -130,6 +133,11 @@ class Membership:
         failed |= {p for p in self.watch.failed() if p in self.order}
         if err is not None and err.watched:
             failed.add(err.rank)
+        elif not failed and err is not None and 1 <= err.rank <= len(self.order) and not isinstance(err, _CLOSED):
+            # a malformed message (wrong size, bad header) the worker itself sent the client on its own
+            # authenticated link: the client's first-hand evidence, no one else's account needed
+            failed.add(self.order[err.rank - 1])
+            accounts = f"{_first_line(err)} (seen by the client itself)"
         elif not failed and err is not None and 1 <= err.rank <= len(self.order):
             blamed, verdict = self._blame(self.order[err.rank - 1])
             link = f"the link to worker {self.order[err.rank - 1]} failed ({_first_line(err)})"
