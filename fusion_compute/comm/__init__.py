@@ -28,10 +28,10 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
-from .links import farewell_all, farewell_on_failure, reason_of, wire_bytes
+from .links import farewell_all, farewell_on_failure, reason_of, say_farewell, wire_bytes
 from .liveness import Pulse, Watch, Witness
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
@@ -54,6 +54,7 @@ __all__ = [
     "Member",
     "NullRecorder",
     "PeerError",
+    "PeerLeft",
     "PeerLost",
     "PeerTimeout",
     "PublicId",
@@ -68,6 +69,7 @@ __all__ = [
     "join_epoch",
     "open_pulse",
     "reason_of",
+    "say_farewell",
     "wire_bytes",
 ]
 

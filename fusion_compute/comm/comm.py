@@ -19,6 +19,11 @@ The reduce-scatter is never an all-reduce in disguise: only addressed rows leave
 "The operators"). The negative control `rs_allreduce` (audit) breaks exactly that: it sends every peer the whole
 partial while recording only the addressed rows, and the socket byte counters catch it.
 
+Waiting is charged to whoever caused it (docs/resilience.md, "Blame by evidence"): a rank that needs
+messages from several peers (a reduce-scatter, a score sum, the client's egress) waits on all of them
+at once, and only the time after every other peer's message had arrived is charged, to the last one,
+on the rank's `witness` (liveness.Witness): real durations, however short, whatever the ranks' order.
+
 When a worker-group `fabric` is given (torch.distributed: NCCL on GPUs, or gloo for comparison),
 reduce_scatter and sum_scores run on it instead; the client's links stay what they are.
 
@@ -32,6 +37,7 @@ element that travelled.
 from __future__ import annotations
 
 import collections
+import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -39,9 +45,16 @@ from typing import Protocol
 import torch
 
 from .buffers import accumulate, host, raw
-from .errors import CommError
+from .errors import CommError, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
-from .links import Link
+from .links import TICK_S, Link
+
+
+class WaitAccount(Protocol):
+    """Where a rank's waits are charged (liveness.Witness)."""
+
+    def charge(self, rank: int, seconds: float) -> None: ...
+    def waiting_on(self, ranks: frozenset[int], since: float) -> None: ...
 
 
 class Fabric(Protocol):
@@ -97,6 +110,7 @@ class Comm:
         recorder: Recorder | None = None,
         fabric: Fabric | None = None,
         backend: str = "tls",
+        witness: WaitAccount | None = None,
     ):
         self.rank = rank
         self.world = n_workers + 1
@@ -113,6 +127,8 @@ class Comm:
             if len(owners) > 1 and rank - 1 in owners
         }
         self._posted: dict[int, collections.deque[_Posted]] = collections.defaultdict(collections.deque)
+        self.witness = witness  # charged with each wait's last peer (see the module docstring)
+        self.awaiting: frozenset[int] = frozenset()  # the peers a receive from several waits on (or failed on)
 
     # ---- wire ----
 
@@ -135,6 +151,47 @@ class Comm:
             self._complete(pending[-1])
         self._link(peer).recv_into(raw(out), self._deadline(wait_s), what)
         return out
+
+    def _get_all(self, outs: dict[int, torch.Tensor], what: str, wait_s: float | None = None) -> None:
+        """Receive the next message of every peer in `outs` into its tensor, waiting on all of them at
+        once (the first to arrive is read first), and charge the witness the last peer's share: the
+        time after every other one had arrived (all of it with one peer)."""
+        deadline = self._deadline(wait_s)
+        pending = dict(outs)
+        for peer in [p for p in pending if self._posted.get(p)]:  # posted receives come first (isend/irecv)
+            self._get(peer, pending.pop(peer), what, wait_s)
+        last = time.monotonic()
+        self._awaiting(pending, last)
+        links = {p: self._link(p) for p in pending}
+        while len(pending) > 1:
+            ready = [p for p in pending if links[p].has_buffered()]
+            if not ready:
+                socks = {links[p].sock: p for p in pending}
+                left = deadline - time.monotonic()
+                got, _, _ = select.select(list(socks), [], [], max(0.0, min(TICK_S, left)))
+                ready = sorted(socks[s] for s in got)
+            if not ready:  # a tick: the links' check (a lost worker, a step's limit), then the deadline
+                check = next((links[p].check for p in pending if links[p].check is not None), None)
+                if check is not None:
+                    check()
+                if time.monotonic() >= deadline:
+                    first = min(pending)
+                    raise PeerTimeout(first, f"{links[first].label} did not answer within the deadline")
+                continue
+            for p in ready[: len(pending) - 1]:  # the last one is read below, charged
+                links[p].recv_into(raw(pending.pop(p)), deadline, what)
+                last = time.monotonic()
+            self._awaiting(pending, last)
+        for p, out in pending.items():  # the last: a plain blocking read (one syscall), all of it charged
+            links[p].recv_into(raw(out), deadline, what)
+            if self.witness is not None:
+                self.witness.charge(p, time.monotonic() - last)
+        self._awaiting({}, last)
+
+    def _awaiting(self, pending: dict[int, torch.Tensor], since: float) -> None:
+        self.awaiting = frozenset(pending)
+        if self.witness is not None:
+            self.witness.waiting_on(self.awaiting, since)
 
     def _complete(self, handle: _Posted) -> None:
         pending = self._posted[handle.src]
@@ -231,8 +288,7 @@ class Comm:
         t = mine.shape[1]
         sent, received = self._rs_counts(sizes, t)
         stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T) in host memory: one slot per worker
-        for q in received:
-            self._get(q, stack[q - 1], op)
+        self._get_all({q: stack[q - 1] for q in received}, op)
         stack = stack.to(mine.device)  # the received partials join this worker's on its device
         stack[me] = mine
         self._emit("reduce_scatter", op, sent, received, mine.element_size())
@@ -255,9 +311,7 @@ class Comm:
             for r in peers:
                 self._put(r, mine)
             stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)  # host
-            for i, r in enumerate(owners):
-                if r != self.rank:
-                    self._get(r, stack[i], op)
+            self._get_all({r: stack[i] for i, r in enumerate(owners) if r != self.rank}, op)
             stack = stack.to(scores.device)
             stack[owners.index(self.rank)] = mine
             scores.copy_(accumulate(stack))
@@ -282,6 +336,14 @@ class Comm:
         self._get(src, tensor, op, wait_s)
         self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
         return tensor
+
+    def recv_all(self, tensors: dict[int, torch.Tensor], kind: str, op: str) -> dict[int, torch.Tensor]:
+        """`recv` from several peers (`tensors` by source rank), waiting on all of them at once: the
+        client's egress. The wait after all but the last had arrived is charged to the last one."""
+        self._get_all(tensors, op)
+        for src in sorted(tensors):
+            self._emit(kind, op, {}, {src: tensors[src].numel()}, tensors[src].element_size())
+        return tensors
 
     def isend(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> _Sent:
         """Send without waiting (the bytes are encrypted and queued at once); `.wait()` on the handle
@@ -360,6 +422,13 @@ class Comm:
         assert self.fabric is not None
         self.fabric.all_reduce(buf)
         return buf
+
+    # ---- leaving ----
+
+    def departures(self, wait_s: float = 0.05) -> dict[int, tuple[str, dict | None]]:
+        """For each peer: ("left", its farewell's reason), ("closed", None: its end closed without
+        one) or ("open", None), as this end can tell now (links.Link.departure)."""
+        return {r: (link.departure(wait_s), link.left) for r, link in sorted(self.links.items())}
 
     # ---- lifetime ----
 

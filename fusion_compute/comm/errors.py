@@ -31,3 +31,14 @@ class PeerLost(PeerError):
 
 class PeerTimeout(PeerError):
     """The peer did not answer within the deadline (frozen, overloaded, or cut off)."""
+
+
+class PeerLeft(PeerLost):
+    """The peer said why before it closed (a farewell frame, links.Link.farewell): an announced close,
+    no first-hand evidence against anyone (only the leaver's word). `reason`: what it announced,
+    {"why": its error's line (also `said`), "cause": the rank whose link failed it first-hand or None,
+    "after": the rank whose own farewell made it leave or None}."""
+
+    def __init__(self, rank: int, message: str, reason: dict):
+        super().__init__(rank, message, said=reason.get("why") or "(no reason given)")
+        self.reason = reason

@@ -111,6 +111,7 @@ class EngineBase(Membership):
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
+        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
         self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
         self.procs: WorkerProcs | None = None
         self.comm: Comm | None = None

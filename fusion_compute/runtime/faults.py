@@ -34,6 +34,12 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
   drag-rs@N         from its N-th reduce-scatter on, it waits DRAG_S before each one: every wait and
                     every step stays under the per-message timeout, only the step deadline can see it
                     (runtime/deadline.py)
+  drag-sub@N        the same with SUB_S: under the 0.25 s receive tick (the red team's sub-tick dragger)
+  drag-lie@N        drags like drag-rs and lies in its account: it charges each of its own delays to
+                    its victim (the lowest other rank), as if that peer had kept it waiting
+  close-link@N      at its N-th reduce-scatter, it shuts only its link to its victim (the lowest other
+                    rank), says in its account that the victim's link failed it, and stalls (beating,
+                    its other links open) until the client ends the epoch
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -63,7 +69,7 @@ from ..errors import UsageError
 from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs")
+COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link")
 SEND_FAULTS = (
     "close-mid-message",
     "nan-egress",
@@ -75,7 +81,8 @@ SEND_FAULTS = (
 )  # composed onto Comm.send
 KINDS = (*SEND_FAULTS, "never-join", *COMM_FAULTS, *LIES)
 SLOW_S = 2.0
-DRAG_S = 0.4  # over one 0.25 s receive tick (the peers' accounts see it), far under any --timeout
+DRAG_S = 0.4  # over one 0.25 s receive tick, far under any --timeout
+SUB_S = 0.2  # under one receive tick: the accounts see it only as real wait durations
 
 
 @dataclass(frozen=True)
@@ -122,22 +129,27 @@ def comm_fault(fault: Fault | None) -> Callable:
     if fault is None or fault.kind not in COMM_FAULTS:
         return lambda comm: comm
     calls = [0]
-    delay = {"slow-rs": SLOW_S, "drag-rs": DRAG_S}.get(fault.kind)
+    delay = {"slow-rs": SLOW_S, "drag-rs": DRAG_S, "drag-sub": SUB_S, "drag-lie": DRAG_S}.get(fault.kind)
 
     def patch(comm):
         honest = comm.reduce_scatter_from
+        victim = 2 if comm.rank == 1 else 1  # the liar's victim: the lowest other rank
 
         def faulty(chunk, sizes, op):
             calls[0] += 1
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
-            elif calls[0] == fault.step:  # cut-peer
+                if fault.kind == "drag-lie" and comm.witness is not None:
+                    comm.witness.charge(victim, delay)  # the lie: "the victim kept me waiting"
+            elif calls[0] == fault.step:  # cut-peer, close-link
                 for rank, link in comm.links.items():
-                    if rank not in (0, comm.rank):
+                    if rank not in (0, comm.rank) and (fault.kind == "cut-peer" or rank == victim):
                         try:
                             link.sock.shutdown(socket.SHUT_RDWR)
                         except OSError:
                             pass
+                if fault.kind == "close-link" and comm.witness is not None:
+                    comm.witness.lost_peer(victim)  # the lie: "the victim's link failed me"
                 word = torch.zeros(4, dtype=torch.int64)
                 while True:  # stall (beating) until the client cuts this epoch's links
                     comm.recv(word, 0, "control", "stall", wait_s=math.inf)

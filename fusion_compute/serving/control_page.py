@@ -127,7 +127,9 @@ function showWorkers(listing) {
     const tr = document.createElement("tr");
     tr.dataset.id = w.id; tr.dataset.state = w.state; tr.dataset.rank = w.rank === null ? "" : w.rank;
     cell(tr, w.id); cell(tr, w.rank === null ? "-" : w.rank); cell(tr, w.group || "-"); cell(tr, w.capacity);
-    cell(tr, w.state).className = "state-" + w.state.split(" ")[0]; cell(tr, w.where || "local");
+    // suspected: ambiguous verdicts it was a suspect in (set aside, not barred: docs/resilience.md)
+    const suspect = w.suspected ? " (suspect in " + w.suspected + ")" : "";
+    cell(tr, w.state + suspect).className = "state-" + w.state.split(" ")[0]; cell(tr, w.where || "local");
     const td = cell(tr, "");
     if (w.state !== "removed") {
       const b = document.createElement("button");

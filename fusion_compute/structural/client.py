@@ -142,10 +142,12 @@ class Engine(EngineBase):
             a, b = s.residual
             self.wire.send(span_words, s.rank, "control", "spans")
             self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
-        shards = [
-            self.wire.recv(torch.empty(s.n_residual, total, dtype=self.dtype), s.rank, "egress", "final")
-            for s in self.plan.workers
-        ]
+        # all workers' egress waited on at once: a worker is charged only the wait after every other's
+        # shard had arrived (comm.Comm.recv_all), so the client's own account names the late one
+        got = self.wire.recv_all(
+            {s.rank: torch.empty(s.n_residual, total, dtype=self.dtype) for s in self.plan.workers}, "egress", "final"
+        )
+        shards = [got[s.rank] for s in self.plan.workers]
         self._check_egress(shards)
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
         ends = list(itertools.accumulate(t for _, _, t in spans))

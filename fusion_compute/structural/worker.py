@@ -27,14 +27,14 @@ from ..comm import (
     Credentials,
     Identity,
     PeerError,
+    PeerLeft,
     PublicId,
     Pulse,
     Witness,
-    farewell_all,
-    farewell_on_failure,
     join_epoch,
     open_pulse,
     reason_of,
+    say_farewell,
 )
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
@@ -84,6 +84,7 @@ class Worker:
         self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a faulty one's (faults.py)
         self.witness = Witness()  # what this worker saw of its peers, for the client's questions
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
+        self._aborted = False  # the client ended the epoch (abort, revoke, stop): no farewell owed
         self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
 
     # ---- words from the client (the pulse thread) ----
@@ -91,7 +92,7 @@ class Worker:
     def on_word(self, word: dict) -> None:
         if "abort" in word or "stop" in word or "revoke" in word:
             self._cut()  # a wait on a peer that will never answer ends now
-        if "revoke" in word:
+        if "revoke" in word or "bench" in word:  # bench: set aside (a suspect, not barred): no state kept
             self.wipe()
         self.words.put(word)
 
@@ -106,6 +107,7 @@ class Worker:
         leave_now(0)
 
     def _cut(self) -> None:
+        self._aborted = True
         fabric = self.fabric
         if fabric is not None:
             fabric.abort()
@@ -128,7 +130,8 @@ class Worker:
         o, rank, n = self.o, int(welcome["rank"]), int(welcome["n_workers"])
         with self._links_lock:
             self.links = links
-        self.witness.start(welcome.get("epoch"), links)
+        self.witness.start(welcome.get("epoch"))
+        self._aborted = False
         try:
             if welcome.get("mode") == "masked":
                 if o.device != "cpu":
@@ -179,27 +182,37 @@ class Worker:
                 recorder=audit,
                 fabric=fabric,
                 backend=backend,
+                witness=self.witness,
             )
             comm = self.sabotage(comm)
             try:
-                with farewell_on_failure(links):  # before the links close
-                    serve(self, plan, rank - 1, comm, audit=audit, dtype=dtype)
+                serve(self, plan, rank - 1, comm, audit=audit, dtype=dtype)
                 return True
+            except BaseException as e:  # its own failure or a peer's: said on every link, before they close
+                self._leaving(links, e)
+                raise
             finally:
                 comm.close()
                 if audit is not None:
                     audit.close()
-        except PeerError as e:  # the peer whose link failed the epoch: this worker's evidence if asked
-            if not e.watched:
-                self.witness.lost_peer(e.rank)
-            raise
-        except Exception as e:  # a failure of its own before the epoch's comm (its fabric): say why
-            farewell_all(links.values(), reason_of(e))
+        except BaseException as e:  # (also a failure of its own before the epoch's comm: its fabric)
+            self._leaving(links, e)
             raise
         finally:
             self.fabric = None
             with self._links_lock:
                 self.links = {}
+
+    def _leaving(self, links: dict, err: BaseException) -> None:
+        """The epoch ends here because of `err`: note what it says about the peers (this worker's
+        evidence, if the client asks), then tell every peer why, on its link, before it closes."""
+        if isinstance(err, PeerError) and not err.watched:
+            if isinstance(err, PeerLeft):
+                self.witness.left_after(err.rank)  # a knock-on: the peer said why it left
+            else:
+                self.witness.lost_peer(err.rank)  # first-hand: closed without a word, or silent
+        if not self._aborted:  # (the client's word ended the epoch: it knows why)
+            say_farewell(links, err)  # the cause travels with the close (links.say_farewell)
 
     def model_for(self, plan: Plan, w: int, comm: Comm, variant: str, dtype: str = DEFAULT_DTYPE) -> ShardedModel:
         """This epoch's model: the loaded one when plan, rank and dtype are unchanged (a replaced peer,
@@ -331,8 +344,10 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
             if audit is not None:
                 audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
+            me.witness.step(True)  # its account: a step is in progress here (until its egress leaves)
             x_dT = model.forward(x_dT.to(model.device), spans)
             comm.send(x_dT, 0, "egress", "final")
+            me.witness.step(False)
             if audit is not None:
                 audit.end_step()
         elif op == Op.RELEASE:
