@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from fusion_compute.audit import netcount
 from fusion_compute.audit import schema as S
 from fusion_compute.audit.runner import RunConfig, run_audit, run_cold_start
 from fusion_compute.audit.verify import verify_dir
+from fusion_compute.audit.verify.result import INVARIANTS
 from fusion_compute.cli.main import main
 
 STEPS = 4
@@ -88,6 +90,39 @@ def test_socket_counters_match_the_prediction(good):
     for o in good["os"].values():
         assert o["ok"], o
         assert abs(o["excess_sent"]) <= o["tolerance"] and o["measured_sent"] > 0
+
+
+def table_of(text: str) -> dict[str, tuple[int, int]]:
+    """invariant -> (checked, violations), from the rows of `fusion audit verify`'s table
+    ("  chain   30 checked   0 violations"); every row of the text, so two tables would collide."""
+    rows = re.findall(r"^ +(\w+) +(\d+) checked +(\d+) violations$", text, re.M)
+    out = {inv: (int(c), int(v)) for inv, c, v in rows}
+    assert len(out) == len(rows), f"more than one table: {rows}"
+    return out
+
+
+def report_table(md: str) -> dict[str, tuple[int, int]]:
+    """The same from report.md's "Invariants checked" table ("| chain | 30 | 0 |")."""
+    section = md.split("## Invariants checked", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| ([\d,]+) \| (\d+) \|$", section, re.M)
+    return {inv: (int(c.replace(",", "")), int(v)) for inv, c, v in rows}
+
+
+def test_report_and_verifier_count_the_same_checks(good_summary, capsys):
+    """Issue 38: one dialect. For the same directory, summary.json, report.md and `fusion audit
+    verify` give the same count of checks for every invariant (each epoch's and those across epochs,
+    summed), and the verifier's last line says PASS in the words of `fusion audit run`'s."""
+    out = good_summary["out"]
+    run = json.loads((out / "summary.json").read_text())["runs"][0]
+    summary = {inv: (n, run["violation_counts"][inv]) for inv, n in run["checks"].items()}
+    assert set(summary) == set(INVARIANTS) and all(n for n, _ in summary.values()), summary
+    assert report_table((out / "report.md").read_text()) == summary
+    for d in (out, Path(run["dir"])):  # the run's --out and its cold start
+        assert main(["audit", "verify", str(d)]) == 0
+        text = capsys.readouterr().out
+        assert table_of(text) == summary, d
+        over = " over 1 cold start" if d == out else ""
+        assert text.splitlines()[-1] == f"audit PASS: {STEPS}/{STEPS} decode steps closed{over}, 0 violations; {d}"
 
 
 def test_verify_cli_exit_codes(good, tmp_path, capsys):
@@ -239,7 +274,7 @@ def assert_tamper_fails(good_dir, d: Path, name: str, case, capsys, epoch: str |
     shutil.copytree(good_dir, d)
     tamper(d / epoch if epoch else d)
     assert main(["audit", "verify", str(d)]) == 1
-    capsys.readouterr()
+    assert capsys.readouterr().out.splitlines()[-1].startswith("audit FAIL: ")
     counts = verify_dir(d).counts()
     assert expect <= {k for k, v in counts.items() if v}, (name, counts)
 

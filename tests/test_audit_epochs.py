@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_audit import PROMPT, _rechain, _records, assert_tamper_fails, redigest
+from test_audit import PROMPT, _rechain, _records, assert_tamper_fails, redigest, table_of
 
 from fusion_compute.audit import netcount
 from fusion_compute.audit import schema as S
@@ -128,6 +128,9 @@ def test_verify_cli_covers_every_epoch(revoked, capsys):
     assert "epoch 1: workers (participants in rank order) [3, 2]" in out
     assert "worker 1 revoked by the user before epoch 1: takes no part after" in out
     assert "replay in epoch 1: session 1 step 0" in out and "0 violations" in out
+    # one table for the cold start: both epochs and the checks across them, as summary.json counts them
+    assert table_of(out) == {inv: (n, revoked["violation_counts"][inv]) for inv, n in revoked["checks"].items()}
+    assert revoked["checks"]["membership"] > 0 and out.splitlines()[-1].startswith("audit PASS: ")
     assert main(["audit", "verify", str(Path(revoked["dir"]) / "epoch1")]) == 0  # one epoch on its own
     capsys.readouterr()
     assert main(["audit", "verify", "--json", revoked["dir"]]) == 0

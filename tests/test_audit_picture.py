@@ -25,6 +25,7 @@ from fusion_compute.audit.runner import RunConfig, run_cold_start
 from fusion_compute.cli.main import main
 from fusion_compute.masked.plan import make_masked_plan
 from fusion_compute.masked.ring import DEFAULT_LIMB_BITS
+from fusion_compute.structural.picture import masked_picture, render_svg
 from fusion_compute.structural.plan import make_plan
 from fusion_compute.weights.loader import open_weights
 
@@ -156,6 +157,12 @@ def test_several_cold_starts_and_bad_input(run_dir, tmp_path, capsys):
     assert main(["audit", "verify", str(out), "--picture", str(tmp_path / "m.svg")]) == 0
     assert "m-cold0.svg" in capsys.readouterr().err
     assert drawn((tmp_path / "m-cold1.svg").read_text()) == recorded(run_dir / "epoch0", 3)
+    # a run's --out with one cold start: still FILE-coldK.svg, as --help says (issue 38)
+    one = tmp_path / "one"
+    shutil.copytree(run_dir, one / "cold0")
+    assert main(["audit", "verify", str(one), "--picture", str(tmp_path / "o.svg")]) == 0
+    assert (tmp_path / "o-cold0.svg").is_file() and not (tmp_path / "o.svg").exists()
+    capsys.readouterr()
     # an unwritable picture path: one line, exit 1
     assert main(["audit", "verify", str(run_dir), "--picture", str(tmp_path / "no" / "x.svg")]) == 1
     err = capsys.readouterr().err
@@ -210,6 +217,27 @@ def test_masked_plan_picture(tiny_qwen2, tmp_path, groups):
     egress = [int(e.get("data-elements")) for e in root.iter(f"{NS}line") if e.get("class") == "egress"]
     assert egress == [plan.rows_per_layer(g, m) for g, m in members]
     assert not [r for r in root.iter(f"{NS}rect") if r.get("class") == "scatter"]  # nothing between workers
+
+
+@pytest.mark.parametrize(
+    "groups, names",
+    [
+        ("2+2", ["A.1", "A.2", "B.1", "B.2"]),  # two members of group B
+        ("1+1+1", ["A", "B1", "B2"]),  # two mask groups of one member each
+        ("1+2+1", ["A", "B1.1", "B1.2", "B2"]),
+    ],
+)
+def test_masked_picture_names_groups_and_members_apart(tiny_qwen2, groups, names):
+    """Issue 38: "B1/B2" named two members of B at 2+2 and two mask groups at 1+1+1. A member's name
+    is its group's, then ".m" when the group has several; the legend and the bars use it."""
+    sizes = tuple(int(x) for x in groups.split("+"))
+    plan = make_masked_plan(open_weights(str(tiny_qwen2)).config, sizes[0], sizes[1:], DEFAULT_LIMB_BITS)
+    pic = masked_picture(plan)
+    ranks = [r for g in plan.groups for r in plan.ranks(g)]
+    assert list(pic.workers) == [f"{n} (rank {r})" for n, r in zip(names, ranks, strict=True)]
+    svg = ET.fromstring(render_svg(pic))
+    legend = [t.text for t in svg.iter(f"{NS}text") if (t.text or "").endswith(")") and "(rank" in (t.text or "")]
+    assert legend == list(pic.workers)
 
 
 def test_plan_mode_and_workers_must_agree(capsys):

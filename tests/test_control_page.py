@@ -3,7 +3,8 @@ chromium is installed (scripts/setup.sh installs it), else at the HTTP level onl
 
 The browser test clicks the page's own buttons: a refused revoke shows the API's one-line reason,
 an added standby appears, a revoke opens epoch 1, the next request runs on the new epoch's workers,
-and a wrong key is refused on the page. The HTTP test checks what a client without the key gets.
+and a wrong key is refused on the page, which says so beside the key; without a key it shows only
+/health's public counters, and says that. The HTTP test checks what a client without the key gets.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ def test_control_page_in_a_browser(tmp_path):
         b = Browser(profile)
         b.open(url + "/control")
         assert b.js("document.querySelectorAll('#workers tbody tr').length") == 0  # no key: nothing shown
+        # but /health's public counters, and the line beside the key says exactly that
+        b.wait_for("document.getElementById('status').textContent === 'ok'")
+        assert b.js("document.getElementById('keystate').textContent") == (
+            "no key given: only the public counters (/health) are shown"
+        )
         b.js("document.getElementById('key').value = 'k'; document.getElementById('keyform').requestSubmit(); 1")
         b.wait_for("document.querySelectorAll('#workers tbody tr').length === 2")
+        b.wait_for("document.getElementById('keystate').textContent === 'key accepted'")
         rows = "[...document.querySelectorAll('#workers tbody tr')].map(r => [r.dataset.id, r.dataset.state])"
         assert b.js(rows) == [["1", "active"], ["2", "active"]]
         assert b.js("document.getElementById('epoch').textContent") == "0"
@@ -123,6 +130,9 @@ def test_control_page_in_a_browser(tmp_path):
         b.js("document.getElementById('key').value = 'wrong'; document.getElementById('keyform').requestSubmit(); 1")
         assert "missing or wrong API key" in b.wait_for("document.getElementById('error').textContent")
         assert b.js("document.querySelectorAll('#workers tbody tr').length") == 0
+        # the line beside the key says so (it stayed "checking ..." before)
+        refused = "key refused: only the public counters (/health) are shown"
+        b.wait_for(f"document.getElementById('keystate').textContent === {json.dumps(refused)}")
         assert proc.poll() is None  # the server keeps serving
     finally:
         if b is not None:

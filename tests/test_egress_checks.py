@@ -1,6 +1,7 @@
-"""What the structural client checks of what a listed worker sends (issue 26): an egress shard with
-NaN or infinity names that worker and removes it (a standby takes its seat), instead of becoming
-token 0 or a sampling error; a plan handshake that says yes with another fingerprint is refused,
+"""What the structural client checks of what a listed worker sends (issues 26, 36): an egress shard
+with NaN or infinity, or of a scale no honest residual has (±3e38), names that worker and removes it
+(a standby takes its seat), instead of becoming token 0 or a sampling error; so does a row of logits
+that is constant or not finite; a plan handshake that says yes with another fingerprint is refused,
 naming the worker. The liars are the real `fusion worker` with a fault injected (faults.py)."""
 
 from __future__ import annotations
@@ -25,6 +26,53 @@ def test_nan_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):
         assert 2 not in eng.order and 3 in eng.order and eng.recoveries[-1]["lost"] == [2]
         assert "non-finite egress" in eng.recoveries[-1]["reason"], eng.recoveries[-1]
         assert run(eng).token_ids == ref  # the next request runs on the new epoch, with the no-fault tokens
+
+
+@pytest.mark.slow
+def test_huge_finite_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):
+    """Issue 36: ±3e38 is finite, so the finiteness check let it through; the final norm's float32
+    sum of squares overflowed, every logit became 0 and greedy emitted token 0, naming nobody. The
+    scale check (its sum of squares in float64 against what float32 can carry) names the worker."""
+    with structural(tiny_qwen2, standby=1, args_for_worker={1: ("--inject-fault", "huge-egress@60")}) as eng:
+        ref = run(eng).token_ids
+        with pytest.raises(
+            WorkerMisbehaved,
+            match=r"egress beyond any residual the model can produce .*: worker 1 \(participant 1\): sum of squares",
+        ) as e:
+            run(eng)
+        assert e.value.pids == [1]
+        assert 1 not in eng.order and 3 in eng.order and eng.recoveries[-1]["lost"] == [1]
+        assert "impossible scale" in eng.recoveries[-1]["reason"], eng.recoveries[-1]
+        assert run(eng).token_ids == ref  # the next request runs on the new epoch, with the no-fault tokens
+
+
+def test_a_constant_or_non_finite_row_of_logits_names_who_decided_it(tiny_qwen2):
+    """The last line of defence, after the shard checks: a row of logits no honest step makes. The
+    engine's own check, on a real plan, fed the shards such a row comes from."""
+    import torch
+
+    from fusion_compute.structural.client import Engine
+    from fusion_compute.structural.plan import make_plan
+    from fusion_compute.weights.loader import open_weights
+
+    eng = Engine.__new__(Engine)  # the check reads the epoch's plan and order only: no workers needed
+    eng.plan, eng.order = make_plan(open_weights(tiny_qwen2).config, 2, (1.0, 1.0)), [4, 7]
+    a, b = (torch.randn(s.n_residual, 3) for s in eng.plan.workers)
+    fine = torch.randn(3, 256)
+    eng._check_logits(fine, [a, b], [0, 1, 2])  # an honest row passes
+    b[:, 2] *= 1e6  # worker 2 dominates token 2's residual
+    flat = fine.clone()
+    flat[1] = 0.5
+    with pytest.raises(WorkerMisbehaved, match=r"a row of logits is constant: .*participant\(s\) \[7\]") as e:
+        eng._check_logits(flat, [a, b], [0, 2])
+    assert e.value.pids == [7] and "logits check" in e.value.reason
+    a[:, 0], b[:, 0] = 0, 0  # every worker sent zeros for token 0: all of them are named
+    with pytest.raises(WorkerMisbehaved, match=r"constant: .*\[4, 7\]"):
+        eng._check_logits(torch.zeros(1, 256), [a, b], [0])
+    nan = fine.clone()
+    nan[2, 5] = float("inf")
+    with pytest.raises(WorkerMisbehaved, match=r"not finite: .*\[7\]"):
+        eng._check_logits(nan, [a, b], [0, 1, 2])
 
 
 def test_hello_with_another_fingerprint_is_refused(tiny_qwen2):

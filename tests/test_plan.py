@@ -91,7 +91,7 @@ def test_json_and_bytes_prediction():
     plan = make_plan(QWEN15B, 2)
     d = json.loads(plan.to_json())
     assert d["workers"] == 2 and len(d["shares"]) == 2
-    # DESIGN.md §4: ≈ 4·(N−1)/N·(n_h·d + 2·n_kv·d + 2H + 2I) elements per token per layer per worker.
+    # docs/design.md, "The operators": ≈ 4·(N−1)/N·(n_h·d + 2·n_kv·d + 2H + 2I) bytes (fp32) per token per layer per worker.
     c = QWEN15B
     approx = 4 * 0.5 * (c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim + 2 * c.hidden + 2 * c.intermediate)
     for s in d["shares"]:

@@ -76,7 +76,7 @@ def test_only_the_bench_plots_import_matplotlib():
     assert "matplotlib" in imports(PKG / "bench" / "plots.py")
 
 
-# ---- imports flow one way (STYLE.md #12) ----
+# ---- imports flow one way (docs/design.md, "Code habits" 12) ----
 
 
 def module_graph() -> tuple[dict[str, set[str]], list[str]]:

@@ -1,4 +1,4 @@
-"""The ownership audit (DESIGN.md §5): record, verify, and say what holding a shard does not prove.
+"""The ownership audit (docs/design.md, "The protected interval and its invariants"): record, verify, and say what holding a shard does not prove.
 
 schema.py    the log format: records, hash chain, coordinate spaces, wire model
 recorder.py  comm events + per-step holdings -> one hash-chained JSONL log per rank

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..runtime.placement import DTYPES
 from ..structural.protocol import MAX_SLOTS
 
 EXIT_FAIL = 1
@@ -78,6 +79,7 @@ def _guard(name: str, func):
 
 def cmd_run(a: argparse.Namespace) -> int:
     from .runner import NO_ROLLBACK_TO_IGNORE, STALE_ROLLBACK, RunConfig, run_audit
+    from .verify.result import verdict
 
     if a.prompt is not None and a.prompt_ids is not None:
         raise AuditCliError("give at most one of --prompt and --prompt-ids")
@@ -121,6 +123,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         variant=a.variant,
         threads=a.threads,
         timeout_s=a.timeout,
+        device=a.device,
+        dtype=a.dtype,
         netcount=not a.no_netcount,
         exposure=not a.no_exposure,
         revoke_at=a.revoke_at,
@@ -148,7 +152,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             f"drafts accepted, {sum(r['speculative']['rollbacks'] for r in runs)} rollbacks)"
         )
     print(
-        f"audit {'PASS' if summary['all_ok'] else 'FAIL'}: {summary['closed']} {steps} closed over "
+        f"audit {verdict(summary['all_ok'])}: {summary['closed']} {steps} closed over "
         f"{summary['cold_starts']} cold starts{epochs}, {summary['workers']} workers; {out / 'summary.json'}, "
         f"{out / 'report.md'}"
     )
@@ -226,23 +230,41 @@ def cmd_verify(a: argparse.Namespace) -> int:
         dirs = sorted(p.parent for p in root.glob(f"cold*/{MANIFEST}")) or [root]
     results = [verify_dir(d) for d in dirs]
     if a.picture:
-        _pictures(dirs, results, Path(a.picture))
+        _pictures(dirs, results, Path(a.picture), per_cold_start=dirs != [root])
     if a.json:
         out = [r.to_dict() for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
         print("\n\n".join(r.render() for r in results))
+        print(_verdict(root, dirs != [root], results))
     return 0 if all(r.ok for r in results) else EXIT_FAIL
 
 
-def _pictures(dirs: list[Path], results: list, path: Path) -> None:
+def _verdict(root: Path, run_out: bool, results: list) -> str:
+    """The last line of a structural verify, in the words of `fusion audit run`'s: PASS or FAIL, the
+    steps after each prefill that closed (decode, and with speculation verification steps), over what."""
+    from .verify.result import verdict
+
+    closed = sum(r.closed_decode + r.closed_verify for r in results)
+    total = sum(r.decode_steps + r.verify_steps for r in results)
+    steps = "decode and verify steps" if any(r.verify_steps for r in results) else "decode steps"
+    over = f" over {len(results)} cold start{'s' if len(results) != 1 else ''}" if run_out else ""
+    violations = sum(len(r.violations) for r in results)
+    return (
+        f"audit {verdict(all(r.ok for r in results))}: {closed}/{total} {steps} closed{over}, "
+        f"{violations} violation{'s' if violations != 1 else ''}; {root}"
+    )
+
+
+def _pictures(dirs: list[Path], results: list, path: Path, per_cold_start: bool) -> None:
     """The ownership map of what the verifier read, one SVG per cold start (its epochs stacked):
-    `path` itself for one, `path`'s stem + "-" + the cold start's directory name for several."""
+    `path` itself for a cold start's (or an epoch's) directory; for a run's --out, `path`'s stem +
+    "-" + each cold start's directory name (FILE-cold0.svg, ...), however many cold starts it has."""
     from .verify.drawing import write_svg
     from .verify.picture import audit_pictures
 
     for d, res in zip(dirs, results, strict=True):
-        out = path if len(dirs) == 1 else path.with_name(f"{path.stem}-{d.name}{path.suffix}")
+        out = path.with_name(f"{path.stem}-{d.name}{path.suffix}") if per_cold_start else path
         try:
             write_svg(audit_pictures(d, res), out)
         except OSError as e:
@@ -368,6 +390,8 @@ def add_audit_parser(sub) -> None:
     r.add_argument("--variant", default="sharded", help="sharded (default) | megatron (negative control / baseline)")
     r.add_argument("--threads", type=int, help="torch threads per worker")
     r.add_argument("--timeout", type=float, default=120.0)
+    r.add_argument("--device", default="cpu", help="the workers' device: cpu (default), cuda or cuda:K (the links)")
+    r.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="compute and wire dtype (default float32)")
     r.add_argument("--no-netcount", action="store_true", help="skip the OS socket byte accounting")
     r.add_argument("--no-exposure", action="store_true", help="skip the exposure ranks and attack in the report")
     r.add_argument(
@@ -401,7 +425,8 @@ def add_audit_parser(sub) -> None:
         "--picture",
         metavar="FILE",
         help="also write an SVG of what was checked: per epoch, each worker's coordinates of every protected "
-        "tensor as the verifier read them in the logs, with its verdict (a run's --out: one FILE-coldK.svg each)",
+        "tensor as the verifier read them in the logs, with its verdict (FILE for a cold start's directory; "
+        "a run's --out: one FILE-coldK.svg per cold start)",
     )
     v.set_defaults(func=_guard("verify", cmd_verify))
 

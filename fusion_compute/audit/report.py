@@ -147,6 +147,9 @@ def render(summary: dict) -> str:
         "",
         "## Invariants checked (first cold start)",
         "",
+        "Every epoch's checks and those across epochs, summed: the counts `fusion audit verify` prints for the "
+        "same directory.",
+        "",
         "| invariant | checked | violations |",
         "| --- | --- | --- |",
     ]

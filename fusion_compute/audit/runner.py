@@ -73,6 +73,8 @@ class RunConfig:
     variant: str = "sharded"
     threads: int | None = None
     timeout_s: float = 120.0
+    device: str = "cpu"  # the workers' (runtime/placement.py); the client's follows
+    dtype: str = "float32"  # the workers' compute dtype, and the wire's (the manifest's wire_dtype)
     netcount: bool = True
     exposure: bool = True  # add the exposure ranks and the layer-0 vocabulary attack to the report
     revoke_at: int | None = None  # revoke a worker before this decode step (0-based): two epochs
@@ -413,6 +415,8 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
         timeout_s=cfg.timeout_s,
         extra_worker_args=tuple(extra),
         standby=cfg.spares,
+        device=cfg.device,
+        dtype=cfg.dtype,
     )
     prep = prep or prepare(cfg)
     model_path, prompt, prompt_src = prep.model_path, prep.prompt, prep.prompt_src
@@ -533,6 +537,7 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
             "plan": e.plan.to_dict(),
             "plan_fingerprint": e.plan.fingerprint(),
             "wire": engine.opts.comm_backend,  # the verifier's wire model for the socket byte check
+            "wire_dtype": engine.opts.dtype,  # the state's dtype on the wire: its bytes per element
             "chains": chains,
             "netcount_sha256": hashlib.sha256((sub / S.NETCOUNT).read_bytes()).hexdigest() if net else None,
         }

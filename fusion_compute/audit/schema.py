@@ -220,6 +220,9 @@ def chain_hash(prev: str, record: dict) -> str:
 # message to (or from) each peer with a non-zero element count. The model is restated here rather
 # than imported from comm, so the verifier checks the links instead of trusting them.
 LINK_BACKENDS = ("tls", "tcp")  # the comm backends this model predicts (the manifest's "wire")
+# bytes per element of the state on the wire, by the manifest's "wire_dtype" (absent: float32, the
+# only dtype before it was recorded); control words are int64 whatever it is
+WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAME_HEADER = 8
 TLS_RECORD = 16384
 TLS_RECORD_OVERHEAD = 22

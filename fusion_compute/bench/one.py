@@ -25,18 +25,30 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work (a no-op on the CPU), so a time covers the computation."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_transformers(model: str, a: argparse.Namespace) -> dict:
     from ..model.reference import load_reference
+    from ..runtime.placement import torch_dtype
 
     torch.set_num_threads(a.threads)
-    ref = load_reference(model, torch.float32)  # the speed comparison runs transformers as users do: fp32
+    device = torch.device(a.device)
+    # the speed comparison runs transformers as users do (eager PyTorch), in the same dtype and on the same device
+    ref = load_reference(model, torch_dtype(a.dtype)).to(device)
     vocab = ref.config.vocab_size
     out: dict = {"system": "transformers", "workers": 1}
 
     @torch.no_grad()
     def prefill(ids: list[int]):
-        return ref(torch.tensor([ids]), use_cache=True)
+        res = ref(torch.tensor([ids], device=device), use_cache=True)
+        _sync(device)
+        return res
 
+    prefill(_prompt(8, vocab, 1))  # warm-up: the GPU's kernels and allocator (one short prompt)
     for n in a.prompts:
         ids = _prompt(n, vocab, n)
         t = time.perf_counter()
@@ -51,7 +63,7 @@ def measure_transformers(model: str, a: argparse.Namespace) -> dict:
     t = time.perf_counter()
     with torch.no_grad():
         for _ in range(a.decode_tokens):
-            res = ref(torch.tensor([[tok]]), cache=cache, use_cache=True)
+            res = ref(torch.tensor([[tok]], device=device), cache=cache, use_cache=True)
             cache = res.cache
             tok = int(res.logits[0, -1].argmax())
     out["decode_s"] = time.perf_counter() - t
@@ -94,6 +106,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
     from ..audit import netcount
     from ..generation.generate import generate
     from ..generation.sampling_params import SamplingParams
+    from ..runtime.placement import itemsize
     from ..structural.client import Engine, EngineOptions
 
     # The client embeds and runs the LM head while the workers wait, and waits while they compute:
@@ -108,11 +121,15 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
         extra_worker_args=extra,
         comm_backend=a.comm_backend,
         insecure=a.comm_backend in ("tcp", "gloo"),
+        device=a.device,
+        dtype=a.dtype,
         log=lambda line: None,
     )
     out: dict = {"system": a.system, "workers": a.workers, "engine": a.comm_backend}
     with Engine(model, opts) as eng:
         vocab = eng.config.vocab
+        eng.reset()
+        eng.forward(_prompt(8, vocab, 1))  # warm-up, as transformers' (logits come back to the host: synced)
         for n in a.prompts:
             eng.reset()
             ids = _prompt(n, vocab, n)
@@ -164,7 +181,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
         )
         if a.system == "fusion":
             out["plan_bytes_per_token"] = max(
-                eng.plan.bytes_per_token_layer(w) * eng.config.n_layers for w in range(eng.plan.n)
+                eng.plan.bytes_per_token_layer(w, itemsize(a.dtype)) * eng.config.n_layers for w in range(eng.plan.n)
             )
         out["peak_rss_mb"] = {"client": round(_rss_mb(), 1)} | {
             f"worker{w['rank']}": round(w["peak_rss_mb"], 1) for w in after
@@ -183,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512])
     p.add_argument("--decode-prompt", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K: transformers' and the workers' device")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16, for every system")
     a = p.parse_args(argv)
     if a.system == "transformers":
         res = measure_transformers(a.model, a)

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from ..cli.options import add_deprecated_alias
-from ..errors import FusionError
+from ..errors import FusionError, UsageError
+from ..runtime.placement import DTYPES, check_gpus, gpu_count, is_cuda, parse_device
 
 
 class BenchError(FusionError, RuntimeError):
@@ -40,12 +41,12 @@ def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def systems(ns: list[int], engines: list[str]) -> list[tuple[str, int, str]]:
+def systems(ns: list[int], engines: list[str], megatron: bool = True) -> list[tuple[str, int, str]]:
     """(system, N, engine) in run order, each once (`--workers 1,2` or a repeated engine would name
     some twice). N = 1 has no worker-to-worker traffic: one engine is enough."""
     out = [("transformers", 1, "-"), ("fusion", 1, engines[0])]
     for engine in engines:
-        out += [("megatron-tp", n, engine) for n in ns]
+        out += [("megatron-tp", n, engine) for n in ns if megatron]
         out += [("fusion", n, engine) for n in ns]
     return list(dict.fromkeys(out))
 
@@ -66,14 +67,18 @@ def run_bench(
     cores: int,
     log=lambda s: None,
     timeout_s: float = 1800,
+    device: str = "cpu",
+    dtype: str = "float32",
+    megatron: bool = True,
 ) -> dict:
+    """`device`, `dtype`: every system's (transformers' and the workers'; the client's follows)."""
     from ..weights.loader import open_weights, resolve_model_path
 
     path = resolve_model_path(model)
 
     cfg = open_weights(path).config
     rtt = _run_one(["--system", "tcp-rtt", "--model", str(path)], timeout_s)["rtt_us"]
-    order = systems(ns, engines)
+    order = systems(ns, engines, megatron)
     runs: dict[tuple[str, int, str], list[dict]] = {key: [] for key in order}
     # Repeats interleaved, every system once per round: a slow stretch of this shared machine that
     # lasts a round hits every system's repeat k alike, so repeat k of two systems makes a fair pair
@@ -100,6 +105,10 @@ def run_bench(
                 ",".join(map(str, prompts)),
                 "--decode-tokens",
                 str(decode_tokens),
+                "--device",
+                device,
+                "--dtype",
+                dtype,
             ]
             runs[(system, n, engine)].append(_run_one(args, timeout_s))
     results = [_row(key, runs[key], cores, prompts, decode_tokens) for key in order]
@@ -109,6 +118,8 @@ def run_bench(
         "layers": cfg.n_layers,
         "hidden": cfg.hidden,
         "cores": cores,
+        "device": device,
+        "dtype": dtype,
         "tcp_rtt_us": rtt,
         "decode_tokens": decode_tokens,
         "prompts": prompts,
@@ -213,6 +224,7 @@ def ratios(results: list[dict], cfg, rtt_us: float) -> tuple[dict, dict]:
 def table(report: dict) -> str:
     lines = [
         f"model: {report['model']} ({report['layers']} layers), {report['cores']} cores, "
+        f"{report.get('device', 'cpu')} {report.get('dtype', 'float32')}, "
         f"{report['decode_tokens']} decode tokens, medians of {report['results'][0]['repeats']} runs (repeats "
         "interleaved; speed ratios between systems: median of the per-repeat ratios, min..max); "
         f"raw TCP round trip on loopback: {report['tcp_rtt_us']:.1f} µs",
@@ -318,6 +330,11 @@ def add_parser(sub) -> None:
     b.add_argument("--decode-tokens", type=int, default=32)
     b.add_argument("--cores", type=int, default=default_cores(), help="thread budget shared by every system")
     b.add_argument(
+        "--device", default="cpu", help="cpu (default), cuda or cuda:K: transformers' and the workers' device"
+    )
+    b.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="every system's dtype (default float32)")
+    b.add_argument("--no-megatron", action="store_true", help="leave out the Megatron-style baseline")
+    b.add_argument(
         "--batch",
         type=int,
         metavar="B",
@@ -371,6 +388,11 @@ def cmd_bench(a) -> int:
     log = (lambda s: None) if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
     if a.masked and a.batch is None:
         raise BenchError("--masked goes with --batch")
+    if a.batch is not None and (a.device != "cpu" or a.dtype != "float32"):
+        raise UsageError("--batch measures on the CPU in float32: drop --device and --dtype")
+    parse_device(a.device)
+    if is_cuda(a.device):
+        check_gpus([a.device], gpu_count())
     if a.batch is not None:
         from .batch import measure
         from .batch import table as batch_table
@@ -392,7 +414,19 @@ def cmd_bench(a) -> int:
         print(json.dumps(r) if a.json else batch_table(r))
         plot(r, out)
         return 0
-    report = run_bench(model, a.workers, a.comm_backends, a.repeats, a.prompts, a.decode_tokens, a.cores, log=log)
+    report = run_bench(
+        model,
+        a.workers,
+        a.comm_backends,
+        a.repeats,
+        a.prompts,
+        a.decode_tokens,
+        a.cores,
+        log=log,
+        device=a.device,
+        dtype=a.dtype,
+        megatron=not a.no_megatron,
+    )
     j, m = write(report, a.out)
     if a.json:
         print(json.dumps(report))

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
+from .options import add_api_key_args, api_key
+
 HELP = """commands:
   /reset          start a new conversation (keeps the system prompt)
   /system TEXT    set the system prompt (and start over)
@@ -415,7 +417,8 @@ def _turn(
             bits.append(f"{timing['decode_tokens_per_s']:.1f} tok/s")
         if fusion.get("workers"):
             bits.append(f"{fusion['workers']} workers, {fusion.get('steps', '?')} steps")
-        bits.append("audit " + ("checked" if audit else "not checked"))
+        if audit:  # a live reply is never audited (serving/gateway.py); say nothing unless one was
+            bits.append("audit checked")
         stderr.write("\x1b[2m[" + " · ".join(bits) + "]\x1b[0m\n" if stderr.isatty() else "[" + ", ".join(bits) + "]\n")
         stderr.flush()
     return "".join(parts)
@@ -429,7 +432,7 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
     g = help_groups(c, "chat", "sampling", "workers", "network", "recovery", "speculative")
     ch = g["chat"]
     ch.add_argument("--url", help="talk to a running `fusion serve` (http://HOST:PORT) instead of starting workers")
-    ch.add_argument("--api-key", help="API key for --url (default: none)")
+    add_api_key_args(ch, "API key for --url")
     ch.add_argument("--system", help="system prompt (default: none)")
     add_sampling_args(g["sampling"], "reply length limit per turn (default 256, capped by the context)")
     g["workers"].add_argument(
@@ -473,7 +476,7 @@ def cmd_chat(a: Any) -> int:
         )
     try:
         if a.url:
-            backend: Any = HttpBackend(a.url, a.api_key)
+            backend: Any = HttpBackend(a.url, api_key(a, "chat"))
         else:
             from ..serving.gateway import open_gateway
 

@@ -13,7 +13,8 @@ from typing import Any
 from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
-from ..runtime.engine_options import EngineOptions
+from ..runtime.engine_options import EngineOptions, default_backend
+from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
 from ..runtime.topology import GROUP_NAME, Topology, check_here
 from .logs import engine_notice
 from .parser import StoreFlag
@@ -118,6 +119,52 @@ def load_key(path: str | None) -> Identity | None:
     return Identity.load(path)
 
 
+# ---- the HTTP API key (serve, chat --url) ----
+
+API_KEY_ENV = "FUSION_API_KEY"
+MAX_API_KEY_FILE = 4096  # bytes: an API key file holds one line
+
+
+def add_api_key_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--api-key-file FILE, and --api-key VALUE (kept: it shows in `ps`); else $FUSION_API_KEY."""
+    p.add_argument("--api-key-file", metavar="FILE", help=f"{what}: the key is FILE's first line (else ${API_KEY_ENV})")
+    p.add_argument("--api-key", metavar="KEY", help="the same, on the command line (every local user sees it in ps)")
+
+
+def api_key(a: argparse.Namespace, prog: str) -> str | None:
+    """The API key from --api-key-file, --api-key or $FUSION_API_KEY (in that order; the two flags
+    together are refused). --api-key still works, with a warning: any local user reads a command
+    line (ps, /proc/PID/cmdline), not another user's file or environment."""
+    if a.api_key is not None and a.api_key_file is not None:
+        raise UsageError("give --api-key-file or --api-key, not both")
+    if a.api_key_file is not None:
+        from ..comm.identity import read_small_file
+
+        data, mode = read_small_file(Path(a.api_key_file), MAX_API_KEY_FILE, "API key file", UsageError)
+        key = (data.decode("utf-8", errors="replace").splitlines() or [""])[0].strip()
+        if not key:
+            raise UsageError(f"{a.api_key_file}: the API key file's first line is empty")
+        if mode & 0o044:
+            print(
+                f"fusion {prog}: warning: API key file {a.api_key_file} is readable by "
+                f"{'others' if mode & 0o004 else 'its group'} (mode {mode & 0o777:03o}); chmod 600 it",
+                file=sys.stderr,
+            )
+        return key
+    if a.api_key is not None:
+        if not a.api_key:
+            raise UsageError("--api-key is empty")
+        print(
+            f"fusion {prog}: warning: --api-key shows the key to every user of this machine (ps); "
+            f"use --api-key-file FILE or ${API_KEY_ENV}",
+            file=sys.stderr,
+        )
+        return a.api_key
+    import os
+
+    return os.environ.get(API_KEY_ENV) or None
+
+
 # ---- engine (client side) ----
 
 
@@ -137,7 +184,22 @@ def add_engine_args(g: dict[str, Any]) -> None:
     w.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1 (default: equal shares)")
     w.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
     w.add_argument("--threads", type=int, help="torch threads per local worker (default: cores / workers, >= 1)")
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda (NCCL among workers)")
+    w.add_argument(
+        "--device",
+        default="cpu",
+        help="the local workers' device: cpu (default), cuda (spread over the GPUs; NCCL among workers when "
+        "each has its own, else the links) or cuda:K",
+    )
+    w.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=DEFAULT_DTYPE,
+        help="weights, activations, KV cache and the wire: float32 (default; exact), bfloat16 or float16",
+    )
+    w.add_argument(
+        "--client-device",
+        help="embedding, final norm and LM head: cpu, cuda or cuda:K (default: the local workers' device, else cpu)",
+    )
     net.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
     net.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
     net.add_argument(
@@ -152,9 +214,9 @@ def add_engine_args(g: dict[str, Any]) -> None:
         "--comm-backend",
         choices=COMM_BACKENDS,
         default=None,
-        help="what carries the job's messages: tls (default; with --device cuda among local workers: nccl): "
-        "authenticated, encrypted links; tcp: plaintext (--insecure); gloo / nccl: torch.distributed among local "
-        "workers; mpi: MPI shared memory among local workers (the [mpi] extra)",
+        help="what carries the job's messages: tls (default; --device says when nccl is): authenticated, "
+        "encrypted links; tcp: plaintext (--insecure); gloo / nccl: torch.distributed among local workers; mpi: "
+        "MPI shared memory among local workers (the [mpi] extra)",
     )
     add_deprecated_alias(net, "--engine", "--comm-backend", choices=COMM_BACKENDS)
     net.add_argument(
@@ -291,9 +353,7 @@ def speculator_for(cfg: Any, config: Any, context: int) -> Any:
 def _comm_backend(a: argparse.Namespace) -> str:
     if a.comm_backend is not None:
         return a.comm_backend
-    if a.device == "cuda" and not (getattr(a, "topology", None) or a.master):
-        return "nccl"  # among local workers; across machines the links stay TLS (or TCP with --insecure)
-    return "tcp" if a.insecure else "tls"
+    return "tcp" if a.insecure else "tls"  # a local --device cuda run may get nccl: engine_options
 
 
 def _topology(a: argparse.Namespace) -> Topology | None:
@@ -332,6 +392,8 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         timeout_s=a.timeout,
         join_timeout_s=a.join_timeout,
         device=a.device,
+        dtype=a.dtype,
+        client_device=a.client_device,
         standby=a.standby,
         min_workers=a.min_workers,
         liveness_s=a.liveness,
@@ -359,7 +421,11 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
                 raise UsageError(f"--workers must be >= 1, got {n}")
             caps = capacities(a.capacity)
         opts = EngineOptions(n_workers=n, capacities=caps, **common)
+        if a.comm_backend is None and is_cuda(a.device) and opts.is_local:
+            parse_device(a.device)
+            opts.comm_backend = default_backend(a.device, n + a.standby, gpu_count(), a.insecure)
     opts.check()  # UsageError (exit 2) naming the flag to change
+    opts.check_gpus()  # a GPU this machine lacks: before anything loads
     opts.log = engine_notice(logging.getLogger("fusion_compute.engine"))  # logs.py: timestamped off a terminal
     if opts.insecure:
         opts.log(
@@ -397,7 +463,10 @@ def add_worker_args(g: dict[str, Any]) -> None:
     w, net = g["workers"], g["network"]
     w.add_argument("--model", help=MODEL_HELP)
     w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
-    w.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu, or cuda")
+    w.add_argument(
+        "--device",
+        help="cpu, cuda or cuda:K: where this worker computes (default: its topology entry's `device`, else cpu)",
+    )
     net.add_argument("--topology", help="TOML topology file: this worker finds itself in it by its --key")
     net.add_argument("--key", help="this worker's key file (- reads it from stdin)")
     net.add_argument("--master", help="the client's HOST:PORT (without a topology)")
@@ -450,7 +519,7 @@ def worker_options(a: argparse.Namespace) -> Any:
     positive(a.timeout, "--timeout")
     positive(a.join_timeout, "--join-timeout")
     key = None if a.insecure else load_key(a.key)
-    listen_host, rank, group, model = None, a.rank, a.group, a.model
+    listen_host, rank, group, model, device = None, a.rank, a.group, a.model, a.device
     if a.topology:
         if a.master or a.client_key:
             raise UsageError("--topology names the client and its key: drop --master/--client-key")
@@ -472,6 +541,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         listen_host, model = me.host, model or topo.model_for(me.rank)
         rank = rank if rank is not None else me.rank
         group = group or me.group
+        device = device or me.device
     else:
         master = host_port(a.master)
         if master is None:
@@ -486,6 +556,9 @@ def worker_options(a: argparse.Namespace) -> Any:
             client_key = PublicId.parse(a.client_key, "--client-key")
     if rank is not None and rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
+    device = device or "cpu"
+    if is_cuda(device):
+        check_gpus([device], gpu_count())  # one line, exit 2, before it joins
     return WorkerOptions(
         master=master,
         key=key,
@@ -497,7 +570,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         threads=a.threads,
         timeout_s=a.timeout,
         join_timeout_s=a.join_timeout,
-        device=a.device,
+        device=device,
         progress=a.progress,
         audit_dir=a.audit_dir,
         inject_leak=a.inject_leak,

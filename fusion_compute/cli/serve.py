@@ -1,6 +1,6 @@
 """`fusion serve`: the OpenAI-compatible HTTP gateway, on the user side, from the command line.
 
-The gateway *is* the client role (DESIGN.md §2): text and token ids never leave this machine except
+The gateway *is* the client role (docs/design.md, "Roles"): text and token ids never leave this machine except
 in the HTTP answer to the caller, which is why it binds 127.0.0.1 unless told otherwise. This file
 is the command: its flags, binding the port, starting the workers, and an orderly stop. The core
 is gateway.py (transport-free), the HTTP side api_server.py and http_limits.py; the HTTP stack is
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..serving.gateway import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS
+from .options import add_api_key_args, api_key
 
 # Continuous batching by default, as an inference server's users expect: 8 sessions decoding together
 # gave 4.6-4.7x one session's aggregate decode tokens/s at N = 2 (docs/serving.md, measured), a lone
@@ -74,7 +75,9 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help="seconds for a request's headers to arrive, then for its body (default %(default)g)",
     )
-    s.add_argument("--api-key", help="require Authorization: Bearer KEY (default: none, as befits 127.0.0.1)")
+    add_api_key_args(
+        s, "require Authorization: Bearer KEY on /v1, /admin and /metrics (default: none, as befits 127.0.0.1)"
+    )
     add_engine(g)
     add_logging_args(g["logging"])
     p.set_defaults(func=cmd_serve)
@@ -91,6 +94,7 @@ def cmd_serve(a: Any) -> int:
     from ..serving.gateway import open_gateway
     from ..serving.scheduler import Scheduler
 
+    key = api_key(a, "serve")  # first: its warning shows even when another value is refused
     if not (0 <= a.port < 65536):
         raise UsageError(f"--port must be in 0..65535, got {a.port}")
     if a.max_queue < 0:
@@ -130,12 +134,12 @@ def cmd_serve(a: Any) -> int:
         raise
     scheduler = Scheduler(gateway, a.max_queue, log, max_batch=a.max_batch)
     try:
-        app = wrap(create_app(gateway, scheduler, admin=a.api_key is not None), a.api_key, log, a.request_timeout)
+        app = wrap(create_app(gateway, scheduler, admin=key is not None), key, log, a.request_timeout)
         host, port = sock.getsockname()[:2]
         if a.host not in ("127.0.0.1", "localhost", "::1"):
             log(
                 f"fusion serve: warning: listening on {a.host}: anyone who can reach it reads the answers "
-                "(no TLS" + ("" if a.api_key else ", no API key") + ")"
+                "(no TLS" + ("" if key else ", no API key") + ")"
             )
         shown = f"[{host}]" if ":" in host else host
         batch = f", up to {a.max_batch} requests at once" if a.max_batch > 1 else ""
@@ -143,7 +147,9 @@ def cmd_serve(a: Any) -> int:
             f"fusion serve: listening on http://{shown}:{port}/v1 "
             f"(model {gateway.card.id}, {gateway.n_workers} workers{batch})"
         )
-        run_http(sock, app, a.max_connections, scheduler.stop, log, a.request_timeout)
+        if key is not None:  # the page exists only with a key (control_page.py)
+            log(f"fusion serve: control page: http://{shown}:{port}/control")
+        run_http(sock, app, a.max_connections, scheduler.stop, log, a.request_timeout, key)
     finally:
         sock.close()
         procs = gateway.engine.procs

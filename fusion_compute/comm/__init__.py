@@ -11,11 +11,13 @@ participants; `gloo`, `nccl` and `mpi` keep the client's links but run the worke
 schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
 
   identity.py      participant key pairs and the one-line public keys the topology pins
-  links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext
+  links.py         framed messages per peer over TCP: TLS 1.3 with pinned certificates, or plaintext;
+                   a farewell frame tells the peer why this end leaves
   rendezvous.py    admission against the roster, epochs, then wiring every pair of workers
   liveness.py      heartbeats: a worker that dies or freezes is named within seconds
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
   events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
+  buffers.py       tensors of any dtype and device as the bytes a backend moves; the fp32 sum of partials
   torch_fabric.py  torch.distributed among workers: NCCL on GPUs, gloo for comparison
   mpi_fabric.py    MPI among workers: shared memory on one machine, or an mpiexec world
   errors.py        `CommError` and the per-peer errors that name who failed
@@ -26,10 +28,10 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
-from .links import wire_bytes
+from .links import farewell_all, farewell_on_failure, reason_of, say_farewell, wire_bytes
 from .liveness import Pulse, Watch, Witness
 from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
 
@@ -52,6 +54,7 @@ __all__ = [
     "Member",
     "NullRecorder",
     "PeerError",
+    "PeerLeft",
     "PeerLost",
     "PeerTimeout",
     "PublicId",
@@ -60,9 +63,13 @@ __all__ = [
     "WORKER_COLLECTIVES",
     "Watch",
     "Witness",
+    "farewell_all",
+    "farewell_on_failure",
     "free_port",
     "join_epoch",
     "open_pulse",
+    "reason_of",
+    "say_farewell",
     "wire_bytes",
 ]
 

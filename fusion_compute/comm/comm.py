@@ -15,26 +15,46 @@ Ranks: 0 is the client (user side); 1..N are workers. Verbs and what moves:
 Baselines and negative controls only: `all_gather_workers` (every worker gets every shard) and
 `all_reduce_workers` (Megatron-style replicated sum).
 
-The reduce-scatter is never an all-reduce in disguise: only addressed rows leave a worker (DESIGN.md
-§4). The negative control `rs_allreduce` (audit) breaks exactly that: it sends every peer the whole
+The reduce-scatter is never an all-reduce in disguise: only addressed rows leave a worker (docs/design.md,
+"The operators"). The negative control `rs_allreduce` (audit) breaks exactly that: it sends every peer the whole
 partial while recording only the addressed rows, and the socket byte counters catch it.
+
+Waiting is charged to whoever caused it (docs/resilience.md, "Blame by evidence"): a rank that needs
+messages from several peers (a reduce-scatter, a score sum, the client's egress) waits on all of them
+at once, and only the time after every other peer's message had arrived is charged, to the last one,
+on the rank's `witness` (liveness.Witness): real durations, however short, whatever the ranks' order.
 
 When a worker-group `fabric` is given (torch.distributed: NCCL on GPUs, or gloo for comparison),
 reduce_scatter and sum_scores run on it instead; the client's links stay what they are.
+
+Tensors may live on a GPU and be float32, bfloat16 or float16 (runtime/placement.py): every message
+is the tensor's bytes in its own dtype, staged through host memory on the links and on a fabric that
+moves host buffers (gloo, MPI), passed as device buffers to one that moves them itself (NCCL); every
+owner sums what it receives in a float32 accumulator (buffers.py). Events record the bytes per
+element that travelled.
 """
 
 from __future__ import annotations
 
 import collections
+import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from .errors import CommError
+from .buffers import accumulate, host, raw
+from .errors import CommError, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
-from .links import Link
+from .links import TICK_S, Link
+
+
+class WaitAccount(Protocol):
+    """Where a rank's waits are charged (liveness.Witness)."""
+
+    def charge(self, rank: int, seconds: float) -> None: ...
+    def waiting_on(self, ranks: frozenset[int], since: float) -> None: ...
 
 
 class Fabric(Protocol):
@@ -48,9 +68,9 @@ class Fabric(Protocol):
     def abort(self) -> None: ...  # end the waits in progress: the epoch is over (called from another thread)
     def close(self) -> None: ...
 
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return t.detach().numpy().data.cast("B")
+    # a fabric takes tensors on the workers' GPU as they are (NCCL: `device_buffers = True`), or host
+    # tensors, which Comm stages for it (gloo, MPI)
+    device_buffers: bool
 
 
 class _Sent:
@@ -89,8 +109,8 @@ class Comm:
         score_groups: Sequence[Sequence[int]] = (),
         recorder: Recorder | None = None,
         fabric: Fabric | None = None,
-        device: torch.device | None = None,
         backend: str = "tls",
+        witness: WaitAccount | None = None,
     ):
         self.rank = rank
         self.world = n_workers + 1
@@ -99,7 +119,6 @@ class Comm:
         self.recorder: Recorder = recorder or NullRecorder()
         self.counters = Counters()
         self.fabric = fabric
-        self.device = device or torch.device("cpu")
         self.backend = backend  # comm backend: "tls" | "tcp" (insecure) | "gloo" / "nccl" / "mpi" (a fabric)
         # owner ranks of each split KV group this rank belongs to
         self.score_owners: dict[int, list[int]] = {
@@ -108,6 +127,8 @@ class Comm:
             if len(owners) > 1 and rank - 1 in owners
         }
         self._posted: dict[int, collections.deque[_Posted]] = collections.defaultdict(collections.deque)
+        self.witness = witness  # charged with each wait's last peer (see the module docstring)
+        self.awaiting: frozenset[int] = frozenset()  # the peers a receive from several waits on (or failed on)
 
     # ---- wire ----
 
@@ -121,21 +142,62 @@ class Comm:
             raise CommError(f"rank {self.rank} has no link to rank {peer}") from None
 
     def _put(self, peer: int, t: torch.Tensor) -> None:
-        self._link(peer).send(_bytes(t.contiguous()))
+        self._link(peer).send(raw(host(t)))
 
     def _get(self, peer: int, out: torch.Tensor, what: str, wait_s: float | None = None) -> torch.Tensor:
-        """Receive the next message from `peer` into `out` (contiguous), after any posted receives."""
+        """Receive the next message from `peer` into `out` (contiguous, host), after any posted receives."""
         pending = self._posted.get(peer)
         while pending:
             self._complete(pending[-1])
-        self._link(peer).recv_into(_bytes(out), self._deadline(wait_s), what)
+        self._link(peer).recv_into(raw(out), self._deadline(wait_s), what)
         return out
+
+    def _get_all(self, outs: dict[int, torch.Tensor], what: str, wait_s: float | None = None) -> None:
+        """Receive the next message of every peer in `outs` into its tensor, waiting on all of them at
+        once (the first to arrive is read first), and charge the witness the last peer's share: the
+        time after every other one had arrived (all of it with one peer)."""
+        deadline = self._deadline(wait_s)
+        pending = dict(outs)
+        for peer in [p for p in pending if self._posted.get(p)]:  # posted receives come first (isend/irecv)
+            self._get(peer, pending.pop(peer), what, wait_s)
+        last = time.monotonic()
+        self._awaiting(pending, last)
+        links = {p: self._link(p) for p in pending}
+        while len(pending) > 1:
+            ready = [p for p in pending if links[p].has_buffered()]
+            if not ready:
+                socks = {links[p].sock: p for p in pending}
+                left = deadline - time.monotonic()
+                got, _, _ = select.select(list(socks), [], [], max(0.0, min(TICK_S, left)))
+                ready = sorted(socks[s] for s in got)
+            if not ready:  # a tick: the links' check (a lost worker, a step's limit), then the deadline
+                check = next((links[p].check for p in pending if links[p].check is not None), None)
+                if check is not None:
+                    check()
+                if time.monotonic() >= deadline:
+                    first = min(pending)
+                    raise PeerTimeout(first, f"{links[first].label} did not answer within the deadline")
+                continue
+            for p in ready[: len(pending) - 1]:  # the last one is read below, charged
+                links[p].recv_into(raw(pending.pop(p)), deadline, what)
+                last = time.monotonic()
+            self._awaiting(pending, last)
+        for p, out in pending.items():  # the last: a plain blocking read (one syscall), all of it charged
+            links[p].recv_into(raw(out), deadline, what)
+            if self.witness is not None:
+                self.witness.charge(p, time.monotonic() - last)
+        self._awaiting({}, last)
+
+    def _awaiting(self, pending: dict[int, torch.Tensor], since: float) -> None:
+        self.awaiting = frozenset(pending)
+        if self.witness is not None:
+            self.witness.waiting_on(self.awaiting, since)
 
     def _complete(self, handle: _Posted) -> None:
         pending = self._posted[handle.src]
         while not handle.done:
             first = pending.popleft()
-            self._link(first.src).recv_into(_bytes(first.tensor), self._deadline(), first.what)
+            self._link(first.src).recv_into(raw(first.tensor), self._deadline(), first.what)
             first.done = True
 
     # ---- events ----
@@ -169,9 +231,10 @@ class Comm:
         if len(sizes) == 1:
             return send
         sent, received = self._rs_counts(sizes, send.shape[1])
-        if self.fabric is not None:
-            out = self.fabric.reduce_scatter(send, sizes)
-            self._emit("reduce_scatter", op, sent, received)
+        fabric = self.fabric
+        if fabric is not None:
+            out = self._staged(send, lambda buf: fabric.reduce_scatter(buf, sizes))
+            self._emit("reduce_scatter", op, sent, received, send.element_size())
             return out
         chunks = send.split(list(sizes))  # contiguous row blocks of a row-major (R, T) partial
         return self._scatter_blocks(lambda q: chunks[q], sizes, op)
@@ -188,9 +251,28 @@ class Comm:
             return self.reduce_scatter(torch.cat([chunk(q) for q in range(len(sizes))]), sizes, op)
         if fabric_from is None:
             return self._scatter_blocks(chunk, sizes, op)
-        out = fabric_from(chunk, sizes)
-        self._emit("reduce_scatter", op, *self._rs_counts(sizes, out.shape[1]))
+        if self.fabric is not None and self.fabric.device_buffers:
+            out = fabric_from(chunk, sizes)
+        else:  # host buffers for the fabric, each block staged as it is made
+            device = None
+
+            def staged(q: int) -> torch.Tensor:
+                nonlocal device
+                block = chunk(q)
+                device = block.device
+                return host(block)
+
+            out = fabric_from(staged, sizes)
+            out = out.to(device)
+        self._emit("reduce_scatter", op, *self._rs_counts(sizes, out.shape[1]), out.element_size())
         return out
+
+    def _staged(self, t: torch.Tensor, collective: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A fabric collective on `t`: as it is for a fabric of device buffers, else through host memory
+        and back to t's device (a no-op copy on the CPU)."""
+        if self.fabric is not None and self.fabric.device_buffers:
+            return collective(t)
+        return collective(host(t)).to(t.device)
 
     def _scatter_blocks(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int], op: str) -> torch.Tensor:
         """The links' reduce-scatter: every peer's block sent as it is made (the next rank's first), then
@@ -205,39 +287,47 @@ class Comm:
         assert mine is not None  # the loop's last rank is this worker's
         t = mine.shape[1]
         sent, received = self._rs_counts(sizes, t)
-        stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T): one slot per worker
+        stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T) in host memory: one slot per worker
+        self._get_all({q: stack[q - 1] for q in received}, op)
+        stack = stack.to(mine.device)  # the received partials join this worker's on its device
         stack[me] = mine
-        for q in received:
-            self._get(q, stack[q - 1], op)
-        self._emit("reduce_scatter", op, sent, received)
-        return stack.sum(0)
+        self._emit("reduce_scatter", op, sent, received, mine.element_size())
+        return accumulate(stack)
 
     def sum_scores(self, scores: torch.Tensor, group: int, op: str) -> torch.Tensor:
         """In-place sum of partial attention scores among the owners of one split KV group."""
         owners = self.score_owners[group]
         peers = [r for r in owners if r != self.rank]
-        n = scores.numel()
+        n, itemsize = scores.numel(), scores.element_size()
         if self.fabric is not None:
-            self.fabric.sum_among(scores, group)
+            # A fabric sums in place; a 2-byte dtype is summed as float32 (its accumulator: MPI has no
+            # bfloat16 sum), so 4 bytes per element travel.
+            acc = scores.float()
+            summed = self._staged(acc, lambda buf: self._sum_among(buf, group))
+            scores.copy_(summed)
+            itemsize = acc.element_size()
         else:
             mine = scores.contiguous()
             for r in peers:
                 self._put(r, mine)
-            stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)
-            for i, r in enumerate(owners):
-                if r == self.rank:
-                    stack[i] = mine
-                else:
-                    self._get(r, stack[i], op)
-            scores.copy_(stack.sum(0))
-        self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers})
+            stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)  # host
+            self._get_all({r: stack[i] for i, r in enumerate(owners) if r != self.rank}, op)
+            stack = stack.to(scores.device)
+            stack[owners.index(self.rank)] = mine
+            scores.copy_(accumulate(stack))
+        self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers}, itemsize)
         return scores
+
+    def _sum_among(self, buf: torch.Tensor, group: int) -> torch.Tensor:
+        assert self.fabric is not None
+        self.fabric.sum_among(buf, group)
+        return buf
 
     # ---- client <-> worker ----
 
     def send(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> None:
         """Point-to-point: ingress (client -> worker shard), egress (worker shard -> client), control."""
-        self._put(dst, tensor.cpu())
+        self._put(dst, tensor)
         self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
 
     def recv(self, tensor: torch.Tensor, src: int, kind: str, op: str, wait_s: float | None = None) -> torch.Tensor:
@@ -246,6 +336,14 @@ class Comm:
         self._get(src, tensor, op, wait_s)
         self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
         return tensor
+
+    def recv_all(self, tensors: dict[int, torch.Tensor], kind: str, op: str) -> dict[int, torch.Tensor]:
+        """`recv` from several peers (`tensors` by source rank), waiting on all of them at once: the
+        client's egress. The wait after all but the last had arrived is charged to the last one."""
+        self._get_all(tensors, op)
+        for src in sorted(tensors):
+            self._emit(kind, op, {}, {src: tensors[src].numel()}, tensors[src].element_size())
+        return tensors
 
     def isend(self, tensor: torch.Tensor, dst: int, kind: str, op: str) -> _Sent:
         """Send without waiting (the bytes are encrypted and queued at once); `.wait()` on the handle
@@ -266,7 +364,7 @@ class Comm:
 
     def send_truncated(self, tensor: torch.Tensor, dst: int, keep: float) -> None:
         """FAULT INJECTION ONLY (faults.py): part of a message, then the connection closes."""
-        self._link(dst).send_truncated(_bytes(tensor.contiguous()), keep)
+        self._link(dst).send_truncated(raw(host(tensor)), keep)
 
     # ---- baselines and negative controls ----
 
@@ -274,23 +372,25 @@ class Comm:
         """A deliberate leak, for negative controls and the Megatron-style baseline only: every
         worker gets every worker's shard. (n_rows_q, T) chunks -> (Σ sizes, T)."""
         me, n, t = self.rank - 1, len(sizes), shard.shape[1]
-        if self.fabric is not None:
-            out = self.fabric.all_gather(shard, sizes)
+        fabric = self.fabric
+        if fabric is not None:
+            out = self._staged(shard, lambda buf: fabric.all_gather(buf, sizes))
         else:
             for q in range(n):
                 if q != me:
                     self._put(q + 1, shard)
             out = torch.empty((sum(sizes), t), dtype=shard.dtype)
             for q, rows in enumerate(out.split(list(sizes))):
-                if q == me:
-                    rows.copy_(shard)
-                else:
+                if q != me:
                     self._get(q + 1, rows, op)
+            out = out.to(shard.device)
+            out.split(list(sizes))[me].copy_(shard)
         self._emit(
             "gather",
             op,
             {q + 1: sizes[me] * t for q in range(n) if q != me},
             {q + 1: sizes[q] * t for q in range(n) if q != me},
+            shard.element_size(),
         )
         return out
 
@@ -298,22 +398,37 @@ class Comm:
         """Megatron-style baseline only: full-width sum replicated on every worker (each worker sends
         its whole tensor to every other: one round, (N-1)x the bytes of the tensor)."""
         peers = [r for r in range(1, self.world) if r != self.rank]
+        itemsize = tensor.element_size()
         if self.fabric is not None:
-            self.fabric.all_reduce(tensor)
+            acc = tensor.float()  # summed as float32, as sum_scores on a fabric
+            tensor.copy_(self._staged(acc, lambda buf: self._all_reduce(buf)))
+            itemsize = acc.element_size()
         else:
             mine = tensor.contiguous().clone()
             for r in peers:
                 self._put(r, mine)
             stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
             for r in range(1, self.world):
-                if r == self.rank:
-                    stack[r - 1] = mine
-                else:
+                if r != self.rank:
                     self._get(r, stack[r - 1], op)
-            tensor.copy_(stack.sum(0))
+            stack = stack.to(tensor.device)
+            stack[self.rank - 1] = mine
+            tensor.copy_(accumulate(stack))
         n = tensor.numel()
-        self._emit("all_reduce", op, {r: n for r in peers}, {r: n for r in peers})
+        self._emit("all_reduce", op, {r: n for r in peers}, {r: n for r in peers}, itemsize)
         return tensor
+
+    def _all_reduce(self, buf: torch.Tensor) -> torch.Tensor:
+        assert self.fabric is not None
+        self.fabric.all_reduce(buf)
+        return buf
+
+    # ---- leaving ----
+
+    def departures(self, wait_s: float = 0.05) -> dict[int, tuple[str, dict | None]]:
+        """For each peer: ("left", its farewell's reason), ("closed", None: its end closed without
+        one) or ("open", None), as this end can tell now (links.Link.departure)."""
+        return {r: (link.departure(wait_s), link.left) for r, link in sorted(self.links.items())}
 
     # ---- lifetime ----
 

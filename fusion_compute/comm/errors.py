@@ -21,8 +21,24 @@ class PeerError(CommError):
 
 
 class PeerLost(PeerError):
-    """The peer closed its connection or its process died."""
+    """The peer closed its connection or its process died. `said`: the reason the peer gave as it
+    left (its farewell on the link, links.Link.farewell), when it gave one."""
+
+    def __init__(self, rank: int, message: str, watched: bool = False, said: str | None = None):
+        super().__init__(rank, message, watched)
+        self.said = said
 
 
 class PeerTimeout(PeerError):
     """The peer did not answer within the deadline (frozen, overloaded, or cut off)."""
+
+
+class PeerLeft(PeerLost):
+    """The peer said why before it closed (a farewell frame, links.Link.farewell): an announced close,
+    no first-hand evidence against anyone (only the leaver's word). `reason`: what it announced,
+    {"why": its error's line (also `said`), "cause": the rank whose link failed it first-hand or None,
+    "after": the rank whose own farewell made it leave or None}."""
+
+    def __init__(self, rank: int, message: str, reason: dict):
+        super().__init__(rank, message, said=reason.get("why") or "(no reason given)")
+        self.reason = reason

@@ -12,7 +12,13 @@ on pyzmq DEALER sockets with CURVE, and large messages encrypt at AES-GCM speed 
 against ~0.5 GB/s for CURVE's XSalsa20-Poly1305; a closed peer is seen at once (EOF) instead of
 through socket monitors; and the bytes on the wire follow an exact model (below).
 
-Framing: a message is an 8-byte little-endian length, then the payload. With TLS, a message whose
+Framing: a message is an 8-byte little-endian length, then the payload. A header with its top bit
+(FAREWELL) set is a farewell: its low bits count the bytes of a small JSON reason that follows, the
+sender's last message on the link before it closes (`Link.farewell`): `why`, one line (its own
+error), and, when it leaves because of a peer, `cause` (the peer whose link failed it first-hand) or
+`after` (the peer whose farewell made it leave). The receiver raises PeerLeft (a PeerLost) carrying
+it, so the far end learns why, not only that, the link closed, and whom the leaver blames
+(docs/resilience.md, "Blame by evidence": an announced close is no first-hand evidence). With TLS, a message whose
 header and payload fit one record (8 + P <= 16384) is written as one record; a larger one as a
 header record then the payload in records of 16384 bytes. Every record costs 22 bytes (5 header,
 1 inner content type, 16 tag), so the bytes on the wire are exactly `wire_bytes(P, tls)`.
@@ -26,17 +32,21 @@ full socket buffer while it is itself waiting to receive, and bytes keep flowing
 from __future__ import annotations
 
 import collections
+import json
 import os
+import select
 import socket
 import ssl
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
-from .errors import CommError, PeerError, PeerLost, PeerTimeout
+from ..errors import FusionError
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
 from .identity import Identity, PublicId
 
 HEADER = struct.Struct("<Q")
@@ -45,6 +55,26 @@ TLS_OVERHEAD = 22  # bytes per TLS 1.3 record on the wire: 5 header + 1 content 
 TICK_S = 0.25  # a blocking receive wakes up this often to check its deadline and the liveness watch
 RAW_CHUNK = 1 << 18
 MAX_MESSAGE = 1 << 34  # a length above this is a corrupt or hostile header, not a tensor
+FAREWELL = 1 << 63  # a header with this bit: a farewell, whose reason's length is the low bits
+MAX_FAREWELL = 512  # bytes of a farewell's reason (one line; it reaches logs, errors and /health)
+MAX_WHY = 300  # characters of its line kept
+
+
+def farewell_reason(raw: bytes) -> dict:
+    """A farewell's payload as {"why": one bounded line, "cause", "after": ranks or None}. It is the
+    peer's word, checked like any input: a payload that is not such an object is taken as its line."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        obj = {"why": raw.decode(errors="replace")}
+    out: dict = {}
+    for key in ("cause", "after"):
+        v = obj.get(key)
+        out[key] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16 else None
+    out["why"] = " ".join(str(obj.get("why") or "").split())[:MAX_WHY]
+    return out
 
 
 def wire_bytes(payload: int, tls: bool) -> int:
@@ -145,6 +175,8 @@ class Link:
         self._error: BaseException | None = None
         self._closing = False
         self.closed = False
+        self.said: str | None = None  # the peer's farewell reason, once received
+        self.left: dict | None = None  # ... all of it (farewell_reason): whom it blamed, if anyone
         # Called at every receive tick: raises when the job must stop waiting (a peer found dead by
         # the liveness watch, or an abort), whoever this link's own peer is.
         self.check: Callable[[], None] | None = None
@@ -153,16 +185,19 @@ class Link:
     # ---- sending ----
 
     def send(self, payload: memoryview) -> None:
+        self._send_framed(len(payload), payload)
+
+    def _send_framed(self, header: int, payload: memoryview) -> None:
         n = len(payload)
         if self.tls is not None:
             if HEADER.size + n <= TLS_RECORD:
-                self.tls.write(HEADER.pack(n) + payload)
+                self.tls.write(HEADER.pack(header) + payload)
             else:
-                self.tls.write(HEADER.pack(n))
+                self.tls.write(HEADER.pack(header))
                 self.tls.write(payload)
             parts = [memoryview(self._out.read())]
         else:
-            parts = [memoryview(HEADER.pack(n)), payload]
+            parts = [memoryview(HEADER.pack(header)), payload]
         with self._lock:
             self._raise_writer_error()
             if not self._queue:
@@ -182,13 +217,41 @@ class Link:
         self.sock.sendall(head)
         self.close()
 
+    def farewell(self, reason: str, deadline: float, cause: int | None = None, after: int | None = None) -> None:
+        """Tell the peer why this end is leaving, as the link's last message (one line, cut to fit
+        MAX_FAREWELL bytes with `cause` and `after`: farewell_reason), and push it out until
+        `deadline`. Best effort: a peer already gone hears nothing. The caller closes the link."""
+        why = " ".join((reason.splitlines() or [""])[0].split())[:MAX_WHY]
+        while True:  # (cut whole characters until the JSON fits)
+            payload = json.dumps({"why": why, "cause": cause, "after": after}, ensure_ascii=False).encode()
+            if len(payload) <= MAX_FAREWELL:
+                break
+            why = why[: len(why) * MAX_FAREWELL // len(payload) - 1]
+        try:
+            self._send_framed(FAREWELL | len(payload), memoryview(payload))
+            self.flush(deadline)
+        except (CommError, OSError, ssl.SSLError):
+            pass
+
+    def _lost(self, detail: str = "") -> PeerLost:
+        """The error of a link whose peer closed it: with the peer's farewell reason when it gave one."""
+        if self.said is not None:
+            return PeerLeft(self.rank, f"{self.label} closed the connection: {self.said}", self.left or {})
+        return PeerLost(self.rank, f"{self.label} closed the connection{detail}")
+
+    def _gone(self, detail: str = "") -> PeerLost:
+        """A send failed: the peer closed. If it said farewell first (unread yet), that is the error."""
+        if self.said is None:
+            self.departure()
+        return self._lost(detail)
+
     def _send_now(self, parts: list[memoryview]) -> list[memoryview]:
         try:
             sent = self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
         except BlockingIOError:
             return parts
         except OSError as e:
-            raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+            raise self._gone(f" ({e.strerror or e})") from None
         while parts and sent >= len(parts[0]):
             sent -= len(parts[0])
             parts.pop(0)
@@ -225,7 +288,7 @@ class Link:
     def _raise_writer_error(self) -> None:
         if self._error is not None:
             e = self._error
-            raise PeerLost(self.rank, f"{self.label} closed the connection ({getattr(e, 'strerror', None) or e})")
+            raise self._gone(f" ({getattr(e, 'strerror', None) or e})")
 
     def flush(self, deadline: float) -> None:
         """Block until every queued byte is in the kernel (or the deadline passes)."""
@@ -257,9 +320,9 @@ class Link:
                     raise PeerTimeout(self.rank, f"{self.label} did not answer within the deadline") from None
                 continue
             except OSError as e:
-                raise PeerLost(self.rank, f"{self.label} closed the connection ({e.strerror or e})") from None
+                raise self._lost(f" ({e.strerror or e})") from None
             if n == 0:
-                raise PeerLost(self.rank, f"{self.label} closed the connection")
+                raise self._lost()
             return n
 
     def _read_exact(self, view: memoryview, deadline: float) -> None:
@@ -276,7 +339,7 @@ class Link:
             except ssl.SSLError as e:
                 raise PeerLost(self.rank, f"{self.label}: TLS error ({e.reason or e})") from None
             if k == 0:
-                raise PeerLost(self.rank, f"{self.label} closed the connection")
+                raise self._lost()
             if k > 0:
                 got += k
                 continue
@@ -284,8 +347,16 @@ class Link:
             self._inc.write(memoryview(self._raw)[:n])
 
     def recv_size(self, deadline: float) -> int:
+        if self.said is not None:  # the peer said goodbye: nothing comes after it
+            raise self._lost()
         self._read_exact(memoryview(self._hdr), deadline)
         (n,) = HEADER.unpack(self._hdr)
+        if n & FAREWELL and n & ~FAREWELL <= MAX_FAREWELL:
+            raw = bytearray(n & ~FAREWELL)
+            self._read_exact(memoryview(raw), deadline)
+            self.left = farewell_reason(bytes(raw))
+            self.said = self.left["why"] or "(no reason given)"
+            raise self._lost()
         if n > MAX_MESSAGE:
             raise PeerError(self.rank, f"{self.label} sent a malformed message header (length {n})")
         return n
@@ -308,6 +379,37 @@ class Link:
         self._read_exact(memoryview(buf), deadline)
         return bytes(buf)
 
+    def departure(self, wait_s: float = 0.05) -> str:
+        """What became of the peer, as far as this end can tell now: "left" (it said farewell:
+        `self.left`), "closed" (its end closed without one), "sent" (whole messages came, and
+        nothing after them), or "open" (nothing new). Reads and drops whatever messages come (the
+        epoch they belong to is over)."""
+        if self.said is not None:
+            return "left"
+        if self.closed:
+            return "open"  # closed by this end: nothing more to read
+        deadline = time.monotonic() + wait_s
+        check, self.check = self.check, None  # a liveness verdict about someone else is not this link's news
+        sent = False
+        try:
+            while self.has_buffered() or select.select([self.sock], [], [], 0)[0]:
+                n = self.recv_size(deadline)  # raises PeerLeft at a farewell
+                junk = memoryview(bytearray(1 << 16))
+                while n > 0:
+                    k = min(n, len(junk))
+                    self._read_exact(junk[:k], deadline)
+                    n -= k
+                sent = True
+        except PeerLeft:
+            return "left"
+        except PeerTimeout:
+            return "open"  # part of a message, and no more yet
+        except (CommError, OSError, ValueError):
+            return "closed"
+        finally:
+            self.check = check
+        return "sent" if sent else "open"
+
     def close(self, deadline: float | None = None) -> None:
         if self.closed:
             return
@@ -326,6 +428,49 @@ class Link:
         except OSError:
             pass
         self.sock.close()
+
+
+def farewell_all(
+    links: Iterable[Link], reason: str, grace_s: float = 1.0, cause: int | None = None, after: int | None = None
+) -> None:
+    """Say `reason` (and whom it blames: `cause`, `after`) on every open link of `links`
+    (Link.farewell), within `grace_s` in all: the last word of a participant leaving. The caller
+    closes them."""
+    deadline = time.monotonic() + grace_s
+    for link in links:
+        if not link.closed:
+            link.farewell(reason, deadline, cause, after)
+
+
+def say_farewell(links: dict[int, Link], err: BaseException, grace_s: float = 1.0) -> None:
+    """This participant drops the epoch because of `err`: tell every peer why (farewell_all). The
+    reason names the peer whose link failed it first-hand (`cause`: closed without a farewell, or
+    silent past the deadline), or the peer whose own farewell made it leave (`after`: a knock-on, no
+    evidence against anyone), or neither (its own failure), with the error's line."""
+    first_hand = isinstance(err, PeerError) and not err.watched and not isinstance(err, PeerLeft)
+    cause = err.rank if first_hand and isinstance(err, PeerError) else None
+    after = err.rank if isinstance(err, PeerLeft) else None
+    farewell_all(links.values(), reason_of(err), grace_s, cause, after)
+
+
+@contextmanager
+def farewell_on_failure(links: dict[int, Link]) -> Iterator[None]:
+    """A failure of this participant's own inside the block (not a PeerError: a peer's failure or
+    the client's abort) is said on every link of `links` before it propagates, so that the other
+    end reports this participant's own words, not only that a connection closed."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except Exception as e:
+        farewell_all(links.values(), reason_of(e))
+        raise
+
+
+def reason_of(e: BaseException) -> str:
+    """A failure in one line, as the `fusion` command prints it (cli.main): what a farewell says."""
+    first = (str(e).splitlines() or [""])[0]
+    return first if isinstance(e, FusionError) else f"{type(e).__name__}: {first}"
 
 
 # ---- establishing a link ----

@@ -4,7 +4,9 @@ that stops (dead, frozen, cut off) within a deadline, names it, and tells the ot
   worker  `Pulse`: a thread that sends a beat every `interval_s` on the pulse link and obeys the
           client's words on it: `ask` (what did you see: answered by its `Witness`), `abort` (give up the current epoch: every data link is shut down at
           once, so a wait on a vanished peer ends now), `stop` (the job is over), `revoke` (wipe and
-          leave). A client that goes away closes the pulse link: the worker leaves at once.
+          leave). A client that goes away closes the pulse link: the worker leaves at once. A worker
+          that leaves for a failure of its own says why on the pulse link as it closes it
+          (`close(reason)`), and the watch records that reason as the failure.
   client  `Watch`: a thread that reads every worker's pulse link. A worker has failed when its
           pulse link closes (its process died: seen at once) or when no beat came for `deadline_s`
           (frozen, or its network cut). `check()` raises the failure as a `PeerError` naming the
@@ -82,61 +84,94 @@ class Pulse:
             if not self._stop.is_set():
                 self.on_client_gone()
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """Stop beating and close the pulse link; `reason`: why this worker is leaving (its own
+        failure), said to the client as the link's last message (Link.farewell) once the beating
+        thread has stopped (a link is used by one thread at a time)."""
         self._stop.set()
+        if reason is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * self.interval_s + 1.0)
+            if not self._thread.is_alive():
+                self.link.farewell(reason, time.monotonic() + 1.0)
         self.link.close()
 
 
 class Witness:
     """What a worker saw of its peers in its current epoch, for the client to ask before it blames
-    anyone (docs/resilience.md, "Blame by evidence"): the peer whose link failed the epoch, and how
-    long each peer kept it waiting lately (every receive tick spent blocked on a peer's link counts
-    one TICK; a healthy exchange never blocks a whole tick). It is the worker's own account, sent on
-    its pulse link; the client weighs it against the others'."""
-
-    TICK_S = 0.25  # links.TICK_S: a blocked receive calls its check this often
+    anyone (docs/resilience.md, "Blame by evidence"): the peer whose link failed it first-hand
+    (`lost`: closed without a farewell, or silent past the deadline), the peer whose farewell made it
+    leave (`after`: a knock-on close, no evidence against anyone), how long each peer alone kept it
+    waiting lately: the real duration of every exchange's wait after all its other peers' messages
+    had arrived (comm.Comm charges it), however short, and where it is now: `working` (between a
+    step's input and its output) and `waiting` (the peers whose messages it is blocked on). It is the
+    worker's own account, sent on its pulse link; the client weighs it against the others' and its
+    own (the client keeps one too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.epoch: int | None = None
         self.lost: int | None = None
-        self._ticks: deque[tuple[float, int]] = deque(maxlen=8192)
+        self.after: int | None = None
+        self._waits: deque[tuple[float, int, float]] = deque(maxlen=8192)  # (when, rank, seconds)
+        self._waiting: tuple[frozenset[int], float] = (frozenset(), 0.0)  # blocked on, since (monotonic)
+        self.working = False
 
-    def start(self, epoch: int | None, links: dict[int, Link]) -> None:
-        """A new epoch: forget the last one's account, count the waits on each peer's link (before the
-        link's own check, if it has one: the client keeps its own account, runtime/deadline.py)."""
+    def start(self, epoch: int | None) -> None:
+        """A new epoch: forget the last one's account."""
         with self._lock:
-            self.epoch, self.lost = epoch, None
-            self._ticks.clear()
-        for rank, link in links.items():
-            if rank != 0:  # waiting for the client is what an idle worker does
-                link.check = self._counting(rank, link.check)
+            self.epoch, self.lost, self.after = epoch, None, None
+            self._waits.clear()
+            self._waiting, self.working = (frozenset(), 0.0), False
 
-    def _counting(self, rank: int, then: Callable[[], None] | None) -> Callable[[], None]:
-        def check() -> None:
-            self._ticks.append((time.monotonic(), rank))
-            if then is not None:
-                then()
+    def waiting_on(self, ranks: frozenset[int], since: float) -> None:
+        """Blocked on `ranks`' messages since `since` (empty: not blocked on any peer)."""
+        self._waiting = (frozenset(r for r in ranks if r != 0), since)
 
-        return check
+    def step(self, working: bool) -> None:
+        """A step's input arrived (True), or its output left (False)."""
+        self.working = working
+
+    def charge(self, rank: int, seconds: float) -> None:
+        """`rank` alone kept this participant waiting `seconds` (waiting for the client is what an
+        idle worker does: not counted)."""
+        if rank != 0 and seconds > 0:
+            self._waits.append((time.monotonic(), rank, seconds))
 
     def lost_peer(self, rank: int) -> None:
         with self._lock:
-            if rank != 0 and self.lost is None:
+            if rank != 0 and self.lost is None and self.after is None:
                 self.lost = rank
 
+    def left_after(self, rank: int) -> None:
+        """`rank` said farewell (it left the epoch) before anything failed here first-hand."""
+        with self._lock:
+            if self.lost is None and self.after is None:
+                self.after = rank
+
     def answer(self, epoch: int, window_s: float) -> dict:
-        """{"epoch", "lost": the rank whose link failed (or None), "waits": {rank: seconds blocked on
-        it in the last `window_s`}} for `epoch` (another epoch's question gets an empty account)."""
+        """{"epoch", "lost", "after" (ranks, or None), "waits": {rank: seconds it alone kept this one
+        waiting in the last `window_s`, the wait in progress included}, "waiting": [ranks it is
+        blocked on now], "working"} for `epoch` (another epoch's question gets an empty account)."""
         now = time.monotonic()
         with self._lock:
             if epoch != self.epoch:
-                return {"epoch": epoch, "lost": None, "waits": {}}
+                return {"epoch": epoch, "lost": None, "after": None, "waits": {}, "waiting": [], "working": False}
             waits: dict[str, float] = {}
-            for t, rank in list(self._ticks):
+            for t, rank, seconds in list(self._waits):
                 if t >= now - window_s:
-                    waits[str(rank)] = waits.get(str(rank), 0.0) + self.TICK_S
-            return {"epoch": epoch, "lost": self.lost, "waits": waits}
+                    waits[str(rank)] = round(waits.get(str(rank), 0.0) + seconds, 4)
+            blocked, since = self._waiting
+            if len(blocked) == 1:  # the wait in progress, on one peer alone
+                (rank,) = blocked
+                waits[str(rank)] = round(waits.get(str(rank), 0.0) + now - max(since, now - window_s), 4)
+            return {
+                "epoch": epoch,
+                "lost": self.lost,
+                "after": self.after,
+                "waits": waits,
+                "waiting": sorted(blocked),
+                "working": self.working,
+            }
 
 
 class Watch:
@@ -283,7 +318,10 @@ class Watch:
                         with self._guard:
                             self._saw[rank] = msg["saw"]
                 except (CommError, OSError, ValueError) as e:
-                    self._fail(rank, f"{link.label} exited: its connection closed ({e})")
+                    if link.said is not None:  # it said why as it left
+                        self._fail(rank, f"{link.label} exited: {link.said}")
+                    else:
+                        self._fail(rank, f"{link.label} exited: its connection closed ({e})")
             for rank, link in links.items():
                 silent = now - self._seen.get(rank, now)
                 if silent > self.deadline_s:

@@ -30,7 +30,7 @@ waiting with MPI's blocking Wait slowed a computing process on the same 2 cores 
 not at all.
 
 The reduce-scatter is an all-to-all with per-peer counts plus a local sum, never a reduce-scatter
-primitive (DESIGN.md §4), exactly as on the other backends. The layers' reduce-scatters use
+primitive (docs/design.md, "The operators"), exactly as on the other backends. The layers' reduce-scatters use
 `reduce_scatter_from`: the same rows as point-to-point `Isend`/`Irecv`, each peer's block sent as soon
 as it is made, so that the exchange overlaps the product (as the links do, comm.py).
 """
@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .buffers import accumulate, words
 from .errors import CommError
 
 WORLD = "world"  # the rendezvous of workers that mpiexec started together
@@ -91,7 +92,7 @@ class MpiFabric:
     ):
         mpi = _mpi()
         self.mpi, self.me, self.timeout_s = mpi, worker, timeout_s
-        self.device = torch.device("cpu")
+        self.device_buffers = False  # host buffers: Comm stages a GPU worker's tensors
         self.aborted = threading.Event()
         self._abandoned: list = []  # requests and buffers of a reduce-scatter given up on (reduce_scatter_from)
         try:
@@ -176,10 +177,8 @@ class MpiFabric:
         displs_out = [sum(counts_out[:i]) for i in range(n)]
         counts_in = [sizes[me] * t] * n
         displs_in = [i * sizes[me] * t for i in range(n)]
-        self.wait(
-            self.comm.Ialltoallv([send.numpy(), (counts_out, displs_out)], [recv.numpy(), (counts_in, displs_in)])
-        )
-        return recv.view(n, sizes[me], t).sum(0)
+        self.wait(self.comm.Ialltoallv([words(send), (counts_out, displs_out)], [words(recv), (counts_in, displs_in)]))
+        return accumulate(recv.view(n, sizes[me], t))
 
     def reduce_scatter_from(self, chunk: Callable[[int], torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
         """The same reduce-scatter as a composition of point-to-point messages that overlaps the
@@ -194,10 +193,10 @@ class MpiFabric:
                 block = chunk(q).contiguous()
                 if stack is None:  # the first block tells T and the dtype
                     stack = torch.empty((n, sizes[me], block.shape[1]), dtype=block.dtype)
-                    recvs = [self.comm.Irecv(stack[p].numpy(), source=p, tag=_RS_TAG) for p in order if sizes[me]]
+                    recvs = [self.comm.Irecv(words(stack[p]), source=p, tag=_RS_TAG) for p in order if sizes[me]]
                 if sizes[q]:
                     keep.append(block)  # the buffer must live until its send completes
-                    sends.append(self.comm.Isend(block.numpy(), dest=q, tag=_RS_TAG))
+                    sends.append(self.comm.Isend(words(block), dest=q, tag=_RS_TAG))
             own = chunk(me)
             if stack is None:  # no peer (one worker): its own block is the whole sum
                 return own
@@ -213,7 +212,7 @@ class MpiFabric:
                     pass
             self._abandoned.append((recvs, sends, stack, keep))
             raise
-        return stack.sum(0)
+        return accumulate(stack)
 
     def sum_among(self, tensor: torch.Tensor, group: int) -> None:
         buf = tensor.numpy()  # the caller's tensor is contiguous (a score block it owns)
@@ -230,7 +229,7 @@ class MpiFabric:
         recv = torch.empty((sum(sizes), t), dtype=shard.dtype)
         counts = [s * t for s in sizes]
         displs = [sum(counts[:i]) for i in range(n)]
-        self.wait(self.comm.Iallgatherv(shard.numpy(), [recv.numpy(), (counts, displs)]))
+        self.wait(self.comm.Iallgatherv(words(shard), [words(recv), (counts, displs)]))
         return recv
 
     def abort(self) -> None:

@@ -12,7 +12,7 @@ joins it.
 
 The reduce-scatter is `all_to_all_single` with per-peer split sizes plus a local sum, never
 `reduce_scatter`: gloo implements that as an all-reduce followed by keeping one chunk, so every
-rank would briefly hold the complete sum (DESIGN.md §4). This is the only module that imports
+rank would briefly hold the complete sum (docs/design.md, "The operators"). This is the only module that imports
 torch.distributed.
 """
 
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .buffers import accumulate
 from .errors import CommError
 
 
@@ -37,16 +38,18 @@ class TorchFabric:
         *,
         timeout_s: float,
         score_groups: Sequence[Sequence[int]] = (),
+        device: torch.device | None = None,
     ):
         host, _, port = store.rpartition(":")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.me = worker
-        self.device = torch.device("cpu")
+        # NCCL moves the tensors on this worker's own GPU (`device`, placed at load); gloo moves host
+        # tensors (Comm stages a GPU worker's through host memory)
+        self.device_buffers = backend == "nccl"
         if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise CommError("the NCCL fabric needs CUDA, which is not available here")
-            self.device = torch.device("cuda", worker % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+            if device is None or device.type != "cuda" or not torch.cuda.is_available():
+                raise CommError("the NCCL fabric needs this worker on a GPU of its own (--device cuda)")
+            torch.cuda.set_device(device)
         try:
             tcp_store = dist.TCPStore(host, int(port), n_workers, is_master=worker == 0, timeout=timeout)
             dist.init_process_group(backend, store=tcp_store, rank=worker, world_size=n_workers, timeout=timeout)
@@ -63,7 +66,7 @@ class TorchFabric:
         n, me, t = len(sizes), self.me, send.shape[1]
         recv = torch.empty((n * sizes[me], t), dtype=send.dtype, device=send.device)
         dist.all_to_all_single(recv, send, output_split_sizes=[sizes[me]] * n, input_split_sizes=list(sizes))
-        return recv.view(n, sizes[me], t).sum(0)
+        return accumulate(recv.view(n, sizes[me], t))
 
     def sum_among(self, tensor: torch.Tensor, group: int) -> None:
         dist.all_reduce(tensor, group=self.groups[group])

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, farewell_on_failure
 from ..errors import UsageError
 from ..runtime.faults import Fault, parse_fault
 from ..weights.loader import WeightSource
@@ -47,7 +47,8 @@ def run_member(
         keep(audit)
     comm = Comm(rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, backend="tls" if o.key else "tcp")
     try:
-        run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)
+        with farewell_on_failure(links):  # a failure of its own is said before the links close
+            run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)
     finally:
         if audit is not None:
             audit.close()

@@ -46,6 +46,11 @@ class MaskedOptions(EngineOptions):
             raise UsageError(
                 "--mode masked runs on CPU links only (no worker-to-worker collectives to put on a fabric)"
             )
+        if self.dtype != "float32" or (self.client_device or "cpu") != "cpu":
+            raise UsageError(
+                "--mode masked computes in exact integer ring products and float64 on the CPU: drop --dtype "
+                "and --client-device"
+            )
         super().check()
 
 

@@ -11,8 +11,10 @@ from .config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, transformers' order: g * (x * rsqrt(mean(x²) + ε))."""
-    return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """RMSNorm over the last dimension, transformers' order: g * (x * rsqrt(mean(x²) + ε)), the
+    normalization in float32 and rounded to x's dtype before the gain (no-ops in float32)."""
+    xf = x.float()
+    return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,4 +78,11 @@ def attend_scored(
     if mask is not None:
         shape = scores.shape
         scores = scores.view(*shape[:-2], gs, t, shape[-1]).masked_fill(mask, float("-inf")).view(shape)
-    return torch.softmax(scores, dim=-1) @ v
+    return softmax32(scores) @ v
+
+
+def softmax32(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim in float32, in the scores' dtype (transformers' eager attention)."""
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)

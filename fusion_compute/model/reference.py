@@ -32,8 +32,9 @@ def load_reference(model: str | Path | None, dtype: torch.dtype = torch.float64)
 
 @torch.no_grad()
 def logits(ref, ids: list[int]) -> torch.Tensor:
-    """(T, V) logits of a full forward over ids, in the reference's dtype."""
-    return ref(torch.tensor([ids])).logits[0]
+    """(T, V) logits of a full forward over ids, in the reference's dtype, on the host (the model
+    may be on a GPU: the ids go to its device)."""
+    return ref(torch.tensor([ids], device=ref.device)).logits[0].cpu()
 
 
 @torch.no_grad()
@@ -50,7 +51,7 @@ def greedy_with_margins(
     below the runtime's fp32 error, a different greedy choice would not be a bug."""
     out: list[int] = []
     gaps: list[float] = []
-    res = ref(torch.tensor([ids]), use_cache=True)
+    res = ref(torch.tensor([ids], device=ref.device), use_cache=True)
     while True:
         top = res.logits[0, -1].topk(2)
         tok = int(top.indices[0])
@@ -58,4 +59,4 @@ def greedy_with_margins(
         gaps.append(float(top.values[0] - top.values[1]))
         if tok in stop_ids or len(out) >= max_new_tokens:
             return out, gaps
-        res = ref(torch.tensor([[tok]]), cache=res.cache, use_cache=True)
+        res = ref(torch.tensor([[tok]], device=ref.device), cache=res.cache, use_cache=True)

@@ -23,10 +23,13 @@ its peers, and the client's own of the workers (trusted: it is the user's proces
 lies may also lie in its account, so an account is never taken alone: worker x is *a consistent
 cause* when, with x's own account set aside, someone was blocked on x, and every other blocked
 worker's wait leads to x along the others' accounts (its own delay explained by its own blocker,
-and so on). Exactly one consistent cause: it is named and treated as lost. Several: ambiguous (two
-workers each blamed by the other's account: who lies cannot be told) and nobody is removed: the
-request fails saying so. None: nobody's account explains the slowness (sub-tick delays, an overloaded
-client or machine), and the request fails saying that.
+and so on), and those accounts are the client's or two workers' at least (one worker's word alone
+proves nothing). Exactly one consistent cause: it is named and treated as lost. Several, or one
+worker's word alone: ambiguous (who lies cannot be told): nobody is barred, the suspects are set aside
+for standbys where that keeps the job running (membership.py), else the request fails saying so.
+None: nobody's account explains the slowness (an overloaded client or machine), and the request
+fails saying that. The accounts are real wait durations (comm.Comm charges each exchange's wait, after
+every other peer's message had arrived, to the last one), so a delay under any tick still shows.
 """
 
 from __future__ import annotations
@@ -178,9 +181,14 @@ class Verdict:
 
 
 def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s: float) -> Verdict:
-    """Who made the steps slow. `blocked[a][b]`: seconds node a (CLIENT, or a worker) reports it was
-    blocked on worker b lately; an entry of at least `threshold_s` is an accusation. See the module
-    docstring for the rule; a worker that did not answer has no account (silence accuses nobody)."""
+    """Who made the steps slow. `blocked[a][b]`: seconds node a (CLIENT, or a worker) reports worker b
+    alone kept it waiting lately; an entry of at least `threshold_s` is an accusation. See the module
+    docstring for the rule; a worker that did not answer has no account (silence accuses nobody).
+
+    Corroboration: a consistent cause is named only when the accusations that lead to it come from
+    the client (its own account: trusted) or from two workers at least. One worker's account alone
+    (a two-worker epoch's accusation, or a liar's) makes the accused and its accuser an ambiguous
+    pair: `causes` (the accused first), nobody named."""
     members = set(workers)
     edges = {
         (a, b)
@@ -189,10 +197,12 @@ def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s:
         if b in members and b != a and s >= threshold_s and (a == CLIENT or a in members)
     }
 
-    def consistent(x: int) -> bool:
+    def sources(x: int) -> set[int]:
+        """The nodes whose accusations all lead to x, x's own account set aside ({} when x is not a
+        consistent cause)."""
         trusted = {(a, b) for a, b in edges if a != x}
         if not any(b == x for _, b in trusted):
-            return False
+            return set()
         follows: dict[int, set[int]] = {}
         for a, b in trusted:
             follows.setdefault(a, set()).add(b)
@@ -208,9 +218,15 @@ def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s:
                         todo.append(c)
             return False
 
-        return all(b == x or leads_to_x(b) for _, b in trusted)
+        if not all(b == x or leads_to_x(b) for _, b in trusted):
+            return set()
+        return {a for a, _ in trusted}
 
-    causes = tuple(x for x in workers if consistent(x))
+    found = {x: sources(x) for x in workers}
+    causes = [x for x in workers if CLIENT in found[x] or len(found[x]) >= 2]
+    if not causes:  # one worker's word alone: the accused and its accuser, the accused first
+        lone = sorted((x, next(iter(s))) for x, s in found.items() if len(s) == 1)
+        causes = list(dict.fromkeys([x for x, _ in lone] + [a for _, a in lone]))
     said = (
         ", ".join(
             f"{'the client' if a == CLIENT else f'worker {a}'} was kept waiting {blocked[a][b]:.1f} s by worker {b}"
@@ -218,4 +234,4 @@ def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s:
         )
         or "nobody reports being kept waiting"
     )
-    return Verdict(causes[0] if len(causes) == 1 else None, causes, said)
+    return Verdict(causes[0] if len(causes) == 1 else None, tuple(causes), said)

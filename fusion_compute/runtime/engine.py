@@ -62,6 +62,7 @@ from .deadline import StepClock
 from .engine_options import FABRIC_BACKENDS, EngineOptions, default_threads, effective_context
 from .launch import WorkerProcs
 from .membership import Membership, Seat
+from .placement import gpu_count, is_cuda, local_devices, torch_dtype
 from .topology import check_here
 
 EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
@@ -83,6 +84,7 @@ class EngineBase(Membership):
         """`source`: an already opened `open_weights(model)`, to avoid parsing the file twice."""
         t0 = time.perf_counter()
         opts.check()
+        opts.check_gpus()  # a GPU this machine lacks is refused before any worker starts
         self.opts = opts
         self.model_path = resolve_model_path(model)
         self.src: WeightSource = source or open_weights(self.model_path)
@@ -92,11 +94,16 @@ class EngineBase(Membership):
         self.epoch = 0
         self.plan = self.plan_for(self.order)
         self.context = effective_context(c.max_positions, opts.context)
-        self.embed = self.src.read(arch.EMBED)  # (V, H)
-        if self.embed.shape != (c.vocab, c.hidden):
-            raise ModelError(f"embedding shape {tuple(self.embed.shape)} != ({c.vocab}, {c.hidden})")
-        self.final_norm = self.src.read(arch.FINAL_NORM)
-        self.lm_head = arch.read_lm_head(self.src, self.embed)
+        # the user's side on --client-device, in the job's dtype, placed once (placement.py)
+        self.client_device, self.dtype = torch.device(opts.placed_client_device), torch_dtype(opts.dtype)
+        embed = self.src.read(arch.EMBED)  # (V, H)
+        if embed.shape != (c.vocab, c.hidden):
+            raise ModelError(f"embedding shape {tuple(embed.shape)} != ({c.vocab}, {c.hidden})")
+        head = arch.read_lm_head(self.src, embed)
+        self.embed = embed.to(device=self.client_device, dtype=self.dtype)
+        self.lm_head = self.embed if head is embed else head.to(device=self.client_device, dtype=self.dtype)
+        del embed, head
+        self.final_norm = self.src.read(arch.FINAL_NORM).to(device=self.client_device, dtype=self.dtype)
         self.recorder = self.prepare(recorder)
         self.slot_history: dict[
             int, list[int]
@@ -104,6 +111,7 @@ class EngineBase(Membership):
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
+        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
         self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
         self.procs: WorkerProcs | None = None
         self.comm: Comm | None = None
@@ -132,7 +140,8 @@ class EngineBase(Membership):
                 self.procs.quiet = False
         except BaseException as e:
             try:  # (a timeout is not looked into: the worker is still running)
-                why = self._exit_words(e) if isinstance(e, PeerLost) else None
+                # a worker that said why as it left (its farewell) is in the error already
+                why = self._exit_words(e) if isinstance(e, PeerLost) and e.said is None else None
                 if why is not None:  # the link only saw the connection close; the process said why
                     e.args = (f"{e} ({why})",)
             finally:
@@ -379,7 +388,13 @@ class EngineBase(Membership):
         return "127.0.0.1", 0
 
     def _welcome(self, member: Member) -> dict:
-        out = {"mode": self.mode, "n_workers": self.n_workers, "timeout_s": self.opts.timeout_s, **self.welcome()}
+        out = {
+            "mode": self.mode,
+            "n_workers": self.n_workers,
+            "timeout_s": self.opts.timeout_s,
+            "dtype": self.opts.dtype,  # the workers compute in it, and the wire carries it
+            **self.welcome(),
+        }
         if self.opts.mpi_world:  # workers that mpiexec started together
             out["fabric"] = {"backend": "mpi", "store": MPI_WORLD}
         elif self.opts.comm_backend == "mpi":  # one rendezvous directory per epoch (ports are not reused)
@@ -406,9 +421,8 @@ class EngineBase(Membership):
             str(opts.timeout_s),
             "--join-timeout",
             str(opts.join_timeout_s),
-            "--device",
-            opts.device,
         ]
+        gpus = gpu_count() if is_cuda(opts.device) else 0
         args += ["--client-key", me.public.line(), "--key", "-"] if me is not None else ["--insecure"]
         args += ["--quiet"]  # this client logs for its workers; their log files keep their errors and warnings
         if opts.progress is not None:
@@ -417,7 +431,12 @@ class EngineBase(Membership):
         env = self.worker_env(threads)
 
         def argv(rank: int) -> list[str]:
-            return args + list(opts.args_for_worker.get(rank, ())) + ([] if me is not None else ["--rank", str(rank)])
+            return (
+                args
+                + ["--device", local_devices(opts.device, rank, gpus)[rank - 1]]  # "cuda": the GPUs in turn
+                + list(opts.args_for_worker.get(rank, ()))
+                + ([] if me is not None else ["--rank", str(rank)])
+            )
 
         self._keys = dict(keys)
         stdin = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None

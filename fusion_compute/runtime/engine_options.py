@@ -15,6 +15,7 @@ from ..comm import COMM_BACKENDS, Identity
 from ..comm.liveness import DEADLINE_S
 from ..errors import UsageError
 from .deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
+from .placement import DEFAULT_DTYPE, check_dtype, check_gpus, gpu_count, is_cuda, parse_device
 from .topology import Topology
 
 MIN_WORKERS = 2  # an epoch's default floor: one worker would hold everything
@@ -47,7 +48,9 @@ class EngineOptions:
     threads: int | None = None  # torch threads per worker; None = cores // N, >= 1
     timeout_s: float = 120.0  # bound on every wait for a peer during the session
     join_timeout_s: float = 120.0  # bound on start-up: rendezvous, then the workers' loading
-    device: str = "cpu"
+    device: str = "cpu"  # local workers' device: cpu, cuda (spread over the GPUs), cuda:K (placement.py)
+    dtype: str = DEFAULT_DTYPE  # weights, activations, KV cache and the wire: float32, bfloat16, float16
+    client_device: str | None = None  # embedding, final norm, LM head; None: the workers' (local), else cpu
     standby: int = 0  # local runs: spare workers spawned to replace a lost one (per group in masked mode)
     min_workers: int | None = None  # an epoch never has fewer workers; None: MIN_WORKERS (`floor`)
     liveness_s: float = DEADLINE_S  # a worker silent this long has failed
@@ -75,8 +78,22 @@ class EngineOptions:
         vouched = (self.comm_backend in MEMORY_BACKENDS and self.is_local) or self.mpi_world  # asked for by name
         if self.comm_backend != "tls" and not self.insecure and not vouched:
             raise UsageError(f"--comm-backend {self.comm_backend} is plaintext: add --insecure to ask for it by name")
-        if self.comm_backend == "nccl" and self.device != "cuda":
+        check_dtype(self.dtype)
+        parse_device(self.device)
+        if self.client_device is not None:
+            parse_device(self.client_device, "--client-device")
+        if self.comm_backend == "nccl" and not is_cuda(self.device):
             raise UsageError("--comm-backend nccl runs among GPU workers: add --device cuda (on CPUs: tls, or mpi)")
+        if self.comm_backend == "nccl" and self.device != "cuda":
+            raise UsageError(
+                f"--comm-backend nccl needs a GPU of its own for every worker: --device cuda, not {self.device} "
+                "(workers sharing one GPU: --comm-backend tls)"
+            )
+        if self.device != "cpu" and not self.is_local:
+            raise UsageError(
+                "--device places the workers this command starts; workers started on their own take "
+                '`fusion worker --device` or `device = "cuda:K"` in the topology file'
+            )
         if self.comm_backend in FABRIC_BACKENDS and not self.is_local:
             if not self.mpi_world:
                 raise UsageError(
@@ -130,6 +147,29 @@ class EngineOptions:
         if not (0 < self.step_deadline_min_s < math.inf):
             raise UsageError(f"--step-deadline-min must be > 0 seconds, got {self.step_deadline_min_s}")
 
+    def check_gpus(self) -> None:
+        """Refuse a CUDA device this machine lacks, and NCCL with fewer GPUs than local workers, before
+        any worker starts (UsageError: exit 2). Asks torch only when a CUDA device is named."""
+        if not (is_cuda(self.device) or is_cuda(self.client_device)):
+            return
+        gpus = gpu_count()
+        check_gpus([self.device], gpus)
+        check_gpus([self.client_device or "cpu"], gpus, "--client-device")
+        local = self.n_workers + self.standby
+        if self.comm_backend == "nccl" and gpus < local:
+            raise UsageError(
+                f"--comm-backend nccl needs a GPU of its own for each of the {local} local workers; this machine "
+                f"has {gpus} (workers sharing a GPU: --comm-backend tls)"
+            )
+
+    @property
+    def placed_client_device(self) -> str:
+        """Where the client's embedding, final norm and LM head live: --client-device, else the local
+        workers' device (their first GPU for "cuda"), else the CPU."""
+        if self.client_device is not None:
+            return self.client_device
+        return self.device if self.is_local else "cpu"
+
     @property
     def floor(self) -> int:
         """The fewest workers an epoch may have: --min-workers, else MIN_WORKERS. A run asked for with
@@ -146,6 +186,14 @@ class EngineOptions:
     @property
     def is_local(self) -> bool:
         return self.topology is None and self.master is None
+
+
+def default_backend(device: str, local_workers: int, gpus: int, insecure: bool) -> str:
+    """The comm backend when none is named: NCCL among local workers on `--device cuda` when each can
+    have a GPU of its own, else the links (several workers then share a GPU)."""
+    if device == "cuda" and 1 < local_workers <= gpus:
+        return "nccl"
+    return "tcp" if insecure else "tls"
 
 
 def default_threads(n_workers: int) -> int:

@@ -5,8 +5,20 @@
                            connections and exits: a process dying in the middle of a message.
   nan-egress@STEP          at its STEP-th forward, the worker sends its egress shard full of NaN (and
                            goes on serving): a liar the structural client's finiteness check must name.
+  huge-egress@STEP         at its STEP-th forward, the worker sends its egress shard as ±3e38, finite
+                           garbage whose squares overflow the final norm's float32 (and goes on
+                           serving): the client's scale check must name it.
   hello-fingerprint@1      the worker answers the plan handshake yes, stating another plan fingerprint
                            than the one it computed (STEP must be 1: there is one handshake per epoch).
+  fail-hello@1             at the plan handshake the worker fails with an error of its own that it
+                           survives (a CommError, as a fabric that cannot start on this machine: the
+                           NCCL fabric without CUDA) and waits for the client's next word.
+  fail@STEP                at its STEP-th forward the worker fails with an error of its own (a
+                           RuntimeError, as a kernel or a device would raise) and its process exits.
+  fail-alive@STEP          at its STEP-th forward the worker fails with an error of its own that it
+                           survives (a CommError, as a fabric that breaks mid-run): it drops the epoch
+                           and waits for the client's next word, its pulse beating.
+                           The client must report the worker's own error, not only a closed connection.
 
   never-join@N      from the N-th word to join a later epoch on, the worker ignores the word (it logs
                     it and waits for the next one) while its pulse keeps beating: a listed worker
@@ -22,6 +34,12 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
   drag-rs@N         from its N-th reduce-scatter on, it waits DRAG_S before each one: every wait and
                     every step stays under the per-message timeout, only the step deadline can see it
                     (runtime/deadline.py)
+  drag-sub@N        the same with SUB_S: under the 0.25 s receive tick (the red team's sub-tick dragger)
+  drag-lie@N        drags like drag-rs and lies in its account: it charges each of its own delays to
+                    its victim (the lowest other rank), as if that peer had kept it waiting
+  close-link@N      at its N-th reduce-scatter, it shuts only its link to its victim (the lowest other
+                    rank), says in its account that the victim's link failed it, and stalls (beating,
+                    its other links open) until the client ends the epoch
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -51,11 +69,20 @@ from ..errors import UsageError
 from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs")
-SEND_FAULTS = ("close-mid-message", "nan-egress", "hello-fingerprint")  # composed onto Comm.send
-KINDS = ("close-mid-message", "nan-egress", "hello-fingerprint", "never-join", *COMM_FAULTS, *LIES)
+COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link")
+SEND_FAULTS = (
+    "close-mid-message",
+    "nan-egress",
+    "huge-egress",
+    "hello-fingerprint",
+    "fail-hello",
+    "fail",
+    "fail-alive",
+)  # composed onto Comm.send
+KINDS = (*SEND_FAULTS, "never-join", *COMM_FAULTS, *LIES)
 SLOW_S = 2.0
-DRAG_S = 0.4  # over one 0.25 s receive tick (the peers' accounts see it), far under any --timeout
+DRAG_S = 0.4  # over one 0.25 s receive tick, far under any --timeout
+SUB_S = 0.2  # under one receive tick: the accounts see it only as real wait durations
 
 
 @dataclass(frozen=True)
@@ -102,22 +129,27 @@ def comm_fault(fault: Fault | None) -> Callable:
     if fault is None or fault.kind not in COMM_FAULTS:
         return lambda comm: comm
     calls = [0]
-    delay = {"slow-rs": SLOW_S, "drag-rs": DRAG_S}.get(fault.kind)
+    delay = {"slow-rs": SLOW_S, "drag-rs": DRAG_S, "drag-sub": SUB_S, "drag-lie": DRAG_S}.get(fault.kind)
 
     def patch(comm):
         honest = comm.reduce_scatter_from
+        victim = 2 if comm.rank == 1 else 1  # the liar's victim: the lowest other rank
 
         def faulty(chunk, sizes, op):
             calls[0] += 1
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
-            elif calls[0] == fault.step:  # cut-peer
+                if fault.kind == "drag-lie" and comm.witness is not None:
+                    comm.witness.charge(victim, delay)  # the lie: "the victim kept me waiting"
+            elif calls[0] == fault.step:  # cut-peer, close-link
                 for rank, link in comm.links.items():
-                    if rank not in (0, comm.rank):
+                    if rank not in (0, comm.rank) and (fault.kind == "cut-peer" or rank == victim):
                         try:
                             link.sock.shutdown(socket.SHUT_RDWR)
                         except OSError:
                             pass
+                if fault.kind == "close-link" and comm.witness is not None:
+                    comm.witness.lost_peer(victim)  # the lie: "the victim's link failed me"
                 word = torch.zeros(4, dtype=torch.int64)
                 while True:  # stall (beating) until the client cuts this epoch's links
                     comm.recv(word, 0, "control", "stall", wait_s=math.inf)
@@ -136,14 +168,25 @@ def _send_fault(fault: Fault) -> Callable:
         honest = comm.send
 
         def faulty(tensor, dst, kind, op):
-            if fault.kind == "hello-fingerprint" and kind == "control" and op == "hello" and int(tensor[0]) == 1:
+            hello = kind == "control" and op == "hello" and int(tensor[0]) == 1
+            if fault.kind == "hello-fingerprint" and hello:
                 tensor = tensor.clone()
                 tensor[1] ^= 1  # yes, and another plan's fingerprint than the one it computed
-            elif kind == "egress" and fault.kind != "hello-fingerprint":
+            elif fault.kind == "fail-hello" and hello:
+                raise CommError("fault fail-hello: this worker cannot honour its setup here")
+            elif kind == "egress" and fault.kind not in ("hello-fingerprint", "fail-hello"):
                 egresses[0] += 1
                 if egresses[0] == fault.step:
+                    if fault.kind == "fail":
+                        raise RuntimeError(f"fault fail@{fault.step}: this worker's own error at its forward")
+                    if fault.kind == "fail-alive":
+                        raise CommError(f"fault fail-alive@{fault.step}: this worker's fabric failed at its forward")
                     if fault.kind == "nan-egress":
                         tensor = torch.full_like(tensor, math.nan)
+                    elif fault.kind == "huge-egress":  # +3e38, -3e38, ... : finite, and far past any residual
+                        huge = torch.full((tensor.numel(),), 3e38, dtype=tensor.dtype)
+                        huge[1::2] = -3e38
+                        tensor = huge.view_as(tensor)
                     else:  # close-mid-message: the header and half the shard, then the process is gone
                         comm.send_truncated(tensor, dst, 0.5)
                         leave_now(3)

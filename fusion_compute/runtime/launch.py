@@ -103,6 +103,19 @@ def use_launcher(launcher: Launcher | None) -> Launcher:
 
 
 MAX_WORDS = 300  # characters of a worker's last words kept in errors, logs and the gateway's /health
+LOG_TAIL = 1 << 16  # bytes of a worker's output read to find its last words (the file itself may grow)
+
+
+def last_words_of(log: IO[bytes], returncode: int | None) -> str:
+    """`last_words` of the last LOG_TAIL bytes of a worker's output file: a worker that logged for
+    hours costs the client no more to read than one that logged nothing. Read with pread, so the
+    file offset the worker writes at (shared with this descriptor) does not move."""
+    fd = log.fileno()
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, LOG_TAIL, max(0, size - LOG_TAIL))
+    if size > LOG_TAIL:  # the first line read is likely a piece of one
+        tail = tail.partition(b"\n")[2]
+    return last_words(tail.decode(errors="replace"), returncode)
 
 
 def last_words(log: str, returncode: int | None) -> str:
@@ -155,9 +168,7 @@ class WorkerProcs:
         return [p.pid for p in self.procs]
 
     def last_error(self, i: int) -> str:
-        log = self.logs[i]
-        log.seek(0)
-        return last_words(log.read().decode(errors="replace"), self.procs[i].returncode)
+        return last_words_of(self.logs[i], self.procs[i].returncode)
 
     def exit_reason(self, rank: int) -> str | None:
         """ "worker RANK exited: <its last words>" if participant `rank`'s process has ended, else None."""

@@ -7,35 +7,46 @@ roster: `Seat`), `order` (the current epoch's participants in rank order), `epoc
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
 `_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
-`convicted`, `clock` (each step's deadline: deadline.py) and `waits` (the client's own account of
-whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
+`convicted`, `suspicions` (the job's ambiguous sets: blame.follows), `clock` (each step's deadline:
+deadline.py) and `waits` (the client's own account of whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
 Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
 masked mode), never fewer than `--min-workers` (TooFewWorkers otherwise: the invariant is not traded
 for availability), fresh links, the plan handshake again, then the session's replay (a prefill over
 its tokens) when there is one. A worker whose slowness the accounts pin on it (`_judge_slow`) is
-handled as a lost one.
+handled as a lost one. When the evidence cannot tell two workers apart (blame.py), nobody is barred:
+the suspects are set aside for standbys (`_set_aside`) and the job goes on, and a worker that
+ambiguity follows (two ambiguous sets sharing only it) is removed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..comm import Comm, CommError, Identity, Member, PeerError, PublicId
+from ..comm import Comm, CommError, Identity, Member, PeerError, PeerLost, PeerTimeout, PublicId
 from ..errors import UsageError, WorkerMisbehaved
-from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, judge
+from .blame import blame_link, follows
+from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, Verdict, judge
 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
+_CLOSED = (PeerLost, PeerTimeout)  # a link that closed or went silent: whose fault is for the evidence
+
+
 class TooFewWorkers(CommError):
     """A new epoch would have fewer workers than --min-workers: refused, never traded for availability."""
+
+
+class SetAside(CommError):
+    """Ambiguous evidence: the suspects were set aside for standbys and the next epoch is open (the
+    step is replayed there; never seen outside the engine)."""
 
 
 class UnknownWorker(UsageError):
@@ -69,6 +80,8 @@ class Membership:
         for attempt in range(len(self.seats) + 1):
             try:
                 return step() if attempt == 0 else (replay or step)()
+            except SetAside:
+                pass  # the next epoch is open: replay there
             except PeerError as e:
                 self.recover(e)
             except WorkerMisbehaved as e:
@@ -120,9 +133,32 @@ class Membership:
         failed |= {p for p in self.watch.failed() if p in self.order}
         if err is not None and err.watched:
             failed.add(err.rank)
+        elif not failed and err is not None and 1 <= err.rank <= len(self.order) and not isinstance(err, _CLOSED):
+            # a malformed message (wrong size, bad header) the worker itself sent the client on its own
+            # authenticated link: the client's first-hand evidence, no one else's account needed
+            failed.add(self.order[err.rank - 1])
+            accounts = f"{_first_line(err)} (seen by the client itself)"
         elif not failed and err is not None and 1 <= err.rank <= len(self.order):
-            blamed, accounts = self._blame(self.order[err.rank - 1])
-            failed |= blamed
+            blamed, verdict = self._blame(self.order[err.rank - 1])
+            link = f"the link to worker {self.order[err.rank - 1]} failed ({_first_line(err)})"
+            if blamed:
+                failed |= blamed
+                accounts = f"{link}; by the evidence ({verdict.said})"
+                self.opts.log(f"{accounts}: blaming worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}")
+            elif len(verdict.causes) >= 2:
+                try:
+                    convicted = self._ambiguous(verdict, link, noticed, t0)
+                except StepDeadline as e:  # nobody could be spared: this epoch is over all the same
+                    self._retire(set())
+                    raise CommError(str(e)) from err
+                if convicted is None:
+                    return  # set aside: the next epoch is open
+                failed.add(convicted)
+                accounts = f"{link}; ambiguity followed worker {convicted} ({verdict.said})"
+            else:
+                self.opts.log(f"{link}; the evidence names nobody ({verdict.said}): nobody is removed")
+                self._retire(set())  # this epoch is over; the next request opens one over the same workers
+                raise err
         if not failed:
             raise err or CommError("a worker failed")
         reason = accounts or self._loss_reason(failed, err)
@@ -139,54 +175,113 @@ class Membership:
         self._switch_epoch(order)
         self.recoveries.append(self._record(failed, order, reason, noticed, t0, replayed_tokens=len(self.history)))
 
-    def _blame(self, suspect: int) -> tuple[set[int], str | None]:
+    def _blame(self, suspect: int) -> tuple[set[int], Verdict]:
         """Who to remove when a data link failed (`suspect`: the worker whose link the client was
-        reading) and every pulse still beats: the workers' own accounts decide, not the link alone.
-
-        Each worker of the epoch is asked what it saw (liveness.Witness): the peer whose link failed
-        its epoch, or a peer that kept it blocked for at least a quarter of the per-message timeout
-        lately. A worker accused by a peer that itself accuses nobody (it keeps beating, silent,
-        while its peers report it) is removed when the evidence comes from two sides: the accuser,
-        and the client's own (its failed link was the accused one's, or the accuser's, whose failure
-        the accusation explains); or when a majority of the others accuse it. Otherwise the evidence
-        is ambiguous (two workers accusing each other): said in a log line, and the link's worker is
-        the one removed, as when nobody reports anything. Returns who, and the accounts when they
-        decided (the recovery's reason)."""
+        reading) and every pulse still beats: the evidence decides, never the link alone (blame.py).
+        Each worker of the epoch is asked what it saw (liveness.Witness); the client adds its own:
+        what its link to each worker says (left, with the reason it gave; closed; open), whose step
+        output it was still owed when the link failed, and whom alone it waited for."""
         order, window = self.order, self.opts.timeout_s
-        saw = self.watch.ask(order, self.epoch, window)
-        accuses: dict[int, int] = {}
-        for q, answer in saw.items():
-            if answer.get("epoch") != self.epoch:
+        ranks = {rank: pid for rank, pid in enumerate(order, start=1)}
+
+        def pid(r: object) -> int | None:
+            return CLIENT if r == 0 else ranks.get(r) if isinstance(r, int) else None
+
+        def by_pid(waits: dict | None) -> dict[int, float]:
+            return {ranks[int(r)]: float(s) for r, s in (waits or {}).items() if str(r).isdigit() and int(r) in ranks}
+
+        def ask() -> dict[int, dict]:
+            return {
+                q: {
+                    "lost": pid(a.get("lost")),
+                    "after": pid(a.get("after")),
+                    "waits": by_pid(a.get("waits")),
+                    "waiting": [p for p in map(pid, a.get("waiting") or []) if p is not None],
+                    "working": a.get("working") is True,
+                }
+                for q, a in self.watch.ask(order, self.epoch, window).items()
+                if a.get("epoch") == self.epoch
+            }
+
+        def departures() -> dict[int, tuple[str, dict | None]]:
+            return {
+                ranks[r]: (
+                    state,
+                    None if why is None else {**why, "cause": pid(why["cause"]), "after": pid(why["after"])},
+                )
+                for r, (state, why) in comm.departures().items()
+                if r in ranks
+            }
+
+        comm = self.wire
+        owed = {ranks[r] for r in comm.awaiting if r in ranks}
+        answered: set[int] = set()  # delivered its step's output after all (it came since)
+
+        def look() -> dict[int, tuple[str, dict | None]]:
+            seen = departures()
+            answered.update(p for p, (state, _) in seen.items() if state == "sent")
+            return seen
+
+        accounts, seen = ask(), look()
+        # An accused worker that owes its step, stays, and says it is computing (waiting on no peer)
+        # gets what any peer would give it: the per-message timeout, to finish, leave or wait on
+        # someone (an honest one does one of them long before); then its silence is the evidence.
+        until = time.monotonic() + self.opts.timeout_s
+        while time.monotonic() < until and any(
+            accounts.get(p, {}).get("working") and not accounts[p]["waiting"] and seen.get(p, ("open",))[0] == "open"
+            for p in owed - answered
+            if any(a.get("lost") == p for a in accounts.values())
+        ):
+            time.sleep(0.25)
+            accounts, seen = ask(), look()
+        blocked = {CLIENT: by_pid(self.waits.answer(self.epoch, window)["waits"])}
+        blocked.update({q: a["waits"] for q, a in accounts.items()})
+        return blame_link(accounts, seen, order, owed - answered, blocked, max(window / 4, ACCUSE_MIN_S))
+
+    def _ambiguous(self, verdict: Verdict, what: str, noticed: float, t0: float) -> int | None:
+        """Evidence that cannot tell `verdict.causes` apart. The worker ambiguity has followed before
+        (blame.follows) is returned, to be removed; else the suspects are set aside for standbys, none
+        barred, and the next epoch opens (None); else (no way to keep the job running without them)
+        the request fails: StepDeadline, nobody removed."""
+        convicted = follows(self.suspicions, verdict.causes)
+        self.suspicions.append(frozenset(verdict.causes))
+        why = f"the evidence is ambiguous between workers {list(verdict.causes)} ({verdict.said})"
+        if convicted is not None:
+            self.opts.log(f"{what}; {why}; worker {convicted} was a suspect before with another: it is the cause")
+            return convicted
+        if self._set_aside(verdict.causes, f"{what}; {why}", noticed, t0):
+            return None
+        self.opts.log(f"{what}; {why}: nobody is removed on one side's word; the request fails")
+        raise StepDeadline(f"{what}; {why}: nobody is removed on one side's word (add a standby to keep serving)")
+
+    def _set_aside(self, causes: tuple[int, ...], why: str, noticed: float, t0: float) -> bool:
+        """Open the next epoch without as many of `causes` as standbys (or the floor) allow, the first
+        ones first: they become standbys themselves (told to wipe; none barred). False when not even
+        one can be spared."""
+        if self.procs is not None:  # a local spare still starting up is worth the wait
+            for p in causes:
+                self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
+        for k in range(len(causes), 0, -1):
+            aside = set(causes[:k])
+            try:
+                order = self._next_order(aside, why="setting the suspects aside leaves")
+            except TooFewWorkers:
                 continue
-            rank = answer.get("lost")
-            if not isinstance(rank, int):
-                waits = {int(r): float(s) for r, s in (answer.get("waits") or {}).items() if str(r).isdigit()}
-                slow = max(waits, key=waits.get, default=None)
-                rank = slow if slow is not None and waits[slow] >= max(window / 4, 0.5) else None
-            if isinstance(rank, int) and 1 <= rank <= len(order) and order[rank - 1] != q:
-                accuses[q] = order[rank - 1]
-        if not accuses:
-            return {suspect}, None
-        said = ", ".join(f"worker {q} names worker {p}" for q, p in sorted(accuses.items()))
-        blamed = set()
-        for p in set(accuses.values()):
-            sides = {q for q, a in accuses.items() if a == p}
-            others = [q for q in order if q != p]
-            if p not in accuses and (suspect == p or suspect in sides):
-                sides.add(0)  # the client's side: its own failed link agrees
-            if (p not in accuses and len(sides) >= 2) or (len(sides - {0}) >= 2 and len(sides - {0}) * 2 > len(others)):
-                blamed.add(p)
-        if blamed:
-            self.opts.log(
-                f"the link to worker {suspect} failed; by the workers' accounts ({said}): blaming "
-                f"worker{'s' if len(blamed) > 1 else ''} {sorted(blamed)}"
-            )
-            return blamed, f"named by its peers' accounts ({said}); the client's link to worker {suspect} failed"
+            break
+        else:
+            return False
         self.opts.log(
-            f"the link to worker {suspect} failed; the workers' accounts are ambiguous ({said}): "
-            f"removing worker {suspect}, whose link failed"
+            f"{why}: setting aside worker{'s' if k > 1 else ''} {sorted(aside)} (not barred); epoch {self.epoch + 1} over {order}"
         )
-        return {suspect}, None
+        self._retire(set())
+        for p in aside:
+            self.watch.tell(p, {"abort": self.epoch, "bench": True})
+            self.seats[p] = replace(self.seats[p], standby=True)
+        self._switch_epoch(order)
+        record = self._record(set(), order, why, noticed, t0, replayed_tokens=len(self.history))
+        record["set_aside"] = sorted(aside)
+        self.recoveries.append(record)
+        return True
 
     # ---- slow steps (deadline.py) ----
 
@@ -232,15 +327,17 @@ class Membership:
         if verdict.named is not None:
             self.opts.log(f"{what}; by the accounts ({verdict.said}): worker {verdict.named} is the cause")
             raise SlowWorker(verdict.named, f"made steps slow: {what}; by the accounts ({verdict.said})")
+        if len(verdict.causes) >= 2:
+            t0, noticed = time.perf_counter(), time.time()
+            if cut:
+                self._retire(set())  # the cut step's messages are still on the way: this epoch is over
+            convicted = self._ambiguous(verdict, what, noticed, t0)
+            if convicted is None:
+                raise SetAside(what)  # the next epoch is open: the step is replayed there
+            raise SlowWorker(convicted, f"made steps slow: {what}; ambiguity followed it ({verdict.said})")
         if cut:  # the cut step's messages are still on the way: this epoch is over (the next request opens one)
             self._retire(set())
-        if verdict.causes:
-            why = (
-                f"the accounts are ambiguous between workers {list(verdict.causes)} ({verdict.said}): "
-                "nobody is removed on one side's word"
-            )
-        else:
-            why = f"the accounts name no worker ({verdict.said}): nobody is removed"
+        why = f"the accounts name no worker ({verdict.said}): nobody is removed"
         self.opts.log(f"{what}; {why}; the request fails")
         raise StepDeadline(f"{what}; {why}")
 
@@ -270,6 +367,8 @@ class Membership:
                     "capacity": seat.capacity,
                     "state": state,
                     "where": member.label() if member else None,
+                    # ambiguous verdicts it was a suspect in (set aside, not barred): the user's cue
+                    "suspected": sum(pid in s for s in self.suspicions),
                 }
             )
         return out
@@ -522,8 +621,15 @@ class Membership:
                 self.watch.tell(p, {"join": self.epoch})
         joined = adm.collect(order, deadline, abort=self._spawn_failure if self.epoch == 0 else lambda: None)
         links = adm.welcome(self.epoch, order, joined, deadline, self._welcome)
+        self.waits.start(self.epoch)  # the client's own account: which worker alone it waited for (comm.Comm)
         self.comm = Comm(
-            0, len(order), links, timeout_s=self.opts.timeout_s, recorder=self.recorder, backend=self.opts.comm_backend
+            0,
+            len(order),
+            links,
+            timeout_s=self.opts.timeout_s,
+            recorder=self.recorder,
+            backend=self.opts.comm_backend,
+            witness=self.waits,
         )
         active = set(order)
 
@@ -533,5 +639,4 @@ class Membership:
 
         for link in links.values():
             link.check = check
-        self.waits.start(self.epoch, links)  # the client's own account: whose egress it waited for
         return self.hello(deadline, order)

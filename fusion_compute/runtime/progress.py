@@ -325,9 +325,9 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
             f"attention {attn} ({100 * kv_dims / kv_total:.0f}% of KV), MLP {_ranges_text(*s.mlp, c.intermediate)}; "
             f"weights {weights:.1f} MiB, KV cache {kv:.1f} MiB, peak RSS {rss}, loaded in {load}"
         )
-    client_mb = engine.embed.numel() * 4 / MIB
+    client_mb = engine.embed.numel() * engine.embed.element_size() / MIB
     if engine.lm_head is not engine.embed:
-        client_mb += engine.lm_head.numel() * 4 / MIB
+        client_mb += engine.lm_head.numel() * engine.lm_head.element_size() / MIB
     lines.append(f"  client (this process): tokenizer, embedding, final norm, LM head {client_mb:.1f} MiB, sampling")
     return lines
 

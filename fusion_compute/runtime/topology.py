@@ -17,6 +17,7 @@ which public key. The user decides who holds their conversation by listing keys 
     address = "10.0.0.3"
     key = "fc1.MIHQ..."
     model = "/data/smollm2.gguf"  # optional: this participant's own path to the same model
+    device = "cuda:1"             # optional: where this worker computes (default cpu)
 
 Masked mode: give every worker `group = "A"` or `group = "B"`; group A members take ranks 1..n_A in
 file order, then group B (`fusion generate --mode masked --topology FILE`).
@@ -43,10 +44,11 @@ from typing import Any
 from ..comm import IdentityError, PublicId
 from ..comm.identity import read_small_file
 from ..errors import UsageError
+from .placement import parse_device
 
 _TOP_KEYS = {"model", "client", "worker"}
 _CLIENT_KEYS = {"address", "model", "name", "key"}
-_WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group", "role"}
+_WORKER_KEYS = {"address", "capacity", "model", "name", "key", "group", "role", "device"}
 ROLES = ("worker", "standby")
 MAX_TOPOLOGY_FILE = 1 << 20  # bytes: a worker's table is ~500 bytes with its key, so room for ~2,000 workers
 GROUP_NAME = re.compile(r"^(A|B|B[1-9][0-9]*)$")  # A, and the mask groups: B, or B1..Bk
@@ -66,6 +68,7 @@ class Participant:
     model: str | None = None
     group: str | None = None  # "A" / "B": masked mode
     standby: bool = False  # a spare: joins at start, computes only after replacing a lost worker
+    device: str | None = None  # where this worker computes: cpu, cuda, cuda:K (its `fusion worker --device` wins)
 
     @property
     def label(self) -> str:
@@ -209,7 +212,15 @@ class Topology:
             role = w.get("role", "worker")
             if role not in ROLES:
                 raise fail(f'{where}: role must be "worker" or "standby", got {role!r}')
-            entries.append((addr, key, float(cap), name, wmodel, group, role == "standby"))
+            device = w.get("device")
+            if device is not None:
+                if not isinstance(device, str):
+                    raise fail(f'{where}: device must be "cpu", "cuda" or "cuda:K"')
+                try:
+                    parse_device(device)
+                except UsageError as e:
+                    raise fail(f"{where}: {str(e).replace('--device', 'device')}") from None
+            entries.append((addr, key, float(cap), name, wmodel, group, role == "standby", device))
         grouped = [e[5] is not None for e in entries]
         if any(grouped):
             if not all(grouped):

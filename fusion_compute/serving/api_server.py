@@ -40,7 +40,7 @@ from .admin_api import add_admin_routes
 from .control_page import add_control_routes
 from .gateway import ApiError, Gateway, Outcome, chat_request, completion_request
 from .gateway import Request as GatewayRequest
-from .http_limits import AccessLog, ApiKey, BodyLimit, JsonBody, limited_protocol, note, printable
+from .http_limits import AccessLog, ApiKey, BodyLimit, JsonBody, NoStore, limited_protocol, note, printable
 from .openai_protocol import (
     REQUEST_MODELS,
     ChatCompletionRequest,
@@ -123,8 +123,9 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
-        """Counters in Prometheus' text format, as vLLM's /metrics names them (prefix fusion:);
-        open like /health: counts only, no request's content."""
+        """Counters in Prometheus' text format, as vLLM's /metrics names them (prefix fusion:). With
+        --api-key it needs the key (http_limits.ApiKey): speculation's counters tell how predictable
+        the prompts were."""
         rows = [
             ("request_success", "counter", "requests answered", scheduler.served),
             ("num_requests_running", "gauge", "requests decoding now", scheduler.running_requests),
@@ -394,7 +395,7 @@ def openapi_without_422(app: FastAPI) -> dict:
 
 def wrap(app: Any, api_key: str | None, log: Callable[[str], None], timeout_s: float) -> Any:
     """The FastAPI app behind the request-level limits; `timeout_s` bounds the arrival of a body."""
-    return AccessLog(ApiKey(BodyLimit(JsonBody(app), MAX_BODY, timeout_s), api_key), log)
+    return AccessLog(NoStore(ApiKey(BodyLimit(JsonBody(app), MAX_BODY, timeout_s), api_key)), log)
 
 
 class _LogLines(logging.Handler):
@@ -437,12 +438,14 @@ def run_http(
     on_stop: Callable[[], None],
     log: Callable[[str], None],
     timeout_s: float,
+    api_key: str | None = None,
 ) -> None:
     """Serve `app` on the bound `sock` until SIGTERM or SIGINT; `on_stop` is called first thing then.
-    `timeout_s` bounds the arrival of a request's headers."""
+    `timeout_s` bounds the arrival of a request's headers; `api_key` lets a keyed request past the
+    per-peer connection cap (http_limits.LimitedH11)."""
     config = uvicorn.Config(
         app,
-        http=limited_protocol(max_connections, timeout_s, log),
+        http=limited_protocol(max_connections, timeout_s, log, api_key=api_key),
         interface="asgi3",
         lifespan="off",
         ws="none",

@@ -8,9 +8,10 @@ The page itself holds no data and no secret: it is the same bytes for everyone (
 --api-key, like /admin/workers). Everything it shows comes from the guarded endpoints: the key is
 typed into the page, kept in the tab's sessionStorage and sent as `Authorization: Bearer KEY` on
 every fetch, so the server checks it exactly as for curl (http_limits.ApiKey), and a wrong key
-gets the API's own one-line reason on the page. The buttons call the existing endpoints
-(POST /admin/workers/{id}/revoke, POST /admin/workers), so a revoke from the page is the same
-operation, with the same checks, as one from the terminal.
+gets the API's own one-line reason on the page and "key refused" beside the key. Without an accepted
+key the page shows the public counters of /health only, and says so. No other page may frame it.
+The buttons call the existing endpoints (POST /admin/workers/{id}/revoke, POST /admin/workers), so
+a revoke from the page is the same operation, with the same checks, as one from the terminal.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def add_control_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, ena
     @app.get("/control", include_in_schema=False)
     async def control() -> HTMLResponse:
         need_admin()
-        return HTMLResponse(PAGE, headers={"Cache-Control": "no-store", "Content-Security-Policy": CSP})
+        return HTMLResponse(
+            PAGE, headers={"Cache-Control": "no-store", "Content-Security-Policy": CSP, "X-Frame-Options": "DENY"}
+        )
 
     @app.get("/admin/picture.svg", include_in_schema=False)
     async def picture() -> Response:
@@ -59,8 +62,13 @@ def add_control_routes(app: FastAPI, gateway: Gateway, scheduler: Scheduler, ena
         return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-store"})
 
 
-# Inline script and style only; nothing is loaded from anywhere else (the page works offline).
-CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:"
+# Inline script and style only; nothing is loaded from anywhere else (the page works offline). No
+# other page may frame it (frame-ancestors, and X-Frame-Options for older browsers): its buttons
+# revoke workers, so a page that framed it could trick a click (clickjacking).
+CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "img-src data:; frame-ancestors 'none'"
+)
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>fusion serve: control</title>
@@ -76,7 +84,7 @@ table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: .
 <body>
 <h1>fusion serve &mdash; control</h1>
 <form id="keyform"><label>API key <input id="key" type="password" autocomplete="off" size="30"></label>
- <button type="submit">Use key</button> <span id="keystate">no key given: nothing is shown</span></form>
+ <button type="submit">Use key</button> <span id="keystate">no key given: only the public counters (/health) are shown</span></form>
 <p id="error" role="alert"></p>
 <div id="counters"><span>epoch <b id="epoch">-</b></span><span>status <b id="status">-</b></span>
 <span>served <b id="served">-</b></span><span>running <b id="running">-</b></span>
@@ -101,7 +109,11 @@ async function call(method, path, body, k = key) {
   const text = await r.text();
   let data = null;
   try { data = JSON.parse(text); } catch (e) { data = null; }
-  if (!r.ok) throw new Error((data && data.error && data.error.message) || ("HTTP " + r.status));
+  if (!r.ok) {
+    const err = new Error((data && data.error && data.error.message) || ("HTTP " + r.status));
+    err.status = r.status;
+    throw err;
+  }
   return data === null ? text : data;
 }
 
@@ -115,7 +127,9 @@ function showWorkers(listing) {
     const tr = document.createElement("tr");
     tr.dataset.id = w.id; tr.dataset.state = w.state; tr.dataset.rank = w.rank === null ? "" : w.rank;
     cell(tr, w.id); cell(tr, w.rank === null ? "-" : w.rank); cell(tr, w.group || "-"); cell(tr, w.capacity);
-    cell(tr, w.state).className = "state-" + w.state.split(" ")[0]; cell(tr, w.where || "local");
+    // suspected: ambiguous verdicts it was a suspect in (set aside, not barred: docs/resilience.md)
+    const suspect = w.suspected ? " (suspect in " + w.suspected + ")" : "";
+    cell(tr, w.state + suspect).className = "state-" + w.state.split(" ")[0]; cell(tr, w.where || "local");
     const td = cell(tr, "");
     if (w.state !== "removed") {
       const b = document.createElement("button");
@@ -145,7 +159,10 @@ async function refresh() {
     }
     $("keystate").textContent = "key accepted";
   } catch (e) {
-    if (k === key) $("error").textContent = e.message;
+    if (k !== key) return;
+    $("error").textContent = e.message;
+    if (k) $("keystate").textContent = e.status === 401
+      ? "key refused: only the public counters (/health) are shown" : "the key could not be checked (below)";
   }
 }
 

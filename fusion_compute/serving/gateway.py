@@ -1,6 +1,6 @@
 """The gateway's core, without HTTP: a checked request in, generated text out.
 
-The gateway *is* the client role (DESIGN.md §2): tokenizer, chat template, embedding, LM head and
+The gateway *is* the client role (docs/design.md, "Roles"): tokenizer, chat template, embedding, LM head and
 sampling run in this process; the workers see embedding shards only, exactly as with
 `fusion generate`. `fusion serve` (api_server.py) puts HTTP in front of it; `fusion chat` calls it
 directly.

@@ -1,9 +1,10 @@
 """What `fusion serve` refuses before a request reaches a route, every refusal in OpenAI's error
 format: malformed HTTP (400), headers or a body that take too long to arrive (408), a body over the
-limit (413), a missing or wrong API key (401), more open connections than allowed (503).
+limit (413), a missing or wrong API key (401), more open connections than allowed, in all or from
+one peer (503).
 
-    connection  ─ LimitedH11 (uvicorn's h11 protocol): connection cap, header timeout, JSON 400s
-    request     ─ AccessLog ─ ApiKey ─ BodyLimit ─ JsonBody ─ the FastAPI app (api_server.py)
+    connection  ─ LimitedH11 (uvicorn's h11 protocol): connection caps, header timeout, JSON 400s
+    request     ─ AccessLog ─ NoStore ─ ApiKey ─ BodyLimit ─ JsonBody ─ the FastAPI app (api_server.py)
 
 uvicorn's h11 protocol is used, not httptools: h11 is strict about framing (conflicting
 Content-Length, both Content-Length and chunked, bad chunk sizes are all refused and the
@@ -32,6 +33,8 @@ Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 App = Callable[[Scope, Receive, Send], Any]
 
+MIN_PER_PEER = 16  # connections from one address that are always allowed (up to the global cap)
+OVER_SHARE_S = 2.0  # a connection over its peer's share has this long to send its (keyed) request's headers
 LOG_NOTE = "fusion.log"  # scope key: a dict where routes leave `extra` (text) and `status` for AccessLog
 
 
@@ -61,19 +64,37 @@ async def send_error(send: Send, error: ApiError, close: bool = False, headers: 
 
 
 class LimitedH11(H11Protocol):
-    """uvicorn's h11 protocol with a connection cap, a header timeout and JSON error bodies.
-    Set the class attributes on a subclass (`limited_protocol`); uvicorn makes one per connection."""
+    """uvicorn's h11 protocol with connection caps, a header timeout and JSON error bodies.
+    Set the class attributes on a subclass (`limited_protocol`); uvicorn makes one per connection.
+
+    Two caps. In all, `max_connections`: over it, a connection's request is answered 503. From one
+    peer (one IP address), `max_per_peer`, so that one peer's idle connections cannot take the whole
+    budget and leave everyone else 503 (/health included): over it, that peer's new connection is
+    answered 503 too, unless its request carries the API key (`api_key`: a keyed caller is the
+    user). A connection over its share counts in neither cap (it cannot fill the budget either)
+    and has OVER_SHARE_S, not the header timeout, to send its request's headers."""
 
     max_connections = 256
+    max_per_peer = 32
+    api_key: str | None = None
     header_timeout_s = 30.0
     log: Callable[[str], None] = staticmethod(lambda line: None)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: Any = None
-        if len(self.connections) > self.max_connections:
+        self.over_share = False  # over its peer's share: counted in neither cap, and given OVER_SHARE_S
+        within = [c for c in self.connections if not getattr(c, "over_share", False)]
+        if len(within) > self.max_connections:
             self.app = _overloaded  # its request is read, answered 503, and the connection closed
             self.log(f"fusion serve: connection from {self._peer()} over the limit of {self.max_connections}: 503")
+        elif self.client and sum(1 for c in within if c.client and c.client[0] == self.client[0]) > self.max_per_peer:
+            self.over_share = True
+            self.app = _KeyedOnly(self.app, self.api_key)  # 503 unless its request carries the key
+            self.log(
+                f"fusion serve: connection from {self._peer()} over the limit of {self.max_per_peer} per peer: "
+                + ("503 unless keyed" if self.api_key else "503")
+            )
         self._arm_header_timer()
 
     def _peer(self) -> str:
@@ -99,7 +120,8 @@ class LimitedH11(H11Protocol):
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+        wait = min(self.header_timeout_s, OVER_SHARE_S) if self.over_share else self.header_timeout_s
+        self._header_timer = self.loop.call_later(wait, self._header_timeout)
 
     def _cancel_header_timer(self) -> None:
         timer = getattr(self, "_header_timer", None)
@@ -131,14 +153,49 @@ class LimitedH11(H11Protocol):
         self.transport.close()
 
 
-def limited_protocol(max_connections: int, header_timeout_s: float, log: Callable[[str], None]) -> type[LimitedH11]:
-    limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s, "log": staticmethod(log)}
+def limited_protocol(
+    max_connections: int,
+    header_timeout_s: float,
+    log: Callable[[str], None],
+    max_per_peer: int | None = None,
+    api_key: str | None = None,
+) -> type[LimitedH11]:
+    """`max_per_peer`: by default an eighth of `max_connections`, but never under MIN_PER_PEER (a
+    browser or a client library opens several at once; a small budget is then not split)."""
+    limits = {
+        "max_connections": max_connections,
+        "max_per_peer": max_per_peer if max_per_peer is not None else max(MIN_PER_PEER, max_connections // 8),
+        "api_key": api_key,
+        "header_timeout_s": header_timeout_s,
+        "log": staticmethod(log),
+    }
     return type("GatewayH11", (LimitedH11,), limits)
 
 
 async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
     error = ApiError(503, "too many open connections; retry later", code="too_many_connections", kind="server_error")
     await send_error(send, error, close=True, headers={"Retry-After": "1"})
+
+
+class _KeyedOnly:
+    """A connection over its peer's share: its requests are answered 503 and the connection closed,
+    unless a request carries the API key (then it goes on, as any keyed request)."""
+
+    def __init__(self, app: App, key: str | None):
+        self.app, self.expected = app, None if key is None else b"Bearer " + key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.expected is not None:
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if hmac.compare_digest(given, self.expected):
+                return await self.app(scope, receive, send)
+        error = ApiError(
+            503,
+            "too many open connections from this address; retry later",
+            code="too_many_connections",
+            kind="server_error",
+        )
+        await send_error(send, error, close=True, headers={"Retry-After": "1"})
 
 
 # ---- the request ----
@@ -186,9 +243,32 @@ def note(scope: Scope, extra: str, status: int | None = None) -> None:
             slot["status"] = status
 
 
+class NoStore:
+    """Every answer under /admin and /control (errors too, the 401 of ApiKey among them) says
+    `Cache-Control: no-store`: the participants, their keys and addresses stay out of every cache."""
+
+    def __init__(self, app: App):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not any(path == p or path.startswith(p + "/") for p in ("/admin", "/control")):
+            return await self.app(scope, receive, send)
+
+        async def send_no_store(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"cache-control"]
+                message = {**message, "headers": [*headers, (b"cache-control", b"no-store")]}
+            await send(message)
+
+        await self.app(scope, receive, send_no_store)
+
+
 class ApiKey:
-    """With --api-key, every /v1 and /admin path needs `Authorization: Bearer KEY`, checked before the
-    body is read, in constant time (hmac.compare_digest on bytes). /health and /openapi.json stay open."""
+    """With --api-key, every /v1 and /admin path and /metrics need `Authorization: Bearer KEY`,
+    checked before the body is read, in constant time (hmac.compare_digest on bytes). /health and
+    /openapi.json stay open (/metrics counts how predictable each prompt was: speculation's drafts
+    and accepted tokens, so it is the key holder's)."""
 
     def __init__(self, app: App, key: str | None):
         self.app = app
@@ -205,7 +285,7 @@ class ApiKey:
 
 
 def _under_v1(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in ("/v1", "/admin"))
+    return path == "/metrics" or any(path == p or path.startswith(p + "/") for p in ("/v1", "/admin"))
 
 
 class JsonBody:

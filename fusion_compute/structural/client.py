@@ -20,6 +20,12 @@ from .protocol import CONTROL_LEN, Op, fingerprint_int
 
 __all__ = ["Engine", "EngineOptions", "effective_context"]
 
+# The largest sum of squares of one token's residual row that the final norm's float32 arithmetic
+# (x.pow(2).mean() in rms_norm) carries without overflow: half of float32's largest value (a float32
+# sum of H squares is off its exact value by at most about H x 2^-24 of it, far under a half for any
+# model's H). Model-independent; Engine._check_egress says why an honest residual never reaches it.
+EGRESS_SCALE_LIMIT = float(torch.finfo(torch.float32).max) / 2
+
 
 class Engine(EngineBase):
     """Client side of a structural job: the session's position and the sharded forward."""
@@ -30,7 +36,7 @@ class Engine(EngineBase):
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
 
     def welcome(self) -> dict:
-        return {"capacities": [s.capacity for s in self.plan.workers]}
+        return {"capacities": [s.capacity for s in self.plan.workers]}  # (the dtype: engine._welcome)
 
     # ---- protocol ----
 
@@ -136,19 +142,25 @@ class Engine(EngineBase):
             a, b = s.residual
             self.wire.send(span_words, s.rank, "control", "spans")
             self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
-        shards = [
-            self.wire.recv(torch.empty(s.n_residual, total), s.rank, "egress", "final") for s in self.plan.workers
-        ]
+        # all workers' egress waited on at once: a worker is charged only the wait after every other's
+        # shard had arrived (comm.Comm.recv_all), so the client's own account names the late one
+        got = self.wire.recv_all(
+            {s.rank: torch.empty(s.n_residual, total, dtype=self.dtype) for s in self.plan.workers}, "egress", "final"
+        )
+        shards = [got[s.rank] for s in self.plan.workers]
         self._check_egress(shards)
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
         ends = list(itertools.accumulate(t for _, _, t in spans))
         cols = [list(range(e - t, e)) if slot in full else [e - 1] for (slot, _, t), e in zip(spans, ends, strict=True)]
-        x_cH = torch.cat(shards).T[torch.tensor([c for cs in cols for c in cs])]  # on the user side only
+        picked = [c for cs in cols for c in cs]
+        x_cH = torch.cat(shards).to(self.client_device).T[torch.tensor(picked)]  # on the user side only
         x_cH = rms_norm(x_cH, self.final_norm, self.config.rms_eps)
         if len(spans) == 1:
             logits_cV = x_cH @ self.lm_head.T  # (T or 1, V)
         else:  # V x n rather than n x V: the BLAS streams the (V, H) head once for all n (8 rows: 12 vs 18 ms here)
             logits_cV = (self.lm_head @ x_cH.T).T
+        logits_cV = logits_cV.float().cpu()  # the sampler's and the drafter's: float32, host (no-ops on a CPU fp32 run)
+        self._check_logits(logits_cV, shards, picked)
         out, at = [], 0
         for (slot, _, _), cs in zip(spans, cols, strict=True):
             out.append(logits_cV[at : at + len(cs)] if slot in full else logits_cV[at])
@@ -156,11 +168,21 @@ class Engine(EngineBase):
         return out
 
     def _check_egress(self, shards: list[torch.Tensor]) -> None:
-        """Every egress shard must be finite: a NaN or infinity from a worker would become token 0
-        (greedy) or a sampling error, naming nobody. Raises WorkerMisbehaved naming it, before
-        anything is computed from the step: the engine removes it (membership._expel; a standby
-        takes its seat) and the request fails. One pass over H x T floats, next to the step's
-        round trips."""
+        """Every egress shard must be finite and of a scale the model can produce: a NaN, an
+        infinity or a finite ±3e38 from a worker would become token 0 (greedy: the final norm's
+        float32 sum of squares overflows, every logit is 0), a sampling error, or drafts accepted
+        for nothing, naming nobody. Raises WorkerMisbehaved naming the worker, before anything is
+        computed from the step: the engine removes it (membership._expel; a standby takes its seat)
+        and the request fails. Two passes over H x T floats, next to the step's round trips.
+
+        The scale: each token's sum of squares over its whole residual row, summed in float64, must
+        stay under EGRESS_SCALE_LIMIT, what the final norm's float32 arithmetic carries. An honest
+        residual above it would overflow the model's own norm, in HF transformers too; real ones
+        are far below (SmolLM2-135M, its final residual over four 96-token prompts, random ids,
+        1..96, all 1, all 2: at most 3.8e7, with values up to 4.4e3, against a limit of 1.7e38). Over
+        it, every worker whose shard holds more than its even part (limit / N) of some row is named:
+        at least one does. These are checks against crashes and gross faults, not integrity: a
+        worker that computes wrong but plausible values passes them (README's threat model)."""
         for s, shard in zip(self.plan.workers, shards, strict=True):
             if not bool(torch.isfinite(shard).all()):
                 bad, pid = int((~torch.isfinite(shard)).sum()), self.order[s.rank - 1]
@@ -170,3 +192,40 @@ class Engine(EngineBase):
                     [pid],
                     reason="sent a non-finite egress shard (caught by the finiteness check)",
                 )
+        sumsq = [shard.double().square().sum(0) for shard in shards]  # (ΣT,) per worker, float64: cannot overflow
+        rows = torch.stack(sumsq).sum(0)
+        if bool((rows <= EGRESS_SCALE_LIMIT).all()):
+            return
+        share, named = EGRESS_SCALE_LIMIT / len(shards), {}
+        for s, ss in zip(self.plan.workers, sumsq, strict=True):
+            if bool((ss > share).any()):
+                pid = self.order[s.rank - 1]
+                named[pid] = f"worker {s.rank} (participant {pid}): sum of squares {float(ss.max()):.3g}"
+        raise WorkerMisbehaved(
+            f"egress beyond any residual the model can produce (a token's sum of squares over "
+            f"{EGRESS_SCALE_LIMIT:.3g}): {'; '.join(named.values())}",
+            sorted(named),
+            reason="sent an egress shard of impossible scale (caught by the scale check)",
+        )
+
+    def _check_logits(self, logits_cV: torch.Tensor, shards: list[torch.Tensor], picked: list[int]) -> None:
+        """After the checks on the shards, a row of logits that is not finite, or constant (every
+        token equally likely: greedy would emit token 0), cannot come from an honest step: named
+        are the workers whose shards carry the most of that token's residual (its sum of squares),
+        the one that decided the row; a row of zeros from every worker names them all."""
+        finite = torch.isfinite(logits_cV).all(-1)
+        flat = logits_cV.amax(-1) == logits_cV.amin(-1)
+        bad = (~finite) | flat
+        if not bool(bad.any()):
+            return
+        i = int(bad.nonzero()[0, 0])  # the first such row, in the order the logits were made
+        col = torch.stack([shard[:, picked[i]].double().square().sum() for shard in shards])  # (N,): row i's token
+        ranks = [int(r) for r in (col == col.max()).nonzero().flatten()]  # every worker when all are 0
+        pids = sorted(self.order[self.plan.workers[r].rank - 1] for r in ranks)
+        what = "not finite" if not bool(finite[i]) else "constant"
+        raise WorkerMisbehaved(
+            f"a row of logits is {what}: no honest step makes it; named by the largest share of that "
+            f"token's residual: participant(s) {pids}",
+            pids,
+            reason=f"its egress made a row of logits {what} (caught by the logits check)",
+        )

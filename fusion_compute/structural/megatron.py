@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
 from ..model import architecture as arch
-from ..model.kernels import inv_freq_tensor
 from ..weights.loader import WeightSource
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step
 from .plan import Plan, runs
@@ -56,12 +54,18 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
     return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
 
 
+def norm(x_HT: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the full residual (feature-major, gain folded into the weights), in float32."""
+    xf = x_HT.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(0) + eps)).to(x_HT.dtype)
+
+
 class MegatronLayer(ShardedLayer):
     """Same attention code as the sharded layer; the residual around it is replicated."""
 
     def forward(self, x_HT: torch.Tensor, step: Step) -> torch.Tensor:
         L, w, c, a = self.i, self.w, self.comm, self.audit
-        h_HT = x_HT * torch.rsqrt(x_HT.pow(2).mean(0) + self.eps)  # full residual: norm is local
+        h_HT = norm(x_HT, self.eps)  # full residual: norm is local
         qkv_aT = w.qkv_w @ h_HT
         if w.qkv_b is not None:
             qkv_aT = qkv_aT + w.qkv_b[:, None]
@@ -75,7 +79,7 @@ class MegatronLayer(ShardedLayer):
             a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
             a.hold(L, "resid.mid", ix.resid_out, y_HT.shape[0])
         x_HT = x_HT + y_HT
-        h_HT = x_HT * torch.rsqrt(x_HT.pow(2).mean(0) + self.eps)
+        h_HT = norm(x_HT, self.eps)
         gu_mT = w.gu_w @ h_HT
         m = gu_mT.shape[0] // 2
         h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
@@ -93,30 +97,26 @@ class MegatronModel(ShardedModel):
     RoPE and mask per step): forward(x_dT, pos) maps the ingress shard to the egress shard (so the
     client runs unchanged), replicating the residual in between."""
 
-    def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
-        c = plan.config
-        self.plan, self.w, self.comm = plan, w, comm
-        self.res_sizes = list(plan.residual_sizes)
-        self.layers = [
-            MegatronLayer(
-                i,
-                load_layer(src, plan, w, i),
-                plan.workers[w].attention,
-                comm=comm,
-                me=w,
-                qkv_sizes_aug=[],
-                gu_sizes_aug=[],
-                res_sizes=self.res_sizes,
-                hidden=c.hidden,
-                head_dim=c.head_dim,
-                group_size=c.group_size,
-                eps=c.rms_eps,
-            )
-            for i in range(c.n_layers)
-        ]
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
-        self.max_seq = self.n_slots = 0
-        self.lengths: list[int] = []
+    @property
+    def res_sizes(self) -> list[int]:
+        return list(self.plan.residual_sizes)
+
+    def make_layer(self, src: WeightSource, i: int) -> ShardedLayer:
+        plan, w, c = self.plan, self.w, self.plan.config
+        return MegatronLayer(
+            i,
+            load_layer(src, plan, w, i).to(self.device, self.dtype),
+            plan.workers[w].attention,
+            comm=self.comm,
+            me=w,
+            qkv_sizes_aug=[],
+            gu_sizes_aug=[],
+            res_sizes=self.res_sizes,
+            hidden=c.hidden,
+            head_dim=c.head_dim,
+            group_size=c.group_size,
+            eps=c.rms_eps,
+        )
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         step = self._step(spans)

@@ -1,7 +1,7 @@
 """Sharded operators: one decoder layer as small explicit steps over one worker's shards.
 
 Layout of local tensors is feature-major, (rows, T): a linear is then `W @ x` with no transposes,
-and a reduce-scatter chunk is a contiguous block of rows. Names carry ownership (STYLE.md):
+and a reduce-scatter chunk is a contiguous block of rows. Names carry ownership (docs/design.md, "Code habits"):
 lowercase = this worker's shard, uppercase = full extent.
 
   step            input            output            placement change
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate
+from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32
 from .plan import AttnBlock
 
 
@@ -63,6 +63,16 @@ class LayerShard:
     gu_w: torch.Tensor  # (Σ_q (2 m_q + 1), d_r)
     down_w: torch.Tensor  # (H, m_r)
     index: LayerIndex | None = None  # what the rows/columns above stand for (audit)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> LayerShard:
+        """These slices on `device` in `dtype`, placed once at load (a no-op for float32 on the CPU);
+        the float32 slices just read are dropped, so no float32 copy of a bfloat16 model stays."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype)
+
+        b = None if self.qkv_b is None else move(self.qkv_b)
+        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index)
 
 
 @dataclass
@@ -121,11 +131,16 @@ class Step:
     decodes: Decodes | None
 
 
-def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
+def make_step(
+    spans: list[Span], inv_freq: torch.Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> Step:
+    """The step's tables on the worker's device: RoPE in float32, then in the compute dtype (as
+    transformers casts cos and sin to the activations' dtype), masks and indices there too."""
     offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
     cos_Tp, sin_Tp = rope_tables(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
-    cos, sin = cos_Tp.T, sin_Tp.T  # (d/2, T): feature-major, like every tensor here
-    masks = tuple(causal_mask(s.pos, s.t) for s in spans)
+    cos = cos_Tp.T.to(device=device, dtype=dtype)  # (d/2, T): feature-major, like every tensor here
+    sin = sin_Tp.T.to(device=device, dtype=dtype)
+    masks = tuple(None if m is None else m.to(device=device) for m in (causal_mask(s.pos, s.t) for s in spans))
     index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
     decodes = None
     if index:
@@ -135,6 +150,7 @@ def make_step(spans: list[Span], inv_freq: torch.Tensor) -> Step:
         lo, hi = int(slots.min()), int(slots.max()) + 1
         dense = slots.tolist() == list(range(lo, hi))
         pad = torch.arange(int(pos.max()) + 1)[None, :] > pos[:, None]
+        cols, slots, pos, pad = (x.to(device=device) for x in (cols, slots, pos, pad))
         decodes = Decodes(
             cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo, pad[:, None, None, :]
         )
@@ -151,13 +167,14 @@ def norm_linear_scatter(
     eps: float,
     op: str,
 ) -> torch.Tensor:
-    """y = W · RMSNorm(x), norm fused into the scatter (DESIGN.md §4).
+    """y = W · RMSNorm(x), norm fused into the scatter (docs/design.md, "The operators").
 
     W diag(g) x / s with s = sqrt(Σ_r ‖x_r‖² / H + ε): every worker appends its local Σx² (one
     scalar per token) to each chunk it sends, so the owner gets the global Σx² in the same
     collective and divides its chunk by s. Returns (sizes[me], T) without bias.
     """
-    ss = (x_dT * x_dT).sum(0)  # local sum of squares, one row per destination
+    xf = x_dT.float()  # Σx² in float32 whatever the dtype (transformers' RMSNorm: the same)
+    ss = (xf * xf).sum(0)  # local sum of squares, one row per destination
     starts = [0, *itertools.accumulate(sizes_aug)]
 
     def chunk(q: int) -> torch.Tensor:  # the rows addressed to worker q: a pending sum (P)
@@ -166,8 +183,8 @@ def norm_linear_scatter(
         return part
 
     y_aug = comm.reduce_scatter_from(chunk, sizes_aug, op)  # (n + 1, T)
-    inv_s = torch.rsqrt(y_aug[-1] / hidden + eps)
-    return y_aug[:-1] * inv_s
+    inv_s = torch.rsqrt(y_aug[-1].float() / hidden + eps)
+    return (y_aug[:-1] * inv_s).to(x_dT.dtype)
 
 
 class ShardedLayer:
@@ -279,7 +296,7 @@ class ShardedLayer:
         self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int, dl: int
     ) -> torch.Tensor:
         """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
-        p = torch.softmax((scores * self.scale).masked_fill(dec.pad, float("-inf")), dim=-1)
+        p = softmax32((scores * self.scale).masked_fill(dec.pad, float("-inf")))
         values = cache.v[dec.lo : dec.hi, :, : dec.pad.shape[-1]]
         if dec.rows is None:
             o = p @ values

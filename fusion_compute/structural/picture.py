@@ -102,10 +102,11 @@ MASKED_INPUTS = {  # linear -> what its input is (the client sends it to group A
 
 
 def _member(group: str, m: int, size: int) -> str:
-    """A member's short name: "A1", "B2"; "B1.2" in mask group B1; the group's name when it has one member."""
-    if size == 1:
-        return group
-    return f"{group}.{m + 1}" if group[-1].isdigit() else f"{group}{m + 1}"
+    """A member's short name: its group's name (A, B, or B1..Bk when there are k mask groups), then
+    "." and its number in the group when the group has more than one: "A.2" and "B.2" at 2+2,
+    "B1.2" in mask group B1 at 1+2+1, "B2" for the one member of mask group B2 at 1+1+1. A digit
+    right after the letter always names a mask group, never a member."""
+    return group if size == 1 else f"{group}.{m + 1}"
 
 
 def masked_picture(plan, title: str = "") -> Picture:
@@ -154,6 +155,8 @@ def masked_picture(plan, title: str = "") -> Picture:
             "the mask groups' r_i;",
             "a mask group's member receives no data (a control word per step, a key per session): it draws r_i "
             "itself and returns W_fx r_i.",
+            "Names: a group (A; B, or B1..Bk for k mask groups), then .m for its m-th member when it has several "
+            "(B.2: member 2 of group B; B2: mask group B2).",
         ),
         workers=labels,
         colours=colours,

@@ -1,7 +1,7 @@
 """The plan: which worker owns which coordinates of every protected tensor, as data.
 
 One function, `make_plan(config, n_workers, capacities)`, fixes a layout for every role
-(DESIGN.md §3). Workers, the client, tests, the benchmark and the audit all read the same frozen
+(docs/design.md, "The plan"). Workers, the client, tests, the benchmark and the audit all read the same frozen
 object; `plan.to_json()` prints it.
 
 Layouts (worker w = rank w + 1):
@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import FusionError
 from ..model.config import ModelConfig
 
-BYTES_PER_ELEMENT = 4  # fp32 on the wire
+BYTES_PER_ELEMENT = 4  # float32's; a job on another dtype passes its own (runtime/placement.DTYPES)
 
 
 class PlanError(FusionError, ValueError):
@@ -183,16 +183,17 @@ class Plan:
         split = sum(1 for b in self.workers[w].attention if b.split)
         return {"reduce_scatter": 4, "score_sum": split}
 
-    def bytes_per_token_layer(self, w: int) -> int:
+    def bytes_per_token_layer(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
         """Bytes worker w sends per token per layer in the four reduce-scatters (score sums excluded:
         they grow with sequence length; see `score_bytes`). Norm-fused scatters carry one extra
-        element per destination (the sender's local sum of squares)."""
+        element per destination (the sender's local sum of squares). `itemsize`: the wire dtype's
+        bytes per element (the job's compute dtype)."""
         others = [q for q in range(self.n) if q != w]
         elems = sum(self.qkv_sizes[q] + 1 for q in others)
         elems += sum(self.residual_sizes[q] for q in others)  # o_proj
         elems += sum(self.gate_up_sizes[q] + 1 for q in others)
         elems += sum(self.residual_sizes[q] for q in others)  # down_proj
-        return elems * BYTES_PER_ELEMENT
+        return elems * itemsize
 
     def score_elements(self, w: int, n_queries: int, n_keys: int) -> int:
         """Elements in worker w's partial-score sums for one layer (split groups only)."""

@@ -47,7 +47,7 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
         h_in=list(range(*share.mlp)),
     )
 
-    # the norm's gain folds into the columns this worker holds (DESIGN.md §4: RMSNorm fused into the linear)
+    # the norm's gain folds into the columns this worker holds (docs/design.md, "The operators": RMSNorm fused into the linear)
     qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
     qkv_w = augmented(qkv, qkv_rows)
     del qkv
@@ -66,32 +66,42 @@ class ShardedModel:
     """All layers of one worker. `forward(x_dT, spans)` maps this worker's residual shard at
     ingress to its residual shard at egress; the state is never gathered in between."""
 
-    def __init__(self, src: WeightSource, plan: Plan, w: int, comm: Comm):
+    def __init__(
+        self,
+        src: WeightSource,
+        plan: Plan,
+        w: int,
+        comm: Comm,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        """`device` and `dtype`: where the weight slices, the KV cache and every step's tensors live
+        (runtime/placement.py); each layer's slices are placed as they are read."""
         c = plan.config
         self.plan, self.w, self.comm = plan, w, comm
-        qkv_aug = [s + 1 for s in plan.qkv_sizes]
-        gu_aug = [s + 1 for s in plan.gate_up_sizes]
-        res = list(plan.residual_sizes)
-        self.layers = [
-            ShardedLayer(
-                i,
-                load_layer(src, plan, w, i),
-                plan.workers[w].attention,
-                comm=comm,
-                me=w,
-                qkv_sizes_aug=qkv_aug,
-                gu_sizes_aug=gu_aug,
-                res_sizes=res,
-                hidden=c.hidden,
-                head_dim=c.head_dim,
-                group_size=c.group_size,
-                eps=c.rms_eps,
-            )
-            for i in range(c.n_layers)
-        ]
+        self.device, self.dtype = device or torch.device("cpu"), dtype
+        self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
+
+    def make_layer(self, src: WeightSource, i: int) -> ShardedLayer:
+        """Layer i with its slices read and placed (the Megatron-style baseline makes its own)."""
+        plan, w, c = self.plan, self.w, self.plan.config
+        return ShardedLayer(
+            i,
+            load_layer(src, plan, w, i).to(self.device, self.dtype),
+            plan.workers[w].attention,
+            comm=self.comm,
+            me=w,
+            qkv_sizes_aug=[s + 1 for s in plan.qkv_sizes],
+            gu_sizes_aug=[s + 1 for s in plan.gate_up_sizes],
+            res_sizes=list(plan.residual_sizes),
+            hidden=c.hidden,
+            head_dim=c.head_dim,
+            group_size=c.group_size,
+            eps=c.rms_eps,
+        )
 
     def attach_audit(self, audit) -> None:
         for layer in self.layers:
@@ -108,7 +118,7 @@ class ShardedModel:
             for layer in self.layers:
                 layer.caches = []  # the old buffers go before the new ones are made
             for layer in self.layers:
-                layer.alloc_cache(max_seq, torch.float32, self.comm.device, slots)
+                layer.alloc_cache(max_seq, self.dtype, self.device, slots)
 
     def wipe(self, slot: int | None = None) -> None:
         """Zero every KV shard in place (session end, revocation, shutdown), or one slot's."""
@@ -172,7 +182,7 @@ class ShardedModel:
                 raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
         for s in spans:
             self.lengths[s.slot] = max(self.lengths[s.slot], s.pos + s.t)
-        return make_step(spans, self.inv_freq)
+        return make_step(spans, self.inv_freq, self.device, self.dtype)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""

@@ -21,9 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm, CommError, Credentials, Identity, PeerError, PublicId, Pulse, Witness, join_epoch, open_pulse
+from ..comm import (
+    Comm,
+    CommError,
+    Credentials,
+    Identity,
+    PeerError,
+    PeerLeft,
+    PublicId,
+    Pulse,
+    Witness,
+    join_epoch,
+    open_pulse,
+    reason_of,
+    say_farewell,
+)
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
+from ..runtime.placement import DEFAULT_DTYPE, DTYPES, torch_dtype
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
 from ..weights.loader import WeightSource, open_weights
 from .ops import Span
@@ -46,7 +61,7 @@ class WorkerOptions:
     threads: int | None = None
     timeout_s: float = 120.0
     join_timeout_s: float = 120.0
-    device: str = "cpu"
+    device: str = "cpu"  # where this worker's weights, KV cache and steps live: cpu, cuda, cuda:K
     progress: str = "auto"
     audit_dir: str | None = None
     inject_leak: str | None = None
@@ -71,6 +86,7 @@ class Worker:
         self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a faulty one's (faults.py)
         self.witness = Witness()  # what this worker saw of its peers, for the client's questions
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
+        self._aborted = False  # the client ended the epoch (abort, revoke, stop): no farewell owed
         self.audit_logs: list = []  # open audit logs (flush()): written out if the process must exit at once
 
     # ---- words from the client (the pulse thread) ----
@@ -78,7 +94,7 @@ class Worker:
     def on_word(self, word: dict) -> None:
         if "abort" in word or "stop" in word or "revoke" in word:
             self._cut()  # a wait on a peer that will never answer ends now
-        if "revoke" in word:
+        if "revoke" in word or "bench" in word:  # bench: set aside (a suspect, not barred): no state kept
             self.wipe()
             _log.info("revoked by the client: shards wiped")
         self.words.put(word)
@@ -95,6 +111,7 @@ class Worker:
         leave_now(0)
 
     def _cut(self) -> None:
+        self._aborted = True
         fabric = self.fabric
         if fabric is not None:
             fabric.abort()
@@ -117,14 +134,20 @@ class Worker:
         o, rank, n = self.o, int(welcome["rank"]), int(welcome["n_workers"])
         with self._links_lock:
             self.links = links
-        self.witness.start(welcome.get("epoch"), links)
+        self.witness.start(welcome.get("epoch"))
+        self._aborted = False
         try:
             if welcome.get("mode") == "masked":
+                if o.device != "cpu":
+                    raise RuntimeError(f"the masked mode runs on the CPU; this worker was started on {o.device}")
                 from ..masked.member import run_member
 
                 run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append, counting=self.counting)
                 return True
             plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
+            dtype = welcome.get("dtype", DEFAULT_DTYPE)  # the client's: the wire carries it
+            if dtype not in DTYPES:
+                raise RuntimeError(f"the client asked for dtype {dtype!r}, not one of {', '.join(DTYPES)}")
             audit = None
             if o.audit_dir:
                 from ..audit.recorder import AuditRecorder
@@ -144,7 +167,13 @@ class Worker:
                     from ..comm.torch_fabric import TorchFabric
 
                     fabric = TorchFabric(
-                        f["backend"], rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners
+                        f["backend"],
+                        rank - 1,
+                        n,
+                        f["store"],
+                        timeout_s=o.timeout_s,
+                        score_groups=plan.group_owners,
+                        device=torch.device(o.device),
                     )
                 self.fabric = fabric  # an abort word ends its waits
             backend = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
@@ -156,20 +185,22 @@ class Worker:
                 score_groups=plan.group_owners,
                 recorder=audit,
                 fabric=fabric,
-                device=fabric.device if fabric else None,
                 backend=backend,
+                witness=self.witness,
             )
             comm = self.sabotage(comm)
             try:
-                serve(self, plan, rank - 1, comm, audit=audit)
+                serve(self, plan, rank - 1, comm, audit=audit, dtype=dtype)
                 return True
+            except BaseException as e:  # its own failure or a peer's: said on every link, before they close
+                self._leaving(links, e)
+                raise
             finally:
                 comm.close()
                 if audit is not None:
                     audit.close()
-        except PeerError as e:  # the peer whose link failed the epoch: this worker's evidence if asked
-            if not e.watched:
-                self.witness.lost_peer(e.rank)
+        except BaseException as e:  # (also a failure of its own before the epoch's comm: its fabric)
+            self._leaving(links, e)
             raise
         finally:
             self.fabric = None
@@ -182,10 +213,21 @@ class Worker:
             src, total, lambda done, total: self.report.phase("ready" if done >= total else "load", done, total)
         )
 
-    def model_for(self, plan: Plan, w: int, comm: Comm, variant: str) -> ShardedModel:
-        """This epoch's model: the loaded one when plan and rank are unchanged (a replaced peer, a
-        new session), else its new slices read from the weights file."""
-        key = (plan.fingerprint(), w, variant)
+    def _leaving(self, links: dict, err: BaseException) -> None:
+        """The epoch ends here because of `err`: note what it says about the peers (this worker's
+        evidence, if the client asks), then tell every peer why, on its link, before it closes."""
+        if isinstance(err, PeerError) and not err.watched:
+            if isinstance(err, PeerLeft):
+                self.witness.left_after(err.rank)  # a knock-on: the peer said why it left
+            else:
+                self.witness.lost_peer(err.rank)  # first-hand: closed without a word, or silent
+        if not self._aborted:  # (the client's word ended the epoch: it knows why)
+            say_farewell(links, err)  # the cause travels with the close (links.say_farewell)
+
+    def model_for(self, plan: Plan, w: int, comm: Comm, variant: str, dtype: str = DEFAULT_DTYPE) -> ShardedModel:
+        """This epoch's model: the loaded one when plan, rank and dtype are unchanged (a replaced peer,
+        a new session), else its new slices read from the weights file onto this worker's device."""
+        key = (plan.fingerprint(), w, variant, dtype)
         if self.model is not None and self.model_key == key:
             self.model.rebind(comm)
             return self.model
@@ -196,9 +238,9 @@ class Worker:
         if variant == "megatron":
             from .megatron import MegatronModel
 
-            model = MegatronModel(src, plan, w, comm)
+            model = MegatronModel(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
         else:
-            model = ShardedModel(src, plan, w, comm)
+            model = ShardedModel(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
         release_freed_memory()  # the load's transient copies (measured ~25 MiB per worker) go back now
         self.model, self.model_key = model, key
         return model
@@ -233,6 +275,7 @@ def run(o: WorkerOptions) -> None:
         me.on_client_gone,
         witness=me.witness,
     )
+    leaving: str | None = None  # why this process ends, when by a failure of its own: the client hears it
     try:
         while True:
             if welcome is not None and not welcome.get("standby"):
@@ -258,9 +301,12 @@ def run(o: WorkerOptions) -> None:
             except CommError as e:  # the client abandoned that epoch (another worker never came): not our end
                 o.log(f"epoch {word['join']} did not open: {e}; waiting for the client's next word")
                 welcome, links = None, {}
+    except Exception as e:
+        leaving = reason_of(e)
+        raise
     finally:
         me.wipe()
-        pulse.close()
+        pulse.close(leaving)
 
 
 def _joined(welcome: dict) -> None:
@@ -273,7 +319,7 @@ def _joined(welcome: dict) -> None:
         )
 
 
-def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
+def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str = DEFAULT_DTYPE) -> None:
     """The structural command loop of one epoch: HELLO (handshake, weights, KV allocation), FORWARD
     (one or several sessions, each in its KV slot), RELEASE (zero one slot), RESET, WIPE, SHUTDOWN
     (protocol.Op).
@@ -291,7 +337,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
         comm.flush()
         raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model file?")
     t0 = time.perf_counter()
-    model = me.model_for(plan, w, comm, variant)
+    model = me.model_for(plan, w, comm, variant, dtype)
     model.reset(context)
     if leak:
         from ..audit.inject import install_leak
@@ -327,9 +373,11 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None) -> None:
             batch = words if model.n_slots > 1 else None
             if audit is not None:
                 audit.begin_step(t, pos, spans=batch)
-            x_dT = comm.recv(torch.empty(n_res, t), 0, "ingress", "embed")
-            x_dT = model.forward(x_dT.to(comm.device), spans)
+            x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
+            me.witness.step(True)  # its account: a step is in progress here (until its egress leaves)
+            x_dT = model.forward(x_dT.to(model.device), spans)
             comm.send(x_dT, 0, "egress", "final")
+            me.witness.step(False)
             if audit is not None:
                 audit.end_step()
         elif op == Op.RELEASE:

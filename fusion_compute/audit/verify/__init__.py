@@ -5,7 +5,7 @@ every module of this package imports only audit/schema.py and the standard libra
 plan, operators, comm, client or worker code, so a bug there cannot certify itself
 (tests/test_audit.py parses the imports). From the dimensions and the shares each worker declares
 in its log header it recomputes, on its own, every coordinate set a worker should hold and every
-transfer it should make, then checks each step (DESIGN.md §5):
+transfer it should make, then checks each step (docs/design.md, "The protected interval and its invariants"):
 
   chain           every log's hash chain is intact and ends at the hash the manifest recorded
   structure       header / sessions / steps / end in order; steps consecutive; the same steps on
@@ -131,7 +131,14 @@ def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[R
     """`departing`: rank -> why its worker left during this epoch (its log may lack an end record)."""
     dims, n = manifest["model"]["dims"], int(manifest["workers"])
     res = Result(dir=str(d), workers=n, layers=int(dims["layers"]), variant=manifest.get("variant", "sharded"))
-    ctx = Verification(res, dims, n, res.layers, wire=str(manifest.get("wire")))
+    wire_dtype = manifest.get("wire_dtype", "float32")  # absent: a log from before it was recorded
+    ctx = Verification(
+        res, dims, n, res.layers, wire=str(manifest.get("wire")), itemsize=S.WIRE_ITEMSIZE.get(wire_dtype, 4)
+    )
+    if wire_dtype not in S.WIRE_ITEMSIZE:
+        res.violations.append(
+            Violation("structure", f"manifest's wire dtype is none the verifier knows ({wire_dtype!r})")
+        )
     if ctx.wire not in S.LINK_BACKENDS:
         res.violations.append(
             Violation("os_bytes", f"manifest's wire is no link backend the model knows ({ctx.wire!r})")

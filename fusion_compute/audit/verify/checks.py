@@ -33,6 +33,7 @@ class Verification:
     n: int
     n_layers: int
     wire: str = "tls"  # the link backend whose wire model predicts the socket bytes (manifest "wire")
+    itemsize: int = 4  # bytes per element of the state on the wire (manifest "wire_dtype")
     decls: list[Declared] = field(default_factory=list)  # per worker
     owners: list[list[int]] = field(default_factory=list)  # per KV group
     bad_steps: set[StepId] = field(default_factory=set)
@@ -127,7 +128,7 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
                 sets[k] = frozenset(S.from_runs(runs))
                 sets_version += 1
             spans = spans_of(r) if r.get("spans") is not None else None
-            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans)
+            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans, ctx.itemsize)
             check_spans_message(r, spans, where, res, ctx.violate)
             s, rr = wire_bytes(expect, n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
@@ -187,6 +188,8 @@ def check_transfers(events: list[S.LogEvent], expect: list[Transfer], where: dic
             violate(Violation("accounting", f"transfer #{i}: got {got_s}, expected {want_s}", layer=layer, **where))
             return  # the rest is shifted; one report is enough
         msg = f"{got.op}: sent {got.sent} received {got.received}, expected {want.sent} / {want.received}"
+        if got.itemsize != want.itemsize:
+            msg += f"; {got.itemsize} bytes per element, expected {want.itemsize} (the manifest's wire dtype)"
         violate(Violation("accounting", msg, layer=layer, **where))
 
 

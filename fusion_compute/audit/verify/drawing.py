@@ -138,7 +138,7 @@ def _x(coord: int, size: int) -> float:
 
 
 def short_name(label: str, w: int) -> str:
-    """ "worker 3 (rank 1)" -> "w3": the bars and arrows name a worker as its legend does; "A1 (rank 1)" -> "A1"."""
+    """ "worker 3 (rank 1)" -> "w3": the bars and arrows name a worker as its legend does; "A.1 (rank 1)" -> "A.1"."""
     parts = label.split()
     if len(parts) > 1 and parts[0] == "worker":
         return f"w{parts[1]}"

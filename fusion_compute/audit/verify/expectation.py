@@ -120,9 +120,11 @@ def expected_transfers(
     t: int,
     pos: int,
     spans: list[tuple[int, int, int]] | None = None,
+    itemsize: int = 4,
 ) -> list[Transfer]:
     """The transfers worker w must make in one step of t tokens at position pos, in order
-    (`spans`: a batched step's sessions, sessions.spans_of)."""
+    (`spans`: a batched step's sessions, sessions.spans_of), each element `itemsize` bytes (the
+    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16)."""
     n = len(decls)
     gs = dims["heads"] // dims["kv_heads"]
     me = decls[w]
@@ -139,9 +141,9 @@ def expected_transfers(
     def rs(layer: int, name: str, sizes: list[int]) -> Transfer:
         sent = per_rank({q + 1: sizes[q] * t for q in others})
         received = per_rank({q + 1: sizes[w] * t for q in others})
-        return Transfer(layer, f"L{layer}.{name}", S.REDUCE_SCATTER, sent, received, 4)
+        return Transfer(layer, f"L{layer}.{name}", S.REDUCE_SCATTER, sent, received, itemsize)
 
-    out = [Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), 4)]
+    out = [Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), itemsize)]
     for layer in range(dims["layers"]):
         if n > 1:
             out.append(rs(layer, "qkv", qkv_n))
@@ -150,12 +152,12 @@ def expected_transfers(
             if peers:  # a split group: partial scores summed among its owners
                 elems = (g1 - g0) * gs * score_elements(spans, t, pos)
                 cnt = per_rank({o + 1: elems for o in peers})
-                out.append(Transfer(layer, f"L{layer}.scores.g{g0}", S.SCORE_SUM, cnt, list(cnt), 4))
+                out.append(Transfer(layer, f"L{layer}.scores.g{g0}", S.SCORE_SUM, cnt, list(cnt), itemsize))
         if n > 1:
             out.append(rs(layer, "o", res_n))
             out.append(rs(layer, "gate_up", gu_n))
             out.append(rs(layer, "down", res_n))
-    out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: res_n[w] * t}), per_rank({}), 4))
+    out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: res_n[w] * t}), per_rank({}), itemsize))
     return out
 
 

@@ -32,6 +32,23 @@ def _closing(notes: list[str], violations: list, summary: str) -> list[str]:
     return [*out, summary]
 
 
+def checks_table(checks: dict[str, int], counts: dict[str, int], membership: bool) -> list[str]:
+    """One row per invariant: items checked and violations. The same rows for an epoch, a cold start
+    (its epochs and the checks across them, summed: RunResult.checks) and report.md. `membership`:
+    show its row (a cold start's; an epoch on its own has none, unless a violation says otherwise)."""
+    lines = []
+    for inv in INVARIANTS:
+        if inv == "membership" and not (membership or checks.get(inv) or counts[inv]):
+            continue
+        lines.append(f"  {inv:<15} {checks.get(inv, 0):>9} checked  {counts[inv]:>6} violations")
+    return lines
+
+
+def verdict(ok: bool) -> str:
+    """The word every verdict line uses (`fusion audit run`, `fusion audit verify`, report.md)."""
+    return "PASS" if ok else "FAIL"
+
+
 def verify_part(closed: int, total: int) -> str:
     """A speculative run's verification steps in a summary line (nothing without speculation)."""
     return f" (+{closed}/{total} verify)" if total else ""
@@ -116,13 +133,12 @@ class Result:
             f"{self.layers} layers each, {len(self.violations)} violations"
         )
 
-    def render(self) -> str:
-        counts = self.counts()
+    def render(self, table: bool = True) -> str:
+        """The report of one epoch. `table=False` inside a cold start's report, which prints one table
+        for all its epochs and the checks across them (RunResult.render), as report.md does."""
         lines = [f"audit {self.dir}: {self.workers} workers, {self.layers} layers, variant {self.variant}"]
-        for inv in INVARIANTS:
-            if inv == "membership" and not (self.checks.get(inv) or counts[inv]):
-                continue  # checked across a cold start's epochs (RunResult), not within one
-            lines.append(f"  {inv:<15} {self.checks.get(inv, 0):>9} checked  {counts[inv]:>6} violations")
+        if table:
+            lines += checks_table(self.checks, self.counts(), membership=False)
         if self.coalition:
             roles = ", ".join(f"{r} {c}" for r, c in self.coalition.items())
             lines.append(f"  smallest coalition covering each role: {roles}")
@@ -299,14 +315,16 @@ class RunResult:
         )
 
     def render(self) -> str:
-        lines = [f"cold start {self.dir}: {len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}"]
+        lines = [
+            f"cold start {self.dir}: {len(self.epochs)} epoch{'s' if len(self.epochs) != 1 else ''}, "
+            f"{self.workers} workers, {self.layers} layers, variant {self.variant}",
+            "checks (every epoch and those across epochs, summed: the counts of summary.json and report.md)",
+            *checks_table(self.checks, self.counts(), membership=True),
+        ]
         for i, e in enumerate(self.epochs):
             order = self.orders[i] if i < len(self.orders) else []
             lines.append(f"epoch {i}: workers (participants in rank order) {order}")
-            lines += ["  " + line for line in e.render().splitlines()]
-        lines.append(
-            f"membership: {self.run_checks.get('membership', 0)} checked, {self.counts()['membership']} violations"
-        )
+            lines += ["  " + line for line in e.render(table=False).splitlines()]
         for d in self.departures:
             k = d.get("kernel")
             kernel = (

@@ -1,0 +1,110 @@
+"""Who is to blame when a data link fails while every pulse still beats (docs/resilience.md, "Blame by
+evidence"), and when an ambiguity has followed one worker: rules on evidence only, no processes.
+
+The evidence, per worker of the epoch (participant ids):
+
+  its account    (liveness.Witness, asked on its pulse link) `lost`: the peer whose link failed it
+                 first-hand (closed without a farewell, or silent past the deadline); `after`: the
+                 peer whose farewell made it leave (a knock-on close: no evidence against anyone);
+                 `waits`: how long each peer alone kept it waiting; `waiting`: the peers it is
+                 blocked on now.
+  the client's   (trusted: the user's process) what its own link to the worker says: "left" with the
+                 farewell's reason (cause / after / why), "closed" without one, or "open" (it never
+                 left); whose step output it was still owed when the link failed (`owed`: those had
+                 been sent the whole step and not answered); and how long each worker alone kept the
+                 client waiting.
+
+An honest worker whose link fails leaves the epoch at once and says why on every link (links.
+say_farewell). So:
+
+  1. An accusation counts only when its maker left naming that peer on its link to the client: a
+     worker that says a peer failed it but stayed, closed silently or named someone else when it left
+     has no accusation (its account contradicts what the client saw).
+  2. A worker that left naming nobody (its own error) is the one to remove, by its own word.
+  3. A worker accused by a counted accusation is removed when it did not leave (its link to the
+     client still open, or closed without a word), still owed the client its step's output, and
+     says it waits on no peer (so nothing kept it from going on, or from leaving): evidence from two
+     sides, its accuser's and the client's own. (The engine first gives an accused worker that says it
+     is computing the per-message timeout to finish, leave or wait on someone: membership._blame.)
+  4. Counted accusations that do not meet 3 (the accused left too: knock-on, or naming its accuser)
+     leave an ambiguous set: the accused and their accusers. Nobody can be removed on it.
+  5. No counted accusation: the waits decide, by the step deadline's rule (deadline.judge: consistent
+     cause, corroborated by the client or two workers; one worker's word alone is ambiguous).
+
+What an ambiguous set leads to is membership.py's: its workers are set aside for standbys (none
+barred), and `follows` names a worker once ambiguity has followed it: a worker in two ambiguous sets
+that share nobody else. With one liar every ambiguous set holds the liar, so an honest worker is
+never in two sets that share only it.
+"""
+
+from __future__ import annotations
+
+from .deadline import CLIENT, Verdict, judge
+
+
+def blame_link(
+    accounts: dict[int, dict],
+    seen: dict[int, tuple[str, dict | None]],
+    workers: list[int],
+    owed: set[int],
+    blocked: dict[int, dict[int, float]],
+    threshold_s: float,
+) -> tuple[set[int], Verdict]:
+    """Apply the rules above. `accounts[q]`: {"lost", "after", "waits", "waiting"} in participant ids
+    (a worker that did not answer has none); `owed`: the workers whose step output the client was
+    still waiting for when the link failed (none when it failed before that); `seen[q]`: the client's view of q's link, (state, reason) with the
+    reason's "cause"/"after" in participant ids (CLIENT for the client); `blocked`: every account of
+    waits, the client's under CLIENT. Returns who to remove (may be empty) and the verdict: its
+    `causes` are the ambiguous set when nobody is removed, and `said` the evidence in words."""
+    counted: dict[int, int] = {}
+    words = []
+    for q in workers:
+        p = (accounts.get(q) or {}).get("lost")
+        if not isinstance(p, int) or p == q or p not in workers:
+            continue
+        state, reason = seen.get(q, ("open", None))
+        if state == "left" and reason is not None and reason.get("cause") == p:
+            counted[q] = p
+            words.append(f"worker {q} left naming worker {p}")
+        else:
+            words.append(f"worker {q} names worker {p} but did not leave naming it ({state}): not counted")
+    own = {
+        q
+        for q in workers
+        if seen.get(q, ("open", None))[0] == "left"
+        and (reason := seen[q][1]) is not None
+        and reason.get("cause") is None
+        and reason.get("after") is None
+    }
+    for q in sorted(own):
+        words.append(f"worker {q} left on its own error ({(seen[q][1] or {}).get('why') or 'no reason given'})")
+    named = set(own)
+    for p in sorted(set(counted.values())):
+        stayed = seen.get(p, ("open", None))[0] != "left"
+        blocked_on = (accounts.get(p) or {}).get("waiting") or []
+        if stayed and p in owed and not blocked_on and p not in counted:
+            named.add(p)
+            words.append(f"worker {p} never left nor answered its step, waiting on nobody")
+        elif stayed and blocked_on:
+            words.append(f"worker {p} says it waits on worker{'s' if len(blocked_on) > 1 else ''} {blocked_on}")
+    if named:
+        return named, Verdict(min(named) if len(named) == 1 else None, tuple(sorted(named)), "; ".join(words))
+    if counted:
+        accused = sorted(set(counted.values()))
+        causes = tuple(dict.fromkeys(accused + sorted(counted)))
+        return set(), Verdict(None, causes, "; ".join(words))
+    verdict = judge(blocked, workers, threshold_s)
+    said = "; ".join([*words, verdict.said])
+    return ({verdict.named} if verdict.named is not None else set()), Verdict(verdict.named, verdict.causes, said)
+
+
+def follows(history: list[frozenset[int]], causes: tuple[int, ...]) -> int | None:
+    """The worker an ambiguity has followed: in `causes` and in an earlier ambiguous set that shares
+    no other worker with it (two different partners, the same suspect). None when no single worker
+    is. `history` is the job's earlier ambiguous sets (the caller appends this one)."""
+    now = frozenset(causes)
+    hits = {x for x in now for before in history if before & now == {x}}
+    return hits.pop() if len(hits) == 1 else None
+
+
+__all__ = ["CLIENT", "blame_link", "follows"]

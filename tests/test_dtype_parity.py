@@ -1,0 +1,28 @@
+"""bfloat16 and float16 on the CPU: faithful to HF transformers in the same dtype on the same device
+(tests/faithful.py states the criterion and its reason; tests/test_gpu.py runs it on a GPU), on the
+tiny random Qwen2 (q/k/v bias) and Llama models, N = 1, 2, 3 (N = 3 splits Qwen2's KV groups by
+RoPE pairs: score sums among owners). float32 stays exact: test_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+from faithful import check_faithful, references
+
+from fusion_compute.structural.client import Engine, EngineOptions
+
+pytestmark = pytest.mark.slow  # every test starts workers
+
+CASES = [(arch, n, "bfloat16") for arch in ("qwen2", "llama") for n in (1, 2, 3)] + [("qwen2", 2, "float16")]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_qwen2, tiny_llama):
+    paths = {"qwen2": tiny_qwen2, "llama": tiny_llama}
+    return {(a, d): (paths[a], references(paths[a], d)) for a, d in {(a, d) for a, _, d in CASES}}
+
+
+@pytest.mark.parametrize("arch,n,dtype", CASES, ids=[f"{a}-N{n}-{d}" for a, n, d in CASES])
+def test_faithful_to_transformers(refs, arch, n, dtype):
+    path, ref = refs[arch, dtype]
+    with Engine(path, EngineOptions(n_workers=n, dtype=dtype, timeout_s=60, context=64)) as eng:
+        check_faithful(eng, ref, dtype, n)
