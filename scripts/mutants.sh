@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 R = "fusion_compute/"
-# (name, file, old, new, tests): tests in the order to try them (node ids under tests/).
+# (name, file, old, new, tests): tests in the order to try them (node ids under tests/). `old` may be a
+# list of (old, new) spellings (new then None) where the code is spelled differently across branches.
 MUTANTS = [
     (
         "replay-drops-last-token",
@@ -142,8 +143,11 @@ MUTANTS = [
     (
         "rmsnorm-eps-dropped-in-the-scatter",
         R + "structural/ops.py",
-        "inv_s = torch.rsqrt(y_aug[-1] / hidden + eps)",
-        "inv_s = torch.rsqrt(y_aug[-1] / hidden)",
+        [  # (old, new) alternatives: the first spelling found is the one mutated
+            ("inv_s = torch.rsqrt(y_aug[-1] / hidden + eps)", "inv_s = torch.rsqrt(y_aug[-1] / hidden)"),
+            ("inv_s = torch.rsqrt(y_aug[-1].float() / hidden + eps)", "inv_s = torch.rsqrt(y_aug[-1].float() / hidden)"),
+        ],
+        None,
         [
             "test_runtime.py",
             "test_batching.py::test_a_batch_step_equals_each_session_alone",
@@ -160,8 +164,11 @@ MUTANTS = [
     (
         "reduce-scatter-qkv-sizes-reversed",
         R + "structural/sharded.py",
-        "qkv_aug = [s + 1 for s in plan.qkv_sizes]",
-        "qkv_aug = [s + 1 for s in reversed(plan.qkv_sizes)]",
+        [
+            ("qkv_aug = [s + 1 for s in plan.qkv_sizes]", "qkv_aug = [s + 1 for s in reversed(plan.qkv_sizes)]"),
+            ("qkv_sizes_aug=[s + 1 for s in plan.qkv_sizes],", "qkv_sizes_aug=[s + 1 for s in reversed(plan.qkv_sizes)],"),
+        ],
+        None,
         [
             "test_batching.py::test_a_batch_step_equals_each_session_alone",
             "test_parity.py::test_matches_transformers[structural-qwen2-N3-cap]",
@@ -217,11 +224,14 @@ for name, path, old, new, nodes in chosen:
     copy_tree(copy)
     target = copy / path
     text = target.read_text()
-    if text.count(old) != 1:
-        rows.append((name, f"STALE: the string to replace occurs {text.count(old)} times in {path}", 0.0))
+    spellings = old if isinstance(old, list) else [(old, new)]
+    found = [(o, n) for o, n in spellings if text.count(o) == 1]
+    if not found:
+        counts = ", ".join(str(text.count(o)) for o, _ in spellings)
+        rows.append((name, f"STALE: the string to replace occurs {counts} times in {path}", 0.0))
         stale = True
         continue
-    target.write_text(text.replace(old, new))
+    target.write_text(text.replace(*found[0]))
     verdicts = []
     for marker, kind in (("not slow", "quick"), ("slow", "slow")):
         if run_all:
