@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import forkserver  # noqa: E402
 import procs  # noqa: E402
-from tiny_models import build  # noqa: E402
+from tiny_models import LLAMA_PROMPTS, PROMPTS, SEEDS, build, check_varied  # noqa: E402
 
 from fusion_compute.runtime import launch  # noqa: E402
 
@@ -62,12 +62,16 @@ def real_workers():
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    return build(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=0)
+    path = build(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=SEEDS["qwen2"])
+    check_varied(path)  # every test prompt's reference varies (tiny_models.py says why)
+    return path
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return build(tmp_path_factory.mktemp("llama"), "llama", seed=1)
+    path = build(tmp_path_factory.mktemp("llama"), "llama", seed=SEEDS["llama"])
+    check_varied(path, PROMPTS + LLAMA_PROMPTS)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,14 @@ def _environ(pid: int) -> list[bytes]:
         return []
 
 
+def none_left_after(pid: int, before: set[int], timeout: float = 10) -> None:
+    """Every child of `pid` (procs.children) that was not there `before` is gone within `timeout` s.
+    Checked after each test in the pytest process that ran it: under xdist a module's tests run in
+    several processes, so one check at the module's end would see only its own process's."""
+    left = wait_gone(children(pid) - before, timeout)
+    assert left == set(), f"processes left running: {sorted(left)}"
+
+
 def wait_gone(pids: set[int], timeout: float = 10) -> set[int]:
     """The pids among `pids` still alive after waiting up to `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -26,7 +26,9 @@ from fusion_compute.audit.verify.sessions import check_slots
 from fusion_compute.cli.main import main
 from fusion_compute.generation.speculative_config import SpeculativeConfig
 
-PROMPT = [5, 17, 99, 99, 7, 8, 33, 2]
+# Repeats its 2-grams so that default n-gram drafts (2-grams and longer) are proposed, and on the tiny
+# Qwen2 some are accepted and some rejected (tiny_models.py): rollbacks and accepted columns, both.
+PROMPT = [237, 30, 118, 230, 237, 30, 118, 230]
 TOKENS = 16  # generated after the first (--steps): the same tokens as 16 decode steps without speculation
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4)
 

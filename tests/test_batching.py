@@ -37,14 +37,24 @@ def logits_alone(eng, prompts: list[list[int]]) -> list[torch.Tensor]:
     return alone
 
 
-@pytest.mark.parametrize("arch,n", [("qwen2", 3), ("llama", 2)])
-def test_a_batch_step_equals_each_session_alone(arch, n, tiny_qwen2, tiny_llama):
+@pytest.mark.parametrize("arch,n,caps", [("qwen2", 3, None), ("llama", 2, (2.0, 1.0))])
+def test_a_batch_step_equals_each_session_alone(arch, n, caps, tiny_qwen2, tiny_llama):
     """Mixed steps (a newcomer's prefill beside ongoing decodes, slots out of order and with a gap)
-    give each session the logits it gets alone. qwen2 at N = 3 splits a KV group across workers,
-    so the partial scores of every session are completed in one exchange."""
+    give each session the logits it gets alone, and those equal transformers' (the quick loop's
+    parity check; test_parity.py has the rest). qwen2 at N = 3 splits a KV group across workers,
+    so the partial scores of every session are completed in one exchange; llama's shares are
+    uneven (capacities 2:1), so every reduce-scatter's split sizes differ between the workers."""
+    from test_parity import LOGIT_ATOL
+
+    from fusion_compute.model import reference
+
     model = tiny_qwen2 if arch == "qwen2" else tiny_llama
-    with Engine(model, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
+    with Engine(model, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=64)) as eng:
         alone = logits_alone(eng, PROMPTS[:4])
+        ref = reference.load_reference(model)
+        for p, got in zip(PROMPTS[:4], alone, strict=True):
+            want = reference.logits(ref, p + [11, 12])
+            assert torch.allclose(got.double(), want, atol=LOGIT_ATOL, rtol=0), (p, (got.double() - want).abs().max())
         eng.batch_slots = 6
         eng.reset()
         # step 1: sessions 0 and 1 prefill (slots 5 and 0); step 2: 0 and 1 decode, 2 prefills in slot 3;

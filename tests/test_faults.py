@@ -14,7 +14,7 @@ import time
 
 import pytest
 from netns import Hosts, available
-from procs import children, fusion, reap, wait_gone
+from procs import children, fusion, none_left_after, reap, wait_gone
 from test_topology import keys, write_keys
 
 from fusion_compute.comm import CommError
@@ -26,6 +26,14 @@ from fusion_compute.structural.client import Engine, EngineOptions
 PROMPT = [5, 17, 33, 2, 99, 100, 7, 8]
 NEW = 48
 LIVENESS_S = 2.0
+
+
+@pytest.fixture(autouse=True)
+def no_stray_processes():
+    """Everything each test here started is gone after it (the engine stops its own workers by PID)."""
+    before = children(os.getpid())
+    yield
+    none_left_after(os.getpid(), before)
 
 
 def run(eng, fault=None, at: str = "decode"):
@@ -255,8 +263,3 @@ def test_link_cut_in_a_namespace(tmp_path):
     assert cut_run["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 200
     rec = cut_run["recoveries"]
     assert len(rec) == 1 and rec[0]["lost"] == [1] and rec[0]["order"] == [3, 2] and "heartbeat" in rec[0]["reason"]
-
-
-def test_no_stray_processes_after_faults():
-    """Everything this module started is gone (the engine stops its own workers by PID)."""
-    assert children(os.getpid()) == set()

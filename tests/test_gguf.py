@@ -12,9 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from test_rope import LLAMA31, hf_inv_freq
 
 import fusion_compute.weights.gguf as gguf_source
-from fusion_compute.model.config import ModelError, RopeConfig
+from fusion_compute.model.config import ModelError
 from fusion_compute.weights.gguf import GGUFWeights, hf_name
 from fusion_compute.weights.gguf_index import ArrayRef
 from fusion_compute.weights.loader import default_model_path
@@ -319,11 +320,10 @@ def test_llama_unpermute_and_linear_rope(tmp_path):
 
 def test_llama3_rope_freqs(tmp_path):
     # Llama 3.x GGUFs carry per-pair divisors (rope_freqs.weight) instead of the llama3 parameters.
+    # The divisors come from transformers' llama3 rule (test_rope.hf_inv_freq), not from RopeConfig's.
     theta, factor = 5e5, 32.0
-    wanted = RopeConfig(theta=theta, kind="llama3", factor=factor)
-    divisors = np.array(
-        [b / s for b, s in zip(RopeConfig(theta=theta).inv_freq(D), wanted.inv_freq(D), strict=True)], np.float32
-    )
+    scaled = hf_inv_freq(theta, D, {**LLAMA31, "factor": factor, "original_max_position_embeddings": 8192})
+    divisors = np.array([b / s for b, s in zip(hf_inv_freq(theta, D, None), scaled, strict=True)], np.float32)
     meta = {**META, "{arch}.rope.freq_base": theta}
     tensors = {"token_embd.weight": (_rand(32, H), Q.F32), "rope_freqs.weight": (divisors, Q.F32)}
     rope = GGUFWeights(_write(tmp_path / "l3.gguf", "llama", meta, tensors)).config.rope

@@ -13,8 +13,8 @@ import signal
 import time
 
 import pytest
-from procs import children, wait_gone
-from test_faults import LIVENESS_S, run
+from procs import wait_gone
+from test_faults import LIVENESS_S, no_stray_processes, run  # noqa: F401 (an autouse fixture: after every test here)
 
 from fusion_compute.comm import CommError
 from fusion_compute.runtime.membership import TooFewWorkers
@@ -72,7 +72,3 @@ def test_failed_epoch_change_recovers_on_the_next_request(tiny_qwen2):
         assert res.token_ids == ref
         assert eng.comm is not None and sorted(eng.order) == [2, spare] and survivor in eng.procs.pids
         assert {w["id"]: w["state"] for w in eng.workers()}[spare] == "active"
-
-
-def test_no_stray_processes():
-    assert children(os.getpid()) == set()

@@ -67,11 +67,23 @@ def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path, sizes):
 
 
 def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
-    """Masks off: results stay exact, but A's view fails the audit and the attack reads the prompt."""
+    """Masks off: results stay exact, but A's view fails the audit and the attack reads the prompt.
+    Both of rule 5's statistics fail on both members of A, by far, and nothing else does: the view is
+    what changed, not the traffic's shape or the product checks."""
     d, ids = _audited_run(tiny_qwen2, tmp_path, masks="zero")
     report = audit.verify(d)
     assert not report["ok"]
-    assert any("not uniform" in v for v in report["violations"]), report["violations"]
+    for rank in (1, 2):
+        a = report["parties"][f"rank{rank}"]
+        uni, fresh = a["uniformity"], a["freshness"]
+        assert not uni["ok"] and uni["max_deviation"] > 10 * uni["limit"], uni  # clear fixed point: biased bits
+        for name in ("within", "across_steps"):  # neighbouring clear values are close, not 2^-7 of the time
+            assert fresh[name]["pairs"] > 0 and fresh[name]["close_fraction"] > 0.5 > fresh[name]["limit"], fresh
+        assert f"rank {rank} (A): received data is not uniform" in " ".join(report["violations"])
+        assert f"rank {rank} (A): masks not fresh within" in " ".join(report["violations"])
+        assert f"rank {rank} (A): masks not fresh across_steps" in " ".join(report["violations"])
+    assert len(report["violations"]) == 6, report["violations"]  # rule 5 only
+    assert report["verification"]["failed"] == 0 and report["verification"]["products_checked"] == 5 * 4 * 3
     op, first = audit.read_tap(d, 1)[0]
     guesses = attack.vocab_match(torch.from_numpy(first.T.copy()), attack.masked_table(open_weights(tiny_qwen2)))
     assert attack.recovered(guesses, ids) == len(ids)
@@ -98,6 +110,58 @@ def test_audit_negative_control_unchecked_products(tiny_qwen2, tmp_path):
     with pytest.raises(audit.MaskedAuditError, match="past the tap's end"):
         audit.verify(d)
     assert main(["audit", "verify", str(d)]) == 2
+
+
+def test_audit_negative_controls_reused_keys_labels_and_masks(tiny_qwen2, tmp_path, monkeypatch):
+    """Rule 4 and rule 5's freshness, each produced: a client whose key source repeats itself (every
+    session gets the same key: a real run, its masks still uniform and fresh per label) fails on the
+    key alone; a copy of its log with one mask label drawn twice adds that violation; a copy of its
+    A tap where each op's messages repeat the previous one's ring elements (a reused pad, uniform
+    words still) adds the across-steps freshness violation, with the uniformity test still passing."""
+    import shutil
+
+    import numpy as np
+
+    from fusion_compute.masked import client
+
+    monkeypatch.setattr(client, "new_key", lambda: bytes(range(32)))  # the same key for every session
+    d, _ = _audited_run(tiny_qwen2, tmp_path)
+    base = audit.verify(d)
+    assert base["violations"] == ["a session key was reused"]
+
+    labels = tmp_path / "labels"
+    shutil.copytree(d, labels)
+    log = audit.log_path(labels, 0)
+    lines = log.read_text().splitlines()
+    first_mask = next(i for i, x in enumerate(lines) if '"type":"mask"' in x.replace(" ", ""))
+    lines.insert(first_mask + 1, lines[first_mask])
+    log.write_text("\n".join(lines) + "\n")
+    assert audit.verify(labels)["violations"] == [f"mask labels reused: 1 of {5 * 4 * 3 + 1}", *base["violations"]]
+
+    pads = tmp_path / "pads"
+    shutil.copytree(d, pads)
+    tap = bytearray(audit.tap_path(pads, 1).read_bytes())
+    previous: dict[str, np.ndarray] = {}
+    reused = set()
+    for rec in audit.read_log(pads, 1):
+        if rec["type"] != "tap":
+            continue
+        k, t = rec["shape"]
+        here = np.frombuffer(tap, dtype="<i8", count=k * t, offset=rec["offset"]).reshape(k, t)
+        prev = previous.get(rec["op"])
+        if prev is not None and rec["op"] not in reused:  # once per op (more repeats bias the byte counts)
+            here[:, :] = prev[:, :t]  # this message carries the previous one's words: its pad was reused
+            reused.add(rec["op"])
+        previous[rec["op"]] = here.copy()
+    assert len(reused) == 4 * 3  # every linear of every layer, once
+    audit.tap_path(pads, 1).write_bytes(bytes(tap))
+    report = audit.verify(pads)
+    a1 = report["parties"]["rank1"]
+    assert a1["uniformity"]["ok"] and a1["freshness"]["within"]["ok"], a1  # the words alone look uniform
+    assert not a1["freshness"]["across_steps"]["ok"], a1["freshness"]
+    assert report["violations"][1:] == base["violations"] and report["violations"][0].startswith(
+        "rank 1 (A): masks not fresh across_steps"
+    ), report["violations"]
 
 
 def test_audit_negative_control_a_talks_to_b(tiny_qwen2, tmp_path):

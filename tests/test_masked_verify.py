@@ -180,3 +180,39 @@ def test_verification_off_lets_a_lie_through(tiny_qwen2, clean):
         out = eng.forward(IDS, all_logits=True)
         assert eng.verifier is None and eng.epoch == 0
     assert not torch.equal(out, clean)
+
+
+def test_the_stated_escape_bound_is_computed_from_the_check(checker):
+    """The bound README, docs/masked.md and the gateway state (a wrong product passes with probability
+    <= 2^-b, per linear and token column) is computed here from the check the client runs: every
+    linear's U has D rows of entries drawn from [0, 2^u); the worst lie (an error of 2^(64-u) on one
+    element: row d passes iff u_d = 0 there) passes each row with probability 2^-u, all D with
+    2^-(u D). Fewer rows or narrower entries make the stated text wrong, and this test fail."""
+    from pathlib import Path
+
+    from fusion_compute.masked import verify
+
+    rows = {lin.u.shape[0] for lin in checker.lin.values()}
+    assert len(checker.lin) == checker.plan.config.n_layers * len(checker.plan.shapes) and len(rows) == 1
+    d = rows.pop()
+    u_all = torch.cat([torch.from_numpy(lin.u).flatten() for lin in checker.lin.values()])  # float64 integers
+    u_bits = int(u_all.max()).bit_length()
+    top_half = float((u_all >= 2 ** (u_bits - 1)).double().mean())
+    assert int(u_all.min()) >= 0 and 0.45 < top_half < 0.55, top_half  # uniform on [0, 2^u): ~half in the top half
+    computed = f"2^-{u_bits * d}"
+    assert verify.ESCAPE_BOUND == computed
+    # The worst lie is caught unless U's column is zero there (every row rejects an error u_d 2^(64-u) ≠ 0).
+    s = checker.plan.shapes[0]
+    x_fx, y = _honest(checker, 0, 0, 4, torch.Generator().manual_seed(3))
+    lie = y.clone()
+    lie[0, 0] += 1 << (64 - u_bits)
+    assert bool((checker.lin[(0, 0)].u[:, 0] != 0).any()) and s.rows > 0  # not the 2^-64 case
+    assert not checker.check(0, 0, lie, x_fx)
+    root = Path(__file__).resolve().parent.parent
+    stated = {
+        "README.md": f"≤ {computed} to pass per product",
+        "docs/masked.md": f"≤ {computed} for the {d} rows",
+        "docs/serving.md": f"probability ≤ {computed}",
+    }
+    for doc, text in stated.items():
+        assert text in (root / doc).read_text(), (doc, text)

@@ -51,6 +51,33 @@ def test_migrate_mid_session_by_add_then_revoke(tiny_qwen2):
         assert wait_gone({old}) == set()  # told to wipe and leave, it left
 
 
+def test_revocation_mid_session_replays_every_token(tiny_qwen2):
+    """The quick guard of the epoch replay: worker 1 revoked after 6 decode steps, the standby takes
+    its seat and the session is replayed; every later step's logits equal the no-fault run's (a
+    replay that drops the last token, or keeps only it, moves them by far more than the tolerance,
+    whose reason is test_parity's)."""
+    import torch
+    from test_parity import LOGIT_ATOL
+
+    def steps(eng, revoke_at: int | None) -> list[torch.Tensor]:
+        eng.reset()
+        logits, seen = eng.forward(PROMPT), []
+        for i in range(10):
+            seen.append(logits)
+            if i == revoke_at:
+                eng.revoke(1)
+            logits = eng.forward([int(logits.argmax())])
+        eng.end_session()
+        return seen
+
+    with Engine(tiny_qwen2, EngineOptions(n_workers=2, standby=1, context=64, timeout_s=30)) as eng:
+        want = steps(eng, None)
+        got = steps(eng, 6)
+        assert eng.order == [3, 2] and eng.recoveries[-1]["reason"] == "worker 1 revoked by the user"
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.allclose(a, b, atol=LOGIT_ATOL, rtol=0), (i, float((a - b).abs().max()))
+
+
 def test_bad_membership_requests_harm_nothing(tiny_qwen2):
     with Engine(tiny_qwen2, EngineOptions(n_workers=2, context=128, timeout_s=30)) as eng:
         want = generate(eng, PROMPT, max_new_tokens=12, sampling=SamplingParams()).token_ids

@@ -42,8 +42,9 @@ CHATML = (
 )
 
 
-def build_chat_model(path: Path, seed: int = 3, max_positions: int = 256) -> Path:
-    """A tiny random Qwen2 (context 256) with a byte-level BPE tokenizer and a ChatML template."""
+def build_chat_model(path: Path, seed: int = 3, max_positions: int = 256, **overrides) -> Path:
+    """A tiny random Qwen2 (context 256) with a byte-level BPE tokenizer and a ChatML template;
+    `overrides` go to its config (tiny_models.build)."""
     from tiny_models import build
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -56,7 +57,14 @@ def build_chat_model(path: Path, seed: int = 3, max_positions: int = 256) -> Pat
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog. Paris!"] * 20, trainer)
-    build(path, "qwen2", seed=seed, vocab_size=backend.get_vocab_size(), max_position_embeddings=max_positions)
+    build(
+        path,
+        "qwen2",
+        seed=seed,
+        vocab_size=backend.get_vocab_size(),
+        max_position_embeddings=max_positions,
+        **overrides,
+    )
     backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
     return path

@@ -34,6 +34,9 @@ GREEDY = SamplingParams()
 # A prompt whose n-grams recur with other continuations than the model's: drafts get rejected and accepted
 PROMPTS = [[5, 17, 33, 2, 99, 5, 17, 33, 2, 99, 5, 17], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8, 60, 7, 8]]
 NEW = 24
+# The command line's n-gram drafts are 2-grams and longer: a prompt of repeated 2-grams, whose drafts the
+# tiny Llama accepts sometimes (tiny_models.py), so that speculation saves steps there.
+CLI_PROMPT = [69, 292, 33, 131, 69, 292, 33, 131]
 
 
 def ngram(k: int = 4, **kw) -> SpeculativeConfig:
@@ -429,7 +432,7 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
 def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
 
-    args = ["--model", str(tiny_llama), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "16"]
+    args = ["--model", str(tiny_llama), "--prompt-ids", ",".join(map(str, CLI_PROMPT)), "--max-new-tokens", "16"]
     cmd = ["generate", "--workers", "2", "--json", *args]
     runs = [procs.run(*cmd, timeout=180), procs.run(*cmd, "--speculative", "ngram", "--num-speculative-tokens", "3")]
     assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]

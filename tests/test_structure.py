@@ -35,6 +35,30 @@ def test_only_the_comm_package_touches_the_wire():
     assert [p.name for p in comm.rglob("*.py") if "torch.distributed" in imports(p)] == ["torch_fabric.py"]
 
 
+# Raw sockets outside comm/, each for something that carries no participant's state: a new one fails
+# the rule below until it is listed here with its reason (or moves into comm/).
+RAW_SOCKETS = {
+    "runtime/topology.py": "resolves a topology's host names and checks an address is this host's (bind, no data)",
+    "runtime/faults.py": "test-only fault injection: shuts a link's socket down (cut), sends nothing",
+    "structural/worker.py": "its cut-link fault (as faults.py): shuts a comm link's socket down, sends nothing",
+    "cli/serve.py": "binds the OpenAI-compatible API's listening socket (the user's HTTP, not a worker link)",
+    "serving/api_server.py": "hands that listening socket to uvicorn",
+    "bench/nfq_delay.py": "the benchmark's netfilter-queue delay tool",
+    "bench/exchange.py": "the benchmark's raw exchange baseline",
+    "bench/one.py": "the benchmark's loopback baseline",
+}
+
+
+def test_raw_sockets_outside_comm_are_the_listed_ones():
+    """`socket` is a transport too: outside comm/, only the files listed above (none of which carries
+    state between participants) may import it."""
+    comm = PKG / "comm"
+    users = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if comm not in p.parents and "socket" in imports(p)}
+    assert users <= set(RAW_SOCKETS), (
+        f"socket imported outside fusion_compute/comm/: {sorted(users - set(RAW_SOCKETS))}"
+    )
+
+
 def test_scanner_catches_an_offender(tmp_path):
     """The rule above can fail: the scanner sees each spelling of the import."""
     for src in (

@@ -1,4 +1,18 @@
-"""Tiny random Qwen2 / Llama models saved as HF directories (safetensors), built locally."""
+"""Tiny random Qwen2 / Llama models saved as HF directories (safetensors), built locally.
+
+A reference is only as good as its variety. At transformers' default init (std 0.02) these models'
+greedy continuations were flat: token 99 forty-eight times on Qwen2, for every test prompt, so a
+replay that dropped a token or a speculation that kept a rejected draft produced the same tokens and
+passed. With std 0.2 (`initializer_range`) and the seeds below, every prompt the suite runs continues
+with 13 to 24 distinct tokens in 24 (measured), the top-2 logit gap stays above 1.5e-3 over 48 tokens
+(the dense twin's fp32 error against float64 measured ~1.5e-5 here), and n-gram drafts are both accepted and
+rejected. `check_varied` asserts the first property in the fixtures (conftest.py), so a change that
+makes a reference flat again fails loudly instead of quietly weakening every test built on it.
+
+rms_norm_eps is 1e-3, not transformers' 1e-6: with 1e-6 a dropped or wrong eps moved the logits by
+less than the parity tolerance's margin; at 1e-3 (embeddings of mean square ~0.04) it moves them by
+~1e-1.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +31,9 @@ QWEN2_TINY = dict(
     num_key_value_heads=2,
     head_dim=12,
     max_position_embeddings=256,
-    rms_norm_eps=1e-6,
+    rms_norm_eps=1e-3,
     tie_word_embeddings=False,
+    initializer_range=0.2,
 )
 LLAMA_TINY = dict(
     vocab_size=300,
@@ -29,10 +44,35 @@ LLAMA_TINY = dict(
     num_key_value_heads=4,
     head_dim=16,
     max_position_embeddings=256,
-    rms_norm_eps=1e-5,
+    rms_norm_eps=1e-3,
     tie_word_embeddings=True,
     rope_theta=50000.0,
+    initializer_range=0.2,
 )
+SEEDS = {"qwen2": 3, "llama": 3}  # the fixtures' models (conftest.py); chosen by the sweep above
+
+# Every prompt the suite's tests give the tiny models (each test file keeps its own copy, by name):
+# check_varied asserts each one's reference continuation is varied. A new test prompt belongs here.
+PROMPTS = (
+    [5, 17, 33, 2, 99, 100, 7, 8],  # test_faults, test_membership, test_audit*, test_wire
+    [5, 17, 33, 2, 99, 100, 7, 8, 9, 10, 11, 200, 3],  # test_parity, test_runtime
+    [5, 17, 33, 2, 99, 100, 7, 8, 9, 10],  # test_exposure
+    [237, 30, 118, 230, 237, 30, 118, 230],  # test_audit_speculative
+    [5, 17, 33, 2, 99],  # test_admission, test_preauth, test_batching
+    [5, 17, 33, 2],  # test_speculative (sampled)
+    [1, 2, 3],  # test_batching
+    [7] * 9,
+    [100, 101, 102, 103, 104, 105, 106],
+    [9, 8],
+    [3, 4, 5, 6],
+    [5, 17, 33, 2, 99, 5, 17, 33, 2, 99, 5, 17],  # test_speculative
+    [1, 2, 3, 4, 1, 2, 3, 4, 1, 2],
+    [7, 8, 9, 7, 8, 60, 7, 8],
+    [40, 41, 42, 40, 41],
+    [9] * 6,
+)
+LLAMA_PROMPTS = ([69, 292, 33, 131, 69, 292, 33, 131],)  # test_speculative (the command line; ids past Qwen2's 256)
+MIN_DISTINCT, OF = 8, 24  # at least 8 distinct tokens in the first 24 of every continuation
 
 
 def build(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
@@ -56,3 +96,17 @@ def build(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
+
+
+def check_varied(path: Path, prompts=PROMPTS) -> None:
+    """transformers' greedy continuation of every prompt has at least MIN_DISTINCT distinct tokens in
+    its first OF: a flat reference would let a test pass whatever the runtime replays or keeps."""
+    from fusion_compute.model import reference
+
+    ref = reference.load_reference(path)
+    flat = {}
+    for p in prompts:
+        got = reference.greedy(ref, list(p), OF)
+        if len(set(got)) < MIN_DISTINCT:
+            flat[tuple(p)] = got
+    assert not flat, f"{path}: flat reference continuations (fewer than {MIN_DISTINCT} distinct in {OF}): {flat}"
