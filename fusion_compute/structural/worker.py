@@ -96,7 +96,7 @@ class Worker:
             self._cut()  # a wait on a peer that will never answer ends now
         if "revoke" in word or "bench" in word:  # bench: set aside (a suspect, not barred): no state kept
             self.wipe()
-            _log.info("revoked by the client: shards wiped")
+            _log.info(f"{'revoked' if 'revoke' in word else 'set aside as a suspect'} by the client: shards wiped")
         self.words.put(word)
 
     def on_client_gone(self) -> None:
