@@ -405,6 +405,8 @@ def _turn(
     stdout.flush()
     if info.get("finish_reason") == "cancelled":
         stderr.write("(stopped)\n")
+    elif info.get("finish_reason") == "abort":  # the server cut it (fusion serve stopping)
+        stderr.write("(the server stopped this reply before its end)\n")
     elif not "".join(parts).strip():
         stderr.write("(no text: the model ended its turn at once; /reset or rephrase)\n")
     elif interactive:
