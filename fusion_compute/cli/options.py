@@ -13,9 +13,9 @@ from typing import Any
 from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
-from ..runtime.engine_options import EngineOptions, default_backend
+from ..runtime.engine_options import EngineOptions, default_backend, default_threads, usable_cores
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
-from ..runtime.topology import GROUP_NAME, Topology, check_here
+from ..runtime.topology import GROUP_NAME, Topology, check_here, is_local_address, sharing_this_host
 from .logs import engine_notice
 from .parser import StoreFlag
 
@@ -462,7 +462,12 @@ def add_worker_args(g: dict[str, Any]) -> None:
     """`fusion worker`'s flags in their help groups ("workers", "network", "audit", "logging", "testing")."""
     w, net = g["workers"], g["network"]
     w.add_argument("--model", help=MODEL_HELP)
-    w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    w.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: this machine's cores divided among the topology's participants declared "
+        "on it, client included; without a topology, among this worker and a client on the same machine)",
+    )
     w.add_argument(
         "--device",
         help="cpu, cuda or cuda:K: where this worker computes (default: its topology entry's `device`, else cpu)",
@@ -536,6 +541,7 @@ def worker_options(a: argparse.Namespace) -> Any:
             if me is None or me.rank == 0:
                 raise UsageError(f"this worker's key ({key.public.fingerprint}) is not one of {topo.path}'s workers")
         check_here(me)
+        sharing, among = sharing_this_host(topo), f"the {Path(a.topology).name} participants on this machine"
         master = (topo.client.host, topo.port)
         client_key = None if a.insecure else topo.client.key
         listen_host, model = me.host, model or topo.model_for(me.rank)
@@ -554,11 +560,24 @@ def worker_options(a: argparse.Namespace) -> Any:
             if key is None or a.client_key is None:
                 raise UsageError("give --key FILE and --client-key LINE (or --insecure)")
             client_key = PublicId.parse(a.client_key, "--client-key")
+        # Without a topology a worker cannot know its neighbours; a client at an address of this
+        # machine shares its cores at least.
+        client_here = is_local_address(master[0])
+        sharing, among = 1 + client_here, "this worker and its client" if client_here else "this worker"
     if rank is not None and rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
     device = device or "cpu"
     if is_cuda(device):
         check_gpus([device], gpu_count())  # one line, exit 2, before it joins
+    threads = a.threads
+    if threads is None:
+        # Torch's default (every core) in each of several processes on one host oversubscribes it:
+        # their OpenMP threads spin against each other (engine_options.default_threads).
+        threads = default_threads(sharing)
+        logging.getLogger("fusion_compute.worker").info(
+            f"{threads} torch thread{'s' if threads != 1 else ''}: {usable_cores()} cores shared by {sharing} "
+            f"({among}); --threads N sets it"
+        )
     return WorkerOptions(
         master=master,
         key=key,
@@ -567,7 +586,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         listen_host=listen_host,
         rank=rank,
         group=group,
-        threads=a.threads,
+        threads=threads,
         timeout_s=a.timeout,
         join_timeout_s=a.join_timeout,
         device=device,
