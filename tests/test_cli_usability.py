@@ -54,3 +54,72 @@ def test_threads_below_one_are_refused(n):
 
     with pytest.raises(UsageError, match="--threads must be >= 1"):
         O.worker_options(worker_args("--master", "127.0.0.1:1", "--insecure", "--rank", "1", "--threads", str(n)))
+
+
+# ---- (3) errors a user can cause: one line in words ----
+
+
+def one_line(capsys, argv: list[str], code: int = 2, bug: bool = False) -> str:
+    """Run `fusion ARGV` in this process; it must fail with `code` and one stderr line, without an
+    exception's name unless it is a `bug`."""
+    from fusion_compute.cli.main import main
+
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    named = any(name in err for name in ("TypeError", "FileNotFoundError", "PermissionError", "OSError"))
+    assert named == bug, err
+    return err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_words(capsys):
+    # What a shell hands Python for the byte 0xff in an argument (surrogateescape).
+    err = one_line(capsys, ["generate", "--prompt", "caf\udcff"])
+    assert "--prompt is not UTF-8 text (byte 0xff at character 3)" in err
+
+
+@pytest.mark.parametrize("where", ["/proc/nope/run", "/dev/null/run"])
+def test_an_audit_dir_that_cannot_be_made_is_refused_before_anything_loads(capsys, where):
+    err = one_line(capsys, ["generate", "--mode", "masked", "--workers", "1+1", "--prompt", "hi", "--audit-dir", where])
+    assert f"--audit-dir {where}: cannot create it:" in err
+    err = one_line(capsys, ["audit", "run", "--out", where])
+    assert f"--out {where}: cannot create it:" in err
+
+
+def test_an_unexpected_error_names_the_debug_variable(capsys, monkeypatch):
+    """A bug still ends in one line, which says how to see the traceback (README documents it)."""
+    from fusion_compute.cli import main as cli_main
+
+    def broken(a):
+        raise TypeError("TextInputSequence must be str")
+
+    monkeypatch.setattr(cli_main, "cmd_plan", broken)
+    err = one_line(capsys, ["plan"], code=1, bug=True)
+    assert "unexpected TypeError: TextInputSequence must be str" in err and "FUSION_DEBUG=1" in err
+    monkeypatch.setenv("FUSION_DEBUG", "1")
+    with pytest.raises(TypeError):
+        cli_main.main(["plan"])
+
+
+@pytest.mark.slow
+def test_output_piped_into_a_reader_that_left_ends_quietly(tiny_qwen2):
+    """`fusion generate ... | head -c 10`: the reader closes the pipe; the run stops with the shell's
+    SIGPIPE status and nothing on stderr but its log lines (no BrokenPipeError, no "Exception ignored")."""
+    import os
+    import subprocess
+
+    from procs import FUSION, LOG_LINE
+
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the answer
+    try:
+        p = subprocess.Popen(
+            [*FUSION, "generate", "--model", str(tiny_qwen2), "--workers", "1", "--prompt-ids", "1,2,3",
+             "--max-tokens", "2", "--json"],
+            stdin=subprocess.DEVNULL, stdout=write, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    _, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if not LOG_LINE.match(ln)]
+    assert p.returncode == 141 and lines == [], err

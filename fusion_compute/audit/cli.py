@@ -110,6 +110,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")
+    from ..cli.options import writable_dir
+
+    writable_dir(a.out, "--out", AuditCliError)
     cfg = RunConfig(
         out=out,
         model=a.model,

@@ -15,6 +15,7 @@ from . import logs
 from . import options as O
 from .parser import FusionParser, flag_name, help_groups
 
+DEBUG_ENV = "FUSION_DEBUG"  # set (to anything) to get the traceback of an unexpected error
 DEFAULT_NEW_TOKENS = 64  # generate's reply limit when --max-tokens is not given (capped by the context)
 
 # ---- generate ----
@@ -40,6 +41,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     masked = a.mode == "masked"
     if a.audit_dir is not None and not masked:
         raise UsageError("--audit-dir is for --mode masked; the structural audit is `fusion audit run`")
+    if a.prompt is not None:
+        O.prompt_text(a.prompt)
+    O.writable_dir(a.audit_dir, "--audit-dir")
     opts = O.engine_options(a, masked=masked)
     if masked:
         opts.audit_dir = a.audit_dir
@@ -399,18 +403,28 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "fusion" + (f" {a.cmd}" if a.cmd else "")
     prefix += f" (rank {a.rank})" if a.cmd == "worker" and getattr(a, "rank", None) else ""
     try:
-        return func(a)
+        code = func(a)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except FusionError as e:
         logs.error_line(prefix, str(e))
         return e.exit_code
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # anything else still gets one line; FUSION_DEBUG=1 shows the traceback
-        if os.environ.get("FUSION_DEBUG"):
+    except BrokenPipeError:
+        # Whoever read our output left (`| head`): stop quietly, as coreutils do, with the shell's
+        # status for SIGPIPE. Python would report the same error again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
+    except Exception as e:  # a bug: still one line, and how to see more (FUSION_DEBUG=1: the traceback)
+        if os.environ.get(DEBUG_ENV):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        logs.error_line(prefix, f"{type(e).__name__}: {first}")
+        logs.error_line(
+            prefix, f"unexpected {type(e).__name__}: {first} (a bug: rerun with {DEBUG_ENV}=1 for the traceback)"
+        )
         return 1
 
 

@@ -95,6 +95,34 @@ def add_deprecated_alias(p: Any, old: str, successor: str, **kw: Any) -> None:
     )
 
 
+def writable_dir(path: str | None, flag: str, error: type[Exception] = UsageError) -> None:
+    """Make `path` (a directory the run will write into) now, or refuse it in words: a run must not
+    load a model and start workers to fail on its first write."""
+    if path is None:
+        return
+    import os
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise error(f"{flag} {path}: cannot create it: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise error(f"{flag} {path}: not writable by this user")
+
+
+def prompt_text(text: str, flag: str = "--prompt") -> str:
+    """`text` as the tokenizer can take it. A command-line argument that is not UTF-8 arrives with its
+    bad bytes as lone surrogates (Python's surrogateescape), which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise UsageError(
+            f"{flag} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); convert it, e.g. with iconv"
+        ) from None
+    return text
+
+
 def positive(value: float | int | None, flag: str, minimum: float = 0, strict: bool = True) -> None:
     if value is None:
         return
@@ -523,6 +551,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         raise UsageError(f"--threads must be >= 1, got {a.threads}")
     positive(a.timeout, "--timeout")
     positive(a.join_timeout, "--join-timeout")
+    writable_dir(a.audit_dir, "--audit-dir")
     key = None if a.insecure else load_key(a.key)
     listen_host, rank, group, model, device = None, a.rank, a.group, a.model, a.device
     if a.topology:
