@@ -6,8 +6,8 @@ or joins them with --topology / --master). Remote: `--url http://127.0.0.1:8000`
 
 Each turn sends the whole conversation through the model's chat template; when it no longer fits
 the context window, the oldest turns are dropped (the system prompt stays). Ctrl-C stops a reply
-(the engine finishes its current step, so the workers stay in step); Ctrl-C or Ctrl-D at the prompt
-leaves.
+(the engine finishes its current step, so the workers stay in step); at the prompt it drops the line
+being typed; Ctrl-D or /quit leaves.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ HELP = """commands:
                   enroll a standby: local runs spawn one; otherwise name its public key (and host);
                   masked jobs name its group (A, B or B1..Bk)
   /exit, /quit    leave (Ctrl-D too)
-Ctrl-C stops a reply."""
+Ctrl-C stops a reply, or drops the line being typed."""
 
 
 class ChatError(Exception):
@@ -51,6 +51,7 @@ class LocalBackend:
         self.gateway = gateway
         self.model = gateway.card.id
         self.workers = gateway.n_workers
+        self.context: int | None = gateway.card.context
 
     def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:
         from pydantic import ValidationError
@@ -113,10 +114,12 @@ class HttpBackend:
             self.model = models["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             raise ChatError(f"{url}: /v1/models lists no model") from None
-        try:  # the gateway's /health names the worker count (informational only)
-            self.workers = self._get("/health", root=True).get("workers")
-        except (ChatError, ValueError):
-            self.workers = None
+        self.workers = self.context = None
+        try:  # the gateway's /health names the worker count and the context window
+            health = self._get("/health", root=True)
+            self.workers, self.context = health.get("workers"), health.get("context")
+        except (ChatError, ValueError, AttributeError):
+            pass
 
     def _connection(self) -> Any:
         import http.client
@@ -276,9 +279,17 @@ def chat_loop(
                 line = stdin.readline()
                 if not line:
                     raise EOFError
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             stdout.write("\n")
             return 0
+        except KeyboardInterrupt:
+            stdout.write("\n")
+            if not interactive:  # a script's chat: Ctrl-C ends it
+                return 0
+            # As Ollama and Python's REPL: Ctrl-C drops the line being typed, never the conversation.
+            stderr.write("(Ctrl-D or /quit leaves)\n")
+            stderr.flush()
+            continue
         text = line.strip()
         if not text:
             continue
@@ -296,7 +307,7 @@ def chat_loop(
                 history.clear()
                 stdout.write(f"(system prompt {'set' if system else 'cleared'}; new conversation)\n")
             elif cmd == "/set":
-                stdout.write(_set_param(params, arg) + "\n")
+                stdout.write(_set_param(params, arg, getattr(backend, "context", None)) + "\n")
             elif cmd in ("/workers", "/revoke", "/add"):
                 stdout.write(_membership(backend, cmd, arg) + "\n")
             elif cmd == "/history":
@@ -358,16 +369,50 @@ def _address(where: str | None) -> str:
 _PARAMS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
-def _set_param(params: dict, arg: str) -> str:
-    """`/set KEY VALUE`: the value is checked by the next request, like any request parameter."""
+def _set_param(params: dict, arg: str, context: int | None = None) -> str:
+    """`/set KEY VALUE`: checked now as every request will check it (the API's request model, then the
+    sampling values; max_tokens against the context window), so that a value the engine would refuse
+    is refused here, not by every turn after it."""
     key, _, value = arg.strip().partition(" ")
     if key not in _PARAMS:
         return f"/set takes one of {', '.join(_PARAMS)}"
     try:
-        params[key] = _PARAMS[key](value.strip())
+        parsed = _PARAMS[key](value.strip())
     except ValueError:
         return f"{key} takes a{'n integer' if _PARAMS[key] is int else ' number'}, got {value.strip()!r}"
+    why = _refused({**params, key: parsed}, context)
+    if why is not None:
+        return f"({key} not set: {why}; it stays {params.get(key, 'the default')})"
+    params[key] = parsed
     return f"({key} = {params[key]})"
+
+
+def _refused(params: dict, context: int | None) -> str | None:
+    """Why a request with these parameters would be refused whatever its messages, else None."""
+    from pydantic import ValidationError
+
+    from ..generation.sampling_params import SamplingError, SamplingParams
+    from ..serving.openai_protocol import ChatCompletionRequest, describe_validation_error
+
+    try:
+        body = ChatCompletionRequest.model_validate(
+            {"model": "-", "messages": [{"role": "user", "content": "-"}], **params}
+        )
+    except ValidationError as e:
+        return describe_validation_error(e.errors(include_url=False))[0]
+    try:  # gateway._request's values
+        SamplingParams(
+            temperature=body.temperature or 0.0,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
+    except SamplingError as e:
+        return str(e)
+    n = params.get("max_tokens")
+    if context is not None and n is not None and n >= context:
+        return f"max_tokens {n} leaves no room for any prompt in the {context}-token context; at most {context - 1}"
+    return None
 
 
 def _turn(
