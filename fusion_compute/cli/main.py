@@ -122,6 +122,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
             first.arrived()
         tail = stream.flush() if stream is not None else ""
         text = "".join(pieces) + tail  # what streamed: an incomplete last character is dropped, not U+FFFD
+        if not a.json:
+            # The answer's line ends before the next log line: with stdout and stderr in one file
+            # (`> run.log 2>&1`) the "done" line would otherwise follow the answer on its line.
+            sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
+            sys.stdout.flush()
         log.info(
             f"done: {len(res.token_ids)} tokens in {res.steps} steps ({res.finish_reason}), first after "
             f"{res.ttft_s:.1f} s, then {res.decode_tokens_per_s:.2f} tokens/s"
@@ -134,7 +139,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "token_ids": res.token_ids,
                 "text": text,
                 "prompt_tokens": res.prompt_tokens,
-                "workers": opts.n_workers,
+                "workers": engine.plan.n,  # at the end: fewer than asked for after a loss without a standby
                 "finish_reason": res.finish_reason,
                 "steps": res.steps,
                 "timing": {
@@ -159,9 +164,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
                     "verified": {"token_checks": v.checks, "failed": v.failures} if v else None,
                 }
             print(json.dumps(out))
-        else:
-            sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
-            sys.stdout.flush()
     return 0
 
 
