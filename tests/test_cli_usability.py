@@ -123,3 +123,80 @@ def test_output_piped_into_a_reader_that_left_ends_quietly(tiny_qwen2):
     _, err = p.communicate(timeout=120)
     lines = [ln for ln in err.splitlines() if not LOG_LINE.match(ln)]
     assert p.returncode == 141 and lines == [], err
+
+
+# ---- (6) the silences ----
+
+
+@pytest.mark.slow
+def test_a_client_whose_workers_never_join_says_it_is_waiting(tiny_qwen2, tmp_path, capsys, monkeypatch):
+    """Off a terminal, a topology client used to print nothing until --join-timeout ran out (120 s by
+    default). It notes the wait, where, and how long it will go on; the first note comes sooner here."""
+    from fusion_compute.cli.main import main
+    from fusion_compute.runtime import engine
+
+    monkeypatch.setattr(engine, "WAIT_NOTE_S", (0.5, 60.0))
+    ids = keys(3)
+    paths = write_keys(tmp_path, ids)
+    topo = tmp_path / "t.toml"
+    topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"]))
+    argv = ["generate", "--model", str(tiny_qwen2), "--topology", str(topo), "--key", str(paths[0])]
+    assert main([*argv, "--prompt-ids", "1,2", "--join-timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    waiting = [ln for ln in err.splitlines() if "waiting for 2 workers to join at 127.0.0.1:" in ln]
+    assert len(waiting) == 1 and "giving up after 2 s (--join-timeout)" in waiting[0], err
+    assert "fusion worker --topology FILE --key" in waiting[0], err
+    assert "did not join in time" in err.splitlines()[-1], err
+
+
+# ---- (7) the smaller things ----
+
+
+@pytest.mark.slow
+def test_the_json_names_the_workers_a_run_finished_on(tiny_qwen2, capsys, monkeypatch):
+    """--workers 3, one lost mid-run without a standby: the run finishes on 2, and "workers" says 2
+    (it said 3, the number asked for). The loss is the test fault that closes a link mid-message."""
+    import json
+
+    from fusion_compute.cli import main as cli_main
+
+    made = O.engine_options
+
+    def with_fault(a, masked=False):
+        opts = made(a, masked)
+        opts.args_for_worker = {3: ("--inject-fault", "close-mid-message@4")}
+        return opts
+
+    monkeypatch.setattr(O, "engine_options", with_fault)
+    argv = ["generate", "--model", str(tiny_qwen2), "--workers", "3", "--threads", "1", "--prompt-ids", "1,2,3"]
+    assert cli_main.main([*argv, "--max-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["recoveries"]) == 1 and out["recoveries"][0]["lost"] == [3], out["recoveries"]
+    assert out["workers"] == 2
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    from test_serve import build_chat_model
+
+    return build_chat_model(tmp_path_factory.mktemp("text-model"))
+
+
+@pytest.mark.slow
+def test_the_answer_and_the_log_never_share_a_line(text_model):
+    """`fusion generate ... > run.log 2>&1`: the streamed answer used to end without its newline until
+    after the "done" log line, which then followed the answer on its line."""
+    import subprocess
+
+    from procs import LOG_LINE, fusion
+
+    p = fusion(
+        "generate", "--model", str(text_model), "--workers", "1", "--threads", "1", "--raw", "--prompt",
+        "hello world", "--max-tokens", "6", stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = p.communicate(timeout=120)
+    assert p.wait() == 0, out
+    lines = out.splitlines()
+    answer = [ln for ln in lines if not LOG_LINE.match(ln)]
+    assert len(answer) == 1 and answer[0].strip(), out  # the answer, on a line of its own
+    assert all(LOG_LINE.match(ln) for ln in lines if "fusion generate: " in ln), out
