@@ -285,3 +285,38 @@ def test_local_backend_reports_bad_values_and_a_full_context(tmp_path):
     with pytest.raises(ChatError) as e:
         backend.reply({"messages": [{"role": "user", "content": "hello world " * 40}]}, pieces.append, lambda: False)
     assert e.value.context_full
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_chat_url_at_another_server_says_so_in_one_line(capsys, status):
+    """Issue 45: `fusion chat --url` at a server that is not a fusion serve dumped its HTML page. One
+    line now, naming what it asked and what it got, without the page."""
+    import http.server
+    import threading
+
+    from fusion_compute.cli.main import main
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<!DOCTYPE html>\n<html><body><h1>It works</h1>\n</body></html>\n"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert main(["chat", "--url", f"http://127.0.0.1:{server.server_address[1]}"]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "<" not in err and "Traceback" not in err, err
+    assert "/v1/models" in err and "is it a `fusion serve`?" in err, err

@@ -200,3 +200,78 @@ def test_the_answer_and_the_log_never_share_a_line(text_model):
     answer = [ln for ln in lines if not LOG_LINE.match(ln)]
     assert len(answer) == 1 and answer[0].strip(), out  # the answer, on a line of its own
     assert all(LOG_LINE.match(ln) for ln in lines if "fusion generate: " in ln), out
+
+
+def test_an_empty_prompt_is_a_wrong_command_line(capsys):
+    assert "empty prompt" in one_line(capsys, ["generate", "--prompt", ""])
+    assert "empty prompt" in one_line(capsys, ["generate", "--prompt-ids", ""])
+
+
+def test_a_context_beyond_the_models_window_is_refused(tiny_qwen2, capsys):
+    """--context 100000 on an 8192-token model silently ran with 8192; now it is refused, naming the
+    window (tiny_qwen2's is 256)."""
+    err = one_line(capsys, ["generate", "--model", str(tiny_qwen2), "--prompt-ids", "1,2", "--context", "1000"])
+    assert "--context 1000 is beyond the model's window of 256 tokens" in err
+
+
+def test_a_hub_id_gets_a_hint_to_download_it_first(capsys):
+    err = one_line(capsys, ["plan", "--model", "HuggingFaceTB/SmolLM2-360M-Instruct"], code=1)
+    assert "model not found" in err and "hf download HuggingFaceTB/SmolLM2-360M-Instruct --local-dir" in err
+    err = one_line(capsys, ["plan", "--model", "/no/such/model"], code=1)  # a path: no hint
+    assert "model not found" in err and "Hub" not in err
+
+
+# ---- prompts from a file or stdin ----
+
+
+def test_the_prompt_from_stdin_or_a_file(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Grüße\nzwei Zeilen\n".encode())))
+    assert O.prompt_from("-", "--prompt -") == "Grüße\nzwei Zeilen"  # echo's newline dropped, the inner kept
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"from a file\n\n")
+    assert O.prompt_from(str(f), "--prompt-file") == "from a file\n"
+    f.write_bytes(b"caf\xe9\n")  # Latin-1
+    assert "is not UTF-8 text (byte 0xe9 at offset 3)" in one_line(capsys, ["generate", "--prompt-file", str(f)])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff")))
+    assert "--prompt - (stdin) is not UTF-8" in one_line(capsys, ["generate", "--prompt", "-"])
+    err = one_line(capsys, ["generate", "--prompt-file", str(tmp_path / "none.txt")])
+    assert "cannot read it: No such file or directory" in err
+    assert "not both" in one_line(capsys, ["generate", "--prompt", "x", "--prompt-file", str(f)])
+
+
+# ---- defaults from the environment ----
+
+
+def test_repeated_flags_come_from_the_environment(tmp_path, monkeypatch, capsys):
+    """$FUSION_MODEL, $FUSION_TOPOLOGY, $FUSION_KEY and $FUSION_PORT fill the flags left out; a flag
+    given wins, and a topology from the environment yields to --workers."""
+    monkeypatch.setenv("FUSION_MODEL", "/no/such/env-model")
+    assert "model not found: /no/such/env-model" in one_line(capsys, ["plan"], code=1)
+    assert "model not found: /no/such/flag" in one_line(capsys, ["plan", "--model", "/no/such/flag"], code=1)
+    monkeypatch.delenv("FUSION_MODEL")
+
+    ids = keys(3)
+    paths = write_keys(tmp_path, ids)
+    topo = tmp_path / "t.toml"
+    topo.write_text(topo_text(ids, ["127.0.0.1", "127.0.0.1"]))
+    monkeypatch.setenv("FUSION_TOPOLOGY", str(topo))
+    monkeypatch.setenv("FUSION_KEY", str(paths[2]))
+    a = worker_args()
+    O.apply_env_defaults(a)
+    assert O.worker_options(a).rank == 2  # found itself in the file by the key
+    a = build_parser().parse_args(["generate", "--workers", "3", "--prompt", "hi"])
+    O.apply_env_defaults(a)
+    assert a.topology is None and a.key is None  # a local run: neither applies
+
+    monkeypatch.setenv("FUSION_PORT", "80x")
+    assert "$FUSION_PORT must be a port number, got '80x'" in one_line(capsys, ["serve"])
+    monkeypatch.setenv("FUSION_PORT", "8123")
+    a = build_parser().parse_args(["serve"])
+    O.apply_env_defaults(a)
+    assert a.port == 8123
+    a = build_parser().parse_args(["serve", "--port", "9000"])
+    O.apply_env_defaults(a)
+    assert a.port == 9000

@@ -146,10 +146,17 @@ class HttpBackend:
             conn.close()
 
     def _get(self, path: str, root: bool = False) -> dict:
-        status, data = self._request("GET", (self.base.removesuffix("/v1") if root else self.base) + path)
+        url = (self.base.removesuffix("/v1") if root else self.base) + path
+        status, data = self._request("GET", url)
         if status != 200:
-            raise ChatError(f"GET {path}: HTTP {status}: {_error_message(data)}")
-        return json.loads(data)
+            raise ChatError(f"GET {url}: HTTP {status}: {_error_message(data)}")
+        try:
+            out = json.loads(data)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            raise ChatError(f"GET {url} at {self.host}:{self.port} did not answer JSON: is it a `fusion serve`?")
+        return out
 
     def membership(self, action: str, **kw: Any) -> dict:
         """The server's /admin endpoints (it must run with --api-key)."""
@@ -178,7 +185,7 @@ class HttpBackend:
                 data = resp.read()
                 err = _error_body(data)
                 raise ChatError(
-                    f"HTTP {resp.status}: {err.get('message', data[:200])}",
+                    f"HTTP {resp.status}: {_error_message(data)}",
                     context_full=err.get("code") == "context_length_exceeded",
                 )
             for raw in resp:  # bounded: the server ends every stream with [DONE] (or closes it)
@@ -218,13 +225,19 @@ class HttpBackend:
 
 def _error_body(data: bytes) -> dict:
     try:
-        return json.loads(data).get("error") or {}
-    except (json.JSONDecodeError, AttributeError):
+        err = json.loads(data).get("error") or {}
+    except (ValueError, AttributeError):
         return {}
+    return err if isinstance(err, dict) else {}
 
 
 def _error_message(data: bytes) -> str:
-    return _error_body(data).get("message") or data[:200].decode(errors="replace")
+    """The API's error message; for anything else (another server's HTML page), a word about it, never
+    the page itself."""
+    message = _error_body(data).get("message")
+    if isinstance(message, str) and message:
+        return message.splitlines()[0] if message.strip() else message
+    return f"not an API error ({len(data)} bytes that are not this API's JSON): is it a `fusion serve`?"
 
 
 class _Interrupt:

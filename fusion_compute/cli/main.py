@@ -24,14 +24,19 @@ DEFAULT_NEW_TOKENS = 64  # generate's reply limit when --max-tokens is not given
 def cmd_generate(a: argparse.Namespace) -> int:
     from ..generation.sampling_params import SamplingParams
     from ..runtime.progress import is_tty, load_monitor, log_startup, startup_lines
-    from ..weights.source import resolve_model_path
 
     # Bars and the start-up table on a terminal; off one, timestamped lines (logs.py).
     tty = is_tty(sys.stderr) and a.log_format == "text"
     log = logs.setup("fusion generate", quiet=a.quiet, fmt=a.log_format, info=not tty)
     # The command line's own checks first: a bad value is refused before torch or the model loads.
+    if a.prompt_file is not None:
+        if a.prompt is not None:
+            raise UsageError("give --prompt or --prompt-file, not both")
+        a.prompt = O.prompt_from(a.prompt_file, f"--prompt-file {a.prompt_file}")
+    elif a.prompt == "-":
+        a.prompt = O.prompt_from("-", "--prompt - (stdin)")
     if (a.prompt is None) == (a.prompt_ids is None):
-        raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+        raise UsageError("give exactly one of --prompt TEXT (- reads stdin), --prompt-file FILE or --prompt-ids 1,2,3")
     if a.chat and a.raw:
         raise UsageError("--chat and --raw are opposites: give one (the chat template is the default)")
     if a.chat and a.prompt is None:
@@ -54,13 +59,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UsageError(f"{max_flag} must be >= 1, got {a.max_tokens}")
     given_ids = None if a.prompt_ids is None else O.int_list(a.prompt_ids, "--prompt-ids")
     if not (given_ids if a.prompt is None else a.prompt.strip()):
-        raise InputError("empty prompt")
+        raise UsageError(f"empty prompt: {'--prompt' if a.prompt is not None else '--prompt-ids'} has nothing in it")
     t_start = time.perf_counter()
-    path = resolve_model_path(a.model)
+    path = O.model_path(a.model)
 
     from ..generation.generate import generate
     from ..generation.result import check_prompt
-    from ..runtime.engine_options import effective_context
     from ..weights.loader import open_weights
 
     src = open_weights(path)
@@ -74,7 +78,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if not chat and not a.raw:
             log.info(f"{path.name} has no chat template: the prompt is continued as plain text")
     # Validate before any worker starts: bad input never costs a spawn.
-    context = effective_context(src.config.max_positions, a.context)
+    context = O.context_for(src.config.max_positions, a.context)
     check_prompt(ids, src.config.vocab, context, 1)
     speculator = O.speculator_for(spec, src.config, context)  # the draft model loads (and is checked) here
     max_tokens = new_tokens_limit(a.max_tokens, max_flag, len(ids), context, src.config.max_positions, log)
@@ -231,7 +235,6 @@ class FirstToken:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from ..weights.source import resolve_model_path
 
     masked = a.mode == "masked"
     if masked != isinstance(a.workers, tuple):
@@ -245,7 +248,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if not masked and a.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {a.workers}")
     # Bad paths are refused here, before torch loads (seconds) with the weights' reader.
-    path = resolve_model_path(a.model)
+    path = O.model_path(a.model)
     if a.picture and not os.path.isdir(os.path.dirname(os.path.abspath(a.picture))):
         raise InputError(f"--picture {a.picture}: no such directory")
     from ..weights.loader import open_weights
@@ -327,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text (spawns local workers unless --topology)")
     gs = help_groups(g, "prompt", "sampling", "workers", "network", "recovery", "speculative", "audit", "logging")
     pr = gs["prompt"]
-    pr.add_argument("--prompt", help="prompt text, sent through the model's chat template (see --raw)")
+    pr.add_argument("--prompt", help="prompt text, sent through the model's chat template (see --raw); - reads stdin")
+    pr.add_argument("--prompt-file", metavar="FILE", help="the prompt text from FILE (UTF-8)")
     pr.add_argument("--prompt-ids", help="prompt as comma-separated token ids, as they are")
     pr.add_argument(
         "--raw",
@@ -405,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "fusion" + (f" {a.cmd}" if a.cmd else "")
     prefix += f" (rank {a.rank})" if a.cmd == "worker" and getattr(a, "rank", None) else ""
     try:
+        O.apply_env_defaults(a)
         code = func(a)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return code

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,87 @@ def prompt_text(text: str, flag: str = "--prompt") -> str:
             f"{flag} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); convert it, e.g. with iconv"
         ) from None
     return text
+
+
+MAX_PROMPT_FILE = 16 << 20  # bytes: far beyond any context window's worth of text
+
+
+def prompt_from(source: str, flag: str) -> str:
+    """The prompt text of `--prompt -` (stdin) or `--prompt-file FILE`: UTF-8, one trailing newline
+    (what `echo` and editors add) dropped."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
+        else:
+            with open(source, "rb") as f:
+                data = f.read(MAX_PROMPT_FILE + 1)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read it: {e.strerror or e}") from None
+    if len(data) > MAX_PROMPT_FILE:
+        raise UsageError(f"{flag}: more than {MAX_PROMPT_FILE >> 20} MiB: no context window holds that")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def model_path(model: str | None) -> Path:
+    """weights.source.resolve_model_path, with a hint when a missing model looks like a Hugging Face Hub
+    id (`org/name`): this program never downloads anything."""
+    from ..weights.source import resolve_model_path
+
+    try:
+        return resolve_model_path(model)
+    except FusionError as e:
+        if model is not None and HUB_ID.match(model) and not Path(model).expanduser().exists():
+            name = model.split("/")[1]
+            raise type(e)(
+                f"{e}: that looks like a Hugging Face Hub id, and fusion never downloads: fetch it first "
+                f"(`hf download {model} --local-dir {name}`) and give that directory"
+            ) from None
+        raise
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+# ---- defaults from the environment ----
+
+# The flags people repeat, once per shell (a flag on the command line always wins; README, "Usage").
+ENV_MODEL, ENV_TOPOLOGY, ENV_KEY, ENV_PORT = "FUSION_MODEL", "FUSION_TOPOLOGY", "FUSION_KEY", "FUSION_PORT"
+DEFAULT_PORT = 8000
+_MODEL_COMMANDS = ("generate", "chat", "serve", "worker", "plan", "audit")
+
+
+def apply_env_defaults(a: argparse.Namespace) -> None:
+    """Fill the flags left out from $FUSION_MODEL, $FUSION_TOPOLOGY, $FUSION_KEY and $FUSION_PORT.
+    A topology from the environment yields to a command line that names its workers another way
+    (--workers, --master, chat's --url); the key applies where a key is needed (a topology, a worker
+    joining with --master); the model yields to the topology file's `model` (`model_from_env`)."""
+    import os
+
+    env, cmd = os.environ, getattr(a, "cmd", None)
+    if getattr(a, "topology", "absent") is None and env.get(ENV_TOPOLOGY):
+        if getattr(a, "workers", None) is None and not getattr(a, "master", None) and not getattr(a, "url", None):
+            a.topology = env[ENV_TOPOLOGY]
+    if getattr(a, "key", "absent") is None and env.get(ENV_KEY):
+        worker_joining = cmd == "worker" and a.master and not a.insecure
+        if a.topology or worker_joining:
+            a.key = env[ENV_KEY]
+    if cmd in _MODEL_COMMANDS and getattr(a, "model", "absent") is None and not getattr(a, "topology", None):
+        a.model = env.get(ENV_MODEL) or None
+    if cmd == "serve" and a.port is None:
+        text = env.get(ENV_PORT, str(DEFAULT_PORT))
+        if not text.strip().isdigit():
+            raise UsageError(f"${ENV_PORT} must be a port number, got {text!r}")
+        a.port = int(text)
+
+
+def model_from_env() -> str | None:
+    import os
+
+    return os.environ.get(ENV_MODEL) or None
 
 
 def positive(value: float | int | None, flag: str, minimum: float = 0, strict: bool = True) -> None:
@@ -392,7 +474,7 @@ def _topology(a: argparse.Namespace) -> Topology | None:
             "--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master"
         )
     topo = Topology.load(a.topology)
-    a.model = a.model or topo.model_for(0)
+    a.model = a.model or topo.model_for(0) or model_from_env()
     return topo
 
 
@@ -466,6 +548,19 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
             "cluster's network; the client's links stay TLS"
         )
     return opts
+
+
+def context_for(model_window: int, requested: int | None) -> int:
+    """KV positions per session for `--context` (engine_options.effective_context), refusing a value
+    beyond the model's window rather than quietly running with less."""
+    from ..runtime.engine_options import DEFAULT_CONTEXT, effective_context
+
+    if requested is not None and requested > model_window:
+        raise UsageError(
+            f"--context {requested} is beyond the model's window of {model_window} tokens: give at most "
+            f"{model_window} (without it: {min(model_window, DEFAULT_CONTEXT)})"
+        )
+    return effective_context(model_window, requested)
 
 
 def tokenizer_for(path: Path, src: Any, needed: bool) -> Any:
@@ -573,7 +668,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         sharing, among = sharing_this_host(topo), f"the {Path(a.topology).name} participants on this machine"
         master = (topo.client.host, topo.port)
         client_key = None if a.insecure else topo.client.key
-        listen_host, model = me.host, model or topo.model_for(me.rank)
+        listen_host, model = me.host, model or topo.model_for(me.rank) or model_from_env()
         rank = rank if rank is not None else me.rank
         group = group or me.group
         device = device or me.device

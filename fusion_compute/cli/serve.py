@@ -40,7 +40,7 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
         help="masked: --workers A+B (or A+B1+...+Bk) compute on one-time-pad-masked data (docs/masked.md)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    s.add_argument("--port", type=int, help="port (default $FUSION_PORT, else 8000; 0 = any free port)")
     s.add_argument("--served-model-name", help="model id for the API (default: the model file or directory name)")
     s.add_argument(
         *MAX_TOKENS_FLAGS,
