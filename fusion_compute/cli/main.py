@@ -274,6 +274,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
             write_svg(picture(plan), a.picture)
         except OSError as e:
             raise InputError(f"--picture {a.picture}: {e.strerror or e}") from None
+        what = "what group A and each mask group receive" if masked else "which worker owns which coordinates"
+        print(f"fusion plan: wrote {a.picture}: {what} (SVG)", file=sys.stderr)
     print(plan.to_json())
     return 0
 
