@@ -200,6 +200,7 @@ def test_the_answer_and_the_log_never_share_a_line(text_model):
     answer = [ln for ln in lines if not LOG_LINE.match(ln)]
     assert len(answer) == 1 and answer[0].strip(), out  # the answer, on a line of its own
     assert all(LOG_LINE.match(ln) for ln in lines if "fusion generate: " in ln), out
+    assert ", 1 worker (structural), prompt " in out and "1 workers" not in out  # plurals (issue 45)
 
 
 def test_an_empty_prompt_is_a_wrong_command_line(capsys):
@@ -275,3 +276,10 @@ def test_repeated_flags_come_from_the_environment(tmp_path, monkeypatch, capsys)
     a = build_parser().parse_args(["serve", "--port", "9000"])
     O.apply_env_defaults(a)
     assert a.port == 9000
+
+
+def test_counts_take_their_nouns_number():
+    from fusion_compute.cli.logs import counted
+
+    assert [counted(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
+    assert counted(1, "cold start") == "1 cold start" and counted(5, "cold start") == "5 cold starts"

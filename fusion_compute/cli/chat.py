@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
+from .logs import counted
 from .options import add_api_key_args, api_key
 
 HELP = """commands:
@@ -278,7 +279,7 @@ def chat_loop(
             pass
         stderr.write(
             f"fusion chat: {backend.model}"
-            + (f" on {backend.workers} workers" if backend.workers else "")
+            + (f" on {counted(backend.workers, 'worker')}" if backend.workers else "")
             + ". /help for commands, Ctrl-D to leave.\n"
         )
         stderr.flush()
@@ -472,11 +473,16 @@ def _turn(
         timing = info.get("timing") or {}
         fusion = info.get("fusion") or {}
         audit = (fusion.get("audit") or {}).get("checked")
-        bits = [f"{usage.get('completion_tokens', '?')} tokens"]
+        n = usage.get("completion_tokens")
+        bits = [counted(n, "token") if isinstance(n, int) else "? tokens"]
         if timing.get("decode_tokens_per_s"):
             bits.append(f"{timing['decode_tokens_per_s']:.1f} tok/s")
         if fusion.get("workers"):
-            bits.append(f"{fusion['workers']} workers, {fusion.get('steps', '?')} steps")
+            steps = fusion.get("steps")
+            bits.append(
+                f"{counted(fusion['workers'], 'worker')}, "
+                + (counted(steps, "step") if isinstance(steps, int) else "? steps")
+            )
         if audit:  # a live reply is never audited (serving/gateway.py); say nothing unless one was
             bits.append("audit checked")
         stderr.write("\x1b[2m[" + " · ".join(bits) + "]\x1b[0m\n" if stderr.isatty() else "[" + ", ".join(bits) + "]\n")

@@ -88,10 +88,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from ..masked.client import MaskedEngine as Engine  # same interface as the structural Engine
     else:
         from ..structural.client import Engine
-    workers = "+".join(map(str, opts.sizes)) if masked else str(opts.n_workers)
+    workers = f"{'+'.join(map(str, opts.sizes))} workers" if masked else logs.counted(opts.n_workers, "worker")
     log.info(
-        f"starting: {path.name}, {workers} workers ({a.mode}), prompt {len(ids)} tokens, up to {max_tokens} new, "
-        f"context {context}"
+        f"starting: {path.name}, {workers} ({a.mode}), prompt {logs.counted(len(ids), 'token')}, up to "
+        f"{max_tokens} new, context {context}"
     )
     with Engine(path, opts, source=src) as engine:
         load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
@@ -132,7 +132,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
             sys.stdout.flush()
         log.info(
-            f"done: {len(res.token_ids)} tokens in {res.steps} steps ({res.finish_reason}), first after "
+            f"done: {logs.counted(len(res.token_ids), 'token')} in {logs.counted(res.steps, 'step')} "
+            f"({res.finish_reason}), first after "
             f"{res.ttft_s:.1f} s, then {res.decode_tokens_per_s:.2f} tokens/s"
         )
         warning = no_text_warning(text, res.token_ids, res.finish_reason, chat) if tok is not None else None
@@ -177,7 +178,7 @@ def no_text_warning(text: str, token_ids: list[int], finish_reason: str, chat: b
         return None
     why = "it ended its turn at once" if finish_reason == "stop" else "blank or special tokens only"
     hint = "--raw continues the prompt as plain text instead" if chat else "without --raw the chat template applies"
-    return f"the model produced no text ({len(token_ids)} tokens: {why}); {hint}"
+    return f"the model produced no text ({logs.counted(len(token_ids), 'token')}: {why}); {hint}"
 
 
 def new_tokens_limit(requested: int | None, flag: str, n_prompt: int, context: int, window: int, log) -> int:

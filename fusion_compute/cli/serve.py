@@ -145,7 +145,7 @@ def cmd_serve(a: Any) -> int:
         batch = f", up to {a.max_batch} requests at once" if a.max_batch > 1 else ""
         log(
             f"fusion serve: listening on http://{shown}:{port}/v1 "
-            f"(model {gateway.card.id}, {gateway.n_workers} workers{batch})"
+            f"(model {gateway.card.id}, {logs.counted(gateway.n_workers, 'worker')}{batch})"
         )
         if key is not None:  # the page exists only with a key (control_page.py)
             log(f"fusion serve: control page: http://{shown}:{port}/control")
