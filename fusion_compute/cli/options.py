@@ -278,7 +278,7 @@ def api_key(a: argparse.Namespace, prog: str) -> str | None:
 # ---- engine (client side) ----
 
 
-MODEL_HELP = "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)"
+MODEL_HELP = "HF model directory or .gguf file (default: $FUSION_MODEL, else the bundled SmolLM2-135M-Instruct)"
 
 
 def add_engine_args(g: dict[str, Any]) -> None:
@@ -292,7 +292,11 @@ def add_engine_args(g: dict[str, Any]) -> None:
         help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked",
     )
     w.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1 (default: equal shares)")
-    w.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
+    w.add_argument(
+        "--context",
+        type=int,
+        help="KV positions per session (default min(model window, 4096); beyond the window: refused)",
+    )
     w.add_argument("--threads", type=int, help="torch threads per local worker (default: cores / workers, >= 1)")
     w.add_argument(
         "--device",
@@ -310,8 +314,14 @@ def add_engine_args(g: dict[str, Any]) -> None:
         "--client-device",
         help="embedding, final norm and LM head: cpu, cuda or cuda:K (default: the local workers' device, else cpu)",
     )
-    net.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
-    net.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
+    net.add_argument(
+        "--topology",
+        help="TOML file naming every worker: address, capacity, group and public key (default: $FUSION_TOPOLOGY "
+        "unless --workers or --master)",
+    )
+    net.add_argument(
+        "--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one; default $FUSION_KEY)"
+    )
     net.add_argument(
         "--master", help="HOST:PORT to listen at for separately started workers (needs --insecure without a topology)"
     )
@@ -595,8 +605,10 @@ def add_worker_args(g: dict[str, Any]) -> None:
         "--device",
         help="cpu, cuda or cuda:K: where this worker computes (default: its topology entry's `device`, else cpu)",
     )
-    net.add_argument("--topology", help="TOML topology file: this worker finds itself in it by its --key")
-    net.add_argument("--key", help="this worker's key file (- reads it from stdin)")
+    net.add_argument(
+        "--topology", help="TOML topology file: this worker finds itself in it by its --key (default $FUSION_TOPOLOGY)"
+    )
+    net.add_argument("--key", help="this worker's key file (- reads it from stdin; default $FUSION_KEY)")
     net.add_argument("--master", help="the client's HOST:PORT (without a topology)")
     net.add_argument("--client-key", help="the client's public key line (without a topology)")
     net.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
