@@ -432,9 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(DEBUG_ENV):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        logs.error_line(
-            prefix, f"unexpected {type(e).__name__}: {first} (a bug: rerun with {DEBUG_ENV}=1 for the traceback)"
-        )
+        # "Name: message" first: a worker's line is its last words, which its client reads and relays.
+        logs.error_line(prefix, f"{type(e).__name__}: {first} (unexpected: rerun with {DEBUG_ENV}=1 for the traceback)")
         return 1
 
 
