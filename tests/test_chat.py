@@ -219,6 +219,19 @@ def test_ctrl_c_at_the_prompt_keeps_the_conversation():
     assert "[user] hello\n[assistant] re:hello\n" in out.getvalue()  # /history after the Ctrl-C
 
 
+def test_a_line_that_is_not_utf8_is_not_sent():
+    """Piped stdin escapes bytes that are not UTF-8 (surrogateescape); such a line used to reach the
+    tokenizer ("TypeError: TextInputSequence must be str"). It is refused in words; the chat goes on."""
+    import io
+
+    from fusion_compute.cli.chat import chat_loop
+
+    out, err = io.StringIO(), io.StringIO()
+    chat_loop(EchoBackend(), {}, None, io.StringIO("caf\udce9\nhello\n"), out, err, False)
+    assert "(that line is not UTF-8 text: not sent" in err.getvalue()
+    assert out.getvalue().strip().splitlines() == ["re:hello"]
+
+
 @pytest.mark.parametrize(
     "line,refused",
     [

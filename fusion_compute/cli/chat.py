@@ -296,6 +296,8 @@ def chat_loop(
         except EOFError:
             stdout.write("\n")
             return 0
+        except UnicodeDecodeError:  # a strict UTF-8 stdin; the line is lost either way
+            line = "\udcff"  # said below, as for a line read with its bad bytes escaped
         except KeyboardInterrupt:
             stdout.write("\n")
             if not interactive:  # a script's chat: Ctrl-C ends it
@@ -306,6 +308,12 @@ def chat_loop(
             continue
         text = line.strip()
         if not text:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 (stdin escapes them): no tokenizer takes them
+            stderr.write("(that line is not UTF-8 text: not sent; convert it, e.g. with iconv)\n")
+            stderr.flush()
             continue
         if text.startswith("/"):
             cmd, _, arg = text.partition(" ")
