@@ -292,7 +292,7 @@ def test_a_farewell_says_why_and_is_read_as_one():
     theirs.farewell("worker 3 closed the connection\nsecond line", time.monotonic() + 2, cause=3)
     with pytest.raises(PeerLeft, match="worker 2 closed the connection: worker 3 closed the connection$") as e:
         mine.recv_size(time.monotonic() + 2)
-    assert e.value.reason == {"cause": 3, "after": None, "why": "worker 3 closed the connection"}
+    assert e.value.reason == {"cause": 3, "after": None, "inputs": False, "why": "worker 3 closed the connection"}
     assert e.value.said == "worker 3 closed the connection"
     assert mine.departure() == "left"
     with pytest.raises(PeerLeft):
@@ -303,9 +303,11 @@ def test_a_farewell_says_why_and_is_read_as_one():
     assert farewell_reason(b'{"cause": true, "after": -1, "why": "' + b"x" * 5000 + b'"}') == {
         "cause": None,
         "after": None,
+        "inputs": False,
         "why": "x" * 300,
     }
-    assert farewell_reason(b"out of\nmemory") == {"cause": None, "after": None, "why": "out of memory"}
+    assert farewell_reason(b"out of\nmemory") == {"cause": None, "after": None, "inputs": False, "why": "out of memory"}
+    assert farewell_reason(b'{"inputs": 1, "why": "x"}')["inputs"] is False  # only a true JSON boolean
 
 
 def test_departure_tells_left_closed_open():

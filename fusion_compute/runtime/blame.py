@@ -28,8 +28,15 @@ say_farewell). So:
      is computing the per-message timeout to finish, leave or wait on someone: membership._blame.)
   4. Counted accusations that do not meet 3 (the accused left too: knock-on, or naming its accuser)
      leave an ambiguous set: the accused and their accusers. Nobody can be removed on it.
-  5. No counted accusation: the waits decide, by the step deadline's rule (deadline.judge: consistent
+  5. A worker that left saying its own block failed though its inputs had passed their checks (its
+     farewell's `inputs`: comm's TaintedInputs) names nobody: when 2 and 3 name no one, every
+     worker of the epoch (each sent it something) is in the ambiguous set, the accused first.
+  6. No counted accusation: the waits decide, by the step deadline's rule (deadline.judge: consistent
      cause, corroborated by the client or two workers; one worker's word alone is ambiguous).
+
+A counted accusation may be about poisoned values: a worker leaves naming the peer whose block it
+refused (comm's PeerPoisoned: a NaN, an infinity or a value over the bound, which the sender's own
+check refuses to send), and the rules above weigh it as any first-hand cause.
 
 What an ambiguous set leads to is membership.py's: its workers are set aside for standbys (none
 barred), and `follows` names a worker once ambiguity has followed it: a worker in two ambiguous sets
@@ -68,13 +75,16 @@ def blame_link(
             words.append(f"worker {q} left naming worker {p}")
         else:
             words.append(f"worker {q} names worker {p} but did not leave naming it ({state}): not counted")
+    left: dict[int, dict] = {}  # who left with a farewell, and what it said
+    for q in workers:
+        state, reason = seen.get(q, ("open", None))
+        if state == "left" and reason is not None:
+            left[q] = reason
+    tainted = {q for q, reason in left.items() if reason.get("inputs") and reason.get("cause") is None}
     own = {
         q
-        for q in workers
-        if seen.get(q, ("open", None))[0] == "left"
-        and (reason := seen[q][1]) is not None
-        and reason.get("cause") is None
-        and reason.get("after") is None
+        for q, reason in left.items()
+        if reason.get("cause") is None and reason.get("after") is None and q not in tainted
     }
     for q in sorted(own):
         words.append(f"worker {q} left on its own error ({(seen[q][1] or {}).get('why') or 'no reason given'})")
@@ -89,6 +99,12 @@ def blame_link(
             words.append(f"worker {p} says it waits on worker{'s' if len(blocked_on) > 1 else ''} {blocked_on}")
     if named:
         return named, Verdict(min(named) if len(named) == 1 else None, tuple(sorted(named)), "; ".join(words))
+    if tainted:
+        for q in sorted(tainted):
+            words.append(f"worker {q} left: its own block failed though its inputs had passed (it names nobody)")
+        accused = sorted(set(counted.values()))
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + sorted(tainted) + sorted(workers)))
+        return set(), Verdict(None, causes, "; ".join(words))
     if counted:
         accused = sorted(set(counted.values()))
         causes = tuple(dict.fromkeys(accused + sorted(counted)))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..comm import Comm, CommError, Identity, Member, PeerError, PeerLost, PeerTimeout, PublicId
-from ..errors import UsageError, WorkerMisbehaved
+from ..errors import UsageError, WorkerMisbehaved, WorkersSuspected
 from .blame import blame_link, follows
 from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, Verdict, judge
 
@@ -87,7 +87,28 @@ class Membership:
             except WorkerMisbehaved as e:
                 self._expel(e)
                 raise
+            except WorkersSuspected as e:
+                self._suspected(e)  # set aside (then the replay) or, followed before, removed (raises)
         raise CommError("gave up after as many recoveries as there are workers")
+
+    def _suspected(self, err: WorkersSuspected) -> None:
+        """A check of the client's failed and the evidence cannot tell which worker made it
+        (WorkersSuspected): the suspects are set aside for standbys and the next epoch is open (the
+        step is replayed there); a suspect that ambiguity has followed before is removed as a liar
+        (WorkerMisbehaved: its request fails); with no way to spare one, the request fails
+        (StepDeadline), nobody removed."""
+        t0, noticed = time.perf_counter(), time.time()
+        suspects = tuple(p for p in err.pids if p in self.order)
+        verdict = Verdict(None, suspects, _first_line(err))
+        convicted = self._ambiguous(verdict, "the client's check failed", noticed, t0)
+        if convicted is not None:
+            caught = WorkerMisbehaved(
+                f"{_first_line(err)}; ambiguity followed worker {convicted}",
+                [convicted],
+                reason="a suspect of two ambiguous verdicts that share nobody else (blame.follows)",
+            )
+            self._expel(caught)
+            raise caught
 
     def _expel(self, err: WorkerMisbehaved) -> None:
         """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
