@@ -34,6 +34,22 @@ say_farewell). So:
   6. No counted accusation: the waits decide, by the step deadline's rule (deadline.judge: consistent
      cause, corroborated by the client or two workers; one worker's word alone is ambiguous).
 
+Farewells checked against what else the client holds (issue 41):
+
+  - A worker whose farewell to the client and whose own account disagree (the account names a peer,
+    `lost` or `after`, and the farewell names another, or the same one as the other kind) lied in
+    one of them: it is removed, with 2 and 3. An honest worker records its account and says its
+    farewell from the one error that ended its epoch (structural/worker.py, Worker._leaving).
+  - Two workers that each say they left after the other's farewell: an honest worker's farewell
+    carries the reason it decided before sending it, so the two cannot both be true; one of them
+    lies, and the client cannot tell which: both go into the ambiguous set (with 4, 5).
+  - Not a contradiction the client can settle: "I left after X" while X's farewell names the
+    claimant as its first-hand cause. A liar X can name an honest peer in its farewell to the client
+    and say anything on its link to that peer, which then honestly leaves after X; or the claimant
+    is the liar, having cut its link to X. Both leave the same evidence, so removing the claimant
+    would remove an honest worker in the first case (tests/test_blame.py, the exhaustive test): the
+    pair stays ambiguous (4), and the ambiguity that follows the liar (`follows`) removes it.
+
 A counted accusation may be about poisoned values: a worker leaves naming the peer whose block it
 refused (comm's PeerPoisoned: a NaN, an infinity or a value over the bound, which the sender's own
 check refuses to send), and the rules above weigh it as any first-hand cause.
@@ -89,6 +105,21 @@ def blame_link(
     for q in sorted(own):
         words.append(f"worker {q} left on its own error ({(seen[q][1] or {}).get('why') or 'no reason given'})")
     named = set(own)
+    for q, reason in sorted(left.items()):  # its farewell against its own account
+        said = ((accounts.get(q) or {}).get("lost"), (accounts.get(q) or {}).get("after"))
+        if said != (None, None) and said != (reason.get("cause"), reason.get("after")):
+            named.add(q)
+            words.append(
+                f"worker {q}'s farewell (cause {reason.get('cause')}, after {reason.get('after')}) contradicts "
+                f"its own account (lost {said[0]}, after {said[1]})"
+            )
+    mutual = sorted(
+        (q, x)
+        for q, reason in left.items()
+        if (x := reason.get("after")) in left and left[x].get("after") == q and q < x
+    )
+    for q, x in mutual:
+        words.append(f"workers {q} and {x} each say they left after the other's farewell: one of them lies")
     for p in sorted(set(counted.values())):
         stayed = seen.get(p, ("open", None))[0] != "left"
         blocked_on = (accounts.get(p) or {}).get("waiting") or []
@@ -103,11 +134,12 @@ def blame_link(
         for q in sorted(tainted):
             words.append(f"worker {q} left: its own block failed though its inputs had passed (it names nobody)")
         accused = sorted(set(counted.values()))
-        causes = tuple(dict.fromkeys(accused + sorted(counted) + sorted(tainted) + sorted(workers)))
+        pairs = [w for pair in mutual for w in pair]
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))
         return set(), Verdict(None, causes, "; ".join(words))
-    if counted:
+    if counted or mutual:
         accused = sorted(set(counted.values()))
-        causes = tuple(dict.fromkeys(accused + sorted(counted)))
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for pair in mutual for w in pair]))
         return set(), Verdict(None, causes, "; ".join(words))
     verdict = judge(blocked, workers, threshold_s)
     said = "; ".join([*words, verdict.said])
