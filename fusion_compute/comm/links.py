@@ -48,6 +48,7 @@ from typing import cast
 from ..errors import FusionError
 from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout, TaintedInputs
 from .identity import Identity, PublicId
+from .peer_text import printable
 
 HEADER = struct.Struct("<Q")
 TLS_RECORD = 16384  # largest plaintext per TLS record
@@ -74,7 +75,7 @@ def farewell_reason(raw: bytes) -> dict:
         v = obj.get(key)
         out[key] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16 else None
     out["inputs"] = obj.get("inputs") is True  # its own block failed, made from inputs that passed (TaintedInputs)
-    out["why"] = " ".join(str(obj.get("why") or "").split())[:MAX_WHY]
+    out["why"] = printable(" ".join(str(obj.get("why") or "").split()))[:MAX_WHY]  # the peer's text: data
     return out
 
 

@@ -26,6 +26,7 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..comm.peer_text import printable as printable  # re-exported: a caller's text cannot forge a log line
 from .gateway import ApiError
 
 Scope = dict[str, Any]
@@ -36,12 +37,6 @@ App = Callable[[Scope, Receive, Send], Any]
 MIN_PER_PEER = 16  # connections from one address that are always allowed (up to the global cap)
 OVER_SHARE_S = 2.0  # a connection over its peer's share has this long to send its (keyed) request's headers
 LOG_NOTE = "fusion.log"  # scope key: a dict where routes leave `extra` (text) and `status` for AccessLog
-
-
-def printable(text: str) -> str:
-    """`text` with every character that is not printable (CR, LF, NUL, ESC, lone surrogates, ...)
-    and the backslash written as an escape, so a caller cannot forge or break a log line."""
-    return "".join(c if c.isprintable() and c != "\\" else ascii(c)[1:-1] for c in text)
 
 
 def error_bytes(error: ApiError) -> bytes:
