@@ -288,15 +288,35 @@ def test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed(tiny_qw
     owes its victim at the 6th step. Before: the victim's egress failed the client's checks and the
     victim was removed (then the standby, then the other honest worker). Now the victim refuses the
     block and leaves naming the liar; the liar (which behaves otherwise) leaves as its knock-on, so
-    the evidence is ambiguous between the two: both are set aside for the standby, nobody is
-    removed, and the request completes with the tokens of the run without the fault."""
-    from test_hostile_blame import STEP_RS, attacked, reference
+    the evidence is ambiguous between the two: both are set aside for the one standby, nobody is
+    removed, and the request completes with the tokens of the run without the fault. The job then
+    runs 2 of 3 workers and says so (item 3); the next session's start fills the empty seat from
+    the workers set aside, and its tokens are the same."""
+    from test_faults import LIVENESS_S
+    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_slow_steps import run
+
+    from fusion_compute.structural.client import Engine, EngineOptions
 
     want = reference(tiny_qwen2, 3)
-    res, order, states = attacked(tiny_qwen2, 3, liar, f"{fault}@{STEP_RS * 5 + 2}")
-    assert res.token_ids == want
-    assert "removed" not in states.values(), states
-    victim = 2 if liar == 1 else 1
-    aside = [r for r in res.recoveries if r.get("set_aside")]
-    assert aside and liar in aside[0]["set_aside"], res.recoveries
-    assert f"worker {victim} left naming worker {liar}" in aside[0]["reason"], aside[0]
+    opts = EngineOptions(
+        n_workers=3,
+        standby=1,
+        context=128,
+        liveness_s=LIVENESS_S,
+        timeout_s=TIMEOUT_S,
+        args_for_worker={liar: ("--inject-fault", f"{fault}@{STEP_RS * 5 + 2}")},
+    )
+    with Engine(tiny_qwen2, opts) as eng:
+        res = run(eng)
+        assert res.token_ids == want
+        states = {w["id"]: w["state"] for w in eng.workers()}
+        assert "removed" not in states.values(), states
+        victim = 2 if liar == 1 else 1
+        aside = [r for r in res.recoveries if r.get("set_aside")]
+        assert aside and liar in aside[0]["set_aside"], res.recoveries
+        assert f"worker {victim} left naming worker {liar}" in aside[0]["reason"], aside[0]
+        assert eng.shortfall() is not None and eng.shortfall().startswith("running 2 of 3 workers"), eng.order
+        again = run(eng)  # the fault fired once: the refilled job is honest
+        assert len(eng.order) == 3 and eng.shortfall() is None and eng.recoveries[-1].get("refilled")
+        assert again.token_ids == want
