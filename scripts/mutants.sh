@@ -301,6 +301,13 @@ MUTANTS += [
         ["test_short_job.py::test_a_short_job_serves_degraded_and_says_so_per_request"],
     ),
     (
+        "send-check-off-egress",
+        R + "structural/worker.py",
+        "fault = egress_fault(x_dT, plan.n)",
+        "fault = None",
+        [P41 + "test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody"],
+    ),
+    (
         "short-job-never-refilled",
         R + "runtime/engine.py",
         "self._refill()  # a session's start",

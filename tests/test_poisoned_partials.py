@@ -320,3 +320,35 @@ def test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed(tiny_qw
         again = run(eng)  # the fault fired once: the refilled job is honest
         assert len(eng.order) == 3 and eng.shortfall() is None and eng.recoveries[-1].get("refilled")
         assert again.token_ids == want
+
+
+@pytest.mark.slow
+def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qwen2):
+    """The liar (rank 3) sends its victim ±1e19 in the last reduce-scatter of the 6th step: under the
+    bound, so the victim adds it; the victim's egress then holds a token whose sum of squares is over
+    its share of the client's limit. Its own check refuses to send it (TaintedInputs): it leaves
+    saying its inputs made it, and every worker is a suspect, none removed. Without that check the
+    client's scale check would name the victim (honest) and remove it. The request completes with
+    the tokens of the run without the fault."""
+    from test_faults import LIVENESS_S
+    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_slow_steps import run
+
+    from fusion_compute.structural.client import Engine, EngineOptions
+
+    want = reference(tiny_qwen2, 3)
+    opts = EngineOptions(
+        n_workers=3,
+        standby=1,
+        context=128,
+        liveness_s=LIVENESS_S,
+        timeout_s=TIMEOUT_S,
+        args_for_worker={3: ("--inject-fault", f"big-rs@{STEP_RS * 6}")},  # the 6th step's last (L2.down)
+    )
+    with Engine(tiny_qwen2, opts) as eng:
+        res = run(eng)
+        assert res.token_ids == want
+        assert "removed" not in {w["state"] for w in eng.workers()}, eng.workers()
+        aside = [r for r in res.recoveries if r.get("set_aside")]
+        assert aside, res.recoveries
+        assert "worker 1 left: its own block failed though its inputs had passed" in aside[0]["reason"], aside[0]

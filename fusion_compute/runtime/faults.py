@@ -44,6 +44,9 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
                     is all NaN (skipping its own check on what it sends); otherwise it behaves: its
                     own egress stays clean, and it leaves as a knock-on of its victim's farewell
   huge-rs@N         the same with ±1e30: finite, far over any partial (issue 41's second attack)
+  big-rs@N          the same with ±1e19: under the bound every receiver checks, so its victim accepts it,
+                    and its own next block or its egress fails its check (the victim leaves saying
+                    its inputs made it: nobody named)
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -73,7 +76,8 @@ from ..errors import UsageError
 from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link", "poison-rs", "huge-rs")
+POISONS = {"poison-rs": math.nan, "huge-rs": 1e30, "big-rs": 1e19}  # what the block for the victim holds
+COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link", *POISONS)
 SEND_FAULTS = (
     "close-mid-message",
     "nan-egress",
@@ -141,10 +145,8 @@ def comm_fault(fault: Fault | None) -> Callable:
 
         def faulty(chunk, sizes, op):
             calls[0] += 1
-            if calls[0] == fault.step and fault.kind in ("poison-rs", "huge-rs"):
-                return _poisoned(
-                    comm, honest, victim, chunk, sizes, op, math.nan if fault.kind == "poison-rs" else 1e30
-                )
+            if calls[0] == fault.step and fault.kind in POISONS:
+                return _poisoned(comm, honest, victim, chunk, sizes, op, POISONS[fault.kind])
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
                 if fault.kind == "drag-lie" and comm.witness is not None:
