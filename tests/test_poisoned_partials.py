@@ -278,6 +278,36 @@ def test_one_liar_with_poisoned_values_never_gets_an_honest_worker_removed(n, ti
                 assert follows(history[:i], tuple(history[i])) in (None, liar), (liar, history)
 
 
+def test_a_failed_logits_check_sets_the_suspects_aside_and_convicts_only_whom_ambiguity_follows():
+    """The client's logits check suspects every worker (WorkersSuspected): the engine sets them aside
+    (Membership._suspected, then _ambiguous: the same path as an ambiguous verdict of the link
+    evidence), convicting nobody the first time; a suspect that an earlier ambiguous set shares with
+    this one alone is removed as a liar (WorkerMisbehaved, the request fails)."""
+    from types import SimpleNamespace
+
+    from fusion_compute.runtime.membership import Membership
+
+    class Job(SimpleNamespace):
+        _ambiguous = Membership._ambiguous
+        _suspected = Membership._suspected
+
+        def _set_aside(self, causes, why, noticed, t0):
+            self.aside.append(causes)
+            return True
+
+        def _expel(self, err):
+            self.expelled.append(err.pids)
+
+    logged: list[str] = []
+    eng = Job(order=[1, 2, 3], suspicions=[], aside=[], expelled=[], opts=SimpleNamespace(log=logged.append))
+    eng._suspected(WorkersSuspected("a row of logits is constant: suspects [3, 1, 2]", [3, 1, 2]))
+    assert eng.aside == [(3, 1, 2)] and eng.expelled == [] and eng.suspicions == [frozenset({1, 2, 3})]
+    eng.order = [3, 4, 5]  # the suspects set aside, standbys in their seats; worker 3 came back
+    with pytest.raises(WorkerMisbehaved, match="ambiguity followed worker 3") as e:
+        eng._suspected(WorkersSuspected("a row of logits is not finite: suspects [3, 4, 5]", [3, 4, 5]))
+    assert e.value.pids == [3] and eng.expelled == [[3]] and len(eng.aside) == 1
+
+
 # ---- real jobs (slow): the real worker, poisoning its victim's block ----
 
 
