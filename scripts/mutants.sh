@@ -275,6 +275,13 @@ MUTANTS += [
         [B + "::test_a_long_wait_in_progress_counts_only_inside_the_window"],
     ),
     (
+        "b47-witness-rounds-each-wait",  # (the bug this tests found: fixed, rounded once)
+        R + "comm/liveness.py",
+        "waits[str(rank)] = waits.get(str(rank), 0.0) + seconds",
+        "waits[str(rank)] = round(waits.get(str(rank), 0.0) + seconds, 4)",
+        [B + "::test_many_short_waits_add_up_before_they_are_rounded"],
+    ),
+    (
         "b47-witness-charges-the-client",
         R + "comm/liveness.py",
         "if rank != 0 and seconds > 0:",

@@ -301,3 +301,15 @@ def test_follows_a_suspect_isolated_by_one_earlier_set_though_another_shares_mor
     assert follows([frozenset({1, 2}), frozenset({2, 3})], (2, 3)) == 2
     assert follows([frozenset({2, 3})], (2, 3)) is None
     assert follows([frozenset({1, 2, 3})], (2, 3)) is None
+
+
+def test_many_short_waits_add_up_before_they_are_rounded(witness_clock):
+    """The answer is rounded to 0.1 ms once, not after each wait added: 1000 waits of 40 µs each are
+    40 ms (rounded after each addition, each one vanished and the account said 0), and 1000 of 60 µs
+    are 60 ms (not 100 ms)."""
+    w = Witness()
+    w.start(1)
+    for _ in range(1000):
+        w.charge(2, 40e-6)
+        w.charge(3, 60e-6)
+    assert w.answer(1, 10)["waits"] == {"2": 0.04, "3": 0.06}
