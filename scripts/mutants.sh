@@ -478,6 +478,20 @@ MUTANTS += [
         [H + "::test_the_default_share_is_an_eighth_but_never_under_the_minimum"],
     ),
     (
+        "b47-http-over-share-wait-not-applied",
+        R + "serving/http_limits.py",
+        "wait = min(self.header_timeout_s, OVER_SHARE_S) if self.over_share else self.header_timeout_s",
+        "wait = self.header_timeout_s",
+        [H + "::test_a_connection_over_its_share_has_the_shorter_header_wait_and_is_told_so"],
+    ),
+    (
+        "b47-http-408-says-the-header-timeout",  # (the bug this issue's tests found: fixed)
+        R + "serving/http_limits.py",
+        'did not arrive within {wait:g} s")',
+        'did not arrive within {self.header_timeout_s:g} s")',
+        [H + "::test_a_connection_over_its_share_has_the_shorter_header_wait_and_is_told_so"],
+    ),
+    (
         "b47-blame-counts-an-accuser-that-stayed",
         R + "runtime/blame.py",
         'if state == "left" and reason is not None and reason.get("cause") == p:',

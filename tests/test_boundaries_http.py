@@ -136,3 +136,27 @@ def test_a_connection_over_its_share_counts_in_neither_cap():
         finally:
             for s in held:
                 s.close()
+
+
+def test_a_connection_over_its_share_has_the_shorter_header_wait_and_is_told_so(monkeypatch):
+    """Over its peer's share, a connection has OVER_SHARE_S (here 0.3 s), not the header timeout
+    (30 s), to send its headers; the 408 says the wait it had (it said 30 s)."""
+    monkeypatch.setattr(http_limits, "OVER_SHARE_S", 0.3)
+    with serving(limited_protocol(100, 30, lambda line: None, max_per_peer=1)) as addr:
+        first = connect(addr)
+        try:
+            assert ask(first) == (200, "")
+            slow = connect(addr)
+            t0 = time.monotonic()
+            slow.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n")  # and never the blank line
+            answer = b""
+            while chunk := slow.recv(4096):
+                answer += chunk
+            assert time.monotonic() - t0 < 5  # measured 0.3 s
+            assert answer.startswith(b"HTTP/1.1 408 ")
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"] == (
+                "the request headers did not arrive within 0.3 s"
+            )
+            slow.close()
+        finally:
+            first.close()
