@@ -414,11 +414,13 @@ class Comm:
         else:
             for q in range(n):
                 if q != me:
+                    self._check_own(shard, q + 1, op)
                     self._put(q + 1, shard)
             out = torch.empty((sum(sizes), t), dtype=shard.dtype)
-            for q, rows in enumerate(out.split(list(sizes))):
-                if q != me:
-                    self._get(q + 1, rows, op)
+            theirs = {q + 1: rows for q, rows in enumerate(out.split(list(sizes))) if q != me}
+            for r, rows in theirs.items():
+                self._get(r, rows, op)
+            self._check_received(theirs, op)  # the baseline's blocks too: a liar's NaN names it
             out = out.to(shard.device)
             out.split(list(sizes))[me].copy_(shard)
         self._emit(
@@ -442,11 +444,12 @@ class Comm:
         else:
             mine = tensor.contiguous().clone()
             for r in peers:
+                self._check_own(mine, r, op)
                 self._put(r, mine)
             stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
-            for r in range(1, self.world):
-                if r != self.rank:
-                    self._get(r, stack[r - 1], op)
+            for r in peers:
+                self._get(r, stack[r - 1], op)
+            self._check_received({r: stack[r - 1] for r in peers}, op)
             stack = stack.to(tensor.device)
             stack[self.rank - 1] = mine
             tensor.copy_(accumulate(stack))
