@@ -233,7 +233,7 @@ MUTANTS += [
     (
         "blame-mutual-knock-on-ignored",
         R + "runtime/blame.py",
-        "    if counted or mutual:",
+        "    if counted or rings:",
         "    if counted:",
         [B41 + "test_two_workers_each_leaving_after_the_other_are_ambiguous"],
     ),

@@ -274,3 +274,59 @@ def test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal():
     )
     assert named == set() and set(v.causes) == {1, liar}
     assert follows([frozenset(slow.causes)], v.causes) in (None, liar)
+
+
+# ---- `after` claims in a ring ----
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_ring_of_after_claims_holds_the_liar_and_makes_it_a_suspect(n):
+    """The liar leaves saying it left after honest worker a's farewell, where a left after honest
+    b, and b after the liar (a knock-on chain that the liar closes into a ring). Before, only a
+    two-worker ring (each after the other) was a contradiction: a ring of three made no suspect at
+    all (blame_link: nobody removed, no ambiguous set), and the liar escaped every ambiguity. Now
+    every worker of the ring is a suspect, nobody removed. And over every `after` the honest
+    workers can truthfully say (pointing back in time: no ring among them) and any the liar says,
+    every ring blame_link finds holds the liar."""
+    workers = list(range(1, n + 1))
+    for liar in workers:
+        honest = [w for w in workers if w != liar]
+        a, b = honest[0], honest[1]
+        seen = {w: OPEN for w in workers}
+        accounts = {w: account(waiting=[liar]) for w in workers}
+        for q, x in ((liar, a), (a, b), (b, liar)):
+            seen[q], accounts[q] = left(after=x), account(after=x)
+        named, v = blame_link(accounts, seen, workers, {liar}, {CLIENT: {}}, 1.0)
+        assert named == set() and set(v.causes) >= {liar, a, b}, v
+        assert "the last after the first" in v.said
+        # the exhaustive side: honest `after`s in every time order, the liar's anything
+        for order in itertools.permutations(honest):
+            earlier = {h: order[: order.index(h)] for h in honest}  # whose farewell could precede h's decision
+            for picks in itertools.product(*[[None, liar, *earlier[h]] for h in honest]):
+                for lie in [None, *honest]:
+                    seen = {
+                        h: left(after=x) if x is not None else left(cause=liar)
+                        for h, x in zip(honest, picks, strict=True)
+                    }
+                    seen[liar] = left(after=lie)
+                    accs = {
+                        h: account(after=x) if x is not None else account(lost=liar)
+                        for h, x in zip(honest, picks, strict=True)
+                    }
+                    accs[liar] = account(after=lie)
+                    named, v = blame_link(accs, seen, workers, set(), {CLIENT: {}}, 1.0)
+                    assert named <= {liar}, (picks, lie, v)
+                    if v.causes:
+                        assert liar in v.causes, (picks, lie, v)
+
+
+def test_a_liar_leaving_after_a_peer_that_never_left_makes_nobody_a_suspect():
+    """The liar's farewell says it left after honest worker 1's, who never left (open, blocked on
+    the liar), and the liar says nothing on its links to its peers. The client cannot tell it from
+    an honest knock-on whose cause's farewell to the client is still on its way, so it suspects
+    nobody: the request fails, nobody removed, no ambiguous set (docs/resilience.md, "Not done":
+    a denial of service that does not even count against the liar)."""
+    accounts = {1: account(waiting=[3]), 2: account(waiting=[3]), 3: account(after=1)}
+    seen = {1: OPEN, 2: OPEN, 3: left(after=1)}
+    named, v = blame_link(accounts, seen, [1, 2, 3], {1, 2, 3}, {CLIENT: {}}, 1.0)
+    assert named == set() and v.causes == ()

@@ -417,10 +417,10 @@ class Comm:
                     self._check_own(shard, q + 1, op)
                     self._put(q + 1, shard)
             out = torch.empty((sum(sizes), t), dtype=shard.dtype)
-            theirs = {q + 1: rows for q, rows in enumerate(out.split(list(sizes))) if q != me}
-            for r, rows in theirs.items():
+            gathered = {q + 1: rows for q, rows in enumerate(out.split(list(sizes))) if q != me}
+            for r, rows in gathered.items():
                 self._get(r, rows, op)
-            self._check_received(theirs, op)  # the baseline's blocks too: a liar's NaN names it
+            self._check_received(gathered, op)  # the baseline's blocks too: a liar's NaN names it
             out = out.to(shard.device)
             out.split(list(sizes))[me].copy_(shard)
         self._emit(
