@@ -37,8 +37,8 @@ import torch
 
 from ..comm import Event, Recorder
 from ..model.config import ModelError
-from ..model.dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
-from ..model.kernels import causal_mask, inv_freq_tensor, rms_norm
+from ..model.dense import LINEARS, ClearParams, decoder_layer, self_attention
+from ..model.kernels import Rotary, causal_mask, rms_norm
 from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
 from . import ring
@@ -120,7 +120,7 @@ class MaskedEngine(EngineBase):
         the recorder that tallies bytes per group (and writes the masked audit log)."""
         c = self.config
         self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.audit = None
         if self.opts.audit_dir:
             from .audit import AuditLog
@@ -320,9 +320,15 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        # per session: its rows of the step, its rotary tables and causal mask, its cache
+        # per session: its rows of the step, its rotary tables and its causal mask per sliding window
         parts = [
-            (slot, pos, n, *rope_tables(self.inv_freq, torch.arange(pos, pos + n)), causal_mask(pos, n))
+            (
+                slot,
+                pos,
+                n,
+                *self.rotary.tables(torch.arange(pos, pos + n)),
+                {w: causal_mask(pos, n, w) for w in c.windows},
+            )
             for slot, pos, n in spans
         ]
         for layer in range(c.n_layers):
@@ -349,7 +355,8 @@ class MaskedEngine(EngineBase):
 
         def attention(qkv: torch.Tensor) -> torch.Tensor:  # (1, ΣT, W) -> (1, ΣT, nh d)
             out, row = [], 0
-            for slot, pos, t, cos, sin, mask in parts:
+            window = self.config.window(i)
+            for slot, pos, t, cos, sin, masks in parts:
                 k_cache, v_cache = (cache[i] for cache in self._cache(slot))  # (n_kv, S_max, d)
 
                 def kv(k, v, pos=pos, t=t, k_cache=k_cache, v_cache=v_cache):
@@ -357,7 +364,11 @@ class MaskedEngine(EngineBase):
                     v_cache[:, pos : pos + t] = v[0]
                     return k_cache[None, :, : pos + t], v_cache[None, :, : pos + t]
 
-                out.append(self_attention(self.config, qkv[:, row : row + t], kv, cos, sin, mask))
+                out.append(
+                    self_attention(
+                        self.config, qkv[:, row : row + t], kv, cos, sin, masks[window], self.clear[i].qk_norms
+                    )
+                )
                 row += t
             return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 

@@ -23,7 +23,7 @@ import torch
 from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
-from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm, rope_tables, rotate
+from .kernels import Rotary, attend, causal_mask, rms_norm, rotate
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
 # (name, x (B, T, K)) -> W_name x (B, T, N), without bias
@@ -34,25 +34,35 @@ KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class ClearParams:
-    """What the clear layer applies itself: the norm gains and the q/k/v bias (Qwen2)."""
+    """What the clear layer applies itself: the norm gains, the q/k/v bias (Qwen2) and the per-head
+    q/k norm gains (Qwen3)."""
 
     g_attn: torch.Tensor
     g_mlp: torch.Tensor
     qkv_bias: torch.Tensor | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # (d,) gains of q_norm, k_norm
 
     @staticmethod
     def read(src: WeightSource, layer: int) -> ClearParams:
         return ClearParams(
-            arch.read_norm(src, layer, "qkv"), arch.read_norm(src, layer, "gate_up"), arch.read_bias(src, layer, "qkv")
+            arch.read_norm(src, layer, "qkv"),
+            arch.read_norm(src, layer, "gate_up"),
+            arch.read_bias(src, layer, "qkv"),
+            arch.read_qk_norms(src, layer),
         )
 
 
-def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) -> torch.Tensor:
-    """qkv (B, T, (nh + 2 nkv) d), bias added -> o (B, T, nh d): RoPE, the KV cache, attention."""
+def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask, qk_norms=None) -> torch.Tensor:
+    """qkv (B, T, (nh + 2 nkv) d), bias added -> o (B, T, nh d): the per-head q/k RMSNorm when the
+    family has one (`qk_norms`: gains (d,) of q and k; Qwen3), RoPE, the KV cache, attention."""
     b, t, _ = qkv.shape
     nh, nkv, d, gs = c.n_heads, c.n_kv_heads, c.head_dim, c.group_size
-    q = rotate(qkv[..., : nh * d].view(b, t, nh, d).transpose(1, 2), cos, sin)  # (B, nh, T, d)
-    k = rotate(qkv[..., nh * d : (nh + nkv) * d].view(b, t, nkv, d).transpose(1, 2), cos, sin)  # (B, nkv, T, d)
+    q = qkv[..., : nh * d].view(b, t, nh, d)
+    k = qkv[..., nh * d : (nh + nkv) * d].view(b, t, nkv, d)
+    if qk_norms is not None:
+        q, k = rms_norm(q, qk_norms[0], c.rms_eps), rms_norm(k, qk_norms[1], c.rms_eps)
+    q = rotate(q.transpose(1, 2), cos, sin)  # (B, nh, T, d)
+    k = rotate(k.transpose(1, 2), cos, sin)  # (B, nkv, T, d)
     v = qkv[..., (nh + nkv) * d :].view(b, t, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
     k_all, v_all = kv(k, v)
     o = attend(q.reshape(b, nkv, gs * t, d), k_all, v_all, mask, gs, t, d**-0.5)  # (B, nkv, gs*T, d)
@@ -71,12 +81,13 @@ def decoder_layer(
     attention: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x (B, T, H) -> x (B, T, H): RMSNorm, qkv (+ bias), RoPE, attention, o, RMSNorm, SwiGLU MLP.
+    `mask` is this layer's (its sliding window's, when it has one: kernels.causal_mask).
     `attention(qkv) -> o`, when given, replaces `self_attention` over (kv, cos, sin, mask): the
     masked client's batch of sessions, each at its own position with its own cache."""
     qkv = linear("qkv", rms_norm(x, p.g_attn, c.rms_eps))  # (B, T, (nh + 2 nkv) d)
     if p.qkv_bias is not None:
         qkv = qkv + p.qkv_bias
-    o = attention(qkv) if attention is not None else self_attention(c, qkv, kv, cos, sin, mask)
+    o = attention(qkv) if attention is not None else self_attention(c, qkv, kv, cos, sin, mask, p.qk_norms)
     x = x + linear("o", o)
     gu = linear("gate_up", rms_norm(x, p.g_mlp, c.rms_eps))  # (B, T, 2I)
     inter = gu.shape[-1] // 2
@@ -103,7 +114,7 @@ class DenseModel:
         self.weights = [{name: arch.read_weight(src, i, name) for name in LINEARS} for i in range(self.n_layers)]
         shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)  # (L, n_kv, S, d)
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
 
     def _linear(self, i: int) -> Linear:
         w = self.weights[i]
@@ -122,8 +133,8 @@ class DenseModel:
         own, or `cache` from new_cache)."""
         k_cache, v_cache = cache if cache is not None else (self.k_cache, self.v_cache)
         t = len(ids)
-        cos, sin = rope_tables(self.inv_freq, torch.arange(pos, pos + t))
-        mask = causal_mask(pos, t)
+        cos, sin = self.rotary.tables(torch.arange(pos, pos + t))
+        masks = {w: causal_mask(pos, t, w) for w in self.config.windows}  # one per distinct window
         x = self.embed[torch.tensor(ids)][None]  # (1, T, H)
         for i in range(self.n_layers):
 
@@ -132,6 +143,7 @@ class DenseModel:
                 v_cache[i][:, pos : pos + t] = v[0]
                 return k_cache[i][None, :, : pos + t], v_cache[i][None, :, : pos + t]
 
+            mask = masks[self.config.window(i)]
             x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
         return rms_norm(x[0], self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
 
@@ -139,8 +151,8 @@ class DenseModel:
     def _run(self, ids: torch.Tensor, upto: int) -> tuple[torch.Tensor, list]:
         t = ids.shape[1]
         x = self.embed[ids]  # (B, T, H)
-        cos, sin = rope_tables(self.inv_freq, torch.arange(t))
-        mask = causal_mask(0, t)
+        cos, sin = self.rotary.tables(torch.arange(t))
+        masks = {w: causal_mask(0, t, w) for w in self.config.windows}
         cache = []
         for i in range(upto):
             kept: list = []
@@ -149,7 +161,9 @@ class DenseModel:
                 kept.append((k, v))
                 return k, v
 
-            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
+            x = decoder_layer(
+                self.config, self.clear[i], x, self._linear(i), kv, cos, sin, masks[self.config.window(i)]
+            )
             cache.append(kept[0])
         return x, cache
 
@@ -165,7 +179,8 @@ class DenseModel:
         p, b = len(prefix), cand.shape[0]
         cache = self._run(torch.tensor([prefix]), upto)[1] if p else [None] * upto
         x = self.embed[cand][:, None, :]  # (B, 1, H)
-        cos, sin = rope_tables(self.inv_freq, torch.tensor([p]))
+        cos, sin = self.rotary.tables(torch.tensor([p]))
+        masks = {w: causal_mask(p, 1, w) for w in self.config.windows}
         for i in range(upto):
 
             def kv(k, v, past=cache[i]):
@@ -175,5 +190,7 @@ class DenseModel:
                     [past[1].expand(b, -1, -1, -1), v], 2
                 )
 
-            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, None)
+            x = decoder_layer(
+                self.config, self.clear[i], x, self._linear(i), kv, cos, sin, masks[self.config.window(i)]
+            )
         return x[:, 0]

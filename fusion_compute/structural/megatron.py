@@ -25,7 +25,7 @@ from ..model import architecture as arch
 from ..weights.loader import WeightSource
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step
 from .plan import Plan, runs
-from .sharded import ShardedModel
+from .sharded import ShardedModel, qk_gains
 
 
 def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
@@ -51,7 +51,9 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
     gu_w = (gu[torch.tensor(gu_rows)] * arch.read_norm(src, layer, "gate_up")).contiguous()
     del gu
     down_w = arch.read_weight(src, layer, "down", cols=[plan.workers[w].mlp])
-    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
+    return LayerShard(
+        qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index, qk_w=qk_gains(src, plan, w, layer)
+    )
 
 
 def norm(x_HT: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,6 +118,7 @@ class MegatronModel(ShardedModel):
             head_dim=c.head_dim,
             group_size=c.group_size,
             eps=c.rms_eps,
+            window=c.window(i),
         )
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
