@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from test_cli import no_new_workers  # noqa: F401 (a fixture)
 from tiny_models import build
 
 from fusion_compute.model import reference
@@ -265,3 +266,109 @@ def test_sharded_runtimes_match_transformers(models, name, mode, n, caps):
         assert torch.allclose(torch.cat(steps), full, atol=LOGIT_ATOL, rtol=0)
         res = generate(eng, PROMPT, max_new_tokens=NEW_TOKENS, sampling=SamplingParams())
         assert res.token_ids == want_ids
+
+
+AUDITED = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", AUDITED)
+def test_audit_closes_and_its_negative_controls_fail(models, name, tmp_path):
+    """One model per family at N = 3 (a split KV group: score sums, and Qwen3's q/k norm sums): the
+    audit closes every step with the family's transfers predicted; the Megatron-style baseline, the
+    same tokens through the same attention code, is rejected; an injected gather is rejected."""
+    from test_audit import audited
+
+    path, _ = models[name]
+    good = audited(path, tmp_path / "good", 3)
+    assert good["ok"], good["first_violations"]
+    assert good["closed_decode"] == good["decode_steps"] > 0
+    bad = audited(path, tmp_path / "megatron", 3, variant="megatron")
+    c = bad["violation_counts"]
+    assert not bad["ok"] and c["no_full_holder"] and c["partition"] and c["closure"], c
+    assert bad["generated_sha256"] == good["generated_sha256"]  # a correct baseline, wrongly placed
+    leak = audited(path, tmp_path / "gather", 3, inject_leak="gather@1")
+    assert not leak["ok"] and leak["violation_counts"]["closure"], leak["violation_counts"]
+
+
+@pytest.mark.slow
+def test_audit_rejects_a_qk_norm_exchange_it_did_not_predict(models, tmp_path, monkeypatch):
+    """Negative control of the extended expectation: read as a family without q/k norms, the Qwen3
+    run's L{i}.qk_norm exchanges are transfers the verifier did not predict, and it says so."""
+    from test_audit import audited
+
+    from fusion_compute.audit.verify import expectation
+
+    real = expectation.expected_transfers
+
+    def without_qk_norm(w, decls, owners, dims, *a, **kw):
+        return real(w, decls, owners, {k: v for k, v in dims.items() if k != "qk_norm"}, *a, **kw)
+
+    monkeypatch.setattr(expectation, "expected_transfers", without_qk_norm)
+    from fusion_compute.audit.verify import checks
+
+    monkeypatch.setattr(checks, "expected_transfers", without_qk_norm)
+    r = audited(models["qwen3-gqa-odd-tied"][0], tmp_path, 3)
+    assert not r["ok"] and r["violation_counts"]["accounting"], r["violation_counts"]
+    assert "L0.qk_norm.g0" in " ".join(r["first_violations"])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_new_workers")
+@pytest.mark.parametrize("i", [0, 4, 6])  # a MoE model, attention soft-capping, an unknown RoPE type
+def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
+    from procs import run
+    from test_cli import assert_one_line_error
+
+    d, needle = refusals()[i]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    for args in (("generate", "--prompt-ids", "1", "--workers", "2"), ("plan", "--workers", "2")):
+        r = run(args[0], "--model", str(tmp_path), *args[1:])
+        assert r.returncode == 2, r.stderr
+        assert_one_line_error(r, needle)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", AUDITED)
+def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
+    """The exchanges one decode step costs each worker, counted by its comm layer (engine.stats()),
+    equal the plan's collectives_per_layer × layers at N = 2 (whole KV groups) and N = 3 (a split
+    group): the figures of docs/performance.md's table of families."""
+    from fusion_compute.structural.client import Engine, EngineOptions
+
+    path, _ = models[name]
+    for n in (2, 3):
+        with Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
+            eng.reset()
+            eng.forward(PROMPT)
+            before = [s["collectives"] for s in eng.stats()]
+            eng.forward([7])
+            counted = [s["collectives"] - b for s, b in zip(eng.stats(), before, strict=True)]
+            layers = eng.config.n_layers
+            planned = [sum(eng.plan.collectives_per_layer(w).values()) * layers for w in range(n)]
+            assert counted == planned, (n, counted, planned)
+            print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
+
+
+@pytest.mark.slow
+def test_batched_decodes_keep_each_sessions_window(models):
+    """Several sessions decoding in one step are attended together, padded to the longest (ops.py's
+    Decodes): each must still see only its own last W keys. Mistral (W = 5) at N = 3, two sessions
+    past the window at different positions, against transformers run on each alone."""
+    from fusion_compute.structural.client import Engine, EngineOptions
+
+    path, ref = models["mistral-gqa-w5"]
+    a, b = [5, 17, 33, 2, 99, 100, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46]
+    with Engine(path, EngineOptions(n_workers=3, timeout_s=60, context=64)) as eng:
+        eng.batch_slots = 2
+        eng.reset()
+        eng.forward_batch([(0, a), (1, b)])
+        step2 = eng.forward_batch([(0, [11]), (1, [11])])
+        step3 = eng.forward_batch([(1, [12]), (0, [12])])
+    for got, want in (
+        (step2[0], reference.logits(ref, a + [11])[-1]),
+        (step2[1], reference.logits(ref, b + [11])[-1]),
+        (step3[0], reference.logits(ref, b + [11, 12])[-1]),
+        (step3[1], reference.logits(ref, a + [11, 12])[-1]),
+    ):
+        assert torch.allclose(got.double(), want, atol=LOGIT_ATOL, rtol=0), (got.double() - want).abs().max()
