@@ -294,7 +294,7 @@ def test_audit_closes_and_its_negative_controls_fail(models, name, tmp_path):
 @pytest.mark.slow
 def test_audit_rejects_a_qk_norm_exchange_it_did_not_predict(models, tmp_path, monkeypatch):
     """Negative control of the extended expectation: read as a family without q/k norms, the Qwen3
-    run's L{i}.qk_norm exchanges are transfers the verifier did not predict, and it says so."""
+    run's score sums carry more than the scores (the heads' Σq², Σk²), and the verifier says so."""
     from test_audit import audited
 
     from fusion_compute.audit.verify import expectation
@@ -310,7 +310,7 @@ def test_audit_rejects_a_qk_norm_exchange_it_did_not_predict(models, tmp_path, m
     monkeypatch.setattr(checks, "expected_transfers", without_qk_norm)
     r = audited(models["qwen3-gqa-odd-tied"][0], tmp_path, 3)
     assert not r["ok"] and r["violation_counts"]["accounting"], r["violation_counts"]
-    assert "L0.qk_norm.g0" in " ".join(r["first_violations"])
+    assert "L0.scores.g0" in " ".join(r["first_violations"])
 
 
 @pytest.mark.slow
@@ -351,13 +351,15 @@ def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
 
 
 @pytest.mark.slow
-def test_batched_decodes_keep_each_sessions_window(models):
+@pytest.mark.parametrize("name", ["mistral-gqa-w5", "qwen3-gqa-odd-tied"])
+def test_batched_decodes_keep_each_sessions_window(models, name):
     """Several sessions decoding in one step are attended together, padded to the longest (ops.py's
-    Decodes): each must still see only its own last W keys. Mistral (W = 5) at N = 3, two sessions
-    past the window at different positions, against transformers run on each alone."""
+    Decodes): each must still see only its own last W keys (Mistral, W = 5), and each new key of a
+    split group is normalized by its own head's norm once the score sum brings it (Qwen3). N = 3,
+    two sessions at different positions, against transformers run on each alone."""
     from fusion_compute.structural.client import Engine, EngineOptions
 
-    path, ref = models["mistral-gqa-w5"]
+    path, ref = models[name]
     a, b = [5, 17, 33, 2, 99, 100, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46]
     with Engine(path, EngineOptions(n_workers=3, timeout_s=60, context=64)) as eng:
         eng.batch_slots = 2

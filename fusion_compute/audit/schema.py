@@ -106,7 +106,6 @@ OP_ROLES = {
     "gate_up": "gate_up_partial",
     "down": "resid_partial",
     "scores": "scores",
-    "qk_norm": "qk_norm_stat",  # Qwen3: per-head Σq², Σk² partials of a split KV group
     "embed": "resid",
     "final": "resid",
 }

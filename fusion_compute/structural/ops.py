@@ -9,7 +9,7 @@ lowercase = this worker's shard, uppercase = full extent.
 
   step            input            output            placement change
   qkv             x_dT  (R shard)  qkv_aT (A shard)  S(R) -> P -> S(A)   norm fused, bias after
-  q/k norm        q, k  (A)        q, k   (A)        local (+ Σq², Σk² per head among a split group's owners)
+  q/k norm        q, k  (A)        q, k   (A)        local (a split group's Σq², Σk² ride on its score sum)
   rope            q, k  (A)        q, k   (A)        local
   attention       q, k, v (A)      o_aT   (A)        local (+ score sum among a split group's owners)
   o_proj          o_aT  (A)        y_dT   (R)        S(A) -> P -> S(R)
@@ -286,8 +286,11 @@ class ShardedLayer(LayerOps[Step]):
             k_all = qkv_aT[row + nq : row + nq + nk]
             v_all = qkv_aT[row + nq + nk : row + nq + 2 * nk]
             row += nq + 2 * nk
+            # Qwen3's per-head q/k norms: local on a whole group; on a split group the gains now, the
+            # division by each head's norm once its owners' Σx² arrive with the score sum (_qk_finish)
+            ss = None
             if self.w.qk_w is not None:
-                q_all, k_all = self._qk_norm(q_all, k_all, b, self.w.qk_w[len(outs)])
+                q_all, k_all, ss = self._qk_norm(q_all, k_all, b, self.w.qk_w[len(outs)])
             scores, values = [], []
             for i in step.singles:
                 span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
@@ -303,7 +306,9 @@ class ShardedLayer(LayerOps[Step]):
                 scores.append(self._decode_scores(cache, dec, q_all, k_all, v_all, (p0, p1), ng, gs, dl))
             if b.split:
                 # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
-                scores = self._sum_scores(scores, b.g0)
+                scores, ss = self._sum_scores(scores, b.g0, ss)
+            if ss is not None:
+                self._qk_finish(scores, ss, cache, step, ng, gs)
             o_aT = qkv_aT.new_empty(nq, qkv_aT.shape[1])
             for i, sc, v in zip(step.singles, scores, values, strict=False):
                 t = spans[i].t
@@ -348,31 +353,69 @@ class ShardedLayer(LayerOps[Step]):
 
     def _qk_norm(
         self, q_all: torch.Tensor, k_all: torch.Tensor, b: AttnBlock, gains: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The per-head RMSNorm of q and k (Qwen3) on this block's rows (ng·gs·dl, ΣT), (ng·dl, ΣT):
-        g ⊙ x / sqrt(Σ_d x² / d + ε) per head and token, `gains` (2, dl) the q and k gains of the
-        block's dims. A whole head is local; a split group's Σx² is the sum of its owners' partial
-        sums: one exchange among them for every column of the step (q's ng·gs·ΣT and k's ng·ΣT sums
-        together), before RoPE, like transformers' q_norm / k_norm."""
+        g ⊙ x / r, r = sqrt(Σ_d x² / d + ε) per head and token, `gains` (2, dl) the q and k gains of
+        the block's dims, before RoPE as in transformers' q_norm / k_norm. A whole head is local:
+        returns the normalized q, k and None. A split group's Σx² is the sum of its owners' partial
+        sums, and r is a scalar per head and token, so RoPE (a rotation) and the dot product commute
+        with it: q̂·k̂ = (R(g_q⊙q)·R(g_k⊙k)) / (r_q r_k). So g ⊙ x is returned unnormalized with the
+        partial sums (ng·gs·ΣT for q, then ng·ΣT for k, float32), which travel in the score sum's
+        message; _qk_finish divides once they are complete. No round of its own."""
         ng, gs, dl, d = b.n_groups, self.gs, b.dims, self.head_dim
         t = q_all.shape[1]
         q = q_all.reshape(ng, gs, dl, t)
         k = k_all.reshape(ng, dl, t)
         ss = torch.cat([q.float().pow(2).sum(2).reshape(-1), k.float().pow(2).sum(1).reshape(-1)])
         if b.split:
-            ss = self.comm.sum_scores(ss, b.g0, f"L{self.i}.qk_norm.g{b.g0}")
+            q_g, k_g = gains[0][:, None] * q, gains[1][:, None] * k
+            return q_g.reshape(q_all.shape), k_g.reshape(k_all.shape), ss
         inv = torch.rsqrt(ss / d + self.eps)
         inv_q, inv_k = inv[: ng * gs * t].view(ng, gs, 1, t), inv[ng * gs * t :].view(ng, 1, t)
         q_n = gains[0][:, None] * (q.float() * inv_q).to(q.dtype)
         k_n = gains[1][:, None] * (k.float() * inv_k).to(k.dtype)
-        return q_n.reshape(q_all.shape), k_n.reshape(k_all.shape)
+        return q_n.reshape(q_all.shape), k_n.reshape(k_all.shape), None
 
-    def _sum_scores(self, scores: list[torch.Tensor], g: int) -> list[torch.Tensor]:
+    def _qk_finish(
+        self, scores: list[torch.Tensor], ss: torch.Tensor, cache: BlockCache, step: Step, ng: int, gs: int
+    ) -> None:
+        """A split group's q/k norms, completed (`ss`: every owner's Σx² summed, _qk_norm's layout):
+        every score row divided by its query head's r_q, every score against a key of this step by
+        that key's r_k, and those keys, cached unnormalized, divided by their r_k in the cache (the
+        positions of earlier steps were normalized when they were new)."""
+        t = ss.numel() // (ng * (gs + 1))
+        inv = torch.rsqrt(ss / self.head_dim + self.eps)
+        inv_q, inv_k = inv[: ng * gs * t].view(ng, gs, t), inv[ng * gs * t :].view(ng, t)
+        spans, offsets, dec = step.spans, step.offsets, step.decodes
+        for j, i in enumerate(step.singles):
+            span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
+            n, pos, sl = span.t, span.pos, span.slot
+            sc = scores[j].view(ng, gs, n, -1)  # (ng, gs, T, S): rows head-major, token-minor
+            sc.mul_(inv_q[:, :, cols, None].to(sc.dtype))
+            sc[..., pos : pos + n].mul_(inv_k[:, None, None, cols].to(sc.dtype))  # keys of this span
+            cache.k[sl, :, pos : pos + n].mul_(inv_k[:, cols, None].to(cache.k.dtype))
+        if dec is not None:
+            sc = scores[-1]  # (B, ng, gs, S)
+            sc.mul_(inv_q[:, :, dec.cols].permute(2, 0, 1)[..., None].to(sc.dtype))
+            b = torch.arange(sc.shape[0], device=sc.device)
+            sc[b, :, :, dec.pos] *= inv_k[:, dec.cols].T[:, :, None].to(sc.dtype)
+            cache.k[dec.slots, :, dec.pos] *= inv_k[:, dec.cols].T[:, :, None].to(cache.k.dtype)
+
+    def _sum_scores(
+        self, scores: list[torch.Tensor], g: int, extra: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The partial scores of a split group summed among its owners in one exchange; `extra`
+        (Qwen3's partial Σq², Σk², float32) rides in the same message, which is then float32."""
         op = f"L{self.i}.scores.g{g}"
-        if len(scores) == 1:
-            return [self.comm.sum_scores(scores[0], g, op)]
-        flat = self.comm.sum_scores(torch.cat([s.reshape(-1) for s in scores]), g, op)
-        return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in scores]), scores, strict=True)]
+        if len(scores) == 1 and extra is None:
+            return [self.comm.sum_scores(scores[0], g, op)], None
+        parts = [s.reshape(-1) for s in scores] + ([] if extra is None else [extra])
+        flat = torch.cat([p.float() for p in parts] if extra is not None else parts)
+        flat = self.comm.sum_scores(flat, g, op)
+        sizes = [s.numel() for s in scores] + ([] if extra is None else [extra.numel()])
+        split = flat.split(sizes)
+        out = [part.view(s.shape).to(s.dtype) for part, s in zip(split, scores, strict=False)]
+        return out, (None if extra is None else split[-1])
 
     def norm_linear(self, i: int, name: str, x_dT: torch.Tensor) -> torch.Tensor:
         """S(R) -> P -> S(A or M): qkv_aT or gu_mT, this worker's rows, the bias (qkv) added."""

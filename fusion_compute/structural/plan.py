@@ -180,14 +180,11 @@ class Plan:
     # ---- predictions ----
 
     def collectives_per_layer(self, w: int) -> dict[str, int]:
-        """Worker w's sequential exchanges in one layer's forward: the four reduce-scatters, one
-        score sum per split attention block, and with per-head q/k norms (Qwen3) one more sum per
-        split block, of the heads' Σq², Σk² (ops.ShardedLayer._qk_norm). Sliding windows cost none."""
+        """Worker w's sequential exchanges in one layer's forward: the four reduce-scatters and one
+        score sum per split attention block. Per-head q/k norms (Qwen3) ride in the score sum
+        (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a round."""
         split = sum(1 for b in self.workers[w].attention if b.split)
-        out = {"reduce_scatter": 4, "score_sum": split}
-        if self.config.qk_norm:
-            out["qk_norm_sum"] = split
-        return out
+        return {"reduce_scatter": 4, "score_sum": split}
 
     def bytes_per_token_layer(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
         """Bytes worker w sends per token per layer in the four reduce-scatters (score sums excluded:
