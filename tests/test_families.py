@@ -374,3 +374,23 @@ def test_batched_decodes_keep_each_sessions_window(models, name):
         (step3[1], reference.logits(ref, a + [11, 12])[-1]),
     ):
         assert torch.allclose(got.double(), want, atol=LOGIT_ATOL, rtol=0), (got.double() - want).abs().max()
+
+
+def test_the_plan_and_its_picture_show_the_familys_pieces(models):
+    """`fusion plan` prints the plan (its model dims name the windows and the q/k norms) and draws
+    the ownership picture, whose subtitle says what the family adds; a Llama says nothing extra."""
+    from fusion_compute.structural.picture import plan_picture
+    from fusion_compute.structural.plan import make_plan
+
+    want = {
+        "mistral-gqa-w5": ("sliding window 5 on 3 of 3 layers", {"windows": [5, 5, 5]}),
+        "qwen3-sliding": ("sliding window 4 on 2 of 3 layers", {"qk_norm": True, "windows": [None, 4, 4]}),
+        "qwen3-gqa-odd-tied": ("per-head q/k norms", {"qk_norm": True}),
+        "phi3-gqa-longrope": ("RoPE longrope", {}),
+    }
+    for name, (words, dims) in want.items():
+        plan = make_plan(ModelConfig.from_hf_dir(models[name][0]), 3)
+        assert words in plan_picture(plan).subtitle, name
+        assert plan.to_dict()["model"].items() >= dims.items(), name
+    llama = ModelConfig("llama", 64, 120, 3, 4, 2, 16, 300, 256, 1e-5)
+    assert llama.features() == [] and "windows" not in llama.dims() and "qk_norm" not in llama.dims()

@@ -187,6 +187,21 @@ class ModelConfig:
         """The distinct windows of the layers (None: full causal), in first-use order: one mask each."""
         return tuple(dict.fromkeys(self.layer_windows)) if self.layer_windows else (None,)
 
+    def features(self) -> list[str]:
+        """What this model's family adds to the Llama layer, in words (`fusion plan`'s picture)."""
+        out = []
+        windows = [w for w in self.layer_windows if w is not None]
+        if windows:
+            sizes = "/".join(str(w) for w in dict.fromkeys(windows))
+            out.append(f"sliding window {sizes} on {len(windows)} of {self.n_layers} layers")
+        if self.qkv_bias:
+            out.append("q/k/v bias")
+        if self.qk_norm:
+            out.append("per-head q/k norms (split groups' sums ride in the score sums)")
+        if self.rope.kind != "default":
+            out.append(f"RoPE {self.rope.kind}")
+        return out
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA group)."""
