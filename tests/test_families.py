@@ -394,3 +394,57 @@ def test_the_plan_and_its_picture_show_the_familys_pieces(models):
         assert plan.to_dict()["model"].items() >= dims.items(), name
     llama = ModelConfig("llama", 64, 120, 3, 4, 2, 16, 300, 256, 1e-5)
     assert llama.features() == [] and "windows" not in llama.dims() and "qk_norm" not in llama.dims()
+
+
+def test_qwen3_from_gguf_equals_its_safetensors(models, tmp_path):
+    """A Qwen3 GGUF (llama.cpp's names: attn_q_norm / attn_k_norm, no Q/K permutation for qwen3,
+    head_dim in attention.key_length) written from the tiny model's own tensors in float32 loads to
+    the same config and the same logits as its safetensors directory, and as transformers."""
+    import gguf
+    from safetensors.torch import load_file
+
+    path, ref = models["qwen3-gqa-odd-tied"]
+    c = ModelConfig.from_hf_dir(path)
+    w = gguf.GGUFWriter(tmp_path / "q3.gguf", "qwen3")
+    for key, value in {
+        "embedding_length": c.hidden,
+        "feed_forward_length": c.intermediate,
+        "block_count": c.n_layers,
+        "attention.head_count": c.n_heads,
+        "attention.head_count_kv": c.n_kv_heads,
+        "attention.key_length": c.head_dim,
+        "context_length": c.max_positions,
+        "vocab_size": c.vocab,
+    }.items():
+        w.add_uint32(f"qwen3.{key}", value)
+    w.add_float32("qwen3.rope.freq_base", c.rope.theta)
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", c.rms_eps)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    stems = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, x in load_file(path / "model.safetensors").items():
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module = rest.removesuffix(".weight")
+            names[name] = f"blk.{layer}.{stems[module]}.weight"
+        w.add_tensor(names[name], x.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    src = open_weights(tmp_path / "q3.gguf")
+    got = src.config
+    assert (got.arch, got.qk_norm, got.qkv_bias, got.head_dim, got.tie_embeddings) == ("qwen3", True, False, 12, True)
+    logits = DenseModel(src).forward(PROMPT, 0).double()
+    assert torch.allclose(logits, reference.logits(ref, PROMPT), atol=LOGIT_ATOL, rtol=0)

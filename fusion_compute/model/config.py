@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import FusionError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # transformers' model_type of each
-GGUF_ARCHS = ("llama", "qwen2")  # GGUF's general.architecture values weights/gguf.py reads
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF's general.architecture values weights/gguf.py reads
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # transformers' mixture-of-experts families: named as such in the refusal
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx", "jamba")

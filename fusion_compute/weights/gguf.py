@@ -38,6 +38,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3: per-head RMSNorm gains (d,)
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -126,6 +128,7 @@ def read_config(index: GGUFIndex, path: str | Path = "") -> ModelConfig:
         rms_eps=key("attention.layer_norm_rms_epsilon", float, 1e-6),
         rope=_rope_config(index, arch, theta, head_dim, path),
         qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm=arch == "qwen3",
         # llama.cpp writes no `output.weight` when the LM head is the embedding table.
         tie_embeddings="output.weight" not in names,
         bos_id=bos,
