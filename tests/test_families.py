@@ -232,6 +232,10 @@ RUNTIME_CASES = [
         ("structural", 3, (2.0, 1.0, 1.0)),
         ("masked", (1, 1), None),
     )
+] + [  # full and sliding layers mixed in one model: a mask per window in every step
+    ("qwen3-sliding", "structural", 3, None),
+    ("qwen2-sliding", "structural", 4, (1.0, 2.0, 1.0, 1.0)),
+    ("qwen2-sliding", "masked", (1, 1), None),
 ]
 
 
