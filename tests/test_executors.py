@@ -1,6 +1,6 @@
 """Executors (fusion_compute/executor/): who starts a job's workers. The local executor's processes are
 every other test's; here: the one place that chooses, the refusals of `--executor ray` before any
-worker starts, and Ray itself (slow: a Ray instance of the test's own, bound to loopback, 2 CPUs),
+worker starts, and Ray itself (slow: a Ray instance of the test's own, 2 CPUs, on this machine),
 which must give a local job's tokens and recover from a killed actor by the usual replay."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
+import tempfile
 import time
 
 import pytest
@@ -106,17 +108,21 @@ def test_unreachable_ray_address_one_line(tiny_qwen2):
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A Ray instance of this test process's own: loopback only, 2 CPUs; shut down after the module,
-    and every process it started gone (checked by pid)."""
+    """A Ray instance of this test process's own, 2 CPUs, its files in a folder of its own; shut down
+    after the module, and every process it started gone (checked by pid). Ray 2.60 cannot be bound
+    to loopback (it advertises the machine's own address, and its servers listen on every interface,
+    token-authenticated); the job's links are on loopback all the same (RayExecutor.host)."""
     ray = pytest.importorskip("ray")
     before = children(os.getpid())
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    folder = tempfile.mkdtemp(prefix="fusion-ray-")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=folder)
     started = children(os.getpid()) - before
     try:
         yield ray
     finally:
         ray.shutdown()
         left = wait_gone(started | (children(os.getpid()) - before), timeout=20)
+        shutil.rmtree(folder, ignore_errors=True)
         assert left == set(), f"Ray processes left running: {sorted(left)}"
 
 
@@ -136,6 +142,7 @@ def test_ray_gives_the_local_tokens(tiny_qwen2, ray_head):
         local = greedy(eng)
     with Engine(tiny_qwen2, opts(n_workers=2, executor="ray", ray_cpus=0.5)) as eng:
         assert eng.executor.name == "ray" and len(eng.executor.actors) == 2
+        assert eng.executor.listen_address() == ("127.0.0.1", 0)  # a one-machine cluster: links on loopback
         assert all(p > 0 for p in eng.procs.pids)  # started by their actors, not by this process
         assert not set(eng.procs.pids) & children(os.getpid())
         placed = greedy(eng)

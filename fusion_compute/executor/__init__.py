@@ -2,7 +2,11 @@
 
 `executor_for(opts)` is the one place a job's executor is chosen; the engine (runtime/engine.py)
 asks it for the roster, the address to listen at, and to launch and stop the workers. The TLS links
-(comm/) stay the data path whatever the executor: an executor only places and supervises."""
+(comm/) stay the data path whatever the executor: an executor only places and supervises.
+
+May import: comm, errors, and of runtime only the process mechanics (runtime.launch) and the
+topology file (runtime.topology), which the engine above it shares. Never model, weights,
+structural, masked, generation, serving or cli."""
 
 from .base import EXECUTORS, Executor, WorkerJob
 from .choose import executor_for

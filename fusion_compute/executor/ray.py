@@ -8,9 +8,12 @@ by its key, exactly as a local one: Ray carries only the command line, the key b
 worker's stdin), the exit status and the worker's last words, never a job's data.
 
 Where: with `--ray-address HOST:PORT` an existing cluster (its GCS address, `ray start --head`
-prints it); without it a Ray instance of this machine's own, bound to loopback and stopped with the
-job. The client listens on loopback when the cluster is this machine's, else on the address Ray
-knows this node by. A worker's host is taken from its JOIN (where it reached the client from).
+prints it); without it a Ray instance of this machine's own, started for the job and stopped with
+it. (Ray 2.60 will not bind to loopback only: it replaces a loopback node address by the machine's
+own and its servers listen on every interface, guarded by its token authentication.) The client
+listens on loopback when every node of the cluster is this machine, else on the address Ray knows
+this node by; decided at the job's start. A worker's host is taken from its JOIN (where it reached
+the client from).
 
 Bad input never reaches a worker: without Ray installed, or with an address where nothing answers,
 `check` refuses the run in one line (exit 2) before any worker starts, within CONNECT_S seconds.
@@ -25,14 +28,15 @@ import importlib.util
 import ipaddress
 import logging
 import os
-import socket
 import subprocess
 import tempfile
 import time
 from typing import IO, Any
 
+from ..comm import unreachable
 from ..errors import UsageError
 from ..runtime.launch import MAX_WORDS, Proc, WorkerProcs, last_words_of, popen_worker, terminate_all
+from ..runtime.topology import is_local_address
 from .base import Executor, WorkerJob
 
 CONNECT_S = 3.0  # the bound on probing --ray-address before anything starts
@@ -49,11 +53,9 @@ def check_ray(address: str | None, cpus: float) -> None:
     if address is None:
         return
     host, port = parse_address(address)
-    try:  # a bounded probe: ray.init itself would wait its own, much longer, timeouts
-        socket.create_connection((host, port), timeout=CONNECT_S).close()
-    except OSError as e:
-        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
-        raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({why})") from None
+    why = unreachable(host, port, CONNECT_S)  # bounded: ray.init's own wait is much longer
+    if why is not None:
+        raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({why})")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -138,8 +140,13 @@ class RayProc:
             self.actor.terminate.remote()
 
     def kill(self) -> None:
-        """The actor goes, and its worker with it (PR_SET_PDEATHSIG)."""
+        """The actor goes, and its worker with it (Ray ends an actor's children; PR_SET_PDEATHSIG
+        too). Its end is taken as known, so a wait after it never outlasts an unreachable node."""
         self._ray.kill(self.actor, no_restart=True)
+        if self.returncode is None:
+            self._log.write(b"killed with its Ray actor\n")
+            self._log.flush()
+            self.returncode = -9
 
 
 def _first_line(e: BaseException) -> str:
@@ -162,10 +169,11 @@ class RayExecutor(Executor):
             quiet: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.WARNING)
             if address is not None:
                 ray.init(address=address, **quiet)
-            else:  # this machine's own instance, on loopback only
-                ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, **quiet)
-        gcs_host = parse_address(ray.get_runtime_context().gcs_address)[0]
-        self.host = "127.0.0.1" if _is_loopback(gcs_host) else ray.util.get_node_ip_address()
+            else:  # this machine's own instance
+                ray.init(include_dashboard=False, **quiet)
+        nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+        here = all(_is_loopback(a) or is_local_address(a) for a in nodes)  # a one-machine cluster
+        self.host = "127.0.0.1" if here else ray.util.get_node_ip_address()
         self._actor: Any = ray.remote(WorkerActor)
         self.actors: list[Any] = []
         self._env: dict[str, str] = {}
