@@ -181,3 +181,8 @@ def test_cli_executor_ray(tiny_qwen2, ray_head):
     assert local.returncode == 0, local.stderr
     assert placed.returncode == 0, placed.stderr
     assert json.loads(placed.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+    assert (
+        f"workers placed by the Ray cluster at {gcs}: one actor each (0.5 CPU), their links on loopback"
+        in placed.stderr
+    )
+    assert "placed by" not in local.stderr

@@ -72,5 +72,9 @@ class Executor:
         their own (listed workers)."""
         raise NotImplementedError
 
+    def where(self) -> str | None:
+        """A line for the start-up log saying where the workers were placed, when that is news."""
+        return None
+
     def stop(self) -> None:
         """After the workers have stopped (WorkerProcs.stop): release what the executor itself holds."""

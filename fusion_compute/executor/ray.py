@@ -163,7 +163,7 @@ class RayExecutor(Executor):
         check_ray(address, cpus)
         import ray
 
-        self.ray, self.cpus = ray, cpus
+        self.ray, self.cpus, self.address = ray, cpus, address
         self.owned = not ray.is_initialized()  # a caller (a test, a notebook) may have started it
         if self.owned:
             quiet: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.WARNING)
@@ -189,6 +189,13 @@ class RayExecutor(Executor):
         actor = self._actor.options(num_cpus=self.cpus, max_restarts=0).remote()
         self.actors.append(actor)
         return RayProc(self.ray, actor, actor.start.remote(args, self._env, stdin), log)
+
+    def where(self) -> str | None:
+        cluster = (
+            "a Ray instance of its own" if self.owned and self.address is None else f"the Ray cluster at {self.address}"
+        )
+        links = "on loopback" if self.host == "127.0.0.1" else f"to {self.host}"
+        return f"workers placed by {cluster}: one actor each ({self.cpus:g} CPU), their links {links}"
 
     def stop(self) -> None:
         for actor in self.actors:  # their workers have stopped (WorkerProcs.stop); any left go with them

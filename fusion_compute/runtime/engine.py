@@ -137,6 +137,8 @@ class EngineBase(Membership):
             )
             if self.executor.starts_workers:
                 self.procs = self.executor.launch(self._worker_job(me, worker_keys))
+                if (where := self.executor.where()) is not None:
+                    opts.log(f"note: {where}")
             monitor = opts.progress(self.procs, self.plan, self._admission.address) if opts.progress else None
             self.worker_info = self._open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
             if self.procs is not None:
