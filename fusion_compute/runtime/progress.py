@@ -178,7 +178,11 @@ class LoadMonitor:
     def _lines(self, final: bool) -> list[str]:
         elapsed = time.monotonic() - self.t0
         if self.procs is None:
-            state = "ready" if final else f"waiting for {self.n} workers at {self.master} ({elapsed:.0f} s)"
+            state = (
+                "ready"
+                if final
+                else f"waiting for {self.n} worker{'s' if self.n != 1 else ''} at {self.master} ({elapsed:.0f} s)"
+            )
             return [f"fusion: {state}" + ("" if final else "; their progress shows on their own terminals")]
         lines = []
         for w, (phase, done, total) in enumerate(self._state()):

@@ -267,7 +267,9 @@ async def stream(shape: Shape, job: Job, events: asyncio.Queue[JobEvent], reques
 
 
 def _finish(out: Outcome) -> str:
-    return "stop" if out.finish_reason == "cancelled" else out.finish_reason
+    """OpenAI's finish_reason; an answer cut short (the server stopping, or its caller gone) says
+    "abort", vLLM's word for it, never "stop", which a caller would take for the model's own end."""
+    return "abort" if out.finish_reason == "cancelled" else out.finish_reason
 
 
 def _summary(out: Outcome) -> str:
