@@ -183,6 +183,139 @@ MUTANTS = [
     ),
 ]
 
+# ---- issue 41 (branch liar): the blame rules, follows' liveness, the receiver's checks, peer text,
+# the key holder's share, the short job. A block of its own: other branches append theirs above. ----
+B41 = "test_blame.py::"
+P41 = "test_poisoned_partials.py::"
+MUTANTS += [
+    (
+        "blame-follows-any-earlier-set",
+        R + "runtime/blame.py",
+        "hits = {x for x in now for before in history if before & now == {x}}",
+        "hits = {x for x in now for before in history if x in before}",
+        [B41 + "test_follows_names_a_liar_that_returns_to_its_first_partner"],
+    ),
+    (
+        "blame-follows-never-names",
+        R + "runtime/blame.py",
+        "return hits.pop() if len(hits) == 1 else None",
+        "return None",
+        [B41 + "test_follows_names_the_common_suspect_of_two_different_pairs"],
+    ),
+    (
+        "blame-accusation-counted-without-leaving",
+        R + "runtime/blame.py",
+        'if state == "left" and reason is not None and reason.get("cause") == p:',
+        "if True:",
+        [B41 + "test_link_closing_liar_is_named_not_its_victim", B41 + "test_a_one_sided_accusation_is_not_enough"],
+    ),
+    (
+        "blame-accused-removed-though-it-waits",
+        R + "runtime/blame.py",
+        "if stayed and p in owed and not blocked_on and p not in counted:",
+        "if stayed and p in owed and p not in counted:",
+        [B41 + "test_an_accused_worker_that_owes_nothing_or_waits_is_not_removed"],
+    ),
+    (
+        "blame-inputs-farewell-read-as-own-error",
+        R + "runtime/blame.py",
+        'if reason.get("cause") is None and reason.get("after") is None and q not in tainted',
+        'if reason.get("cause") is None and reason.get("after") is None',
+        [P41 + "test_one_liar_with_poisoned_values_never_gets_an_honest_worker_removed"],
+    ),
+    (
+        "blame-self-contradiction-ignored",
+        R + "runtime/blame.py",
+        "            named.add(q)\n            words.append(\n                f\"worker {q}'s farewell",
+        "            words.append(\n                f\"worker {q}'s farewell",
+        [B41 + "test_a_farewell_that_contradicts_its_own_account_removes_its_sayer"],
+    ),
+    (
+        "blame-mutual-knock-on-ignored",
+        R + "runtime/blame.py",
+        "    if counted or mutual:",
+        "    if counted:",
+        [B41 + "test_two_workers_each_leaving_after_the_other_are_ambiguous"],
+    ),
+    (
+        "recv-check-off-reduce-scatter",
+        R + "comm/comm.py",
+        "self._check_received({q: stack[q - 1] for q in received}, op)",
+        "None",
+        [P41 + "test_the_receiver_names_the_sender_of_a_poisoned_block"],
+    ),
+    (
+        "recv-check-off-score-sum",
+        R + "comm/comm.py",
+        "self._check_received(theirs, op)",
+        "None",
+        [P41 + "test_a_poisoned_score_sum_names_its_sender"],
+    ),
+    (
+        "recv-check-bound-off",
+        R + "comm/value_checks.py",
+        "if peak > PEER_VALUE_LIMIT:",
+        "if False:",
+        [P41 + "test_the_block_check_refuses_nan_inf_and_values_over_the_bound_and_passes_the_rest"],
+    ),
+    (
+        "send-check-off",
+        R + "comm/comm.py",
+        "        fault = block_fault(block)\n        if fault is not None:\n            raise TaintedInputs",
+        "        fault = None\n        if fault is not None:\n            raise TaintedInputs",
+        [P41 + "test_an_honest_sender_refuses_to_send_a_block_that_fails_and_names_nobody"],
+    ),
+    (
+        "farewell-inputs-flag-dropped",
+        R + "comm/links.py",
+        "inputs = isinstance(err, TaintedInputs)",
+        "inputs = False",
+        [P41 + "test_an_honest_sender_refuses_to_send_a_block_that_fails_and_names_nobody"],
+    ),
+    (
+        "peer-text-farewell-unescaped",
+        R + "comm/links.py",
+        'out["why"] = printable(" ".join(str(obj.get("why") or "").split()))[:MAX_WHY]',
+        'out["why"] = " ".join(str(obj.get("why") or "").split())[:MAX_WHY]',
+        ["test_peer_text.py::test_a_hostile_farewell_reaches_the_error_line_escaped"],
+    ),
+    (
+        "key-in-query-allowed",
+        R + "serving/http_limits.py",
+        'if scope["type"] == "http" and _key_in_query(scope, self.expected):',
+        "if False:",
+        ["test_key_holder.py::test_a_key_in_the_query_string_is_refused_and_left_out_of_the_log"],
+    ),
+    (
+        "log-throttle-off",
+        R + "serving/http_limits.py",
+        "if last is not None and now - last < self.every_s:",
+        "if False:",
+        ["test_key_holder.py::test_repeated_log_lines_are_summed_up"],
+    ),
+    (
+        "short-job-health-ok",
+        R + "serving/scheduler.py",
+        "if short:  # serving, on fewer workers than asked for",
+        "if False:  # serving, on fewer workers than asked for",
+        ["test_short_job.py::test_a_short_job_serves_degraded_and_says_so_per_request"],
+    ),
+    (
+        "send-check-off-egress",
+        R + "structural/worker.py",
+        "fault = egress_fault(x_dT, plan.n)",
+        "fault = None",
+        [P41 + "test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody"],
+    ),
+    (
+        "short-job-never-refilled",
+        R + "runtime/engine.py",
+        "self._refill()  # a session's start",
+        "None  # a session's start",
+        [P41 + "test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed"],
+    ),
+]
+
 words = sys.argv[1:]
 run_all = os.environ.get("ALL") == "1"
 chosen = [m for m in MUTANTS if not words or any(w in m[0] for w in words)]

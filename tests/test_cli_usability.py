@@ -279,7 +279,7 @@ def test_repeated_flags_come_from_the_environment(tmp_path, monkeypatch, capsys)
 
 
 def test_counts_take_their_nouns_number():
-    from fusion_compute.cli.logs import counted
+    from fusion_compute.runtime.progress import counted
 
     assert [counted(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
     assert counted(1, "cold start") == "1 cold start" and counted(5, "cold start") == "5 cold starts"

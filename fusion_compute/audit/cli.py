@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli.logs import counted
 from ..runtime.placement import DTYPES
+from ..runtime.progress import counted
 from ..structural.protocol import MAX_SLOTS
 
 EXIT_FAIL = 1

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
-from .logs import counted
+from ..runtime.progress import counted
 from .options import add_api_key_args, api_key
 
 HELP = """commands:

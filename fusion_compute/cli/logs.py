@@ -88,11 +88,6 @@ def setup(prog: str, *, quiet: bool = False, fmt: str = "text", info: bool = Tru
     return logging.getLogger(f"{PACKAGE}.cli")
 
 
-def counted(n: int, noun: str, plural: str | None = None) -> str:
-    """ "1 worker", "3 workers", "0 tokens": a count with its noun in the number it takes."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
-
-
 def error_line(prog: str, message: str, stream: IO[str] | None = None) -> None:
     """The command's final error: a JSON record when the log format is json, else one plain line."""
     root = logging.getLogger(PACKAGE)

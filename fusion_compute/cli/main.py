@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import FusionError, InputError, UsageError
+from ..runtime.progress import counted
 from . import logs
 from . import options as O
 from .parser import FusionParser, flag_name, help_groups
@@ -88,9 +89,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from ..masked.client import MaskedEngine as Engine  # same interface as the structural Engine
     else:
         from ..structural.client import Engine
-    workers = f"{'+'.join(map(str, opts.sizes))} workers" if masked else logs.counted(opts.n_workers, "worker")
+    workers = f"{'+'.join(map(str, opts.sizes))} workers" if masked else counted(opts.n_workers, "worker")
     log.info(
-        f"starting: {path.name}, {workers} ({a.mode}), prompt {logs.counted(len(ids), 'token')}, up to "
+        f"starting: {path.name}, {workers} ({a.mode}), prompt {counted(len(ids), 'token')}, up to "
         f"{max_tokens} new, context {context}"
     )
     with Engine(path, opts, source=src) as engine:
@@ -132,7 +133,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
             sys.stdout.flush()
         log.info(
-            f"done: {logs.counted(len(res.token_ids), 'token')} in {logs.counted(res.steps, 'step')} "
+            f"done: {counted(len(res.token_ids), 'token')} in {counted(res.steps, 'step')} "
             f"({res.finish_reason}), first after "
             f"{res.ttft_s:.1f} s, then {res.decode_tokens_per_s:.2f} tokens/s"
         )
@@ -178,7 +179,7 @@ def no_text_warning(text: str, token_ids: list[int], finish_reason: str, chat: b
         return None
     why = "it ended its turn at once" if finish_reason == "stop" else "blank or special tokens only"
     hint = "--raw continues the prompt as plain text instead" if chat else "without --raw the chat template applies"
-    return f"the model produced no text ({logs.counted(len(token_ids), 'token')}: {why}); {hint}"
+    return f"the model produced no text ({counted(len(token_ids), 'token')}: {why}); {hint}"
 
 
 def new_tokens_limit(requested: int | None, flag: str, n_prompt: int, context: int, window: int, log) -> int:

@@ -94,6 +94,7 @@ class EngineBase(Membership):
         self.config = c = self.src.config
         self.seats = self.make_seats()
         self.order = [s.pid for s in self.seats.values() if not s.standby]  # the current epoch
+        self.wanted = len(self.order)  # the workers the user asked for: a smaller job says so (shortfall)
         self.epoch = 0
         self.plan = self.plan_for(self.order)
         self.context = effective_context(c.max_positions, opts.context)
@@ -235,6 +236,7 @@ class EngineBase(Membership):
     def reset(self) -> None:
         """Start afresh: workers zero their KV shards, every slot of them."""
         self.slot_history = {}
+        self._refill()  # a session's start, nothing to replay: empty seats are filled from standbys
         self._with_recovery(self._reset)
 
     def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:

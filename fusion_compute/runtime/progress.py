@@ -339,3 +339,8 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
 def log_startup(engine: Any, stream: IO[str] = sys.stderr, topology: Any = None) -> None:
     stream.write("\n".join(startup_lines(engine, topology)) + "\n")
     stream.flush()
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """ "1 worker", "3 workers", "0 tokens": a count with its noun in the number it takes."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

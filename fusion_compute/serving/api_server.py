@@ -110,6 +110,9 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
             "status": status,
             "model": card.id,
             "workers": gateway.engine.plan.n,
+            # the workers asked for, and removed in this job: a job running short says "N of M" (never silently)
+            "workers_wanted": getattr(gateway.engine, "wanted", gateway.engine.plan.n),
+            "removed": len(getattr(gateway.engine, "removed", ())),
             "plan": gateway.engine.plan.fingerprint(),
             "context": card.context,
             "running": s.running_requests,
