@@ -40,6 +40,9 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
   close-link@N      at its N-th reduce-scatter, it shuts only its link to its victim (the lowest other
                     rank), says in its account that the victim's link failed it, and stalls (beating,
                     its other links open) until the client ends the epoch
+  leave-lie@N       the same, and then leaves the epoch as an honest worker whose link failed would:
+                    with a farewell naming its victim (`cause`) on every link (links.say_farewell),
+                    its pulse beating: a lie told the way the truth is told
   poison-rs@N       at its N-th reduce-scatter, the block it owes its victim (the lowest other rank)
                     is all NaN (skipping its own check on what it sends); otherwise it behaves: its
                     own egress stays clean, and it leaves as a knock-on of its victim's farewell
@@ -71,13 +74,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommError
+from ..comm import CommError, PeerLost
 from ..errors import UsageError
 from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
 POISONS = {"poison-rs": math.nan, "huge-rs": 1e30, "big-rs": 1e19}  # what the block for the victim holds
-COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link", *POISONS)
+COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link", "leave-lie", *POISONS)
 SEND_FAULTS = (
     "close-mid-message",
     "nan-egress",
@@ -151,15 +154,17 @@ def comm_fault(fault: Fault | None) -> Callable:
                 time.sleep(delay)
                 if fault.kind == "drag-lie" and comm.witness is not None:
                     comm.witness.charge(victim, delay)  # the lie: "the victim kept me waiting"
-            elif calls[0] == fault.step:  # cut-peer, close-link
+            elif calls[0] == fault.step:  # cut-peer, close-link, leave-lie
                 for rank, link in comm.links.items():
                     if rank not in (0, comm.rank) and (fault.kind == "cut-peer" or rank == victim):
                         try:
                             link.sock.shutdown(socket.SHUT_RDWR)
                         except OSError:
                             pass
-                if fault.kind == "close-link" and comm.witness is not None:
+                if fault.kind in ("close-link", "leave-lie") and comm.witness is not None:
                     comm.witness.lost_peer(victim)  # the lie: "the victim's link failed me"
+                if fault.kind == "leave-lie":  # ... said on every link as it leaves (the worker's own path)
+                    raise PeerLost(victim, f"{comm.links[victim].label} closed the connection")
                 word = torch.zeros(4, dtype=torch.int64)
                 while True:  # stall (beating) until the client cuts this epoch's links
                     comm.recv(word, 0, "control", "stall", wait_s=math.inf)

@@ -129,7 +129,7 @@ class LimitedH11(H11Protocol):
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
         wait = min(self.header_timeout_s, OVER_SHARE_S) if self.over_share else self.header_timeout_s
-        self._header_timer = self.loop.call_later(wait, self._header_timeout)
+        self._header_timer = self.loop.call_later(wait, self._header_timeout, wait)
 
     def _cancel_header_timer(self) -> None:
         timer = getattr(self, "_header_timer", None)
@@ -137,14 +137,14 @@ class LimitedH11(H11Protocol):
             timer.cancel()
             self._header_timer = None
 
-    def _header_timeout(self) -> None:
+    def _header_timeout(self, wait: float) -> None:
         self._header_timer = None
         if self.transport.is_closing():
             return
         if self.conn.trailing_data[0]:  # part of a request came, and not all of its headers
             self._log_once("slow headers", f"headers from {self._peer()} too slow: 408")
             self._answer_and_close(
-                ApiError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s")
+                ApiError(408, f"the request headers did not arrive within {wait:g} s")  # (OVER_SHARE_S over the share)
             )
         else:
             self.transport.close()
