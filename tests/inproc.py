@@ -58,7 +58,7 @@ class Board:
     def __init__(self, n: int, score_groups: Sequence[Sequence[int]] = (), timeout_s: float = TIMEOUT_S):
         self.n = n
         self.posted: list[torch.Tensor | None] = [None] * n
-        self.barriers = {None: threading.Barrier(n, timeout=timeout_s)}
+        self.barriers: dict[int | None, threading.Barrier] = {None: threading.Barrier(n, timeout=timeout_s)}
         for g, owners in enumerate(score_groups):
             if len(owners) > 1:
                 self.barriers[g] = threading.Barrier(len(owners), timeout=timeout_s)
@@ -239,15 +239,17 @@ class ShardedRun:
         """One session's step in `slot`: every position's logits (T, V)."""
         return self.forward_batch([(slot, ids)])[0]
 
-    def greedy(self, prompt: list[int], new_tokens: int, slot: int = 0) -> list[int]:
-        """Greedy continuation of `prompt` from position 0 of `slot` (one token per step after the prompt)."""
+    def greedy(self, prompt: list[int], new_tokens: int, slot: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """Greedy continuation of `prompt` from position 0 of `slot`, one token per step after the
+        prompt; ends after `new_tokens` or a token of `stop_ids` (kept), as reference.greedy does."""
         self.rewind(slot, 0)
         logits = self.forward(prompt, slot)[-1]
-        out = []
-        for _ in range(new_tokens):
+        out: list[int] = []
+        while True:
             out.append(int(logits.argmax()))
+            if len(out) == new_tokens or out[-1] in stop_ids:
+                return out
             logits = self.forward([out[-1]], slot)[-1]
-        return out
 
     def kv_abs_max(self) -> float:
         return max(m.kv_abs_max() for m in self.workers)

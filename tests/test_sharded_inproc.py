@@ -51,6 +51,12 @@ def case_id(arch, n, caps) -> str:
     return f"{arch}-N{n}{'-cap' if caps else ''}"
 
 
+# The quick loop (-m "not slow") runs one case per family with every feature at once (split groups or
+# not, uneven shares, N > 2); the others (~0.5 s each, 32 greedy steps the most of it) run in the suite.
+QUICK = {("qwen2", 4, (1.0, 3.0, 1.0, 2.0)), ("llama", 3, (1.0, 1.0, 3.0))}
+PARAMS = [pytest.param(*c, id=case_id(*c), marks=() if c in QUICK else pytest.mark.slow) for c in CASES]
+
+
 @pytest.fixture(scope="module")
 def models(tiny_qwen2, tiny_llama):
     return {"qwen2": tiny_qwen2, "llama": tiny_llama}
@@ -77,7 +83,7 @@ def splits_groups(run: ShardedRun) -> bool:
     return any(len(owners) > 1 for owners in run.plan.group_owners)
 
 
-@pytest.mark.parametrize("arch,n,caps", CASES, ids=[case_id(*c) for c in CASES])
+@pytest.mark.parametrize("arch,n,caps", PARAMS)
 def test_sharded_model_matches_dense_and_transformers(models, refs, arch, n, caps):
     """What test_parity.py's structural cases check of the arithmetic, without processes: prefill
     logits against transformers (float64) at LOGIT_ATOL, incremental decode (prefill 5, then one token
