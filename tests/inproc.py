@@ -235,9 +235,17 @@ class ShardedRun:
             self.pos[s.slot] = s.pos + s.t
         return list(logits.split([s.t for s in spans]))
 
-    def forward(self, ids: list[int], slot: int = 0) -> torch.Tensor:
-        """One session's step in `slot`: every position's logits (T, V)."""
-        return self.forward_batch([(slot, ids)])[0]
+    def forward(self, ids: list[int], slot: int = 0, all_logits: bool = True) -> torch.Tensor:
+        """One session's step in `slot`: every position's logits (T, V), or the last one's (V,)."""
+        logits = self.forward_batch([(slot, ids)])[0]
+        return logits if all_logits else logits[-1]
+
+    def stats(self) -> list[dict]:
+        """Per worker, what its Comm counted (as Engine.stats reports it from the worker processes):
+        collectives among workers and the payload bytes it addressed to the other workers."""
+        return [
+            {"collectives": c.counters.collectives, "peer_bytes_sent": c.counters.peer_bytes_sent} for c in self.comms
+        ]
 
     def greedy(self, prompt: list[int], new_tokens: int, slot: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
         """Greedy continuation of `prompt` from position 0 of `slot`, one token per step after the
