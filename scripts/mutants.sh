@@ -150,8 +150,9 @@ MUTANTS = [
         None,
         [
             "test_runtime.py",
-            "test_batching.py::test_a_batch_step_equals_each_session_alone",
-            "test_parity.py::test_matches_transformers[structural-qwen2-N2]",
+            "test_sharded_inproc.py::test_a_batch_step_equals_each_session_alone",
+            "test_sharded_inproc.py::test_sharded_model_matches_dense_and_transformers",
+            "test_parity.py::test_matches_transformers[structural-qwen2-N3-cap]",
         ],
     ),
     (
@@ -170,7 +171,8 @@ MUTANTS = [
         ],
         None,
         [
-            "test_batching.py::test_a_batch_step_equals_each_session_alone",
+            "test_sharded_inproc.py::test_a_batch_step_equals_each_session_alone",
+            "test_sharded_inproc.py::test_sharded_model_matches_dense_and_transformers",
             "test_parity.py::test_matches_transformers[structural-qwen2-N3-cap]",
         ],
     ),
