@@ -37,7 +37,6 @@ element that travelled.
 from __future__ import annotations
 
 import collections
-import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -48,6 +47,7 @@ from .buffers import accumulate, host, raw
 from .errors import CommError, PeerTimeout
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .links import TICK_S, Link
+from .readiness import readable
 
 
 class WaitAccount(Protocol):
@@ -168,7 +168,7 @@ class Comm:
             if not ready:
                 socks = {links[p].sock: p for p in pending}
                 left = deadline - time.monotonic()
-                got, _, _ = select.select(list(socks), [], [], max(0.0, min(TICK_S, left)))
+                got = readable(socks, min(TICK_S, left))
                 ready = sorted(socks[s] for s in got)
             if not ready:  # a tick: the links' check (a lost worker, a step's limit), then the deadline
                 check = next((links[p].check for p in pending if links[p].check is not None), None)
