@@ -1,0 +1,78 @@
+"""The test process's open file descriptors and threads: counted around what a test does (an engine's
+life, rounds of revocations), and many held open at once (a busy server's, past select's 1,024)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+SELECT_CEILING = 1024  # FD_SETSIZE: select.select refuses a descriptor numbered this or above
+
+
+def open_descriptors(pid: int | str = "self") -> dict[int, str]:
+    """Every open descriptor of process `pid` (this one by default): number -> what it is (a file's
+    path, "socket:[inode]", "pipe:[inode]", ...)."""
+    out = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor among them)
+    return out
+
+
+def threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate())
+
+
+def settled(before: dict[int, str], timeout_s: float = 5.0) -> dict[int, str]:
+    """The open descriptors once as many are open as `before`, or after `timeout_s`. Some close a
+    moment after the call that ends their use: a retired worker's output file when the watchdog sees
+    its exit (launch.WATCH_S), a closed link when its peer's end is gone. A leak never settles."""
+    deadline = time.monotonic() + timeout_s
+    while len(now := open_descriptors()) > len(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def new_since(before: dict[int, str], now: dict[int, str]) -> list[str]:
+    """What is open now and was not (by number and kind), for a failure's message."""
+    return [f"{fd}: {what}" for fd, what in sorted(now.items()) if before.get(fd) != what]
+
+
+def same_threads(before: list[str], timeout_s: float = 5.0) -> list[str]:
+    """The live threads' names once they are `before`'s, or after `timeout_s` (a closed link's writer
+    thread ends a moment after the close)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := threads()) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def raise_limit(n: int) -> bool:
+    """Let this process open at least `n` descriptors (the soft limit raised up to the hard one);
+    False if the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < n:
+        if hard != resource.RLIM_INFINITY and hard < n:
+            return False
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+    return True
+
+
+@contextmanager
+def holding(n: int) -> Iterator[list[int]]:
+    """`n` descriptors open (on /dev/null) for the block's length, so that whatever opens next is
+    numbered above them; closed after."""
+    held: list[int] = []
+    try:
+        for _ in range(n):
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield held
+    finally:
+        for fd in held:
+            os.close(fd)
