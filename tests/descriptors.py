@@ -7,6 +7,7 @@ import os
 import resource
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,27 +31,28 @@ def threads() -> list[str]:
 
 
 def settled(before: dict[int, str], timeout_s: float = 5.0) -> dict[int, str]:
-    """The open descriptors once as many are open as `before`, or after `timeout_s`. Some close a
+    """The open descriptors once none is open that `before` lacks, or after `timeout_s`. Some close a
     moment after the call that ends their use: a retired worker's output file when the watchdog sees
     its exit (launch.WATCH_S), a closed link when its peer's end is gone. A leak never settles."""
     deadline = time.monotonic() + timeout_s
-    while len(now := open_descriptors()) > len(before) and time.monotonic() < deadline:
+    while new_since(before, now := open_descriptors()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return now
 
 
 def new_since(before: dict[int, str], now: dict[int, str]) -> list[str]:
-    """What is open now and was not (by number and kind), for a failure's message."""
+    """What is open now and was not (by number and kind): what a test left open. (Measured against
+    what was open, not only counted: under pytest an earlier test's leftovers may close meanwhile.)"""
     return [f"{fd}: {what}" for fd, what in sorted(now.items()) if before.get(fd) != what]
 
 
-def same_threads(before: list[str], timeout_s: float = 5.0) -> list[str]:
-    """The live threads' names once they are `before`'s, or after `timeout_s` (a closed link's writer
-    thread ends a moment after the close)."""
+def new_threads(before: list[str], timeout_s: float = 5.0) -> list[str]:
+    """The names of the threads running now that were not `before`, once there are none or after
+    `timeout_s` (a closed link's writer thread ends a moment after the close)."""
     deadline = time.monotonic() + timeout_s
-    while (now := threads()) != before and time.monotonic() < deadline:
+    while (extra := list((Counter(threads()) - Counter(before)).elements())) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return now
+    return extra
 
 
 def raise_limit(n: int) -> bool:

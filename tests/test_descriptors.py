@@ -2,8 +2,10 @@
 too high to wait on.
 
 Counted in this process's /proc/self/fd: an engine's life (a job, a revocation, an added standby, a
-killed worker) leaves as many descriptors and the same threads as it found, and so do 50 rounds of
-revoke-and-add (each worker's output file, its pulse link, the old epochs' links). With 1,100
+killed worker) leaves no descriptor open and no thread running that it did not find, and neither
+do 50 rounds of revoke-and-add (each worker's output file, its pulse link, the old epochs' links).
+What is compared is what was open, not only how many: under pytest an earlier test's leftovers may
+close meanwhile. With 1,100
 descriptors already open, every socket the engine opens is numbered past select's 1,024, and a
 job, a recovery and a served request still work (the waits use poll, comm/readiness.py)."""
 
@@ -24,9 +26,9 @@ from descriptors import (
     SELECT_CEILING,
     holding,
     new_since,
+    new_threads,
     open_descriptors,
     raise_limit,
-    same_threads,
     settled,
     threads,
 )
@@ -64,16 +66,15 @@ def test_an_engine_leaves_the_process_as_it_found_it(tiny_qwen2, steady):
         eng.revoke(1)
         eng.forward([int(logits.argmax())])
         assert eng.order == [3, 2]
-    after = settled(fds)
-    assert len(after) == len(fds), f"left open: {new_since(fds, after)}"
-    assert same_threads(names) == names
+    assert new_since(fds, settled(fds)) == []
+    assert new_threads(names) == []
 
 
 @pytest.mark.slow
 def test_fifty_revoke_and_add_rounds_leave_no_descriptor_behind(tiny_qwen2, steady):
     """A long-lived job whose workers are replaced again and again (each round: the first worker
     revoked, its standby takes the seat, a new standby added, a step; every tenth round the worker is
-    killed instead) holds as many descriptors, and runs as many threads, after 50 rounds as after the
+    killed instead) holds no descriptor, and runs no thread, after 50 rounds that it did not after the
     first two."""
     with Engine(tiny_qwen2, _options(standby=1)) as eng:
         logits = eng.forward(PROMPT)
@@ -94,9 +95,8 @@ def test_fifty_revoke_and_add_rounds_leave_no_descriptor_behind(tiny_qwen2, stea
                 eng.add_standby()
             else:
                 round_()
-        after = settled(fds)
-        assert len(after) == len(fds), f"{len(after) - len(fds)} more after 50 rounds: {new_since(fds, after)}"
-        assert same_threads(names) == names
+        assert new_since(fds, settled(fds)) == []
+        assert new_threads(names) == []
         assert len(eng.recoveries) == 52 and len(eng.procs.procs) == 55
 
 
@@ -155,9 +155,8 @@ def test_past_descriptor_1023_a_job_and_recoveries_run(tiny_qwen2, steady):
             want = steps(eng, {})
             got = steps(eng, {1: lambda: (eng.revoke(1), eng.add_standby()), 2: lambda: _kill(eng, eng.order[0])})
             assert eng.order == [4, 2] and len(eng.recoveries) == 2, eng.recoveries
-        after = settled(fds)
-        assert len(after) == len(fds), f"left open: {new_since(fds, after)}"
-        assert same_threads(names) == names
+        assert new_since(fds, settled(fds)) == []
+        assert new_threads(names) == []
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.allclose(a, b, atol=LOGIT_ATOL, rtol=0), (i, float((a - b).abs().max()))
 
