@@ -46,6 +46,24 @@ def new_since(before: dict[int, str], now: dict[int, str]) -> list[str]:
     return [f"{fd}: {what}" for fd, what in sorted(now.items()) if before.get(fd) != what]
 
 
+def kind(what: str) -> str:
+    """What a descriptor is, without its identity: "socket", "pipe", "deleted file", or its path."""
+    if what.endswith(" (deleted)"):
+        return "deleted file"
+    return what.split(":[", 1)[0] if what.endswith("]") and ":[" in what else what
+
+
+def more_of_a_kind(before: dict[int, str], timeout_s: float = 5.0) -> dict[str, int]:
+    """How many more descriptors of each kind (`kind`) are open now than `before`, once none is or
+    after `timeout_s`: for a job whose links are replaced (each epoch's sockets are new ones, and
+    may take other numbers), where what counts is that no kind grows."""
+    deadline = time.monotonic() + timeout_s
+    was = Counter(kind(w) for w in before.values())
+    while (extra := Counter(kind(w) for w in open_descriptors().values()) - was) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return dict(extra)
+
+
 def new_threads(before: list[str], timeout_s: float = 5.0) -> list[str]:
     """The names of the threads running now that were not `before`, once there are none or after
     `timeout_s` (a closed link's writer thread ends a moment after the close)."""
