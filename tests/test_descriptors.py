@@ -101,6 +101,60 @@ def test_fifty_revoke_and_add_rounds_leave_no_descriptor_behind(tiny_qwen2, stea
         assert len(eng.recoveries) == 52 and len(eng.procs.procs) == 55
 
 
+class _Started:
+    """A worker as the launcher seam returns it (launch.Proc), running until `exit()`."""
+
+    pid = 0
+    returncode: int | None = None
+
+    def exit(self, code: int) -> None:
+        self.returncode = code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        assert self.returncode is not None
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.exit(-15)
+
+    def kill(self) -> None:
+        self.exit(-9)
+
+
+def test_a_workers_output_file_is_closed_when_it_exits_and_its_last_words_kept():
+    """launch.WorkerProcs: while a worker runs its output is read from its file (the load progress);
+    once its exit is seen the file is closed, and its last words are still there for the errors."""
+    from fusion_compute.runtime import launch
+
+    started: list[_Started] = []
+
+    def launcher(args, env, log, stdin):
+        log.write(b"@fusion-progress load 1 2\nfusion worker: error: out of memory\n")
+        log.flush()
+        started.append(_Started())
+        return started[-1]
+
+    previous = launch.use_launcher(launcher)
+    try:
+        procs = launch.WorkerProcs(lambda rank: [], 1)
+    finally:
+        launch.use_launcher(previous)
+    try:
+        assert "@fusion-progress load 1 2" in procs.output_tail(0, 4096) and not procs.logs[0].closed
+        started[0].exit(1)
+        deadline = time.monotonic() + 5
+        while not procs.logs[0].closed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert procs.logs[0].closed and procs.output_tail(0, 4096) == ""
+        assert procs.failure() == (1, "fusion worker: error: out of memory")
+        assert procs.exit_reason(1) == "worker 1 exited: fusion worker: error: out of memory"
+    finally:
+        procs.stop(grace_s=0)
+
+
 def test_readable_waits_on_a_descriptor_past_select_ceiling():
     """The wait every link uses (comm/readiness.py) on a socket numbered past 1,024: nothing to read
     yet, then the byte sent; select.select refuses the same socket (the fault this replaces)."""

@@ -192,6 +192,16 @@ class WorkerProcs:
                 return self._final[i]
             return last_words_of(self.logs[i], self.procs[i].returncode)
 
+    def output_tail(self, i: int, size: int) -> str:
+        """The last `size` bytes of worker index `i`'s output ("" once its file is closed), read with
+        pread under the files' lock: never from a descriptor closed, and its number reused, meanwhile."""
+        with self._files:
+            if i in self._final:
+                return ""
+            fd = self.logs[i].fileno()
+            end = os.fstat(fd).st_size
+            return os.pread(fd, min(size, end), max(0, end - size)).decode(errors="replace")
+
     def _settle(self, i: int) -> None:
         """Worker index `i` has exited: keep its last words, close its output file."""
         with self._files:
