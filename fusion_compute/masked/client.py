@@ -37,8 +37,8 @@ import torch
 
 from ..comm import Event, Recorder
 from ..model.config import ModelError
-from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan, rope_tables
-from ..model.kernels import causal_mask, inv_freq_tensor, rms_norm
+from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan
+from ..model.kernels import Rotary, rms_norm
 from ..model.layer import decoder_layer
 from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
@@ -123,7 +123,7 @@ class MaskedEngine(EngineBase):
         self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
         # the layer in the clear, every linear a masked product over all the step's rows
         self.ops = DenseOps(c, self.clear, lambda i, name, x: self.masked_linear(i, LINEARS.index(name), x[0])[None])
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.audit = None
         if self.opts.audit_dir:
             from .audit import AuditLog
@@ -323,15 +323,8 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        # per session: its rows of the step, its rotary tables and causal mask, its slot's cache
-        step = tuple(
-            DenseSpan(
-                *rope_tables(self.inv_freq, torch.arange(pos, pos + n)),
-                causal_mask(pos, n),
-                self._kv_update(slot, pos, n),
-            )
-            for slot, pos, n in spans
-        )
+        # per session: its rows of the step, its rotary tables and causal masks, its slot's cache
+        step = tuple(DenseSpan.at(c, self.rotary, pos, n, self._kv_update(slot, pos, n)) for slot, pos, n in spans)
         x_1TH = x_TH[None]
         for layer in range(c.n_layers):
             x_1TH = decoder_layer(self.ops, layer, x_1TH, step)
