@@ -1,8 +1,10 @@
 """Start the suite's local workers from a fork server that has already imported torch.
 
 A worker started by `subprocess.Popen` spends 2-3 s of CPU importing torch and the package before
-it does anything; the suite starts several hundred. `runtime.launch.use_launcher` lets the tests
-hand WorkerProcs this launcher instead: multiprocessing's forkserver (the standard library's)
+it does anything; the suite starts several hundred. The local executor takes the function that
+starts a worker (`EngineOptions.spawn`, executor/local.py); `fork_workers()` makes this server's
+`forked_worker` every job's default in this process, so the suite's many EngineOptions need not
+name it: multiprocessing's forkserver (the standard library's)
 imports torch and the worker's modules once, then forks a child per worker, which runs the very
 `fusion worker ARGS` entry point with the worker's environment, log and stdin (its secret key).
 
@@ -283,6 +285,32 @@ def forked_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: b
     return ForkedWorker(p)
 
 
+# The spawn function a job of this process gets when its options name none (fork_workers); None:
+# the runtime's own, a fresh `python -m fusion_compute worker` (conftest's `real_workers`).
+default_spawn: list[Any] = [forked_worker]
+
+
+def fork_workers() -> None:
+    """Every EngineOptions (and subclass) made in this process from now on starts its local workers
+    with `default_spawn[0]` unless it names its own `spawn`. The runtime keeps no such default (the
+    local executor takes the function it is given); this wraps the options' constructors, in the
+    test process and in each forked command, so that ~60 places need not each pass it."""
+    from fusion_compute.masked.options import MaskedOptions
+    from fusion_compute.runtime.engine_options import EngineOptions
+
+    for cls in (EngineOptions, MaskedOptions):
+        init = cls.__init__
+        if getattr(init, "_forked", False):
+            continue
+
+        def __init__(self, *args, _init=init, **kw):
+            kw.setdefault("spawn", default_spawn[0])
+            _init(self, *args, **kw)
+
+        __init__._forked = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+
 def _command(
     args: list[str],
     env: dict[str, str],
@@ -314,9 +342,8 @@ def _command(
     multiprocessing.process.current_process()._config["daemon"] = False
     atexit.unregister(multiprocessing.util._exit_function)
     from fusion_compute.cli.main import main
-    from fusion_compute.runtime import launch
 
-    launch.use_launcher(forked_worker)
+    fork_workers()
     if registry is not None:
         use_registry(registry)
     interrupted = False

@@ -137,11 +137,7 @@ def test_a_workers_output_file_is_closed_when_it_exits_and_its_last_words_kept()
         started.append(_Started())
         return started[-1]
 
-    previous = launch.use_launcher(launcher)
-    try:
-        procs = launch.WorkerProcs(lambda rank: [], 1)
-    finally:
-        launch.use_launcher(previous)
+    procs = launch.WorkerProcs(lambda rank: [], 1, launcher=launcher)
     try:
         assert "@fusion-progress load 1 2" in procs.output_tail(0, 4096) and not procs.logs[0].closed
         started[0].exit(1)

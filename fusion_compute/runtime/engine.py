@@ -2,11 +2,13 @@
 are, starting or admitting them, the links, epochs and recovery, and an orderly close (also when
 start-up fails).
 
-Who the workers are, three ways:
+Who the workers are, three ways; who starts them is the job's executor (executor/, chosen once by
+`executor_for`):
 
-  local      `--workers N`: the client spawns N processes on this machine. It makes a fresh key pair
-             for itself and for each worker (in memory; a worker gets its secret on stdin), so even on
-             one machine only the processes it started can join, over TLS on loopback.
+  local      `--workers N`: the client starts N workers: processes on this machine (the default), or
+             Ray actors (`--executor ray`). It makes a fresh key pair for itself and for each worker
+             (in memory; a worker gets its secret on stdin), so only the workers it started can join,
+             over TLS (on loopback, for processes on this machine).
   topology   `--topology FILE --key client.key`: the user's file lists every worker's address, share
              and public key; the client admits exactly those keys (comm/rendezvous.py). With
              `--comm-backend mpi` the workers are a cluster that mpiexec started: their collectives run
@@ -55,6 +57,7 @@ from ..comm import (
     free_port,
 )
 from ..comm.mpi_fabric import WORLD as MPI_WORLD
+from ..executor import Executor, WorkerJob, executor_for
 from ..model import architecture as arch
 from ..model.config import ModelError
 from ..weights.loader import WeightSource, open_weights, resolve_model_path
@@ -63,15 +66,14 @@ from .engine_options import FABRIC_BACKENDS, EngineOptions, default_threads, eff
 from .launch import WorkerProcs
 from .membership import Membership, Seat
 from .placement import gpu_count, is_cuda, local_devices, torch_dtype
-from .topology import check_here
 
 WAIT_NOTE_S = (5.0, 15.0)  # separately started workers not all joined: the first note, then one every ...
 EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
 
 
 class EngineBase(Membership):
-    """Client side of one job: owns the worker processes (if local), the roster, the links of the
-    current epoch, and the session's tokens (for replay)."""
+    """Client side of one job: owns its executor and the workers it started (if any), the roster, the
+    links of the current epoch, and the session's tokens (for replay)."""
 
     mode = "structural"
 
@@ -114,8 +116,9 @@ class EngineBase(Membership):
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
         self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
-        self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
-        self.procs: WorkerProcs | None = None
+        self._keys: dict[int, Identity] = {}  # started workers' keys (handed to them on stdin)
+        self.executor: Executor = executor_for(opts)  # who starts the workers, and where (executor/)
+        self.procs: WorkerProcs | None = None  # the started workers' supervisor (None: listed workers)
         self._wait_t0: float | None = None  # when the wait for separately started workers began
         self._wait_next = 0.0  # when to say again that it goes on (_spawn_failure)
         self.comm: Comm | None = None
@@ -125,8 +128,8 @@ class EngineBase(Membership):
         self.waits = Witness()  # the client's own account: which worker's message it waited for
         monitor = None
         try:
-            roster, me, worker_keys = self._roster()
-            host, port = self._listen_address()
+            roster, me, worker_keys = self.executor.roster((s.pid, s.group, s.standby) for s in self.seats.values())
+            host, port = self.executor.listen_address()
             self._admission = Admission(
                 me,
                 roster,
@@ -136,8 +139,10 @@ class EngineBase(Membership):
                 first_epoch=self.order,
                 on_pulse=lambda m, link: self.watch.add(m.pid, link),
             )
-            if opts.is_local:
-                self.procs = self._spawn(me, worker_keys)
+            if self.executor.starts_workers:
+                self.procs = self.executor.launch(self._worker_job(me, worker_keys))
+                if (where := self.executor.where()) is not None:
+                    opts.log(f"note: {where}")
             monitor = opts.progress(self.procs, self.plan, self._admission.address) if opts.progress else None
             self.worker_info = self._open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
             if self.procs is not None:
@@ -364,34 +369,6 @@ class EngineBase(Membership):
         """One local standby per entry, for each --standby (masked mode: one per group)."""
         return [None]
 
-    def _roster(self) -> tuple[list[Member], Identity | None, dict[int, Identity]]:
-        opts, secure = self.opts, not self.opts.insecure
-        if opts.topology is not None:
-            roster = [
-                Member(p.rank, p.host, p.key if secure else None, p.group, p.name, p.standby)
-                for p in opts.topology.all_workers
-            ]
-            return roster, opts.key if secure else None, {}
-        seats = self.seats.values()
-        if opts.master is not None:  # insecure, separately started: hosts come from their JOINs
-            return [Member(s.pid, "", None, s.group, None, s.standby) for s in seats], None, {}
-        me = Identity.new() if secure else None
-        keys = {s.pid: Identity.new() for s in seats} if secure else {}
-        roster = [
-            Member(s.pid, "127.0.0.1", keys[s.pid].public if secure else None, s.group, None, s.standby) for s in seats
-        ]
-        return roster, me, keys
-
-    def _listen_address(self) -> tuple[str, int]:
-        opts = self.opts
-        if opts.topology is not None:
-            check_here(opts.topology.client)
-            return opts.topology.client.host, opts.topology.port
-        if opts.master is not None:
-            host, _, port = opts.master.rpartition(":")
-            return host.strip("[]"), int(port)
-        return "127.0.0.1", 0
-
     def _welcome(self, member: Member) -> dict:
         out = {
             "mode": self.mode,
@@ -408,7 +385,9 @@ class EngineBase(Membership):
             out["fabric"] = {"backend": self.opts.comm_backend, "store": self._store}
         return out
 
-    def _spawn(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerProcs:
+    def _worker_job(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerJob:
+        """How the workers the executor starts run: `fusion worker` pointed at this client's
+        rendezvous, with this job's model, threads, devices and mode arguments."""
         opts = self.opts
         threads = opts.threads or default_threads(self.n_workers)
         if opts.comm_backend == "mpi":  # the fabric's rendezvous: a directory only this user can enter
@@ -444,8 +423,8 @@ class EngineBase(Membership):
             )
 
         self._keys = dict(keys)
-        stdin = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
-        return WorkerProcs(argv, len(self.seats), env, stdin_for_rank=stdin)
+        secret = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
+        return WorkerJob(argv, len(self.seats), env, secret)
 
     def _exit_words(self, err: PeerLost) -> str | None:
         """Why a start-up link closed when a local worker's process ended: "worker K exited: <its own
@@ -499,6 +478,7 @@ class EngineBase(Membership):
         """Start-up failed: stop whatever was started, then let the error through."""
         if self.procs is not None:
             self.procs.stop(grace_s=0)
+        self.executor.stop()
         if self._admission is not None:
             self._admission.close()
         if self.comm is not None:
@@ -520,6 +500,7 @@ class EngineBase(Membership):
             self.watch.tell(p, {"stop": True})
         if self.procs is not None:
             self.procs.stop()
+        self.executor.stop()
         if self.opts.comm_backend == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
             shutil.rmtree(self._store, ignore_errors=True)
         if self.comm is not None:

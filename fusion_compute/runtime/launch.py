@@ -91,17 +91,9 @@ def popen_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: by
     return p
 
 
+# How a local worker is started: `popen_worker`, or a caller's own (executor/local.py; the test
+# suite forks its workers from a server that has already imported torch, tests/forkserver.py).
 Launcher = Callable[[list[str], dict[str, str], IO[bytes], "bytes | None"], Proc]
-_launcher: Launcher = popen_worker
-
-
-def use_launcher(launcher: Launcher | None) -> Launcher:
-    """Start local workers with `launcher` from now on (None: `popen_worker`, the default); returns
-    the one it replaces. The seam is for the test suite, which starts workers from a fork server
-    that has already imported torch (tests/forkserver.py); a worker is the same program either way."""
-    global _launcher
-    previous, _launcher = _launcher, launcher or popen_worker
-    return previous
 
 
 MAX_WORDS = 300  # characters of a worker's last words kept in errors, logs and the gateway's /health
@@ -132,7 +124,8 @@ def last_words(log: str, returncode: int | None) -> str:
 
 
 class WorkerProcs:
-    """N local worker processes plus a watchdog that reports one that dies unexpectedly.
+    """N workers started by an executor's launcher (executor/), plus a watchdog that reports one that
+    dies unexpectedly.
 
     Each worker's output goes to an unlinked temporary file that only this object holds open: the
     client reads its last words from it. A server lives for weeks and replaces workers (revoked,
@@ -146,16 +139,18 @@ class WorkerProcs:
         n_workers: int,
         env: dict[str, str] | None = None,
         stdin_for_rank: Callable[[int], bytes] | None = None,
+        launcher: Launcher = popen_worker,
     ):
         """`stdin_for_rank(rank)`: bytes written to the worker's stdin, then closed (its secret key:
-        never on a command line or in the environment, which other local users can read)."""
+        never on a command line or in the environment, which other local users can read).
+        `launcher`: what starts one worker (the executor's: a local process, a Ray actor)."""
         self.procs: list[Proc] = []
         self.logs: list[IO[bytes]] = []  # a finished worker's is closed (its fileno() raises ValueError)
         self.closing = False
         self.failures: list[tuple[int, str]] = []
         self.quiet = True  # during start-up the client's own error says it; afterwards the watchdog does
         self.retired: set[int] = set()  # ranks told to leave (revoked): their exit is expected
-        self._args, self._stdin = args_for_rank, stdin_for_rank
+        self._args, self._stdin, self._launcher = args_for_rank, stdin_for_rank, launcher
         self._env = {**os.environ, **(env or {})}
         self._final: dict[int, str] = {}  # index -> last words of a worker whose file is closed
         self._files = threading.Lock()  # a file is read or closed by one thread at a time
@@ -176,7 +171,7 @@ class WorkerProcs:
         log = tempfile.TemporaryFile(mode="w+b")
         try:
             stdin = self._stdin(rank) if self._stdin is not None else None
-            p = _launcher(list(self._args(rank)), self._env, log, stdin)
+            p = self._launcher(list(self._args(rank)), self._env, log, stdin)
         except BaseException:
             log.close()
             raise

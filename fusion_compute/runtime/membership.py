@@ -4,8 +4,8 @@ removal of a worker caught lying (docs/resilience.md).
 `Membership` is the part of the client's engine (`engine.EngineBase`, which inherits it) that changes
 the epoch's participants. It relies on the engine's state: `opts`, `seats` (every participant of the
 roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
-`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
-`_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
+`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (the workers its executor started),
+`executor` (executor/), `_admission`, `_keys` (started workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
 `convicted`, `wanted` (how many workers the user asked for), `suspicions` (the job's ambiguous sets: blame.follows), `clock` (each step's deadline:
 deadline.py) and `waits` (the client's own account of whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
@@ -497,7 +497,7 @@ class Membership:
             if key is not None:
                 raise UnknownWorker("a local run spawns its own workers: add takes no key")
             ident = Identity.new() if not self.opts.insecure else None
-            member = Member(pid, "127.0.0.1", ident.public if ident else None, group, None, True)
+            member = Member(pid, self.executor.member_host, ident.public if ident else None, group, None, True)
             if ident is not None:
                 self._keys[pid] = ident
         else:
