@@ -199,33 +199,56 @@ def _worker(args: list[str], env: dict[str, str], log_fd: int, stdin: bytes | No
 
 
 class ForkedWorker:
-    """subprocess.Popen's face (runtime.launch.Proc) over a forked multiprocessing.Process."""
+    """subprocess.Popen's face (runtime.launch.Proc) over a forked multiprocessing.Process.
+
+    A forked Process holds two pipe descriptors in this process (its exit status and the fork
+    server's request) until it is closed: once its exit is known it is closed here and the status
+    kept, as a Popen'd worker holds none, so a test process that starts hundreds of workers holds
+    descriptors for the live ones only."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess):
         self._p = process
         assert process.pid is not None
         self.pid: int = process.pid
+        self._code: int | None = None
+        self._lock = threading.Lock()
 
     @property
     def returncode(self) -> int | None:
-        return self._p.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return None if self._p.is_alive() else self._p.exitcode
+        with self._lock:
+            if self._code is None and not self._p.is_alive():
+                self._release()
+            return self._code
+
+    def _release(self) -> None:
+        code = self._p.exitcode
+        assert code is not None
+        self._code = code
+        self._p.close()
 
     def wait(self, timeout: float | None = None) -> int:
-        self._p.join(timeout)
-        if self._p.exitcode is None:
+        if self._code is None:  # (not under the lock: another thread's poll must not wait for this one)
+            try:
+                self._p.join(timeout)
+            except ValueError:
+                pass  # another thread saw the exit and closed it meanwhile
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0)
-        return self._p.exitcode
+        return code
 
     def terminate(self) -> None:
-        if self._p.exitcode is None:
-            self._p.terminate()
+        with self._lock:
+            if self._code is None and self._p.exitcode is None:
+                self._p.terminate()
 
     def kill(self) -> None:
-        if self._p.exitcode is None:
-            self._p.kill()
+        with self._lock:
+            if self._code is None and self._p.exitcode is None:
+                self._p.kill()
 
 
 def _start(p: multiprocessing.process.BaseProcess, role: str) -> None:

@@ -15,6 +15,7 @@ schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
                    a farewell frame tells the peer why this end leaves
   rendezvous.py    admission against the roster, epochs, then wiring every pair of workers
   liveness.py      heartbeats: a worker that dies or freezes is named within seconds
+  readiness.py     waiting for sockets to have something to read (poll: no descriptor ceiling)
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
   events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
   buffers.py       tensors of any dtype and device as the bytes a backend moves; the fp32 sum of partials

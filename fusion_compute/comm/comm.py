@@ -43,7 +43,6 @@ element that travelled.
 from __future__ import annotations
 
 import collections
-import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -54,6 +53,7 @@ from .buffers import accumulate, host, raw
 from .errors import CommError, PeerPoisoned, PeerTimeout, TaintedInputs
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .links import TICK_S, Link
+from .readiness import readable
 from .value_checks import block_fault
 
 
@@ -175,7 +175,7 @@ class Comm:
             if not ready:
                 socks = {links[p].sock: p for p in pending}
                 left = deadline - time.monotonic()
-                got, _, _ = select.select(list(socks), [], [], max(0.0, min(TICK_S, left)))
+                got = readable(socks, min(TICK_S, left))
                 ready = sorted(socks[s] for s in got)
             if not ready:  # a tick: the links' check (a lost worker, a step's limit), then the deadline
                 check = next((links[p].check for p in pending if links[p].check is not None), None)
