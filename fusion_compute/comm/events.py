@@ -16,6 +16,7 @@ class Event:
     sent: tuple[int, ...]  # elements this rank sent to each world rank (index = rank)
     received: tuple[int, ...]  # elements this rank received from each world rank
     itemsize: int = 4  # bytes per element (fp32 state; int64 control words are 8)
+    step: int = 0  # the step its frames were stamped with (comm.py, "Numbered steps")
 
 
 # Transfers among workers (everything else is client <-> worker: ingress, egress, control).

@@ -723,6 +723,7 @@ class Membership:
             recorder=self.recorder,
             backend=self.opts.comm_backend,
             witness=self.waits,
+            epoch=self.epoch,
         )
         active = set(order)
 

@@ -43,6 +43,7 @@ class Engine(EngineBase):
 
     def _control(self, op: Op, t: int = 0, pos: int = 0, arg: int = 0) -> None:
         msg = control_word(op, t, pos, arg)
+        self.wire.begin_step()  # each worker starts it as the word arrives (comm.py, "Numbered steps")
         for s in self.plan.workers:
             self.wire.send(msg, s.rank, "control", op.name.lower())
 
