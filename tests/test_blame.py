@@ -284,12 +284,12 @@ def _pair(rank: int) -> tuple[Link, socket.socket]:
 
 
 def _send_later(sock: socket.socket, tensor: torch.Tensor, delay_s: float) -> threading.Thread:
-    from fusion_compute.comm.links import HEADER
+    from fusion_compute.comm.links import frame_header
 
     def go() -> None:
         time.sleep(delay_s)
         payload = tensor.numpy().tobytes()
-        sock.sendall(HEADER.pack(len(payload)) + payload)
+        sock.sendall(frame_header(len(payload)) + payload)
 
     t = threading.Thread(target=go, daemon=True)
     t.start()
