@@ -163,6 +163,8 @@ class BatchRunner:
             else:
                 toks = [self._samplers[seq.slot](lg)]
             budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+            emitted = len(seq.out)
+            decode = emitted > 0
             for tok in toks:
                 seq.out.append(tok)
                 if len(seq.out) == 1:
@@ -171,6 +173,10 @@ class BatchRunner:
                 if seq.finish is not None:
                     done.append(seq)
                     break
+            if seq.spec is not None:
+                seq.spec.step(1 + len(proposed), len(seq.out) - emitted, decode)
+                if self.speculator is not None:
+                    self.speculator.totals.step(1 + len(proposed), len(seq.out) - emitted, decode)
         for seq in done:
             self._retire(seq)
         return done
@@ -207,8 +213,8 @@ class BatchRunner:
         seq.t_end = time.perf_counter()
         del self.active[seq.slot], self._samplers[seq.slot], self._stops[seq.slot]
         drafter = self._drafters.pop(seq.slot, None)
-        if drafter is not None:
-            drafter.close()
+        if drafter is not None:  # a finished output may serve later sessions' drafts (the suffix cache)
+            drafter.close(seq.out if seq.finish in ("stop", "length") else None)
         self._lengths.pop(seq.slot, None)
         self.engine.release(seq.slot)  # hygiene: its KV slot is zeroed now, not when it is reused
         self.hooks.released(seq.slot)
