@@ -1,0 +1,116 @@
+"""Token trees (issue 43 item 1), the client's side: the tree's columns, ancestor mask and depths, and
+the acceptance rule. Greedy: the longest accepted path, then the target's token. Sampled: the
+multi-candidate rule keeps the target's distribution exactly (a chi-square test against the exact
+joint distribution of the first two tokens, with its false-failure rate stated; a rule that keeps
+the first child whenever it can fails it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import ALPHA, chi2, chi2_quantile
+
+from fusion_compute.generation.sampling import Sampler
+from fusion_compute.generation.sampling_params import SamplingParams
+from fusion_compute.generation.token_tree import TokenTree, accept
+
+# root 9 -> 4 (col 1) -> 6 (col 3), 7 (col 4); root -> 5 (col 2) -> 8 (col 5)
+TREE = TokenTree((9, 4, 5, 6, 7, 8), (-1, 0, 0, 1, 1, 2))
+
+
+def test_mask_and_depths_follow_the_parents():
+    assert TREE.depths_T() == [0, 1, 1, 2, 2, 2]
+    m = TREE.ancestor_mask_TT()
+    want = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5}}
+    assert {j: {i for i in range(6) if m[j, i]} for j in range(6)} == want
+    chain = TokenTree.chain(9, [4, 6, 8])
+    assert chain.is_chain() and not TREE.is_chain()
+    assert torch.equal(chain.ancestor_mask_TT(), torch.tril(torch.ones(4, 4, dtype=torch.bool)))  # causal
+    assert chain.depths_T() == [0, 1, 2, 3]
+    assert TokenTree.from_drafts(9, [4, 5, 6, 7, 8], [-1, -1, 0, 0, 1]) == TREE
+    assert TREE.cut(3) == TokenTree((9, 4, 5), (-1, 0, 0))
+
+
+@pytest.mark.parametrize(
+    "tokens,parents,needle",
+    [
+        ((1, 2), (-1,), "one parent per column"),
+        ((1, 2), (0, 0), "its parent is -1"),
+        ((1, 2, 3), (-1, 2, 0), "does not come before it"),
+        ((1, 2, 2), (-1, 0, 0), "two children with the same token"),
+    ],
+)
+def test_malformed_trees_are_refused(tokens, parents, needle):
+    with pytest.raises(ValueError, match=needle):
+        TokenTree(tokens, parents)
+
+
+def argmax_rows(*toks: int, vocab: int = 10) -> torch.Tensor:
+    lg = torch.zeros(len(toks), vocab)
+    for r, t in enumerate(toks):
+        lg[r, t] = 1.0
+    return lg
+
+
+def test_greedy_acceptance_takes_the_longest_matching_path_then_the_targets_token():
+    s = Sampler(SamplingParams())
+    # the target after 9 says 5, after 9 5 says 8, after 9 5 8 says 3: the second branch, to its leaf, + bonus
+    assert accept(s, TREE, argmax_rows(5, 0, 8, 0, 0, 3)) == ([5, 8, 3], [0, 2, 5])
+    # after 9 4 the target says 7 (col 4), then 1: the first branch's second child
+    assert accept(s, TREE, argmax_rows(4, 7, 0, 0, 1, 0)) == ([4, 7, 1], [0, 1, 4])
+    # after 9 4 it says 2: no child carries it, the target's token ends the walk
+    assert accept(s, TREE, argmax_rows(4, 2, 0, 0, 0, 0)) == ([4, 2], [0, 1])
+    assert accept(s, TREE, argmax_rows(3, 0, 0, 0, 0, 0)) == ([3], [0])  # nothing accepted
+
+
+# The sampled test's toy target: the next token's distribution depends on the last token only.
+V = 4
+NEXT = torch.tensor(
+    [[0.1, 0.5, 0.3, 0.1], [0.4, 0.1, 0.2, 0.3], [0.25, 0.25, 0.4, 0.1], [0.7, 0.1, 0.1, 0.1]], dtype=torch.float64
+)
+# a tree over tokens 0..3, its drafts chosen to be accepted and rejected often: root -> 1, 2; 1 -> 0, 3; 2 -> 2
+SHAPE = ([1, 2, 0, 3, 2], [-1, -1, 0, 0, 1])
+
+
+def two_tokens(sampler: Sampler, root: int, rule) -> tuple[int, int]:
+    out: list[int] = []
+    last = root
+    while len(out) < 2:
+        tree = TokenTree.from_drafts(last, *SHAPE)
+        logits = torch.stack([NEXT[t].log() for t in tree.tokens_T])  # column c: after the path to c
+        toks, _ = rule(sampler, tree, logits)
+        out += toks
+        last = out[-1]
+    return out[0], out[1]
+
+
+def first_child_whenever_possible(sampler: Sampler, tree: TokenTree, logits: torch.Tensor):
+    """A wrong rule (a control): the first child with any mass is kept, without the coin."""
+    path, out = [0], []
+    while True:
+        kids = tree.children(path[-1])
+        if not kids:
+            return out + [sampler(logits[path[-1]])], path
+        out.append(tree.tokens_T[kids[0]])
+        path.append(kids[0])
+
+
+@pytest.mark.slow
+def test_sampled_tree_acceptance_keeps_the_target_distribution():
+    """10,000 pairs of first tokens after root 3, against NEXT[3][x] · NEXT[x][y] over 16 cells: the
+    chi-square statistic stays under its 1 - ALPHA quantile (a correct rule fails 1 in 10,000 runs),
+    and the wrong rule lands far above it."""
+    runs, root = 10_000, 3
+    exact = (NEXT[root][:, None] * NEXT).reshape(-1)
+    bound = chi2_quantile(V * V - 1, ALPHA)
+
+    def tally(rule) -> torch.Tensor:
+        s = Sampler(SamplingParams(temperature=1.0, seed=11))
+        counts = torch.zeros(V * V, dtype=torch.float64)
+        for _ in range(runs):
+            a, b = two_tokens(s, root, rule)
+            counts[a * V + b] += 1
+        return counts
+
+    assert chi2(tally(accept), exact) < bound
+    assert chi2(tally(first_child_whenever_possible), exact) > 10 * bound  # the test can fail
