@@ -57,6 +57,7 @@ from ..errors import UsageError
 from .sampling import Sampler
 from .speculative_config import SpeculativeConfig
 from .suffix import SuffixCache, SuffixDrafter
+from .token_tree import TokenTree, accept
 
 # DraftLength's low-acceptance pause: over the last WINDOW verifications, fewer than MIN_GAIN accepted
 # tokens per verification stops drafting for PAUSE_STEPS steps, doubling (to PAUSE_MAX) each time it
@@ -68,23 +69,11 @@ PAUSE_MAX = 128
 
 
 def verify(sampler: Sampler, logits_TV: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
-    """The tokens one verification emits and how many drafts it accepted. logits_TV: the target's
-    logits at [last, d1..dK], (K + 1, V); row i scores the token after column i."""
-    out: list[int] = []
-    greedy = sampler.params.greedy
-    for i, d in enumerate(drafts):
-        if greedy:
-            t = sampler(logits_TV[i])
-            if t != d:
-                return out + [t], i
-        else:
-            p = sampler.probs(logits_TV[i])
-            if not sampler.uniform() < float(p[d]):  # rejected: draw from (p - q)+, q the point mass at d
-                p = p.clone()
-                p[d] = 0.0
-                return out + [sampler.draw(p / p.sum())], i
-        out.append(d)
-    return out + [sampler(logits_TV[len(drafts)])], len(drafts)
+    """The tokens one verification of a chain emits and how many drafts it accepted: token_tree.accept
+    on the chain [last, d1..dK] (the rule above; a tree's is the same walk with siblings). logits_TV:
+    the target's logits at [last, d1..dK], (K + 1, V); row i scores the token after column i."""
+    out, path = accept(sampler, TokenTree.chain(-1, drafts), logits_TV)
+    return out, len(path) - 1
 
 
 class DraftLength:

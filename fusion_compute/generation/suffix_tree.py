@@ -14,7 +14,7 @@ also ends a sequence). Appending a token to a sequence touches the <= D nodes of
 `speculate(context)` is SuffixDecoding's lookup: for every match length m (1..D-1) whose last m
 context tokens form a node u, a draft grows from u with the estimated probability of each token
 the product of the frequencies on its path (p(u→v) = count(v) / count(u)), keeping tokens while
-that product is at least `min_prob`, at most min(max_tokens, factor · m + offset) of them: a long
+that product (it telescopes to count(uv) / count(u), computed so) is at least `min_prob`, at most min(max_tokens, factor · m + offset) of them: a long
 match earns a long draft. As a chain it follows the most frequent child (ties: the most recent);
 as a tree it takes tokens best-first by probability (a child's own parent first). The score of a
 draft is the sum of its tokens' probabilities (its expected accepted length, if the frequencies
@@ -26,6 +26,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# Scores are sums of count ratios: two equal ones may differ in their last bits, and a tie goes to the longer match
+TIE = 1e-9
 
 
 class _Node:
@@ -144,7 +147,7 @@ class SuffixTrie:
             node = node_m
             room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
             draft = self._grow_tree(node, room, min_prob) if tree else self._grow_path(node, room, min_prob)
-            if draft.tokens and draft.score >= best.score:
+            if draft.tokens and draft.score >= best.score - TIE:
                 best, best.match_len = draft, m
         return best
 
@@ -154,10 +157,10 @@ class SuffixTrie:
         return sorted(node.children.items(), key=lambda kv: (-kv[1].count, -kv[1].last))
 
     def _grow_path(self, node: _Node, room: int, min_prob: float) -> Draft:
-        draft, prob = Draft(), 1.0
+        draft, base = Draft(), node.count  # the product of frequencies on a path telescopes: count(uv) / count(u)
         while len(draft.tokens) < room and node.children:
             t, child = self._children(node)[0]
-            prob *= child.count / node.count
+            prob = child.count / base
             if prob < min_prob:
                 break
             draft.add(t, len(draft.tokens) - 1, prob)
@@ -171,18 +174,19 @@ class SuffixTrie:
         heap: list[tuple[float, int, int, _Node, int]] = []
         tie = 0
 
-        def push(parent_node: _Node, parent_prob: float, parent: int) -> None:
+        base = node.count
+
+        def push(parent_node: _Node, parent: int) -> None:
             nonlocal tie
             for t, child in self._children(parent_node):
-                p = parent_prob * child.count / parent_node.count
+                p = child.count / base  # the product of frequencies on its path, telescoped
                 if p < min_prob:
                     break  # the rest are rarer
                 heapq.heappush(heap, (-p, tie, t, child, parent))
                 tie += 1
 
-        push(node, 1.0, -1)
+        push(node, -1)
         while heap and len(draft.tokens) < room:
             neg_p, _, t, child, parent = heapq.heappop(heap)
-            i = draft.add(t, parent, -neg_p)
-            push(child, -neg_p, i)
+            push(child, draft.add(t, parent, -neg_p))
         return draft

@@ -217,6 +217,9 @@ class EngineBase(Membership):
     # drafts a speculating session will likely carry at its next step (BatchRunner sets it; 0 without
     # speculation): a mode may prepare for that width (the masked mask groups work ahead for it)
     draft_hint = 0
+    # whether the mode verifies a token tree in one step (speculative decoding, generation/token_tree.py:
+    # the ancestor mask, RoPE by depth, the accepted path's KV kept); without it the loop sends chains
+    verifies_trees = False
     slot_pos: dict[int, int]  # each open slot's position of its next token (set by the mode)
 
     @property
@@ -234,7 +237,12 @@ class EngineBase(Membership):
         (T, V) of every one with all_logits."""
         return self.forward_batch([(0, list(ids))], all_logits={0} if all_logits else ())[0]
 
-    def forward_batch(self, items: list[tuple[int, list[int]]], all_logits: Collection[int] = ()) -> list[torch.Tensor]:
+    def forward_batch(
+        self,
+        items: list[tuple[int, list[int]]],
+        all_logits: Collection[int] = (),
+        trees: dict[int, tuple[int, ...]] | None = None,
+    ) -> list[torch.Tensor]:
         """One step for one or several sessions, each in its own KV slot: `items` are (slot, ids), the
         ids run at that slot's position (a new slot starts at 0: its prefill). Returns each item's
         last-token logits (V,), or (T, V) for every token of a slot in `all_logits` (parity tests,
@@ -243,6 +251,8 @@ class EngineBase(Membership):
         (deadline.py), and its cause is treated as a lost worker."""
         if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
             raise ValueError("a step needs distinct slots, each with tokens to run")
+        if trees and not self.verifies_trees:
+            raise ValueError("this mode verifies chains only: a token tree cannot run here")
         full = frozenset(all_logits) & {s for s, _ in items}
 
         def replay() -> list[torch.Tensor]:
@@ -292,6 +302,11 @@ class EngineBase(Membership):
             return
         del hist[keep:]
         self._rollback(slot, keep)
+
+    def keep_path(self, slot: int, path: list[int]) -> None:
+        """After a token-tree step: the session keeps the columns `path` of its last step (0 first,
+        each the parent of the next), the rest are dropped. Only a mode that verifies trees has it."""
+        raise NotImplementedError("this mode verifies chains only")
 
     def _rollback(self, slot: int, keep: int) -> None:
         self.slot_pos[slot] = keep
