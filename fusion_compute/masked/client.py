@@ -37,8 +37,9 @@ import torch
 
 from ..comm import Event, Recorder
 from ..model.config import ModelError
-from ..model.dense import LINEARS, ClearParams, decoder_layer, rope_tables, self_attention
+from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan, rope_tables
 from ..model.kernels import causal_mask, inv_freq_tensor, rms_norm
+from ..model.layer import decoder_layer
 from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
 from . import ring
@@ -120,6 +121,8 @@ class MaskedEngine(EngineBase):
         the recorder that tallies bytes per group (and writes the masked audit log)."""
         c = self.config
         self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
+        # the layer in the clear, every linear a masked product over all the step's rows
+        self.ops = DenseOps(c, self.clear, lambda i, name, x: self.masked_linear(i, LINEARS.index(name), x[0])[None])
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.audit = None
         if self.opts.audit_dir:
@@ -320,13 +323,19 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        # per session: its rows of the step, its rotary tables and causal mask, its cache
-        parts = [
-            (slot, pos, n, *rope_tables(self.inv_freq, torch.arange(pos, pos + n)), causal_mask(pos, n))
+        # per session: its rows of the step, its rotary tables and causal mask, its slot's cache
+        step = tuple(
+            DenseSpan(
+                *rope_tables(self.inv_freq, torch.arange(pos, pos + n)),
+                causal_mask(pos, n),
+                self._kv_update(slot, pos, n),
+            )
             for slot, pos, n in spans
-        ]
+        )
+        x_1TH = x_TH[None]
         for layer in range(c.n_layers):
-            x_TH = self._layer(layer, x_TH, parts)
+            x_1TH = decoder_layer(self.ops, layer, x_1TH, step)
+        x_TH = x_1TH[0]
         self._drain()
         if self.audit is not None:
             self.audit.end_step()
@@ -343,30 +352,18 @@ class MaskedEngine(EngineBase):
         )
         return logits
 
-    def _layer(self, i: int, x_TH: torch.Tensor, parts: list) -> torch.Tensor:
-        """dense.decoder_layer with every linear a masked product over all the step's rows, and the
-        attention of each session over its own slot's cache."""
+    def _kv_update(self, slot: int, pos: int, t: int) -> Callable[[int, torch.Tensor, torch.Tensor], tuple]:
+        """A session's cache update for dense.DenseSpan: layer i's k, v (1, n_kv, T, d) into its slot
+        at pos.., every (k, v) it has so far back."""
+        caches = self._cache(slot)
 
-        def attention(qkv: torch.Tensor) -> torch.Tensor:  # (1, ΣT, W) -> (1, ΣT, nh d)
-            out, row = [], 0
-            for slot, pos, t, cos, sin, mask in parts:
-                k_cache, v_cache = (cache[i] for cache in self._cache(slot))  # (n_kv, S_max, d)
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k_cache, v_cache = (cache[i] for cache in caches)  # (n_kv, S_max, d)
+            k_cache[:, pos : pos + t] = k[0]
+            v_cache[:, pos : pos + t] = v[0]
+            return k_cache[None, :, : pos + t], v_cache[None, :, : pos + t]
 
-                def kv(k, v, pos=pos, t=t, k_cache=k_cache, v_cache=v_cache):
-                    k_cache[:, pos : pos + t] = k[0]
-                    v_cache[:, pos : pos + t] = v[0]
-                    return k_cache[None, :, : pos + t], v_cache[None, :, : pos + t]
-
-                out.append(self_attention(self.config, qkv[:, row : row + t], kv, cos, sin, mask))
-                row += t
-            return out[0] if len(out) == 1 else torch.cat(out, dim=1)
-
-        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
-            return self.masked_linear(i, LINEARS.index(name), x[0])[None]
-
-        return decoder_layer(
-            self.config, self.clear[i], x_TH[None], linear, None, None, None, None, attention=attention
-        )[0]
+        return kv
 
     def masked_linear(self, layer: int, op: int, x_TK: torch.Tensor) -> torch.Tensor:
         """W x for x (T, K), computed by the workers on x_fx + r; returns (T, N) fp32. Raises

@@ -1,14 +1,15 @@
-"""One decoder layer in the clear, with every linear injected, and the dense twin built from it.
+"""The layer's ops in the clear, token-major (`DenseOps`), and the dense twin built on them.
 
-`decoder_layer` is the single copy of the layer's math outside the sharded runtime. Its callers:
+`DenseOps` runs layer.decoder_layer with every linear injected. Its users:
 
   DenseModel       the dense twin: the same model in one process, no sharding, no communication
                    (tests, loaders, and the red team's view of the public model: audit/attack.py)
   masked.client    the masked mode's client: its `linear` is a product computed by workers on
-                   one-time-pad-masked inputs; everything else runs here, in the clear
+                   one-time-pad-masked inputs, its attention runs each session over its own cache;
+                   everything else runs here, in the clear
 
-The sharded model (sharded.py + ops.py) computes the same layer on shards, by design a separate
-implementation (its shards and collectives are the point); it shares the kernels (kernels.py).
+The sharded model and the Megatron-style baseline run the same decoder_layer over their own ops
+(structural/ops.py, structural/megatron.py): the layer is written once (layer.py).
 
 Layout: token-major, x (B, T, H); a linear maps (..., K) -> (..., N) as W x with HF weights (N, K).
 """
@@ -23,11 +24,12 @@ import torch
 from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
-from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm, rope_tables, rotate
+from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm, rope_tables, rotate, swiglu
+from .layer import LayerOps, decoder_layer
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
-# (name, x (B, T, K)) -> W_name x (B, T, N), without bias
-Linear = Callable[[str, torch.Tensor], torch.Tensor]
+# (layer, name, x (B, T, K)) -> W_name x (B, T, N), without bias
+Linear = Callable[[int, str, torch.Tensor], torch.Tensor]
 # (k, v) of this call, (B, n_kv, T, d) -> every (k, v) to attend to, (B or 1, n_kv, S, d)
 KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,28 +61,51 @@ def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) ->
     return o.view(b, nkv, gs, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)  # (B, T, nh d), head-major
 
 
-def decoder_layer(
-    c: ModelConfig,
-    p: ClearParams,
-    x: torch.Tensor,
-    linear: Linear,
-    kv: KV | None,
-    cos,
-    sin,
-    mask,
-    attention: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """x (B, T, H) -> x (B, T, H): RMSNorm, qkv (+ bias), RoPE, attention, o, RMSNorm, SwiGLU MLP.
-    `attention(qkv) -> o`, when given, replaces `self_attention` over (kv, cos, sin, mask): the
-    masked client's batch of sessions, each at its own position with its own cache."""
-    qkv = linear("qkv", rms_norm(x, p.g_attn, c.rms_eps))  # (B, T, (nh + 2 nkv) d)
-    if p.qkv_bias is not None:
-        qkv = qkv + p.qkv_bias
-    o = attention(qkv) if attention is not None else self_attention(c, qkv, kv, cos, sin, mask)
-    x = x + linear("o", o)
-    gu = linear("gate_up", rms_norm(x, p.g_mlp, c.rms_eps))  # (B, T, 2I)
-    inter = gu.shape[-1] // 2
-    return x + linear("down", torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:])
+@dataclass(frozen=True)
+class DenseSpan:
+    """What attention needs about one session's tokens in a dense forward: RoPE tables (T, d/2),
+    the causal mask (None: one token, or nothing to hide), and `kv(i, k, v)`: layer i's cache update
+    with this call's k, v (B, n_kv, T, d), returning every (k, v) to attend to (B or 1, n_kv, S, d)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+# A dense step: its sessions' spans, their tokens consecutive along x's T (the masked client's batch)
+DenseStep = tuple[DenseSpan, ...]
+
+
+class DenseOps(LayerOps[DenseStep]):
+    """layer.LayerOps in the clear, token-major: the norms, the q/k/v bias, attention and SwiGLU
+    here; each linear `linear(i, name, x)` (the twin's matmul, or the masked client's product)."""
+
+    def __init__(self, config: ModelConfig, clear: list[ClearParams], linear: Linear):
+        self.config, self.clear, self.linear = config, clear, linear
+
+    def norm_linear(self, i: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        p = self.clear[i]
+        y = self.linear(i, name, rms_norm(x, p.g_attn if name == "qkv" else p.g_mlp, self.config.rms_eps))
+        if name == "qkv" and p.qkv_bias is not None:
+            y = y + p.qkv_bias
+        return y
+
+    def attention(self, i: int, qkv: torch.Tensor, step: DenseStep) -> torch.Tensor:
+        """Each span over its own cache: qkv (B, ΣT, ·) -> o (B, ΣT, nh d)."""
+        out, row = [], 0
+        for s in step:
+            t = s.cos.shape[0]
+            part = qkv if len(step) == 1 else qkv[:, row : row + t]
+            out.append(self_attention(self.config, part, lambda k, v, s=s: s.kv(i, k, v), s.cos, s.sin, s.mask))
+            row += t
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
+        return self.linear(i, name, y)
+
+    def activation(self, i: int, gu: torch.Tensor) -> torch.Tensor:
+        return swiglu(gu)
 
 
 class DenseModel:
@@ -104,10 +129,7 @@ class DenseModel:
         shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)  # (L, n_kv, S, d)
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
-
-    def _linear(self, i: int) -> Linear:
-        w = self.weights[i]
-        return lambda name, x: x @ w[name].T
+        self.ops = DenseOps(c, self.clear, lambda i, name, x: x @ self.weights[i][name].T)
 
     def new_cache(self, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A zeroed (K, V) cache of `max_seq` positions, (L, n_kv, S, d) each: one per session when
@@ -125,14 +147,15 @@ class DenseModel:
         cos, sin = rope_tables(self.inv_freq, torch.arange(pos, pos + t))
         mask = causal_mask(pos, t)
         x = self.embed[torch.tensor(ids)][None]  # (1, T, H)
+
+        def kv(i, k, v):
+            k_cache[i][:, pos : pos + t] = k[0]
+            v_cache[i][:, pos : pos + t] = v[0]
+            return k_cache[i][None, :, : pos + t], v_cache[i][None, :, : pos + t]
+
+        step = (DenseSpan(cos, sin, mask, kv),)
         for i in range(self.n_layers):
-
-            def kv(k, v, i=i):
-                k_cache[i][:, pos : pos + t] = k[0]
-                v_cache[i][:, pos : pos + t] = v[0]
-                return k_cache[i][None, :, : pos + t], v_cache[i][None, :, : pos + t]
-
-            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
+            x = decoder_layer(self.ops, i, x, step)
         return rms_norm(x[0], self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
 
     @torch.no_grad()
@@ -140,17 +163,15 @@ class DenseModel:
         t = ids.shape[1]
         x = self.embed[ids]  # (B, T, H)
         cos, sin = rope_tables(self.inv_freq, torch.arange(t))
-        mask = causal_mask(0, t)
-        cache = []
+        cache: list = []  # layer i's (k, v)
+
+        def kv(i, k, v):
+            cache.append((k, v))
+            return k, v
+
+        step = (DenseSpan(cos, sin, causal_mask(0, t), kv),)
         for i in range(upto):
-            kept: list = []
-
-            def kv(k, v, kept=kept):
-                kept.append((k, v))
-                return k, v
-
-            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, mask)
-            cache.append(kept[0])
+            x = decoder_layer(self.ops, i, x, step)
         return x, cache
 
     @torch.no_grad()
@@ -166,14 +187,14 @@ class DenseModel:
         cache = self._run(torch.tensor([prefix]), upto)[1] if p else [None] * upto
         x = self.embed[cand][:, None, :]  # (B, 1, H)
         cos, sin = rope_tables(self.inv_freq, torch.tensor([p]))
+
+        def kv(i, k, v):
+            past = cache[i]
+            if past is None:
+                return k, v
+            return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat([past[1].expand(b, -1, -1, -1), v], 2)
+
+        step = (DenseSpan(cos, sin, None, kv),)
         for i in range(upto):
-
-            def kv(k, v, past=cache[i]):
-                if past is None:
-                    return k, v
-                return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat(
-                    [past[1].expand(b, -1, -1, -1), v], 2
-                )
-
-            x = decoder_layer(self.config, self.clear[i], x, self._linear(i), kv, cos, sin, None)
+            x = decoder_layer(self.ops, i, x, step)
         return x[:, 0]

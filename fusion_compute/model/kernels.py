@@ -1,5 +1,5 @@
 """The math every decoder layer shares, whoever runs it (dense.py in the clear, ops.py on shards):
-RMSNorm, rotary tables, the causal mask and the attention core. Each computes exactly what
+RMSNorm, rotary tables, the causal mask, the attention core and the gated activation. Each computes exactly what
 transformers computes, in the same operation order, so fp32 results differ only by reassociation.
 """
 
@@ -79,6 +79,13 @@ def attend_scored(
         shape = scores.shape
         scores = scores.view(*shape[:-2], gs, t, shape[-1]).masked_fill(mask, float("-inf")).view(shape)
     return softmax32(scores) @ v
+
+
+def swiglu(gu: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """SwiGLU: silu(gate) ⊙ up, gu = [gate; up] along `dim` (the last for token-major, 0 for a
+    worker's feature-major (2m, T): its gate rows then the same MLP coordinates' up rows)."""
+    gate, up = gu.chunk(2, dim=dim)
+    return torch.nn.functional.silu(gate) * up
 
 
 def softmax32(scores: torch.Tensor) -> torch.Tensor:

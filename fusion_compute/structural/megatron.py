@@ -14,44 +14,17 @@ Every worker holds the *full* residual (replicated) and computes its heads / MLP
 
 Two all-reduces per layer instead of four reduce-scatters, and every worker holds the complete
 residual at every layer: the audit verifier must (and does) reject it. Weights: the same row /
-column slices as the sharded plan but with all H input columns (no norm fusion needed).
+column slices as the sharded plan but with all H input columns (no norm fusion needed:
+sharded.load_layer with `replicated`). The layer is model/layer.decoder_layer, as everywhere; only
+its norm + linear and linear back differ (MegatronLayer).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..model import architecture as arch
-from ..weights.loader import WeightSource
-from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step
-from .plan import Plan, runs
+from .ops import ShardedLayer, Span
 from .sharded import ShardedModel
-
-
-def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
-    """Column-parallel qkv / gate-up rows (all input columns, norm gain folded), row-parallel o / down."""
-    c = plan.config
-    qkv_rows, gu_rows, o_cols = plan.qkv_rows(w), plan.gate_up_rows(w), plan.o_cols(w)
-    everything = list(range(c.hidden))
-    index = LayerIndex(
-        resid_in=everything,
-        qkv_out=qkv_rows,
-        attn_in=o_cols,
-        resid_out=everything,
-        gu_out=gu_rows,
-        h_in=list(range(*plan.workers[w].mlp)),
-    )
-    qkv = arch.read_weight(src, layer, "qkv")
-    qkv_w = (qkv[torch.tensor(qkv_rows)] * arch.read_norm(src, layer, "qkv")).contiguous()
-    del qkv
-    bias = arch.read_bias(src, layer, "qkv")
-    qkv_b = None if bias is None else bias[torch.tensor(qkv_rows)].contiguous()
-    o_w = arch.read_weight(src, layer, "o", cols=runs(o_cols))  # (H, a_r)
-    gu = arch.read_weight(src, layer, "gate_up")
-    gu_w = (gu[torch.tensor(gu_rows)] * arch.read_norm(src, layer, "gate_up")).contiguous()
-    del gu
-    down_w = arch.read_weight(src, layer, "down", cols=[plan.workers[w].mlp])
-    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
 
 
 def norm(x_HT: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,62 +34,35 @@ def norm(x_HT: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MegatronLayer(ShardedLayer):
-    """Same attention code as the sharded layer; the residual around it is replicated."""
+    """The sharded layer's ops (attention, activation, audit holds) with the residual replicated:
+    norm + linear local, linear back an all-reduce. decoder_layer (model/layer.py) runs it."""
 
-    def forward(self, x_HT: torch.Tensor, step: Step) -> torch.Tensor:
-        L, w, c, a = self.i, self.w, self.comm, self.audit
+    def norm_linear(self, i: int, name: str, x_HT: torch.Tensor) -> torch.Tensor:
+        """Column-parallel, no collective: this worker's rows of W · RMSNorm(x), the bias (qkv) added."""
         h_HT = norm(x_HT, self.eps)  # full residual: norm is local
-        qkv_aT = w.qkv_w @ h_HT
-        if w.qkv_b is not None:
-            qkv_aT = qkv_aT + w.qkv_b[:, None]
-        o_aT = self.attention(qkv_aT, step)
-        y_HT = c.all_reduce_workers(w.o_w @ o_aT, f"L{L}.o")  # every worker gets the full sum
-        if a is not None:
-            ix = w.index
-            a.hold(L, "resid.in", ix.resid_in, x_HT.shape[0])
-            a.hold(L, "qkv", ix.qkv_out, qkv_aT.shape[0])
-            a.hold(L, "kv", ix.qkv_out, sum(ch.rows for ch in self.caches))
-            a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
-            a.hold(L, "resid.mid", ix.resid_out, y_HT.shape[0])
-        x_HT = x_HT + y_HT
-        h_HT = norm(x_HT, self.eps)
-        gu_mT = w.gu_w @ h_HT
-        m = gu_mT.shape[0] // 2
-        h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
-        y_HT = c.all_reduce_workers(w.down_w @ h_mT, f"L{L}.down")
-        if a is not None:
-            ix = w.index
-            a.hold(L, "gate_up", ix.gu_out, gu_mT.shape[0])
-            a.hold(L, "h", ix.h_in, h_mT.shape[0])
-            a.hold(L, "resid.out", ix.resid_out, y_HT.shape[0])
-        return x_HT + y_HT
+        if name == "qkv":
+            qkv_aT = self.w.qkv_w @ h_HT
+            return qkv_aT if self.w.qkv_b is None else qkv_aT + self.w.qkv_b[:, None]
+        return self.w.gu_w @ h_HT
+
+    def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
+        """Row-parallel: every worker gets the full sum W y (H, T)."""
+        w_back = self.w.o_w if name == "o" else self.w.down_w
+        return self.comm.all_reduce_workers(w_back @ y, f"L{i}.{name}")
 
 
 class MegatronModel(ShardedModel):
     """Drop-in for worker.ShardedModel (whose session plumbing it inherits: reset, attach_audit,
-    RoPE and mask per step): forward(x_dT, pos) maps the ingress shard to the egress shard (so the
-    client runs unchanged), replicating the residual in between."""
+    RoPE and mask per step, make_layer with load_layer's replicated slicing): forward(x_dT, pos)
+    maps the ingress shard to the egress shard (so the client runs unchanged), replicating the
+    residual in between."""
+
+    layer_class = MegatronLayer
+    replicated = True
 
     @property
     def res_sizes(self) -> list[int]:
         return list(self.plan.residual_sizes)
-
-    def make_layer(self, src: WeightSource, i: int) -> ShardedLayer:
-        plan, w, c = self.plan, self.w, self.plan.config
-        return MegatronLayer(
-            i,
-            load_layer(src, plan, w, i).to(self.device, self.dtype),
-            plan.workers[w].attention,
-            comm=self.comm,
-            me=w,
-            qkv_sizes_aug=[],
-            gu_sizes_aug=[],
-            res_sizes=self.res_sizes,
-            hidden=c.hidden,
-            head_dim=c.head_dim,
-            group_size=c.group_size,
-            eps=c.rms_eps,
-        )
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         step = self._step(spans)

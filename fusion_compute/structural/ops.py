@@ -1,4 +1,7 @@
-"""Sharded operators: one decoder layer as small explicit steps over one worker's shards.
+"""Sharded operators: the decoder layer's ops (model/layer.py `LayerOps`) over one worker's shards.
+
+The layer itself is `layer.decoder_layer`, written once for every execution; `ShardedLayer` gives it
+these steps, each with its collective, and records the audit's holdings when asked.
 
 Layout of local tensors is feature-major, (rows, T): a linear is then `W @ x` with no transposes,
 and a reduce-scatter chunk is a contiguous block of rows. Names carry ownership (docs/design.md, "Code habits"):
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32
+from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32, swiglu
+from ..model.layer import LayerOps, decoder_layer
 from .plan import AttnBlock
 
 
@@ -51,6 +55,19 @@ class LayerIndex:
     resid_out: list[int]  # rows of the o / down scatter chunk delivered here, in [0, H)
     gu_out: list[int]  # rows of [gate; up] in this worker's chunk, in [0, 2I)
     h_in: list[int]  # columns of down_proj = MLP coords of h_mT, in [0, I)
+
+
+# model/layer.HOLDS -> the LayerIndex field with the coordinates that tensor stands for
+HOLD_INDEX = {
+    "resid.in": "resid_in",
+    "qkv": "qkv_out",
+    "kv": "qkv_out",
+    "attn": "attn_in",
+    "resid.mid": "resid_out",
+    "gate_up": "gu_out",
+    "h": "h_in",
+    "resid.out": "resid_out",
+}
 
 
 @dataclass
@@ -187,8 +204,9 @@ def norm_linear_scatter(
     return (y_aug[:-1] * inv_s).to(x_dT.dtype)
 
 
-class ShardedLayer:
-    """One decoder layer on one worker."""
+class ShardedLayer(LayerOps[Step]):
+    """One decoder layer on one worker: layer.LayerOps, feature-major (rows, ΣT), each linear a
+    reduce-scatter (the norm fused into the scatter), attention over the worker's KV shards."""
 
     def __init__(
         self,
@@ -232,7 +250,7 @@ class ShardedLayer:
             for b in self.blocks
         ]
 
-    def attention(self, qkv_aT: torch.Tensor, step: Step) -> torch.Tensor:
+    def attention(self, i: int, qkv_aT: torch.Tensor, step: Step) -> torch.Tensor:
         """Local attention over the worker's KV shards, each span against its own slot; returns o_aT
         (a_r, ΣT) in q-row order. A split group's partial scores are completed in one exchange for
         every span of the step (one round per split block, whatever the batch). Single-token spans
@@ -313,33 +331,39 @@ class ShardedLayer:
         flat = self.comm.sum_scores(torch.cat([s.reshape(-1) for s in scores]), g, op)
         return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in scores]), scores, strict=True)]
 
-    def forward(self, x_dT: torch.Tensor, step: Step) -> torch.Tensor:
-        L, w, c, a = self.i, self.w, self.comm, self.audit
-        qkv_aT = norm_linear_scatter(c, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{L}.qkv")
-        if w.qkv_b is not None:
+    def norm_linear(self, i: int, name: str, x_dT: torch.Tensor) -> torch.Tensor:
+        """S(R) -> P -> S(A or M): qkv_aT or gu_mT, this worker's rows, the bias (qkv) added."""
+        w = self.w
+        if name == "qkv":
+            qkv_aT = norm_linear_scatter(
+                self.comm, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{i}.qkv"
+            )
             # Bias once, by the owner, after the scatter: added to partials it would count N times.
-            qkv_aT = qkv_aT + w.qkv_b[:, None]
-        o_aT = self.attention(qkv_aT, step)
-        y_dT = c.reduce_scatter_from(
-            lambda q: w.o_w[self.res_starts[q] : self.res_starts[q + 1]] @ o_aT, self.res_sizes, f"L{L}.o"
+            return qkv_aT if w.qkv_b is None else qkv_aT + w.qkv_b[:, None]
+        return norm_linear_scatter(self.comm, x_dT, w.gu_w, self.gu_sizes_aug, self.hidden, self.eps, f"L{i}.{name}")
+
+    def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
+        """S(A or M) -> P -> S(R): this worker's residual rows of W_o o or W_down h."""
+        w_back = self.w.o_w if name == "o" else self.w.down_w
+        starts = self.res_starts
+        return self.comm.reduce_scatter_from(
+            lambda q: w_back[starts[q] : starts[q + 1]] @ y, self.res_sizes, f"L{i}.{name}"
         )
-        if a is not None:  # holdings at this step, from the index maps the tensors were built with
-            ix = w.index
-            a.hold(L, "resid.in", ix.resid_in, x_dT.shape[0])
-            a.hold(L, "qkv", ix.qkv_out, qkv_aT.shape[0])
-            a.hold(L, "kv", ix.qkv_out, sum(ch.rows for ch in self.caches))
-            a.hold(L, "attn", ix.attn_in, o_aT.shape[0])
-            a.hold(L, "resid.mid", ix.resid_out, y_dT.shape[0])
-        x_dT = x_dT + y_dT
-        gu_mT = norm_linear_scatter(c, x_dT, w.gu_w, self.gu_sizes_aug, self.hidden, self.eps, f"L{L}.gate_up")
-        m = gu_mT.shape[0] // 2
-        h_mT = torch.nn.functional.silu(gu_mT[:m]) * gu_mT[m:]
-        y_dT = c.reduce_scatter_from(
-            lambda q: w.down_w[self.res_starts[q] : self.res_starts[q + 1]] @ h_mT, self.res_sizes, f"L{L}.down"
-        )
-        if a is not None:
-            ix = w.index
-            a.hold(L, "gate_up", ix.gu_out, gu_mT.shape[0])
-            a.hold(L, "h", ix.h_in, h_mT.shape[0])
-            a.hold(L, "resid.out", ix.resid_out, y_dT.shape[0])
-        return x_dT + y_dT
+
+    def activation(self, i: int, gu_mT: torch.Tensor) -> torch.Tensor:
+        """SwiGLU on the worker's MLP rows: gate rows then the same coordinates' up rows."""
+        return swiglu(gu_mT, dim=0)
+
+    def hold(self, i: int, name: str, t: torch.Tensor) -> None:
+        """The audit's record: the coordinates `t` stands for, from the index maps the weights were
+        cut with (not the plan), and its row count; "kv": the cache's rows."""
+        a = self.audit
+        if a is None:
+            return
+        index = getattr(self.w.index, HOLD_INDEX[name])
+        a.hold(i, name, index, sum(ch.rows for ch in self.caches) if name == "kv" else t.shape[0])
+
+    def forward(self, x_dT: torch.Tensor, step: Step) -> torch.Tensor:
+        """x_dT (rows, ΣT) at layer input -> at layer output (model/layer.py; the audit's leak
+        control composes onto this method)."""
+        return decoder_layer(self, self.i, x_dT, step)

@@ -26,11 +26,16 @@ def augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
     return padded.index_select(0, torch.tensor(index))
 
 
-def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
-    """Worker w's slices of one layer: every linear's input columns that it holds (norm gain folded),
-    output rows regrouped by owner (plan.py); the Megatron-style baseline's own is megatron.load_layer."""
+def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bool = False) -> LayerShard:
+    """Worker w's slices of one layer, norm gains folded into the input columns it holds.
+
+    Sharded (the default): the input columns of its residual range, every owner's output rows
+    regrouped by owner with a zero row each for Σx² (`augmented`, plan.py). `replicated` (the
+    Megatron-style baseline, megatron.py): all H input columns and only its own qkv / gate-up rows
+    (column-parallel; the norm runs on the full residual, so nothing to fuse), and its residual
+    coordinates are all of them. o / down: its columns of the attention / MLP outputs either way."""
     share = plan.workers[w]
-    a, b = share.residual
+    a, b = (0, plan.config.hidden) if replicated else share.residual
     cols = [(a, b)]
     n = plan.n
 
@@ -42,21 +47,21 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
         resid_in=list(range(a, b)),
         qkv_out=qkv_rows[w],
         attn_in=o_cols,
-        resid_out=list(range(res_off, res_off + plan.residual_sizes[w])),
+        resid_out=list(range(a, b)) if replicated else list(range(res_off, res_off + plan.residual_sizes[w])),
         gu_out=gu_rows[w],
         h_in=list(range(*share.mlp)),
     )
 
     # the norm's gain folds into the columns this worker holds (docs/design.md, "The operators": RMSNorm fused into the linear)
     qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
-    qkv_w = augmented(qkv, qkv_rows)
+    qkv_w = qkv[torch.tensor(qkv_rows[w])].contiguous() if replicated else augmented(qkv, qkv_rows)
     del qkv
     bias = arch.read_bias(src, layer, "qkv")
     qkv_b = None if bias is None else bias[torch.tensor(qkv_rows[w])].contiguous()
     o_w = arch.read_weight(src, layer, "o", cols=runs(o_cols))
 
     gu = arch.read_weight(src, layer, "gate_up", cols=cols) * arch.read_norm(src, layer, "gate_up")[a:b]
-    gu_w = augmented(gu, gu_rows)
+    gu_w = gu[torch.tensor(gu_rows[w])].contiguous() if replicated else augmented(gu, gu_rows)
     del gu
     down_w = arch.read_weight(src, layer, "down", cols=[share.mlp])
     return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
@@ -64,7 +69,11 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int) -> LayerShard:
 
 class ShardedModel:
     """All layers of one worker. `forward(x_dT, spans)` maps this worker's residual shard at
-    ingress to its residual shard at egress; the state is never gathered in between."""
+    ingress to its residual shard at egress; the state is never gathered in between.
+    (`layer_class` and `replicated`: what megatron.MegatronModel changes.)"""
+
+    layer_class: type[ShardedLayer] = ShardedLayer
+    replicated = False  # load_layer's slicing
 
     def __init__(
         self,
@@ -86,11 +95,11 @@ class ShardedModel:
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
 
     def make_layer(self, src: WeightSource, i: int) -> ShardedLayer:
-        """Layer i with its slices read and placed (the Megatron-style baseline makes its own)."""
+        """Layer i with its slices read and placed."""
         plan, w, c = self.plan, self.w, self.plan.config
-        return ShardedLayer(
+        return self.layer_class(
             i,
-            load_layer(src, plan, w, i).to(self.device, self.dtype),
+            load_layer(src, plan, w, i, self.replicated).to(self.device, self.dtype),
             plan.workers[w].attention,
             comm=self.comm,
             me=w,
