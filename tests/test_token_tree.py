@@ -114,3 +114,91 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
 
     assert chi2(tally(accept), exact) < bound
     assert chi2(tally(first_child_whenever_possible), exact) > 10 * bound  # the test can fail
+
+
+# ---- against the workers ----
+
+LOGIT_ATOL = 3e-4  # test_parity.py's: float32 shards against transformers in float64 on these tiny models
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,n", [("llama", 2), ("qwen2", 3)])
+def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(arch, n, tiny_llama, tiny_qwen2):
+    """One sharded forward over a token tree: each column's logits are transformers' after the path to
+    it (the ancestor mask and RoPE by depth); keeping a path that is not a prefix of the columns (the
+    second branch) moves its KV entries into place, and the next steps (one token, then another tree,
+    then a chain) are transformers' after the kept path; the dropped columns are zeroed. qwen2 at N = 3
+    splits a KV group across workers (its scores are summed between them)."""
+    from fusion_compute.model import reference
+    from fusion_compute.structural.client import Engine, EngineOptions
+
+    model = tiny_llama if arch == "llama" else tiny_qwen2
+    ref = reference.load_reference(model)
+    prompt = [5, 17, 33, 2, 99, 5]
+    # columns: 0 root (the prompt's next token 40), 1: 41, 2: 42, 3: 43 (child of 1), 4: 44 (child of 2), 5: 45 (child of 4)
+    tree = TokenTree((40, 41, 42, 43, 44, 45), (-1, 0, 0, 1, 2, 4))
+
+    def path_tokens(c: int) -> list[int]:
+        out = []
+        while c >= 0:
+            out.append(tree.tokens_T[c])
+            c = tree.parents_T[c]
+        return out[::-1]
+
+    with Engine(model, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
+        eng.reset()
+        eng.forward_batch([(0, prompt)])
+        got = eng.forward_batch([(0, list(tree.tokens_T))], all_logits={0}, trees={0: tree.parents_T})[0]
+        for c in range(len(tree)):
+            want = reference.logits(ref, prompt + path_tokens(c))[-1]
+            assert torch.allclose(got[c].double(), want, atol=LOGIT_ATOL, rtol=0), (c, (got[c] - want).abs().max())
+        eng.keep_path(0, [0, 2, 4, 5])  # 40 42 44 45: columns 2, 4, 5 move down to 1, 2, 3
+        kept = prompt + [40, 42, 44, 45]
+        assert eng.slot_history[0] == kept
+        nxt = eng.forward_batch([(0, [7])])[0]  # the next step names the kept columns
+        assert torch.allclose(nxt.double(), reference.logits(ref, kept + [7])[-1], atol=LOGIT_ATOL, rtol=0)
+        kept.append(7)
+        # another tree, its first branch kept this time, then a chain after it
+        tree2 = TokenTree((8, 9, 10, 11), (-1, 0, 0, 1))
+        eng.forward_batch([(0, list(tree2.tokens_T))], all_logits={0}, trees={0: tree2.parents_T})
+        eng.keep_path(0, [0, 1, 3])
+        kept += [8, 9, 11]
+        out = eng.forward_batch([(0, [12, 13])], all_logits={0})[0]
+        want = reference.logits(ref, kept + [12, 13])[-2:]
+        assert torch.allclose(out.double(), want, atol=LOGIT_ATOL, rtol=0), (out.double() - want).abs().max()
+        eng.release(0)
+        assert eng.kv_probe() == [0.0] * n
+
+
+@pytest.mark.slow
+def test_suffix_trees_keep_greedy_tokens(tiny_llama):
+    """`--speculative suffix` on an engine that verifies trees: the drafts are trees (some step ran a
+    tree that is not a chain), and the greedy tokens are transformers'."""
+    from fusion_compute.generation import batching
+    from fusion_compute.generation.generate import generate
+    from fusion_compute.generation.speculative import Speculator
+    from fusion_compute.generation.speculative_config import from_flags
+    from fusion_compute.model import reference
+    from fusion_compute.structural.client import Engine, EngineOptions
+
+    ref = reference.load_reference(tiny_llama)
+    # prompts whose n-grams recur with several continuations: the suffix trie branches
+    prompts = [[5, 17, 33, 2, 5, 17, 40, 2, 5, 17, 33, 9, 5, 17], [1, 2, 3, 4, 1, 2, 5, 4, 1, 2, 3, 6, 1, 2]]
+    want = [reference.greedy(ref, p, 24) for p in prompts]
+    ran: list[bool] = []
+    real_accept = batching.accept
+
+    def spy(sampler, tree, logits):
+        ran.append(not tree.is_chain())
+        return real_accept(sampler, tree, logits)
+
+    batching.accept = spy
+    try:
+        with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
+            spec = Speculator(from_flags("suffix", None, 8), eng.config.vocab, eng.context)
+            got = [generate(eng, p, max_new_tokens=24, sampling=SamplingParams(), speculator=spec) for p in prompts]
+            assert eng.kv_probe() == [0.0, 0.0]
+    finally:
+        batching.accept = real_accept
+    assert [r.token_ids for r in got] == want
+    assert any(ran), "no tree that is not a chain was verified"

@@ -48,7 +48,9 @@ class SpeculativeConfig:
     draft_model: str | None = None
     adaptive: bool = True  # the draft length follows acceptance (speculative.DraftLength); False: always K
     suffix_max_depth: int = 64  # the longest substring a trie holds: a match of m proposes <= depth - m
-    suffix_max_spec_factor: float = 1.0
+    # vLLM's default factor is 1 (as many tokens as matched); 4 raised the greedy outputs' tokens per forward
+    # of both bench workloads (bench/workloads.py) replayed offline, at twice the columns (docs/speculative.md)
+    suffix_max_spec_factor: float = 4.0
     suffix_max_spec_offset: float = 0.0
     suffix_min_token_prob: float = 0.1
     suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.kernels import tree_depths, tree_mask
 from .sampling import Sampler
 
 
@@ -81,22 +82,13 @@ class TokenTree:
 
     def depths_T(self) -> list[int]:
         """Each column's depth: its position is the step's position plus this (RoPE by depth)."""
-        d = [0] * len(self)
-        for j in range(1, len(self)):
-            d[j] = d[self.parents_T[j]] + 1
-        return d
+        return tree_depths(self.parents_T)
 
     def ancestor_mask_TT(self) -> torch.Tensor:
         """(T, T) bool: [j, i] is True when column i is column j or one of its ancestors, the
-        columns j attends to among the step's (it attends every earlier position of the session too)."""
-        t = len(self)
-        m = torch.zeros(t, t, dtype=torch.bool)
-        for j in range(t):
-            i = j
-            while i >= 0:
-                m[j, i] = True
-                i = self.parents_T[i]
-        return m
+        columns j attends to among the step's (it attends every earlier position of the session too;
+        kernels.tree_mask is the workers' form, True where masked)."""
+        return ~tree_mask(0, self.parents_T)
 
     def cut(self, columns: int) -> TokenTree:
         """The first `columns` columns (a prefix keeps every parent before its child): a tree cut to

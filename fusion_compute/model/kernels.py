@@ -50,6 +50,29 @@ def causal_mask(pos: int, t: int) -> torch.Tensor | None:
     return k > q
 
 
+def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """A token tree's column depths (parents[j] < j, -1 for column 0): column j sits at pos + depth,
+    where RoPE places it (its position on the path from the step's first column)."""
+    d = [0] * len(parents)
+    for j in range(1, len(parents)):
+        d[j] = d[parents[j]] + 1
+    return d
+
+
+def tree_mask(pos: int, parents: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """(T, pos+T) True where column j must not see key i: the step's columns that are not j or one of
+    its ancestors (a tree's columns sit at cache positions pos..pos+T-1 in column order; everything
+    before pos is the session's own, seen by all). A chain (parents j - 1) gives causal_mask(pos, T)."""
+    t = len(parents)
+    sees = torch.zeros(t, t, dtype=torch.bool)
+    for j in range(t):
+        i = j
+        while i >= 0:
+            sees[j, i] = True
+            i = parents[i]
+    return torch.cat([torch.zeros(t, pos, dtype=torch.bool), ~sees], 1)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,

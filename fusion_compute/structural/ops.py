@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32, swiglu
+from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32, swiglu, tree_depths, tree_mask
 from ..model.layer import LayerOps, decoder_layer
 from .plan import AttnBlock
 
@@ -108,11 +108,18 @@ class BlockCache:
 
 @dataclass(frozen=True)
 class Span:
-    """One session's tokens in a step: its KV slot, the position of its first token, how many."""
+    """One session's tokens in a step: its KV slot, the position of its first token, how many.
+    `parents`: a token tree's (speculative decoding, generation/token_tree.py), column j's parent
+    column (-1 for column 0): column j is written at pos + j, placed by RoPE at pos + its depth and
+    attends its ancestors only; None for a sequence. `keep`: the columns of the slot's previous
+    step (a tree) that stay, 0 first; they are moved to the positions just before `pos` before
+    this step runs (ShardedModel.roll_back), the rest dropped."""
 
     slot: int
     pos: int
     t: int
+    parents: tuple[int, ...] | None = None
+    keep: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,10 +161,17 @@ def make_step(
     """The step's tables on the worker's device: RoPE in float32, then in the compute dtype (as
     transformers casts cos and sin to the activations' dtype), masks and indices there too."""
     offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
-    cos_Tp, sin_Tp = rope_tables(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
+    positions = [
+        torch.arange(s.pos, s.pos + s.t) if s.parents is None else s.pos + torch.tensor(tree_depths(s.parents))
+        for s in spans
+    ]  # a tree's columns by depth
+    cos_Tp, sin_Tp = rope_tables(inv_freq, torch.cat(positions))
     cos = cos_Tp.T.to(device=device, dtype=dtype)  # (d/2, T): feature-major, like every tensor here
     sin = sin_Tp.T.to(device=device, dtype=dtype)
-    masks = tuple(None if m is None else m.to(device=device) for m in (causal_mask(s.pos, s.t) for s in spans))
+    masks = tuple(
+        None if m is None else m.to(device=device)
+        for m in (causal_mask(s.pos, s.t) if s.parents is None else tree_mask(s.pos, s.parents) for s in spans)
+    )
     index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
     decodes = None
     if index:
