@@ -430,14 +430,18 @@ def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
         assert chi2(sample(spec), probs) < bound
         t = spec.totals
         assert 0 < t.num_accepted_tokens < t.num_draft_tokens  # accepted and resampled, both
-        real = batching.verify
-        batching.verify = lambda s, lg, d: (d + [s(lg[len(d)])], len(d))  # a wrong rule: keep every draft
+        real = batching.accept
+        # a wrong rule: keep every draft (of a chain: every column, then a token after the last)
+        batching.accept = lambda s, tree, lg: (
+            [*tree.tokens_T[1:], s(lg[len(tree) - 1])],
+            list(range(len(tree))),
+        )
         try:
             wrong = sample(
                 Speculator(draft_cfg(tiny_llama, k=2), eng.config.vocab, eng.context, draft_model=target), 160
             )
         finally:
-            batching.verify = real
+            batching.accept = real
         assert chi2(wrong, probs) > bound  # the test can fail
 
 
