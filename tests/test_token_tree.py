@@ -205,8 +205,39 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
         with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
             spec = Speculator(from_flags("suffix", None, 8), eng.config.vocab, eng.context)
             got = [generate(eng, p, max_new_tokens=24, sampling=SamplingParams(), speculator=spec) for p in prompts]
+            alone = len(ran)
+            # batched: tree spans beside other sessions' single tokens and chains in one step, kept paths
+            # named for several slots at once
+            seqs = [batching.Sequence(p, 24, SamplingParams()) for p in prompts + [[7, 8, 9]]]
+            batched = batching.run_batch(eng, seqs, 3, speculator=spec)
             assert eng.kv_probe() == [0.0, 0.0]
     finally:
         batching.accept = real_accept
+    assert [r.token_ids for r in batched[:2]] == want
+    assert batched[2].token_ids == reference.greedy(ref, [7, 8, 9], 24)
+    assert any(ran[alone:]), "no tree was verified in the batch"
     assert [r.token_ids for r in got] == want
-    assert any(ran), "no tree that is not a chain was verified"
+    assert any(ran[:alone]), "no tree that is not a chain was verified"
+
+
+def test_workers_read_tree_words_and_refuse_malformed_ones():
+    """The FORWARD exchange's tree words (structural/protocol.py): per span [n_parents, n_keep,
+    parents, kept columns]; a worker refuses words that do not describe a tree or a path."""
+    from fusion_compute.structural.ops import Span
+    from fusion_compute.structural.worker import with_trees
+
+    spans = [Span(0, 10, 3), Span(1, 4, 1)]
+    got = with_trees(spans, [3, 0, -1, 0, 0, 0, 2, 0, 2])
+    assert got == [Span(0, 10, 3, (-1, 0, 0), None), Span(1, 4, 1, None, (0, 2))]
+    for words, needle in [
+        ([3, 0, -1, 0, 2, 0, 0], "parents"),  # column 2's parent is itself
+        ([3, 0, 0, 0, 0, 0, 0], "parents"),  # column 0 is not the root
+        ([2, 0, -1, 0, 0, 0], "malformed tree words for span"),  # 2 parents for 3 columns
+        ([0, 0, 0, 2, 1, 1], "kept columns"),  # a path not from 0
+        ([0, 0, 0, 2, 0, 0], "kept columns"),  # not increasing
+        ([0, 0, 0, 0, 7], "left over"),
+        ([0, 0], "malformed tree words for"),  # the second span's words missing
+        ([0, 0, 0, 5, 0, 1, 2, 3, 4], "malformed tree words for span"),  # more kept than the slot held
+    ]:
+        with pytest.raises(RuntimeError, match=needle):
+            with_trees(spans, words)

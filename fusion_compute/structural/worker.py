@@ -355,7 +355,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
-        if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, 0]
+        if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, W]
             words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
             spans = [Span(*w) for w in words]
             if sum(s.t for s in spans) != pos or any(
