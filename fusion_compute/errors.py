@@ -29,3 +29,14 @@ class WorkerMisbehaved(FusionError):
         super().__init__(message)
         self.pids = pids
         self.reason = reason  # what the recovery record says of them
+
+
+class WorkersSuspected(FusionError):
+    """A check of the client's failed, and the evidence cannot say which of `pids` caused it (every
+    worker contributed to what failed, and a liar among them could have made an honest one's output
+    fail): nobody is convicted on it. The engine sets the suspects aside for standbys, and removes
+    one that ambiguity has followed before (runtime/membership.py, blame.follows)."""
+
+    def __init__(self, message: str, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids

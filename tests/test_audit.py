@@ -43,7 +43,8 @@ def good_summary(tiny_qwen2, tmp_path_factory) -> dict:
     """The whole experiment (one cold start): summary.json, report.md, exposure section."""
     out = tmp_path_factory.mktemp("good")
     cfg = RunConfig(out=out, model=str(tiny_qwen2), workers=3, steps=STEPS, cold_starts=1, prompt_ids=PROMPT)
-    return run_audit(cfg, log=lambda s: None) | {"out": out}
+    said: list[str] = []
+    return run_audit(cfg, log=said.append) | {"out": out, "said": said}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,9 @@ def test_summary_and_report(good_summary):
     assert all(v["wire"]["full_rank_points"] == v["wire"]["points"] for v in exp["ranks"]["per_worker"].values())
     assert [a["recovered"] for a in exp["attack"]] == [len(PROMPT)] * 3
     assert f"recovered {len(PROMPT)}/{len(PROMPT)} prompt tokens" in report
+    # it says what it does while the analysis runs (minutes under load: issue 45), and how to skip it
+    assert s["said"][0].startswith("cold start 0:") and "--no-exposure" in s["said"][1], s["said"]
+    assert s["said"][2].startswith("exposure analysis done in") and len(s["said"]) == 3, s["said"]
 
 
 def test_clean_run_closes_every_step(good):

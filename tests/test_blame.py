@@ -173,6 +173,51 @@ def test_one_liar_among_three_never_gets_an_honest_worker_removed():
                             assert liar in v.causes, case
 
 
+# ---- farewells checked against what else the client holds (issue 41 item 2) ----
+
+
+def test_a_farewell_that_contradicts_its_own_account_removes_its_sayer():
+    """Worker 3 tells the client it left after worker 1's farewell, and its own account says worker 1
+    failed it first-hand (or names another peer): one of its two statements is a lie, and both are
+    its own. It is removed; an honest worker says both from the one error that ended its epoch."""
+    accounts = {1: account(lost=3), 2: account(after=1), 3: account(lost=1)}
+    seen = {1: left(cause=3), 2: left(after=1), 3: left(after=1)}
+    named, v = blame(accounts, seen)
+    assert named == {3} and "worker 3's farewell (cause None, after 1) contradicts its own account" in v.said
+    named, _ = blame({**accounts, 3: account(after=2)}, seen)  # its account names another peer
+    assert named == {3}
+    # the negative control: the same farewell with an account that agrees (or none) is only ambiguous
+    for agreeing in (account(after=1), account()):
+        named, v = blame({**accounts, 3: agreeing}, seen)
+        assert named == set() and set(v.causes) == {1, 3}, v
+
+
+def test_two_workers_each_leaving_after_the_other_are_ambiguous():
+    """Each says it left after the other's farewell: both cannot be true (an honest farewell carries
+    the reason decided before it was sent), so one lies: both are suspects (before: no accusation
+    counted, the waits named nobody, and nobody was set aside)."""
+    accounts = {1: account(after=2), 2: account(after=1), 3: account(after=1)}
+    seen = {1: left(after=2), 2: left(after=1), 3: left(after=1)}
+    named, v = blame(accounts, seen)
+    assert named == set() and set(v.causes) == {1, 2} and "one of them lies" in v.said
+    # the negative control: a chain of knock-ons (2 after 1, 3 after 1) is nobody's fault here
+    seen[1], accounts[1] = left(after=None), account()
+    named, v = blame(accounts, seen)
+    assert named == {1}  # worker 1 left on its own error, by its own word (rule 2)
+
+
+def test_the_forged_knock_on_and_its_mirror_leave_the_same_evidence():
+    """Issue 41's item 2: the liar (3) cuts its link to worker 1 and says it left after 1's farewell,
+    while 1 names 3 first-hand. The mirror: the liar (1) names honest 3 in its farewell to the client
+    and says farewell to 3, which honestly leaves after 1. The client holds the same evidence in
+    both, so removing the claimant (as the issue proposed) would remove honest 3 in the mirror: both
+    are suspects, and the ambiguity that follows the liar removes it (below)."""
+    accounts = {1: account(lost=3), 2: account(after=1), 3: account(after=1)}
+    seen = {1: left(cause=3), 2: left(after=1), 3: left(after=1)}
+    named, v = blame(accounts, seen)
+    assert named == set() and set(v.causes) == {1, 3}, v
+
+
 # ---- the ambiguity that follows one worker ----
 
 
@@ -181,6 +226,18 @@ def test_follows_names_the_common_suspect_of_two_different_pairs():
     assert follows([frozenset({1, 2})], (2, 3)) == 2  # 2 was ambiguous with 1, now with 3
     assert follows([frozenset({1, 2})], (1, 2)) is None  # the same pair again: still no way to tell
     assert follows([frozenset({1, 2}), frozenset({3, 4})], (2, 4)) is None  # two candidates
+
+
+def test_follows_names_a_liar_that_returns_to_its_first_partner():
+    """Liveness (issue 41): the liar paired with worker 1, then with worker 4, then with 1
+    again is named at the second pairing and at the third. "x is in any earlier set" instead of
+    "the only worker an earlier set shares" names nobody at the third (1 and 3 both were)."""
+    assert follows([frozenset({1, 3})], (3, 4)) == 3
+    assert follows([frozenset({1, 3}), frozenset({3, 4})], (1, 3)) == 3
+    assert follows([frozenset({1, 3}), frozenset({1, 3})], (3, 4)) == 3  # twice with one, then another
+    # sets that hold every worker of the epoch (the client's logits check, an `inputs` farewell)
+    assert follows([frozenset({1, 2, 3})], (1, 2, 3)) is None
+    assert follows([frozenset({1, 2, 3})], (3, 4, 5)) == 3
 
 
 def test_one_liar_is_in_every_ambiguous_set_so_follows_never_names_an_honest_worker():
@@ -292,7 +349,7 @@ def test_a_farewell_says_why_and_is_read_as_one():
     theirs.farewell("worker 3 closed the connection\nsecond line", time.monotonic() + 2, cause=3)
     with pytest.raises(PeerLeft, match="worker 2 closed the connection: worker 3 closed the connection$") as e:
         mine.recv_size(time.monotonic() + 2)
-    assert e.value.reason == {"cause": 3, "after": None, "why": "worker 3 closed the connection"}
+    assert e.value.reason == {"cause": 3, "after": None, "inputs": False, "why": "worker 3 closed the connection"}
     assert e.value.said == "worker 3 closed the connection"
     assert mine.departure() == "left"
     with pytest.raises(PeerLeft):
@@ -303,9 +360,11 @@ def test_a_farewell_says_why_and_is_read_as_one():
     assert farewell_reason(b'{"cause": true, "after": -1, "why": "' + b"x" * 5000 + b'"}') == {
         "cause": None,
         "after": None,
+        "inputs": False,
         "why": "x" * 300,
     }
-    assert farewell_reason(b"out of\nmemory") == {"cause": None, "after": None, "why": "out of memory"}
+    assert farewell_reason(b"out of\nmemory") == {"cause": None, "after": None, "inputs": False, "why": "out of memory"}
+    assert farewell_reason(b'{"inputs": 1, "why": "x"}')["inputs"] is False  # only a true JSON boolean
 
 
 def test_departure_tells_left_closed_open():

@@ -113,8 +113,11 @@ def test_chat_in_a_terminal(long_chat_model):
         reply1 = first.split("hello world\n", 1)[1].split("\n[", 1)[0]
         t.send("the lazy dog\n")
         t.read_until("you> ")
+        t.send("half a line\x03")  # Ctrl-C at the prompt drops the line, not the conversation (issue 45)
+        assert "(Ctrl-D or /quit leaves)" in t.read_until("you> ")
         t.send("/history\n")
         hist = t.read_until("you> ")
+        assert "half a line" not in hist
         assert "[system] be brief" in hist and "[user] hello world" in hist and "[user] the lazy dog" in hist
         assert hist.count("[assistant]") == 2 and f"[assistant] {reply1}" in hist
         t.send("/reset\n")
@@ -180,6 +183,92 @@ def test_history_trimmed_to_fit_the_context():
     assert err.getvalue().count("dropped the oldest turn") == 1
 
 
+class EchoBackend:
+    model, workers, context = "fake", 2, 64
+
+    def reply(self, body, emit, cancelled):
+        emit(f"re:{body['messages'][-1]['content']}")
+        return {"finish_reason": "stop"}
+
+
+class Typed:
+    """A terminal's lines, with Ctrl-C (SIGINT's KeyboardInterrupt) where a line is None."""
+
+    def __init__(self, *lines):
+        self.lines = list(lines)
+
+    def readline(self) -> str:
+        if not self.lines:
+            return ""
+        line = self.lines.pop(0)
+        if line is None:
+            raise KeyboardInterrupt
+        return line
+
+
+def test_ctrl_c_at_the_prompt_keeps_the_conversation():
+    """Issue 45: Ctrl-C at the prompt used to leave, losing the history. It drops the line being
+    typed and says how to leave, as Ollama and Python's REPL do; Ctrl-D (end of input) leaves."""
+    import io
+
+    from fusion_compute.cli.chat import chat_loop
+
+    out, err = io.StringIO(), io.StringIO()
+    code = chat_loop(EchoBackend(), {}, None, Typed("hello\n", None, "/history\n"), out, err, True)
+    assert code == 0 and "(Ctrl-D or /quit leaves)" in err.getvalue()
+    assert "[user] hello\n[assistant] re:hello\n" in out.getvalue()  # /history after the Ctrl-C
+
+
+def test_a_line_that_is_not_utf8_is_not_sent():
+    """Piped stdin escapes bytes that are not UTF-8 (surrogateescape); such a line used to reach the
+    tokenizer ("TypeError: TextInputSequence must be str"). It is refused in words; the chat goes on."""
+    import io
+
+    from fusion_compute.cli.chat import chat_loop
+
+    out, err = io.StringIO(), io.StringIO()
+    chat_loop(EchoBackend(), {}, None, io.StringIO("caf\udce9\nhello\n"), out, err, False)
+    assert "(that line is not UTF-8 text: not sent" in err.getvalue()
+    assert out.getvalue().strip().splitlines() == ["re:hello"]
+
+
+@pytest.mark.parametrize(
+    "line,refused",
+    [
+        ("temperature -1", "temperature"),
+        ("temperature nan", "temperature"),
+        ("temperature 500", "temperature"),
+        ("top_p 0", "top_p"),
+        ("top_k -2", "top_k"),
+        ("max_tokens 0", "max_tokens"),
+        ("max_tokens 99999999", "at most 63"),
+        ("max_tokens 64", "at most 63"),
+        ("seed 18446744073709551616", "seed"),
+    ],
+)
+def test_set_refuses_what_every_turn_would_refuse(line, refused):
+    """Issue 45: `/set temperature -1` was taken, then every turn failed. A value the request checks
+    refuse (or a max_tokens no prompt leaves room for in the context) is refused by /set, naming it,
+    and the old value stays; a good value is taken and sent."""
+    import io
+
+    from fusion_compute.cli.chat import chat_loop
+
+    class Seen(EchoBackend):
+        bodies: list[dict] = []
+
+        def reply(self, body, emit, cancelled):
+            self.bodies.append(body)
+            return super().reply(body, emit, cancelled)
+
+    out, err = io.StringIO(), io.StringIO()
+    params = {"temperature": 0.0}
+    chat_loop(Seen(), params, None, io.StringIO(f"/set {line}\n/set max_tokens 63\nhi\n"), out, err, False)
+    said = out.getvalue().splitlines()[0]
+    assert said.startswith(f"({line.split()[0]} not set:") and refused in said, said
+    assert Seen.bodies[-1] == {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.0, "max_tokens": 63}
+
+
 def test_local_backend_reports_bad_values_and_a_full_context(tmp_path):
     """The local backend checks a turn as `fusion serve` checks a request (same models, same
     gateway), and says which parameter is wrong; a conversation too long for the window is
@@ -209,3 +298,38 @@ def test_local_backend_reports_bad_values_and_a_full_context(tmp_path):
     with pytest.raises(ChatError) as e:
         backend.reply({"messages": [{"role": "user", "content": "hello world " * 40}]}, pieces.append, lambda: False)
     assert e.value.context_full
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_chat_url_at_another_server_says_so_in_one_line(capsys, status):
+    """Issue 45: `fusion chat --url` at a server that is not a fusion serve dumped its HTML page. One
+    line now, naming what it asked and what it got, without the page."""
+    import http.server
+    import threading
+
+    from fusion_compute.cli.main import main
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<!DOCTYPE html>\n<html><body><h1>It works</h1>\n</body></html>\n"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert main(["chat", "--url", f"http://127.0.0.1:{server.server_address[1]}"]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "<" not in err and "Traceback" not in err, err
+    assert "/v1/models" in err and "is it a `fusion serve`?" in err, err

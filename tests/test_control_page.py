@@ -87,6 +87,7 @@ def test_control_page_in_a_browser(tmp_path):
         rows = "[...document.querySelectorAll('#workers tbody tr')].map(r => [r.dataset.id, r.dataset.state])"
         assert b.js(rows) == [["1", "active"], ["2", "active"]]
         assert b.js("document.getElementById('epoch').textContent") == "0"
+        assert b.js("document.getElementById('size').textContent") == "2 of 2"  # the job's size (issue 41)
         b.wait_for("document.querySelectorAll('#map svg g.hold').length === 24")  # 12 roles x 2 workers
         assert b.errors() == [], b.errors()  # loaded with no console error
 
@@ -104,6 +105,7 @@ def test_control_page_in_a_browser(tmp_path):
         b.js("document.querySelector('button.revoke[data-id=\"1\"]').click(); 1")
         b.wait_for("document.getElementById('epoch').textContent === '1'", timeout_s=120)
         assert b.js(rows) == [["1", "removed"], ["2", "active"], ["3", "active"]]
+        b.wait_for("document.getElementById('size').textContent === '2 of 2, 1 removed in this job'")
         legend = "[...document.querySelectorAll('#map svg text')].map(t => t.textContent).filter(t => t.startsWith('worker '))"
         # the new epoch's order, as the API gives it (the standby takes the revoked worker's place)
         listing = _admin(url, "GET", "/admin/workers", "k")[1]

@@ -103,6 +103,9 @@ def test_plan_picture_draws_the_plan(n, caps):
     legend = [r for r in root.iter(f"{NS}rect") if r.get("class") == "legend"]
     assert [int(r.get("data-worker")) for r in legend] == list(range(n))
     assert len({r.get("fill") for r in legend}) == n  # one colour per worker
+    # workers are numbered from 1 in what it says, as everywhere else (issue 45)
+    said = " ".join(t.text or "" for t in root.iter(f"{NS}text"))
+    assert all(f"worker {k} (rank {k})" in said for k in range(1, n + 1)) and "worker 0" not in said, said
     # the transfers: ingress and egress carry the residual rows; the scatters add up to the plan's bytes
     ingress = {
         int(e.get("data-worker")): int(e.get("data-elements"))
@@ -175,3 +178,13 @@ def test_fusion_plan_picture_command(tiny_qwen2, tmp_path):
     assert resid == {0: [(0, 36)], 1: [(36, 54)], 2: [(54, 72)]}
     bad = procs.run("plan", "--model", str(tiny_qwen2), "--workers", "2", "--picture", str(tmp_path / "no" / "dir.svg"))
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--picture" in bad.stderr, bad.stderr
+
+
+def test_plan_picture_says_what_it_wrote(tiny_qwen2, tmp_path, capsys):
+    from fusion_compute.cli.main import main
+
+    out = tmp_path / "plan.svg"
+    assert main(["plan", "--model", str(tiny_qwen2), "--workers", "2", "--picture", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"fusion plan: wrote {out}: which worker owns which coordinates (SVG)\n"
+    assert out.read_text().startswith("<svg") and json.loads(captured.out)["workers"] == 2

@@ -749,6 +749,57 @@ def test_the_batch_loop_runs_requests_together_and_fails_them_together(card):
         scheduler.close(wait_s=10)
 
 
+def test_an_answer_cut_by_the_server_stopping_says_abort_to_the_openai_client(card):
+    """Issue 45: SIGTERM/Ctrl-C stops the running answers at their next token (Scheduler.stop, what
+    run_http calls first). The official client must be able to tell that from a natural end: the
+    final chunk of a stream and a whole answer say finish_reason "abort" (vLLM's word), never "stop";
+    an answer that ran to its limit still says "length". The HTTP side is the real app on uvicorn, on
+    127.0.0.1; the engine is the stand-in (its steps are what the stop cuts)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from fusion_compute.serving.api_server import create_app
+    from fusion_compute.serving.gateway import Gateway
+    from fusion_compute.serving.scheduler import Scheduler
+
+    engine = FlakyEngine(card)
+    engine.steps, engine.step_s, engine.batch_slots = [], 0.02, 2
+    scheduler = Scheduler(Gateway(engine, card), log=lambda line: None, max_batch=2)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(Gateway(engine, card), scheduler), log_config=None))
+    server.config.lifespan = "off"
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        natural = client.completions.create(model="tiny", prompt=[1, 2], max_tokens=3)
+        assert natural.choices[0].finish_reason == "length"
+        n0 = len(engine.steps)
+        with ThreadPoolExecutor(2) as ex:
+            whole = ex.submit(client.completions.create, model="tiny", prompt=[1, 2], max_tokens=200)
+            streamed = ex.submit(
+                lambda: list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=200, stream=True))
+            )
+            while len(engine.steps) < n0 + 10 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            scheduler.stop()
+            cut, chunks = whole.result(timeout=30), streamed.result(timeout=30)
+        assert cut.choices[0].finish_reason == "abort" and 0 < cut.usage.completion_tokens < 200
+        finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert finals == ["abort"], finals
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        scheduler.close(wait_s=10)
+        sock.close()
+
+
 @pytest.mark.parametrize(
     "stops,pieces,want",
     [

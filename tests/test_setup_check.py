@@ -54,3 +54,41 @@ def test_dependencies_of_dependencies_are_checked(check):
     """jinja2 requires MarkupSafe: pinning MarkupSafe to a version that is not installed must show."""
     mod = check(["jinja2"], {"markupsafe": "0.0.1"})
     assert mod.missing(set()) == [f"MarkupSafe: {metadata.version('markupsafe')} installed, wanted 0.0.1"]
+
+
+@pytest.mark.parametrize(
+    "env,installs",
+    [({}, False), ({"CI": "true"}, True), ({"FUSION_INSTALL_BROWSER": "1"}, True), ({"CI": "false"}, False)],
+)
+def test_setup_installs_a_system_package_only_when_asked(tmp_path, env, installs):
+    """Issue 45: `scripts/test.sh` (setup.sh test) run as root installed Debian's chromium through
+    apt without being asked. Now only under CI (CI=true) or FUSION_INSTALL_BROWSER=1; otherwise it
+    names what is missing and how to get it. Run on a PATH of its own: the commands setup.sh uses,
+    `id` saying root, an `apt-get` that only records its call, and no chromium."""
+    import shutil
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "wc", "sed", "grep", "cut", "paste", "cat"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    calls = tmp_path / "apt-get.calls"
+    for name, body in (("id", "echo 0"), ("apt-get", f'echo "$*" >> {calls}')):
+        (bin_dir / name).write_text(f"#!{shutil.which('bash')}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = SCRIPT.parent / "setup.sh"
+    r = subprocess.run(
+        [shutil.which("bash"), str(script), "test"],
+        env={"PATH": str(bin_dir), "PYTHON": sys.executable, "HOME": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "already installed" in r.stderr, r.stderr  # this environment has every package
+    if installs:
+        assert "install -y -q chromium" in calls.read_text(), r.stderr
+    else:
+        assert not calls.exists(), calls.read_text()
+        assert "FUSION_INSTALL_BROWSER=1" in r.stderr, r.stderr

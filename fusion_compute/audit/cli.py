@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..runtime.placement import DTYPES
+from ..runtime.progress import counted
 from ..structural.protocol import MAX_SLOTS
 
 EXIT_FAIL = 1
@@ -110,6 +111,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise AuditCliError(f"--out {a.out}: exists and is not a directory")
+    from ..cli.options import writable_dir
+
+    writable_dir(a.out, "--out", AuditCliError)
     cfg = RunConfig(
         out=out,
         model=a.model,
@@ -153,7 +157,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         )
     print(
         f"audit {verdict(summary['all_ok'])}: {summary['closed']} {steps} closed over "
-        f"{summary['cold_starts']} cold starts{epochs}, {summary['workers']} workers; {out / 'summary.json'}, "
+        f"{counted(summary['cold_starts'], 'cold start')}{epochs}, {counted(summary['workers'], 'worker')}; "
+        f"{out / 'summary.json'}, "
         f"{out / 'report.md'}"
     )
     return 0 if summary["all_ok"] else EXIT_FAIL
@@ -298,7 +303,7 @@ def cmd_exposure(a: argparse.Namespace) -> int:
         return 0
     h = c.hidden
     print(
-        f"exposure: {c.arch}, hidden {h}, {c.n_layers} layers, {plan.n} workers "
+        f"exposure: {c.arch}, hidden {h}, {c.n_layers} layers, {counted(plan.n, 'worker')} "
         f"(rank of the linear map from the residual to what a party observes; {h} = can reconstruct it)"
     )
     print("  views: shard = own residual coords + own q/k/v or gate/up shard; wire = shard + each peer's partial")

@@ -730,7 +730,14 @@ def run_audit(cfg: RunConfig, log=print) -> dict:
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
     if cfg.exposure:
+        # Minutes on a busy machine (a rank per layer, worker and coalition), with nothing else to show.
+        log(
+            f"exposure analysis: what each of the {cfg.workers} workers could reconstruct, per layer, and the "
+            "vocabulary attack (--no-exposure skips it)"
+        )
+        t0 = time.perf_counter()
         summary["exposure"] = exposure_section(cfg, prep)
+        log(f"exposure analysis done in {time.perf_counter() - t0:.1f} s")
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     write_report(summary, cfg.out / "report.md")
     return summary

@@ -6,8 +6,8 @@ or joins them with --topology / --master). Remote: `--url http://127.0.0.1:8000`
 
 Each turn sends the whole conversation through the model's chat template; when it no longer fits
 the context window, the oldest turns are dropped (the system prompt stays). Ctrl-C stops a reply
-(the engine finishes its current step, so the workers stay in step); Ctrl-C or Ctrl-D at the prompt
-leaves.
+(the engine finishes its current step, so the workers stay in step); at the prompt it drops the line
+being typed; Ctrl-D or /quit leaves.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
+from ..runtime.progress import counted
 from .options import add_api_key_args, api_key
 
 HELP = """commands:
@@ -32,7 +33,7 @@ HELP = """commands:
                   enroll a standby: local runs spawn one; otherwise name its public key (and host);
                   masked jobs name its group (A, B or B1..Bk)
   /exit, /quit    leave (Ctrl-D too)
-Ctrl-C stops a reply."""
+Ctrl-C stops a reply, or drops the line being typed."""
 
 
 class ChatError(Exception):
@@ -51,6 +52,7 @@ class LocalBackend:
         self.gateway = gateway
         self.model = gateway.card.id
         self.workers = gateway.n_workers
+        self.context: int | None = gateway.card.context
 
     def reply(self, body: dict, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> dict:
         from pydantic import ValidationError
@@ -113,10 +115,12 @@ class HttpBackend:
             self.model = models["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             raise ChatError(f"{url}: /v1/models lists no model") from None
-        try:  # the gateway's /health names the worker count (informational only)
-            self.workers = self._get("/health", root=True).get("workers")
-        except (ChatError, ValueError):
-            self.workers = None
+        self.workers = self.context = None
+        try:  # the gateway's /health names the worker count and the context window
+            health = self._get("/health", root=True)
+            self.workers, self.context = health.get("workers"), health.get("context")
+        except (ChatError, ValueError, AttributeError):
+            pass
 
     def _connection(self) -> Any:
         import http.client
@@ -143,10 +147,17 @@ class HttpBackend:
             conn.close()
 
     def _get(self, path: str, root: bool = False) -> dict:
-        status, data = self._request("GET", (self.base.removesuffix("/v1") if root else self.base) + path)
+        url = (self.base.removesuffix("/v1") if root else self.base) + path
+        status, data = self._request("GET", url)
         if status != 200:
-            raise ChatError(f"GET {path}: HTTP {status}: {_error_message(data)}")
-        return json.loads(data)
+            raise ChatError(f"GET {url}: HTTP {status}: {_error_message(data)}")
+        try:
+            out = json.loads(data)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            raise ChatError(f"GET {url} at {self.host}:{self.port} did not answer JSON: is it a `fusion serve`?")
+        return out
 
     def membership(self, action: str, **kw: Any) -> dict:
         """The server's /admin endpoints (it must run with --api-key)."""
@@ -175,7 +186,7 @@ class HttpBackend:
                 data = resp.read()
                 err = _error_body(data)
                 raise ChatError(
-                    f"HTTP {resp.status}: {err.get('message', data[:200])}",
+                    f"HTTP {resp.status}: {_error_message(data)}",
                     context_full=err.get("code") == "context_length_exceeded",
                 )
             for raw in resp:  # bounded: the server ends every stream with [DONE] (or closes it)
@@ -215,13 +226,19 @@ class HttpBackend:
 
 def _error_body(data: bytes) -> dict:
     try:
-        return json.loads(data).get("error") or {}
-    except (json.JSONDecodeError, AttributeError):
+        err = json.loads(data).get("error") or {}
+    except (ValueError, AttributeError):
         return {}
+    return err if isinstance(err, dict) else {}
 
 
 def _error_message(data: bytes) -> str:
-    return _error_body(data).get("message") or data[:200].decode(errors="replace")
+    """The API's error message; for anything else (another server's HTML page), a word about it, never
+    the page itself."""
+    message = _error_body(data).get("message")
+    if isinstance(message, str) and message:
+        return message.splitlines()[0] if message.strip() else message
+    return f"not an API error ({len(data)} bytes that are not this API's JSON): is it a `fusion serve`?"
 
 
 class _Interrupt:
@@ -262,7 +279,7 @@ def chat_loop(
             pass
         stderr.write(
             f"fusion chat: {backend.model}"
-            + (f" on {backend.workers} workers" if backend.workers else "")
+            + (f" on {counted(backend.workers, 'worker')}" if backend.workers else "")
             + ". /help for commands, Ctrl-D to leave.\n"
         )
         stderr.flush()
@@ -276,11 +293,27 @@ def chat_loop(
                 line = stdin.readline()
                 if not line:
                     raise EOFError
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             stdout.write("\n")
             return 0
+        except UnicodeDecodeError:  # a strict UTF-8 stdin; the line is lost either way
+            line = "\udcff"  # said below, as for a line read with its bad bytes escaped
+        except KeyboardInterrupt:
+            stdout.write("\n")
+            if not interactive:  # a script's chat: Ctrl-C ends it
+                return 0
+            # As Ollama and Python's REPL: Ctrl-C drops the line being typed, never the conversation.
+            stderr.write("(Ctrl-D or /quit leaves)\n")
+            stderr.flush()
+            continue
         text = line.strip()
         if not text:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 (stdin escapes them): no tokenizer takes them
+            stderr.write("(that line is not UTF-8 text: not sent; convert it, e.g. with iconv)\n")
+            stderr.flush()
             continue
         if text.startswith("/"):
             cmd, _, arg = text.partition(" ")
@@ -296,7 +329,7 @@ def chat_loop(
                 history.clear()
                 stdout.write(f"(system prompt {'set' if system else 'cleared'}; new conversation)\n")
             elif cmd == "/set":
-                stdout.write(_set_param(params, arg) + "\n")
+                stdout.write(_set_param(params, arg, getattr(backend, "context", None)) + "\n")
             elif cmd in ("/workers", "/revoke", "/add"):
                 stdout.write(_membership(backend, cmd, arg) + "\n")
             elif cmd == "/history":
@@ -358,16 +391,50 @@ def _address(where: str | None) -> str:
 _PARAMS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
-def _set_param(params: dict, arg: str) -> str:
-    """`/set KEY VALUE`: the value is checked by the next request, like any request parameter."""
+def _set_param(params: dict, arg: str, context: int | None = None) -> str:
+    """`/set KEY VALUE`: checked now as every request will check it (the API's request model, then the
+    sampling values; max_tokens against the context window), so that a value the engine would refuse
+    is refused here, not by every turn after it."""
     key, _, value = arg.strip().partition(" ")
     if key not in _PARAMS:
         return f"/set takes one of {', '.join(_PARAMS)}"
     try:
-        params[key] = _PARAMS[key](value.strip())
+        parsed = _PARAMS[key](value.strip())
     except ValueError:
         return f"{key} takes a{'n integer' if _PARAMS[key] is int else ' number'}, got {value.strip()!r}"
+    why = _refused({**params, key: parsed}, context)
+    if why is not None:
+        return f"({key} not set: {why}; it stays {params.get(key, 'the default')})"
+    params[key] = parsed
     return f"({key} = {params[key]})"
+
+
+def _refused(params: dict, context: int | None) -> str | None:
+    """Why a request with these parameters would be refused whatever its messages, else None."""
+    from pydantic import ValidationError
+
+    from ..generation.sampling_params import SamplingError, SamplingParams
+    from ..serving.openai_protocol import ChatCompletionRequest, describe_validation_error
+
+    try:
+        body = ChatCompletionRequest.model_validate(
+            {"model": "-", "messages": [{"role": "user", "content": "-"}], **params}
+        )
+    except ValidationError as e:
+        return describe_validation_error(e.errors(include_url=False))[0]
+    try:  # gateway._request's values
+        SamplingParams(
+            temperature=body.temperature or 0.0,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
+    except SamplingError as e:
+        return str(e)
+    n = params.get("max_tokens")
+    if context is not None and n is not None and n >= context:
+        return f"max_tokens {n} leaves no room for any prompt in the {context}-token context; at most {context - 1}"
+    return None
 
 
 def _turn(
@@ -405,6 +472,8 @@ def _turn(
     stdout.flush()
     if info.get("finish_reason") == "cancelled":
         stderr.write("(stopped)\n")
+    elif info.get("finish_reason") == "abort":  # the server cut it (fusion serve stopping)
+        stderr.write("(the server stopped this reply before its end)\n")
     elif not "".join(parts).strip():
         stderr.write("(no text: the model ended its turn at once; /reset or rephrase)\n")
     elif interactive:
@@ -412,11 +481,16 @@ def _turn(
         timing = info.get("timing") or {}
         fusion = info.get("fusion") or {}
         audit = (fusion.get("audit") or {}).get("checked")
-        bits = [f"{usage.get('completion_tokens', '?')} tokens"]
+        n = usage.get("completion_tokens")
+        bits = [counted(n, "token") if isinstance(n, int) else "? tokens"]
         if timing.get("decode_tokens_per_s"):
             bits.append(f"{timing['decode_tokens_per_s']:.1f} tok/s")
         if fusion.get("workers"):
-            bits.append(f"{fusion['workers']} workers, {fusion.get('steps', '?')} steps")
+            steps = fusion.get("steps")
+            bits.append(
+                f"{counted(fusion['workers'], 'worker')}, "
+                + (counted(steps, "step") if isinstance(steps, int) else "? steps")
+            )
         if audit:  # a live reply is never audited (serving/gateway.py); say nothing unless one was
             bits.append("audit checked")
         stderr.write("\x1b[2m[" + " · ".join(bits) + "]\x1b[0m\n" if stderr.isatty() else "[" + ", ".join(bits) + "]\n")

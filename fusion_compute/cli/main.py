@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable
 
 from ..errors import FusionError, InputError, UsageError
+from ..runtime.progress import counted
 from . import logs
 from . import options as O
 from .parser import FusionParser, flag_name, help_groups
 
+DEBUG_ENV = "FUSION_DEBUG"  # set (to anything) to get the traceback of an unexpected error
 DEFAULT_NEW_TOKENS = 64  # generate's reply limit when --max-tokens is not given (capped by the context)
 
 # ---- generate ----
@@ -23,14 +25,19 @@ DEFAULT_NEW_TOKENS = 64  # generate's reply limit when --max-tokens is not given
 def cmd_generate(a: argparse.Namespace) -> int:
     from ..generation.sampling_params import SamplingParams
     from ..runtime.progress import is_tty, load_monitor, log_startup, startup_lines
-    from ..weights.source import resolve_model_path
 
     # Bars and the start-up table on a terminal; off one, timestamped lines (logs.py).
     tty = is_tty(sys.stderr) and a.log_format == "text"
     log = logs.setup("fusion generate", quiet=a.quiet, fmt=a.log_format, info=not tty)
     # The command line's own checks first: a bad value is refused before torch or the model loads.
+    if a.prompt_file is not None:
+        if a.prompt is not None:
+            raise UsageError("give --prompt or --prompt-file, not both")
+        a.prompt = O.prompt_from(a.prompt_file, f"--prompt-file {a.prompt_file}")
+    elif a.prompt == "-":
+        a.prompt = O.prompt_from("-", "--prompt - (stdin)")
     if (a.prompt is None) == (a.prompt_ids is None):
-        raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+        raise UsageError("give exactly one of --prompt TEXT (- reads stdin), --prompt-file FILE or --prompt-ids 1,2,3")
     if a.chat and a.raw:
         raise UsageError("--chat and --raw are opposites: give one (the chat template is the default)")
     if a.chat and a.prompt is None:
@@ -40,6 +47,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     masked = a.mode == "masked"
     if a.audit_dir is not None and not masked:
         raise UsageError("--audit-dir is for --mode masked; the structural audit is `fusion audit run`")
+    if a.prompt is not None:
+        O.prompt_text(a.prompt)
+    O.writable_dir(a.audit_dir, "--audit-dir")
     opts = O.engine_options(a, masked=masked)
     if masked:
         opts.audit_dir = a.audit_dir
@@ -50,13 +60,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UsageError(f"{max_flag} must be >= 1, got {a.max_tokens}")
     given_ids = None if a.prompt_ids is None else O.int_list(a.prompt_ids, "--prompt-ids")
     if not (given_ids if a.prompt is None else a.prompt.strip()):
-        raise InputError("empty prompt")
+        raise UsageError(f"empty prompt: {'--prompt' if a.prompt is not None else '--prompt-ids'} has nothing in it")
     t_start = time.perf_counter()
-    path = resolve_model_path(a.model)
+    path = O.model_path(a.model)
 
     from ..generation.generate import generate
     from ..generation.result import check_prompt
-    from ..runtime.engine_options import effective_context
     from ..weights.loader import open_weights
 
     src = open_weights(path)
@@ -70,7 +79,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if not chat and not a.raw:
             log.info(f"{path.name} has no chat template: the prompt is continued as plain text")
     # Validate before any worker starts: bad input never costs a spawn.
-    context = effective_context(src.config.max_positions, a.context)
+    context = O.context_for(src.config.max_positions, a.context)
     check_prompt(ids, src.config.vocab, context, 1)
     speculator = O.speculator_for(spec, src.config, context)  # the draft model loads (and is checked) here
     max_tokens = new_tokens_limit(a.max_tokens, max_flag, len(ids), context, src.config.max_positions, log)
@@ -80,10 +89,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from ..masked.client import MaskedEngine as Engine  # same interface as the structural Engine
     else:
         from ..structural.client import Engine
-    workers = "+".join(map(str, opts.sizes)) if masked else str(opts.n_workers)
+    workers = f"{'+'.join(map(str, opts.sizes))} workers" if masked else counted(opts.n_workers, "worker")
     log.info(
-        f"starting: {path.name}, {workers} workers ({a.mode}), prompt {len(ids)} tokens, up to {max_tokens} new, "
-        f"context {context}"
+        f"starting: {path.name}, {workers} ({a.mode}), prompt {counted(len(ids), 'token')}, up to "
+        f"{max_tokens} new, context {context}"
     )
     with Engine(path, opts, source=src) as engine:
         load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
@@ -118,8 +127,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
             first.arrived()
         tail = stream.flush() if stream is not None else ""
         text = "".join(pieces) + tail  # what streamed: an incomplete last character is dropped, not U+FFFD
+        if not a.json:
+            # The answer's line ends before the next log line: with stdout and stderr in one file
+            # (`> run.log 2>&1`) the "done" line would otherwise follow the answer on its line.
+            sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
+            sys.stdout.flush()
         log.info(
-            f"done: {len(res.token_ids)} tokens in {res.steps} steps ({res.finish_reason}), first after "
+            f"done: {counted(len(res.token_ids), 'token')} in {counted(res.steps, 'step')} "
+            f"({res.finish_reason}), first after "
             f"{res.ttft_s:.1f} s, then {res.decode_tokens_per_s:.2f} tokens/s"
         )
         warning = no_text_warning(text, res.token_ids, res.finish_reason, chat) if tok is not None else None
@@ -130,7 +145,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "token_ids": res.token_ids,
                 "text": text,
                 "prompt_tokens": res.prompt_tokens,
-                "workers": opts.n_workers,
+                "workers": engine.plan.n,  # at the end: fewer than asked for after a loss without a standby
                 "finish_reason": res.finish_reason,
                 "steps": res.steps,
                 "timing": {
@@ -155,9 +170,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
                     "verified": {"token_checks": v.checks, "failed": v.failures} if v else None,
                 }
             print(json.dumps(out))
-        else:
-            sys.stdout.write((tail if stream else " ".join(map(str, res.token_ids))) + "\n")
-            sys.stdout.flush()
     return 0
 
 
@@ -167,7 +179,7 @@ def no_text_warning(text: str, token_ids: list[int], finish_reason: str, chat: b
         return None
     why = "it ended its turn at once" if finish_reason == "stop" else "blank or special tokens only"
     hint = "--raw continues the prompt as plain text instead" if chat else "without --raw the chat template applies"
-    return f"the model produced no text ({len(token_ids)} tokens: {why}); {hint}"
+    return f"the model produced no text ({counted(len(token_ids), 'token')}: {why}); {hint}"
 
 
 def new_tokens_limit(requested: int | None, flag: str, n_prompt: int, context: int, window: int, log) -> int:
@@ -225,7 +237,6 @@ class FirstToken:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from ..weights.source import resolve_model_path
 
     masked = a.mode == "masked"
     if masked != isinstance(a.workers, tuple):
@@ -239,7 +250,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if not masked and a.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {a.workers}")
     # Bad paths are refused here, before torch loads (seconds) with the weights' reader.
-    path = resolve_model_path(a.model)
+    path = O.model_path(a.model)
     if a.picture and not os.path.isdir(os.path.dirname(os.path.abspath(a.picture))):
         raise InputError(f"--picture {a.picture}: no such directory")
     from ..weights.loader import open_weights
@@ -265,6 +276,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
             write_svg(picture(plan), a.picture)
         except OSError as e:
             raise InputError(f"--picture {a.picture}: {e.strerror or e}") from None
+        what = "what group A and each mask group receive" if masked else "which worker owns which coordinates"
+        print(f"fusion plan: wrote {a.picture}: {what} (SVG)", file=sys.stderr)
     print(plan.to_json())
     return 0
 
@@ -321,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text (spawns local workers unless --topology)")
     gs = help_groups(g, "prompt", "sampling", "workers", "network", "recovery", "speculative", "audit", "logging")
     pr = gs["prompt"]
-    pr.add_argument("--prompt", help="prompt text, sent through the model's chat template (see --raw)")
+    pr.add_argument("--prompt", help="prompt text, sent through the model's chat template (see --raw); - reads stdin")
+    pr.add_argument("--prompt-file", metavar="FILE", help="the prompt text from FILE (UTF-8)")
     pr.add_argument("--prompt-ids", help="prompt as comma-separated token ids, as they are")
     pr.add_argument(
         "--raw",
@@ -399,18 +413,28 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "fusion" + (f" {a.cmd}" if a.cmd else "")
     prefix += f" (rank {a.rank})" if a.cmd == "worker" and getattr(a, "rank", None) else ""
     try:
-        return func(a)
+        O.apply_env_defaults(a)
+        code = func(a)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except FusionError as e:
         logs.error_line(prefix, str(e))
         return e.exit_code
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # anything else still gets one line; FUSION_DEBUG=1 shows the traceback
-        if os.environ.get("FUSION_DEBUG"):
+    except BrokenPipeError:
+        # Whoever read our output left (`| head`): stop quietly, as coreutils do, with the shell's
+        # status for SIGPIPE. Python would report the same error again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
+    except Exception as e:  # a bug: still one line, and how to see more (FUSION_DEBUG=1: the traceback)
+        if os.environ.get(DEBUG_ENV):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        logs.error_line(prefix, f"{type(e).__name__}: {first}")
+        # "Name: message" first: a worker's line is its last words, which its client reads and relays.
+        logs.error_line(prefix, f"{type(e).__name__}: {first} (unexpected: rerun with {DEBUG_ENV}=1 for the traceback)")
         return 1
 
 

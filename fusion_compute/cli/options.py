@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,9 @@ from typing import Any
 from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
-from ..runtime.engine_options import EngineOptions, default_backend
+from ..runtime.engine_options import EngineOptions, default_backend, default_threads, usable_cores
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
-from ..runtime.topology import GROUP_NAME, Topology, check_here
+from ..runtime.topology import GROUP_NAME, Topology, check_here, is_local_address, sharing_this_host
 from .logs import engine_notice
 from .parser import StoreFlag
 
@@ -95,6 +96,115 @@ def add_deprecated_alias(p: Any, old: str, successor: str, **kw: Any) -> None:
     )
 
 
+def writable_dir(path: str | None, flag: str, error: type[Exception] = UsageError) -> None:
+    """Make `path` (a directory the run will write into) now, or refuse it in words: a run must not
+    load a model and start workers to fail on its first write."""
+    if path is None:
+        return
+    import os
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise error(f"{flag} {path}: cannot create it: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise error(f"{flag} {path}: not writable by this user")
+
+
+def prompt_text(text: str, flag: str = "--prompt") -> str:
+    """`text` as the tokenizer can take it. A command-line argument that is not UTF-8 arrives with its
+    bad bytes as lone surrogates (Python's surrogateescape), which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise UsageError(
+            f"{flag} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); convert it, e.g. with iconv"
+        ) from None
+    return text
+
+
+MAX_PROMPT_FILE = 16 << 20  # bytes: far beyond any context window's worth of text
+
+
+def prompt_from(source: str, flag: str) -> str:
+    """The prompt text of `--prompt -` (stdin) or `--prompt-file FILE`: UTF-8, one trailing newline
+    (what `echo` and editors add) dropped."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
+        else:
+            with open(source, "rb") as f:
+                data = f.read(MAX_PROMPT_FILE + 1)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read it: {e.strerror or e}") from None
+    if len(data) > MAX_PROMPT_FILE:
+        raise UsageError(f"{flag}: more than {MAX_PROMPT_FILE >> 20} MiB: no context window holds that")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def model_path(model: str | None) -> Path:
+    """weights.source.resolve_model_path, with a hint when a missing model looks like a Hugging Face Hub
+    id (`org/name`): this program never downloads anything."""
+    from ..weights.source import resolve_model_path
+
+    try:
+        return resolve_model_path(model)
+    except FusionError as e:
+        if model is not None and HUB_ID.match(model) and not Path(model).expanduser().exists():
+            name = model.split("/")[1]
+            raise type(e)(
+                f"{e}: that looks like a Hugging Face Hub id, and fusion never downloads: fetch it first "
+                f"(`hf download {model} --local-dir {name}`) and give that directory"
+            ) from None
+        raise
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+# ---- defaults from the environment ----
+
+# The flags people repeat, once per shell (a flag on the command line always wins; README, "Usage").
+ENV_MODEL, ENV_TOPOLOGY, ENV_KEY, ENV_PORT = "FUSION_MODEL", "FUSION_TOPOLOGY", "FUSION_KEY", "FUSION_PORT"
+DEFAULT_PORT = 8000
+_MODEL_COMMANDS = ("generate", "chat", "serve", "worker", "plan", "audit")
+
+
+def apply_env_defaults(a: argparse.Namespace) -> None:
+    """Fill the flags left out from $FUSION_MODEL, $FUSION_TOPOLOGY, $FUSION_KEY and $FUSION_PORT.
+    A topology from the environment yields to a command line that names its workers another way
+    (--workers, --master, chat's --url); the key applies where a key is needed (a topology, a worker
+    joining with --master); the model yields to the topology file's `model` (`model_from_env`)."""
+    import os
+
+    env, cmd = os.environ, getattr(a, "cmd", None)
+    if getattr(a, "topology", "absent") is None and env.get(ENV_TOPOLOGY):
+        if getattr(a, "workers", None) is None and not getattr(a, "master", None) and not getattr(a, "url", None):
+            a.topology = env[ENV_TOPOLOGY]
+    if getattr(a, "key", "absent") is None and env.get(ENV_KEY):
+        worker_joining = cmd == "worker" and a.master and not a.insecure
+        if a.topology or worker_joining:
+            a.key = env[ENV_KEY]
+    if cmd in _MODEL_COMMANDS and getattr(a, "model", "absent") is None and not getattr(a, "topology", None):
+        a.model = env.get(ENV_MODEL) or None
+    if cmd == "serve" and a.port is None:
+        text = env.get(ENV_PORT, str(DEFAULT_PORT))
+        if not text.strip().isdigit():
+            raise UsageError(f"${ENV_PORT} must be a port number, got {text!r}")
+        a.port = int(text)
+
+
+def model_from_env() -> str | None:
+    import os
+
+    return os.environ.get(ENV_MODEL) or None
+
+
 def positive(value: float | int | None, flag: str, minimum: float = 0, strict: bool = True) -> None:
     if value is None:
         return
@@ -168,7 +278,7 @@ def api_key(a: argparse.Namespace, prog: str) -> str | None:
 # ---- engine (client side) ----
 
 
-MODEL_HELP = "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)"
+MODEL_HELP = "HF model directory or .gguf file (default: $FUSION_MODEL, else the bundled SmolLM2-135M-Instruct)"
 
 
 def add_engine_args(g: dict[str, Any]) -> None:
@@ -182,7 +292,11 @@ def add_engine_args(g: dict[str, Any]) -> None:
         help="number of workers N (default 2); group sizes A+B or A+B1+...+Bk with --mode masked",
     )
     w.add_argument("--capacity", help="relative worker capacities, e.g. 2,1,1 (default: equal shares)")
-    w.add_argument("--context", type=int, help="KV positions per session (default min(model window, 4096))")
+    w.add_argument(
+        "--context",
+        type=int,
+        help="KV positions per session (default min(model window, 4096); beyond the window: refused)",
+    )
     w.add_argument("--threads", type=int, help="torch threads per local worker (default: cores / workers, >= 1)")
     w.add_argument(
         "--device",
@@ -200,8 +314,14 @@ def add_engine_args(g: dict[str, Any]) -> None:
         "--client-device",
         help="embedding, final norm and LM head: cpu, cuda or cuda:K (default: the local workers' device, else cpu)",
     )
-    net.add_argument("--topology", help="TOML file naming every worker: address, capacity, group and public key")
-    net.add_argument("--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one)")
+    net.add_argument(
+        "--topology",
+        help="TOML file naming every worker: address, capacity, group and public key (default: $FUSION_TOPOLOGY "
+        "unless --workers or --master)",
+    )
+    net.add_argument(
+        "--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one; default $FUSION_KEY)"
+    )
     net.add_argument(
         "--master", help="HOST:PORT to listen at for separately started workers (needs --insecure without a topology)"
     )
@@ -372,7 +492,7 @@ def _topology(a: argparse.Namespace) -> Topology | None:
             "--topology names the workers, their capacities and the rendezvous: drop --workers/--capacity/--master"
         )
     topo = Topology.load(a.topology)
-    a.model = a.model or topo.model_for(0)
+    a.model = a.model or topo.model_for(0) or model_from_env()
     return topo
 
 
@@ -448,6 +568,19 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     return opts
 
 
+def context_for(model_window: int, requested: int | None) -> int:
+    """KV positions per session for `--context` (engine_options.effective_context), refusing a value
+    beyond the model's window rather than quietly running with less."""
+    from ..runtime.engine_options import DEFAULT_CONTEXT, effective_context
+
+    if requested is not None and requested > model_window:
+        raise UsageError(
+            f"--context {requested} is beyond the model's window of {model_window} tokens: give at most "
+            f"{model_window} (without it: {min(model_window, DEFAULT_CONTEXT)})"
+        )
+    return effective_context(model_window, requested)
+
+
 def tokenizer_for(path: Path, src: Any, needed: bool) -> Any:
     """The model's tokenizer; a model without one can still run --prompt-ids (text is then empty)."""
     from ..weights.tokenizer import Tokenizer, load_tokenizer
@@ -470,13 +603,20 @@ def add_worker_args(g: dict[str, Any]) -> None:
     """`fusion worker`'s flags in their help groups ("workers", "network", "audit", "logging", "testing")."""
     w, net = g["workers"], g["network"]
     w.add_argument("--model", help=MODEL_HELP)
-    w.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    w.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: this machine's cores divided among the topology's participants declared "
+        "on it, client included; without a topology, among this worker and a client on the same machine)",
+    )
     w.add_argument(
         "--device",
         help="cpu, cuda or cuda:K: where this worker computes (default: its topology entry's `device`, else cpu)",
     )
-    net.add_argument("--topology", help="TOML topology file: this worker finds itself in it by its --key")
-    net.add_argument("--key", help="this worker's key file (- reads it from stdin)")
+    net.add_argument(
+        "--topology", help="TOML topology file: this worker finds itself in it by its --key (default $FUSION_TOPOLOGY)"
+    )
+    net.add_argument("--key", help="this worker's key file (- reads it from stdin; default $FUSION_KEY)")
     net.add_argument("--master", help="the client's HOST:PORT (without a topology)")
     net.add_argument("--client-key", help="the client's public key line (without a topology)")
     net.add_argument("--insecure", action="store_true", help="plaintext, unauthenticated (the client must say so too)")
@@ -526,6 +666,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         raise UsageError(f"--threads must be >= 1, got {a.threads}")
     positive(a.timeout, "--timeout")
     positive(a.join_timeout, "--join-timeout")
+    writable_dir(a.audit_dir, "--audit-dir")
     key = None if a.insecure else load_key(a.key)
     listen_host, rank, group, model, device = None, a.rank, a.group, a.model, a.device
     if a.topology:
@@ -544,9 +685,10 @@ def worker_options(a: argparse.Namespace) -> Any:
             if me is None or me.rank == 0:
                 raise UsageError(f"this worker's key ({key.public.fingerprint}) is not one of {topo.path}'s workers")
         check_here(me)
+        sharing, among = sharing_this_host(topo), f"the {Path(a.topology).name} participants on this machine"
         master = (topo.client.host, topo.port)
         client_key = None if a.insecure else topo.client.key
-        listen_host, model = me.host, model or topo.model_for(me.rank)
+        listen_host, model = me.host, model or topo.model_for(me.rank) or model_from_env()
         rank = rank if rank is not None else me.rank
         group = group or me.group
         device = device or me.device
@@ -562,11 +704,24 @@ def worker_options(a: argparse.Namespace) -> Any:
             if key is None or a.client_key is None:
                 raise UsageError("give --key FILE and --client-key LINE (or --insecure)")
             client_key = PublicId.parse(a.client_key, "--client-key")
+        # Without a topology a worker cannot know its neighbours; a client at an address of this
+        # machine shares its cores at least.
+        client_here = is_local_address(master[0])
+        sharing, among = 1 + client_here, "this worker and its client" if client_here else "this worker"
     if rank is not None and rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
     device = device or "cpu"
     if is_cuda(device):
         check_gpus([device], gpu_count())  # one line, exit 2, before it joins
+    threads = a.threads
+    if threads is None:
+        # Torch's default (every core) in each of several processes on one host oversubscribes it:
+        # their OpenMP threads spin against each other (engine_options.default_threads).
+        threads = default_threads(sharing)
+        logging.getLogger("fusion_compute.worker").info(
+            f"{threads} torch thread{'s' if threads != 1 else ''}: {usable_cores()} cores shared by {sharing} "
+            f"({among}); --threads N sets it"
+        )
     return WorkerOptions(
         master=master,
         key=key,
@@ -575,7 +730,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         listen_host=listen_host,
         rank=rank,
         group=group,
-        threads=a.threads,
+        threads=threads,
         timeout_s=a.timeout,
         join_timeout_s=a.join_timeout,
         device=device,

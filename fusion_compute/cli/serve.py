@@ -40,7 +40,7 @@ def add_parser(sub: Any, add_engine: Callable[[Any], None]) -> None:
         help="masked: --workers A+B (or A+B1+...+Bk) compute on one-time-pad-masked data (docs/masked.md)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    s.add_argument("--port", type=int, help="port (default $FUSION_PORT, else 8000; 0 = any free port)")
     s.add_argument("--served-model-name", help="model id for the API (default: the model file or directory name)")
     s.add_argument(
         *MAX_TOKENS_FLAGS,
@@ -145,7 +145,7 @@ def cmd_serve(a: Any) -> int:
         batch = f", up to {a.max_batch} requests at once" if a.max_batch > 1 else ""
         log(
             f"fusion serve: listening on http://{shown}:{port}/v1 "
-            f"(model {gateway.card.id}, {gateway.n_workers} workers{batch})"
+            f"(model {gateway.card.id}, {logs.counted(gateway.n_workers, 'worker')}{batch})"
         )
         if key is not None:  # the page exists only with a key (control_page.py)
             log(f"fusion serve: control page: http://{shown}:{port}/control")

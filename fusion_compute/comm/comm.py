@@ -24,6 +24,12 @@ messages from several peers (a reduce-scatter, a score sum, the client's egress)
 at once, and only the time after every other peer's message had arrived is charged, to the last one,
 on the rank's `witness` (liveness.Witness): real durations, however short, whatever the ranks' order.
 
+What a peer sends is checked before it is added (value_checks.py; docs/resilience.md, "Evidence at
+the receiver"): every block of a reduce-scatter and of a score sum on the links, received
+(PeerPoisoned, naming its sender first-hand) and, by the same rule, before it is sent (TaintedInputs:
+an honest sender never sends what its receiver refuses). A fabric sums inside itself: no block is
+seen there, so no sender is named.
+
 When a worker-group `fabric` is given (torch.distributed: NCCL on GPUs, or gloo for comparison),
 reduce_scatter and sum_scores run on it instead; the client's links stay what they are.
 
@@ -45,9 +51,10 @@ from typing import Protocol
 import torch
 
 from .buffers import accumulate, host, raw
-from .errors import CommError, PeerTimeout
+from .errors import CommError, PeerPoisoned, PeerTimeout, TaintedInputs
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .links import TICK_S, Link
+from .value_checks import block_fault
 
 
 class WaitAccount(Protocol):
@@ -200,6 +207,29 @@ class Comm:
             self._link(first.src).recv_into(raw(first.tensor), self._deadline(), first.what)
             first.done = True
 
+    # ---- what a peer may send (value_checks.py; docs/resilience.md, "Evidence at the receiver") ----
+
+    def _check_own(self, block: torch.Tensor, dst: int, op: str) -> None:
+        """Before this rank sends `block` to `dst`: refuse to send one its receiver would refuse. The
+        inputs it was made from passed one by one (or this rank erred): TaintedInputs, naming nobody."""
+        fault = block_fault(block)
+        if fault is not None:
+            raise TaintedInputs(
+                f"worker {self.rank}'s own {op} block for rank {dst} holds {fault}: made from inputs that "
+                "passed their checks one by one (or by this worker itself); not sent"
+            )
+
+    def _check_received(self, blocks: dict[int, torch.Tensor], op: str) -> None:
+        """Every block received from a peer, before it is added to anything: a NaN, an infinity or a
+        value over the bound is one its sender's own check refuses to send (`_check_own`), so an honest
+        sender never sent it: PeerPoisoned, first-hand, naming the sender (the lowest rank of several)."""
+        for src in sorted(blocks):
+            fault = block_fault(blocks[src])
+            if fault is not None:
+                raise PeerPoisoned(
+                    src, f"{self._link(src).label} sent a {op} block holding {fault}: no honest sender sends it"
+                )
+
     # ---- events ----
 
     def _counts(self, peer_elems: dict[int, int]) -> tuple[int, ...]:
@@ -283,12 +313,15 @@ class Comm:
             if q == me:
                 mine = chunk(q)
             elif sizes[q]:
-                self._put(q + 1, chunk(q))
+                block = chunk(q)
+                self._check_own(block, q + 1, op)
+                self._put(q + 1, block)
         assert mine is not None  # the loop's last rank is this worker's
         t = mine.shape[1]
         sent, received = self._rs_counts(sizes, t)
         stack = torch.empty((n, sizes[me], t), dtype=mine.dtype)  # (n, s_me, T) in host memory: one slot per worker
         self._get_all({q: stack[q - 1] for q in received}, op)
+        self._check_received({q: stack[q - 1] for q in received}, op)
         stack = stack.to(mine.device)  # the received partials join this worker's on its device
         stack[me] = mine
         self._emit("reduce_scatter", op, sent, received, mine.element_size())
@@ -309,9 +342,12 @@ class Comm:
         else:
             mine = scores.contiguous()
             for r in peers:
+                self._check_own(mine, r, op)
                 self._put(r, mine)
             stack = torch.empty((len(owners), *scores.shape), dtype=scores.dtype)  # host
-            self._get_all({r: stack[i] for i, r in enumerate(owners) if r != self.rank}, op)
+            theirs = {r: stack[i] for i, r in enumerate(owners) if r != self.rank}
+            self._get_all(theirs, op)
+            self._check_received(theirs, op)
             stack = stack.to(scores.device)
             stack[owners.index(self.rank)] = mine
             scores.copy_(accumulate(stack))

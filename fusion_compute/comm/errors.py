@@ -29,6 +29,19 @@ class PeerLost(PeerError):
         self.said = said
 
 
+class PeerPoisoned(PeerError):
+    """The peer sent a block no honest sender sends: a NaN, an infinity or a value over the bound
+    (value_checks.block_fault), which its own check would have refused to send. First-hand evidence
+    against the peer: a worker leaves the epoch on it naming the peer (`cause`, links.say_farewell)."""
+
+
+class TaintedInputs(CommError):
+    """This participant's own block failed the check it is about to send it under (value_checks):
+    the inputs it received passed one by one, yet together made it (or it erred itself). Not sent;
+    it leaves the epoch saying so (`inputs` in its farewell), which names nobody: runtime/blame.py
+    then holds every contributor a suspect."""
+
+
 class PeerTimeout(PeerError):
     """The peer did not answer within the deadline (frozen, overloaded, or cut off)."""
 

@@ -46,8 +46,9 @@ from contextlib import contextmanager
 from typing import cast
 
 from ..errors import FusionError
-from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout, TaintedInputs
 from .identity import Identity, PublicId
+from .peer_text import printable
 
 HEADER = struct.Struct("<Q")
 TLS_RECORD = 16384  # largest plaintext per TLS record
@@ -73,7 +74,8 @@ def farewell_reason(raw: bytes) -> dict:
     for key in ("cause", "after"):
         v = obj.get(key)
         out[key] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16 else None
-    out["why"] = " ".join(str(obj.get("why") or "").split())[:MAX_WHY]
+    out["inputs"] = obj.get("inputs") is True  # its own block failed, made from inputs that passed (TaintedInputs)
+    out["why"] = printable(" ".join(str(obj.get("why") or "").split()))[:MAX_WHY]  # the peer's text: data
     return out
 
 
@@ -217,13 +219,16 @@ class Link:
         self.sock.sendall(head)
         self.close()
 
-    def farewell(self, reason: str, deadline: float, cause: int | None = None, after: int | None = None) -> None:
+    def farewell(
+        self, reason: str, deadline: float, cause: int | None = None, after: int | None = None, inputs: bool = False
+    ) -> None:
         """Tell the peer why this end is leaving, as the link's last message (one line, cut to fit
         MAX_FAREWELL bytes with `cause` and `after`: farewell_reason), and push it out until
         `deadline`. Best effort: a peer already gone hears nothing. The caller closes the link."""
         why = " ".join((reason.splitlines() or [""])[0].split())[:MAX_WHY]
         while True:  # (cut whole characters until the JSON fits)
-            payload = json.dumps({"why": why, "cause": cause, "after": after}, ensure_ascii=False).encode()
+            said = {"why": why, "cause": cause, "after": after, **({"inputs": True} if inputs else {})}
+            payload = json.dumps(said, ensure_ascii=False).encode()
             if len(payload) <= MAX_FAREWELL:
                 break
             why = why[: len(why) * MAX_FAREWELL // len(payload) - 1]
@@ -431,26 +436,33 @@ class Link:
 
 
 def farewell_all(
-    links: Iterable[Link], reason: str, grace_s: float = 1.0, cause: int | None = None, after: int | None = None
+    links: Iterable[Link],
+    reason: str,
+    grace_s: float = 1.0,
+    cause: int | None = None,
+    after: int | None = None,
+    inputs: bool = False,
 ) -> None:
-    """Say `reason` (and whom it blames: `cause`, `after`) on every open link of `links`
-    (Link.farewell), within `grace_s` in all: the last word of a participant leaving. The caller
-    closes them."""
+    """Say `reason` (and whom it blames: `cause`, `after`, or its inputs as a whole: `inputs`) on
+    every open link of `links` (Link.farewell), within `grace_s` in all: the last word of a
+    participant leaving. The caller closes them."""
     deadline = time.monotonic() + grace_s
     for link in links:
         if not link.closed:
-            link.farewell(reason, deadline, cause, after)
+            link.farewell(reason, deadline, cause, after, inputs)
 
 
 def say_farewell(links: dict[int, Link], err: BaseException, grace_s: float = 1.0) -> None:
     """This participant drops the epoch because of `err`: tell every peer why (farewell_all). The
     reason names the peer whose link failed it first-hand (`cause`: closed without a farewell, or
     silent past the deadline), or the peer whose own farewell made it leave (`after`: a knock-on, no
-    evidence against anyone), or neither (its own failure), with the error's line."""
+    evidence against anyone), or that its own block failed though its inputs passed (`inputs`:
+    TaintedInputs, no single peer to name), or none of these (its own failure), with the error's line."""
     first_hand = isinstance(err, PeerError) and not err.watched and not isinstance(err, PeerLeft)
     cause = err.rank if first_hand and isinstance(err, PeerError) else None
     after = err.rank if isinstance(err, PeerLeft) else None
-    farewell_all(links.values(), reason_of(err), grace_s, cause, after)
+    inputs = isinstance(err, TaintedInputs)
+    farewell_all(links.values(), reason_of(err), grace_s, cause, after, inputs)
 
 
 @contextmanager

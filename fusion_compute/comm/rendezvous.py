@@ -41,6 +41,7 @@ from typing import Any
 from .errors import CommError
 from .identity import Identity, PublicId
 from .links import Link, handshake, peer_certificate, tls_context
+from .peer_text import printable
 
 VERSION = 2
 CONTROL_LIMIT = 1 << 20  # bytes of one rendezvous message
@@ -327,7 +328,7 @@ class Admission:
             else:
                 link.close()
             return
-        host = member.host or str(join.get("host") or where.rsplit(":", 1)[0])
+        host = member.host or printable(str(join.get("host") or where.rsplit(":", 1)[0])[:255])  # its claim: data
         with self._lock:  # queued under the lock: `expect()` sorts the queue against one expectation
             epoch, wanted = self._expect
             if member.pid in wanted and join.get("epoch") in (None, epoch):
@@ -479,7 +480,9 @@ class Admission:
             for link in links.values():
                 ready = recv_json(link, deadline)
                 if ready.get("ready") is not True:
-                    raise CommError(f"{link.label} could not link up with its peers: {ready.get('error', ready)}")
+                    raise CommError(
+                        f"{link.label} could not link up with its peers: {printable(str(ready.get('error', ready))[:300])}"
+                    )
         except BaseException:
             for link in links.values():
                 link.close()

@@ -28,8 +28,31 @@ say_farewell). So:
      is computing the per-message timeout to finish, leave or wait on someone: membership._blame.)
   4. Counted accusations that do not meet 3 (the accused left too: knock-on, or naming its accuser)
      leave an ambiguous set: the accused and their accusers. Nobody can be removed on it.
-  5. No counted accusation: the waits decide, by the step deadline's rule (deadline.judge: consistent
+  5. A worker that left saying its own block failed though its inputs had passed their checks (its
+     farewell's `inputs`: comm's TaintedInputs) names nobody: when 2 and 3 name no one, every
+     worker of the epoch (each sent it something) is in the ambiguous set, the accused first.
+  6. No counted accusation: the waits decide, by the step deadline's rule (deadline.judge: consistent
      cause, corroborated by the client or two workers; one worker's word alone is ambiguous).
+
+Farewells checked against what else the client holds (issue 41):
+
+  - A worker whose farewell to the client and whose own account disagree (the account names a peer,
+    `lost` or `after`, and the farewell names another, or the same one as the other kind) lied in
+    one of them: it is removed, with 2 and 3. An honest worker records its account and says its
+    farewell from the one error that ended its epoch (structural/worker.py, Worker._leaving).
+  - Two workers that each say they left after the other's farewell: an honest worker's farewell
+    carries the reason it decided before sending it, so the two cannot both be true; one of them
+    lies, and the client cannot tell which: both go into the ambiguous set (with 4, 5).
+  - Not a contradiction the client can settle: "I left after X" while X's farewell names the
+    claimant as its first-hand cause. A liar X can name an honest peer in its farewell to the client
+    and say anything on its link to that peer, which then honestly leaves after X; or the claimant
+    is the liar, having cut its link to X. Both leave the same evidence, so removing the claimant
+    would remove an honest worker in the first case (tests/test_blame.py, the exhaustive test): the
+    pair stays ambiguous (4), and the ambiguity that follows the liar (`follows`) removes it.
+
+A counted accusation may be about poisoned values: a worker leaves naming the peer whose block it
+refused (comm's PeerPoisoned: a NaN, an infinity or a value over the bound, which the sender's own
+check refuses to send), and the rules above weigh it as any first-hand cause.
 
 What an ambiguous set leads to is membership.py's: its workers are set aside for standbys (none
 barred), and `follows` names a worker once ambiguity has followed it: a worker in two ambiguous sets
@@ -68,17 +91,35 @@ def blame_link(
             words.append(f"worker {q} left naming worker {p}")
         else:
             words.append(f"worker {q} names worker {p} but did not leave naming it ({state}): not counted")
+    left: dict[int, dict] = {}  # who left with a farewell, and what it said
+    for q in workers:
+        state, reason = seen.get(q, ("open", None))
+        if state == "left" and reason is not None:
+            left[q] = reason
+    tainted = {q for q, reason in left.items() if reason.get("inputs") and reason.get("cause") is None}
     own = {
         q
-        for q in workers
-        if seen.get(q, ("open", None))[0] == "left"
-        and (reason := seen[q][1]) is not None
-        and reason.get("cause") is None
-        and reason.get("after") is None
+        for q, reason in left.items()
+        if reason.get("cause") is None and reason.get("after") is None and q not in tainted
     }
     for q in sorted(own):
         words.append(f"worker {q} left on its own error ({(seen[q][1] or {}).get('why') or 'no reason given'})")
     named = set(own)
+    for q, reason in sorted(left.items()):  # its farewell against its own account
+        said = ((accounts.get(q) or {}).get("lost"), (accounts.get(q) or {}).get("after"))
+        if said != (None, None) and said != (reason.get("cause"), reason.get("after")):
+            named.add(q)
+            words.append(
+                f"worker {q}'s farewell (cause {reason.get('cause')}, after {reason.get('after')}) contradicts "
+                f"its own account (lost {said[0]}, after {said[1]})"
+            )
+    mutual = sorted(
+        (q, x)
+        for q, reason in left.items()
+        if (x := reason.get("after")) in left and left[x].get("after") == q and q < x
+    )
+    for q, x in mutual:
+        words.append(f"workers {q} and {x} each say they left after the other's farewell: one of them lies")
     for p in sorted(set(counted.values())):
         stayed = seen.get(p, ("open", None))[0] != "left"
         blocked_on = (accounts.get(p) or {}).get("waiting") or []
@@ -89,9 +130,16 @@ def blame_link(
             words.append(f"worker {p} says it waits on worker{'s' if len(blocked_on) > 1 else ''} {blocked_on}")
     if named:
         return named, Verdict(min(named) if len(named) == 1 else None, tuple(sorted(named)), "; ".join(words))
-    if counted:
+    if tainted:
+        for q in sorted(tainted):
+            words.append(f"worker {q} left: its own block failed though its inputs had passed (it names nobody)")
         accused = sorted(set(counted.values()))
-        causes = tuple(dict.fromkeys(accused + sorted(counted)))
+        pairs = [w for pair in mutual for w in pair]
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))
+        return set(), Verdict(None, causes, "; ".join(words))
+    if counted or mutual:
+        accused = sorted(set(counted.values()))
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for pair in mutual for w in pair]))
         return set(), Verdict(None, causes, "; ".join(words))
     verdict = judge(blocked, workers, threshold_s)
     said = "; ".join([*words, verdict.said])

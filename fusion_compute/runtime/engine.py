@@ -65,6 +65,7 @@ from .membership import Membership, Seat
 from .placement import gpu_count, is_cuda, local_devices, torch_dtype
 from .topology import check_here
 
+WAIT_NOTE_S = (5.0, 15.0)  # separately started workers not all joined: the first note, then one every ...
 EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
 
 
@@ -91,6 +92,7 @@ class EngineBase(Membership):
         self.config = c = self.src.config
         self.seats = self.make_seats()
         self.order = [s.pid for s in self.seats.values() if not s.standby]  # the current epoch
+        self.wanted = len(self.order)  # the workers the user asked for: a smaller job says so (shortfall)
         self.epoch = 0
         self.plan = self.plan_for(self.order)
         self.context = effective_context(c.max_positions, opts.context)
@@ -116,6 +118,8 @@ class EngineBase(Membership):
         self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
         self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
         self.procs: WorkerProcs | None = None
+        self._wait_t0: float | None = None  # when the wait for separately started workers began
+        self._wait_next = 0.0  # when to say again that it goes on (_spawn_failure)
         self.comm: Comm | None = None
         self._admission: Admission | None = None
         self.watch = Watch(opts.liveness_s)
@@ -232,6 +236,7 @@ class EngineBase(Membership):
     def reset(self) -> None:
         """Start afresh: workers zero their KV shards, every slot of them."""
         self.slot_history = {}
+        self._refill()  # a session's start, nothing to replay: empty seats are filled from standbys
         self._with_recovery(self._reset)
 
     def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -516,7 +521,29 @@ class EngineBase(Membership):
         return None
 
     def _spawn_failure(self) -> str | None:
-        dead = self.procs.failure() if self.procs is not None else None
+        """Polled while the first epoch's workers join: why to stop waiting (a local worker died), else
+        None. Workers started elsewhere may never come, and off a terminal nothing else shows the wait:
+        a note after WAIT_NOTE_S[0] seconds, then every WAIT_NOTE_S[1]."""
+        if self.procs is None:
+            now = time.monotonic()
+            if self._wait_t0 is None:
+                self._wait_t0, self._wait_next = now, now + WAIT_NOTE_S[0]
+            elif now >= self._wait_next:
+                self._wait_next = now + WAIT_NOTE_S[1]
+                address = self._admission.address if self._admission is not None else "?"
+                n = len(self.order)
+                self.opts.log(
+                    f"note: waiting for {n} worker{'s' if n != 1 else ''} to join at {address}: "
+                    f"{now - self._wait_t0:.0f} s so far, giving up after {self.opts.join_timeout_s:g} s "
+                    "(--join-timeout)"
+                    + (
+                        "; on each worker's machine: `fusion worker --topology FILE --key ITS.key`"
+                        if self.opts.topology
+                        else ""
+                    )
+                )
+            return None
+        dead = self.procs.failure()
         return f"worker {dead[0]} exited before joining: {dead[1]}" if dead else None
 
     def worker_env(self, threads: int) -> dict[str, str]:

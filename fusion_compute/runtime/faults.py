@@ -40,6 +40,16 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
   close-link@N      at its N-th reduce-scatter, it shuts only its link to its victim (the lowest other
                     rank), says in its account that the victim's link failed it, and stalls (beating,
                     its other links open) until the client ends the epoch
+  leave-lie@N       the same, and then leaves the epoch as an honest worker whose link failed would:
+                    with a farewell naming its victim (`cause`) on every link (links.say_farewell),
+                    its pulse beating: a lie told the way the truth is told
+  poison-rs@N       at its N-th reduce-scatter, the block it owes its victim (the lowest other rank)
+                    is all NaN (skipping its own check on what it sends); otherwise it behaves: its
+                    own egress stays clean, and it leaves as a knock-on of its victim's farewell
+  huge-rs@N         the same with ±1e30: finite, far over any partial (issue 41's second attack)
+  big-rs@N          the same with ±1e19: under the bound every receiver checks, so its victim accepts it,
+                    and its own next block or its egress fails its check (the victim leaves saying
+                    its inputs made it: nobody named)
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -64,12 +74,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommError
+from ..comm import CommError, PeerLost
 from ..errors import UsageError
 from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
-COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link")
+POISONS = {"poison-rs": math.nan, "huge-rs": 1e30, "big-rs": 1e19}  # what the block for the victim holds
+COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link", "leave-lie", *POISONS)
 SEND_FAULTS = (
     "close-mid-message",
     "nan-egress",
@@ -137,19 +148,23 @@ def comm_fault(fault: Fault | None) -> Callable:
 
         def faulty(chunk, sizes, op):
             calls[0] += 1
+            if calls[0] == fault.step and fault.kind in POISONS:
+                return _poisoned(comm, honest, victim, chunk, sizes, op, POISONS[fault.kind])
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
                 if fault.kind == "drag-lie" and comm.witness is not None:
                     comm.witness.charge(victim, delay)  # the lie: "the victim kept me waiting"
-            elif calls[0] == fault.step:  # cut-peer, close-link
+            elif calls[0] == fault.step:  # cut-peer, close-link, leave-lie
                 for rank, link in comm.links.items():
                     if rank not in (0, comm.rank) and (fault.kind == "cut-peer" or rank == victim):
                         try:
                             link.sock.shutdown(socket.SHUT_RDWR)
                         except OSError:
                             pass
-                if fault.kind == "close-link" and comm.witness is not None:
+                if fault.kind in ("close-link", "leave-lie") and comm.witness is not None:
                     comm.witness.lost_peer(victim)  # the lie: "the victim's link failed me"
+                if fault.kind == "leave-lie":  # ... said on every link as it leaves (the worker's own path)
+                    raise PeerLost(victim, f"{comm.links[victim].label} closed the connection")
                 word = torch.zeros(4, dtype=torch.int64)
                 while True:  # stall (beating) until the client cuts this epoch's links
                     comm.recv(word, 0, "control", "stall", wait_s=math.inf)
@@ -159,6 +174,25 @@ def comm_fault(fault: Fault | None) -> Callable:
         return comm
 
     return patch
+
+
+def _poisoned(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str, value: float):
+    """One reduce-scatter whose block for `victim` is `value` (alternating sign), sent past the
+    sender's own check (comm.Comm._check_own) as a liar would."""
+    put, check = comm._put, comm._check_own
+
+    def poisoning(peer, t):
+        if peer == victim:
+            bad = torch.full((t.numel(),), value, dtype=t.dtype)
+            bad[1::2] = -value
+            t = bad.view_as(t)
+        put(peer, t)
+
+    comm._put, comm._check_own = poisoning, lambda block, dst, op: None
+    try:
+        return honest(chunk, sizes, op)
+    finally:
+        comm._put, comm._check_own = put, check
 
 
 def _send_fault(fault: Fault) -> Callable:

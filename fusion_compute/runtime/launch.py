@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, NoReturn, Protocol
 
+from ..comm.peer_text import printable
+
 
 class Proc(Protocol):
     """What WorkerProcs needs of a started worker: subprocess.Popen's face."""
@@ -124,7 +126,7 @@ def last_words(log: str, returncode: int | None) -> str:
     else its last line, else its exit code."""
     lines = [ln for ln in log.splitlines() if ln.strip() and not ln.startswith("@fusion-progress ")]
     own = [ln for ln in lines if ln.startswith("fusion worker") and ": error: " in ln]
-    words = (own or lines or [f"exit code {returncode}"])[-1].strip()
+    words = printable((own or lines or [f"exit code {returncode}"])[-1].strip())  # a process's text: data
     return words if len(words) <= MAX_WORDS else words[: MAX_WORDS - 3] + "..."  # it may reach /health
 
 

@@ -7,7 +7,7 @@ roster: `Seat`), `order` (the current epoch's participants in rank order), `epoc
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
 `_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
-`convicted`, `suspicions` (the job's ambiguous sets: blame.follows), `clock` (each step's deadline:
+`convicted`, `wanted` (how many workers the user asked for), `suspicions` (the job's ambiguous sets: blame.follows), `clock` (each step's deadline:
 deadline.py) and `waits` (the client's own account of whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..comm import Comm, CommError, Identity, Member, PeerError, PeerLost, PeerTimeout, PublicId
-from ..errors import UsageError, WorkerMisbehaved
+from ..errors import UsageError, WorkerMisbehaved, WorkersSuspected
 from .blame import blame_link, follows
 from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, Verdict, judge
 
@@ -87,7 +87,28 @@ class Membership:
             except WorkerMisbehaved as e:
                 self._expel(e)
                 raise
+            except WorkersSuspected as e:
+                self._suspected(e)  # set aside (then the replay) or, followed before, removed (raises)
         raise CommError("gave up after as many recoveries as there are workers")
+
+    def _suspected(self, err: WorkersSuspected) -> None:
+        """A check of the client's failed and the evidence cannot tell which worker made it
+        (WorkersSuspected): the suspects are set aside for standbys and the next epoch is open (the
+        step is replayed there); a suspect that ambiguity has followed before is removed as a liar
+        (WorkerMisbehaved: its request fails); with no way to spare one, the request fails
+        (StepDeadline), nobody removed."""
+        t0, noticed = time.perf_counter(), time.time()
+        suspects = tuple(p for p in err.pids if p in self.order)
+        verdict = Verdict(None, suspects, _first_line(err))
+        convicted = self._ambiguous(verdict, "the client's check failed", noticed, t0)
+        if convicted is not None:
+            caught = WorkerMisbehaved(
+                f"{_first_line(err)}; ambiguity followed worker {convicted}",
+                [convicted],
+                reason="a suspect of two ambiguous verdicts that share nobody else (blame.follows)",
+            )
+            self._expel(caught)
+            raise caught
 
     def _expel(self, err: WorkerMisbehaved) -> None:
         """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
@@ -340,6 +361,53 @@ class Membership:
         why = f"the accounts name no worker ({verdict.said}): nobody is removed"
         self.opts.log(f"{what}; {why}; the request fails")
         raise StepDeadline(f"{what}; {why}")
+
+    # ---- the job's size: refilled, never shrunk silently ----
+
+    def shortfall(self) -> str | None:
+        """None when the current epoch has as many workers as the user asked for (--workers); else
+        what the job runs on, in words: "running 2 of 3 workers (1 removed in this job, ...)", for
+        /health, the control page and a log line per request (docs/resilience.md, "Never shrunk
+        silently")."""
+        wanted, running = self.wanted, len(self.order)
+        if running >= wanted:
+            return None
+        aside = sorted({p for r in self.recoveries for p in r.get("set_aside", ())} - set(self.order) - self.removed)
+        bits = [f"{len(self.removed)} removed in this job"] + ([f"{len(aside)} set aside"] if aside else [])
+        return f"running {running} of {wanted} workers ({', '.join(bits)}; add a standby to refill)"
+
+    def _refill(self) -> None:
+        """Seats left empty (set aside, removed or lost with no standby to take them) are filled again
+        as soon as a standby is there (one added since, or a worker set aside, which bars nobody): at a
+        session's start, with nothing to replay, the job grows back toward the workers the user
+        asked for. A failed opening leaves no epoch (the step's `_with_recovery` opens one)."""
+        wanted = self.wanted
+        if self.comm is None or len(self.order) >= wanted or self.group_names() is not None:
+            return  # (masked jobs keep their groups' own standbys: `_next_order`)
+        spares = [
+            p
+            for p, s in self.seats.items()
+            if s.standby
+            and p not in self.order
+            and p in self.watch.ranks
+            and p not in self.watch.failed()
+            and p not in self.removed
+        ]
+        if not spares:
+            return
+        take = spares[: wanted - len(self.order)]
+        order = self.order + take
+        t0, noticed = time.perf_counter(), time.time()
+        why = f"the job ran {len(self.order)} of {wanted} workers: standby {take} take the empty seats"
+        self.opts.log(f"{why}; epoch {self.epoch + 1} over {order}")
+        self._retire(set())
+        try:
+            self._switch_epoch(order)
+        except CommError:
+            return  # logged by _abandon; the step opens an epoch over who is left
+        record = self._record(set(), order, why, noticed, t0, replayed_tokens=0)
+        record["refilled"] = take
+        self.recoveries.append(record)
 
     # ---- membership, by the user ----
 

@@ -178,7 +178,11 @@ class LoadMonitor:
     def _lines(self, final: bool) -> list[str]:
         elapsed = time.monotonic() - self.t0
         if self.procs is None:
-            state = "ready" if final else f"waiting for {self.n} workers at {self.master} ({elapsed:.0f} s)"
+            state = (
+                "ready"
+                if final
+                else f"waiting for {self.n} worker{'s' if self.n != 1 else ''} at {self.master} ({elapsed:.0f} s)"
+            )
             return [f"fusion: {state}" + ("" if final else "; their progress shows on their own terminals")]
         lines = []
         for w, (phase, done, total) in enumerate(self._state()):
@@ -335,3 +339,8 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
 def log_startup(engine: Any, stream: IO[str] = sys.stderr, topology: Any = None) -> None:
     stream.write("\n".join(startup_lines(engine, topology)) + "\n")
     stream.flush()
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """ "1 worker", "3 workers", "0 tokens": a count with its noun in the number it takes."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

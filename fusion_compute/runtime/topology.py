@@ -318,6 +318,18 @@ def is_local_address(host: str) -> bool:
     return False
 
 
+def sharing_this_host(topo: Topology) -> int:
+    """How many of the topology's participants (the client, workers and standbys) are declared at an
+    address of this machine: the processes that will share its cores (at least 1, the caller)."""
+    local: dict[str, bool] = {}
+    n = 0
+    for p in (topo.client, *topo.all_workers):
+        if p.host not in local:
+            local[p.host] = is_local_address(p.host)
+        n += local[p.host]
+    return max(1, n)
+
+
 def check_here(participant: Participant) -> None:
     """Refuse to run `participant` on a machine that does not hold its declared address."""
     if not is_local_address(participant.host):

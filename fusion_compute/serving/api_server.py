@@ -110,6 +110,9 @@ def create_app(gateway: Gateway, scheduler: Scheduler, admin: bool = False) -> F
             "status": status,
             "model": card.id,
             "workers": gateway.engine.plan.n,
+            # the workers asked for, and removed in this job: a job running short says "N of M" (never silently)
+            "workers_wanted": getattr(gateway.engine, "wanted", gateway.engine.plan.n),
+            "removed": len(getattr(gateway.engine, "removed", ())),
             "plan": gateway.engine.plan.fingerprint(),
             "context": card.context,
             "running": s.running_requests,
@@ -267,7 +270,9 @@ async def stream(shape: Shape, job: Job, events: asyncio.Queue[JobEvent], reques
 
 
 def _finish(out: Outcome) -> str:
-    return "stop" if out.finish_reason == "cancelled" else out.finish_reason
+    """OpenAI's finish_reason; an answer cut short (the server stopping, or its caller gone) says
+    "abort", vLLM's word for it, never "stop", which a caller would take for the model's own end."""
+    return "abort" if out.finish_reason == "cancelled" else out.finish_reason
 
 
 def _summary(out: Outcome) -> str:

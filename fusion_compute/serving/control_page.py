@@ -86,7 +86,7 @@ table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: .
 <form id="keyform"><label>API key <input id="key" type="password" autocomplete="off" size="30"></label>
  <button type="submit">Use key</button> <span id="keystate">no key given: only the public counters (/health) are shown</span></form>
 <p id="error" role="alert"></p>
-<div id="counters"><span>epoch <b id="epoch">-</b></span><span>status <b id="status">-</b></span>
+<div id="counters"><span>epoch <b id="epoch">-</b></span><span>status <b id="status">-</b></span><span>workers <b id="size">-</b></span>
 <span>served <b id="served">-</b></span><span>running <b id="running">-</b></span>
 <span>waiting <b id="waiting">-</b></span><span>recoveries <b id="recoveries">-</b></span>
 <span>plan <b id="plan">-</b></span></div>
@@ -146,6 +146,9 @@ async function refresh() {
   try {
     const h = await (await fetch("/health")).json();
     for (const n of ["status", "served", "running", "waiting", "recoveries", "plan"]) $(n).textContent = h[n];
+    // never shrunk silently: "2 of 3, 1 removed in this job", and why when degraded
+    $("size").textContent = h.workers + " of " + h.workers_wanted + (h.removed ? ", " + h.removed + " removed in this job" : "");
+    $("status").title = h.error || "";
     if (!k) return;  // (k: a refresh that began before a new key was typed shows nothing)
     const listing = await call("GET", "/admin/workers", undefined, k);
     if (k !== key) return;

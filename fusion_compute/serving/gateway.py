@@ -412,11 +412,17 @@ def model_id(path: Any) -> str:
 def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[Gateway, Any]:
     """Engine + tokenizer + card from `fusion serve|chat` arguments (spawns or admits workers).
     Returns (gateway, topology or None). Bad arguments raise before any worker starts."""
-    from ..cli.options import engine_options, speculative_config, speculator_for, tokenizer_for
+    from ..cli.options import (
+        context_for,
+        engine_options,
+        model_path,
+        speculative_config,
+        speculator_for,
+        tokenizer_for,
+    )
     from ..errors import UsageError
-    from ..runtime.engine_options import effective_context
     from ..runtime.progress import is_tty, load_monitor, log_startup, startup_lines
-    from ..weights.loader import open_weights, resolve_model_path
+    from ..weights.loader import open_weights
 
     stderr = stderr or sys.stderr
     masked = getattr(a, "mode", "structural") == "masked"
@@ -425,12 +431,12 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     spec = speculative_config(a)
-    path = resolve_model_path(a.model)
+    path = model_path(a.model)  # with a hint for a Hugging Face Hub id
     src = open_weights(path)
     tok = tokenizer_for(path, src, needed=True)
     if tok is None:
         raise UsageError(f"{path}: no tokenizer, which serving text needs")
-    context = effective_context(src.config.max_positions, a.context)
+    context = context_for(src.config.max_positions, a.context)  # beyond the model's window: refused
     if max_tokens is not None and max_tokens >= context:  # no prompt could leave that much room
         raise UsageError(
             f"--max-tokens {max_tokens} cannot fit the context window of {context} tokens with any prompt "

@@ -26,6 +26,7 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..comm.peer_text import printable as printable  # re-exported: a caller's text cannot forge a log line
 from .gateway import ApiError
 
 Scope = dict[str, Any]
@@ -36,12 +37,6 @@ App = Callable[[Scope, Receive, Send], Any]
 MIN_PER_PEER = 16  # connections from one address that are always allowed (up to the global cap)
 OVER_SHARE_S = 2.0  # a connection over its peer's share has this long to send its (keyed) request's headers
 LOG_NOTE = "fusion.log"  # scope key: a dict where routes leave `extra` (text) and `status` for AccessLog
-
-
-def printable(text: str) -> str:
-    """`text` with every character that is not printable (CR, LF, NUL, ESC, lone surrogates, ...)
-    and the backslash written as an escape, so a caller cannot forge or break a log line."""
-    return "".join(c if c.isprintable() and c != "\\" else ascii(c)[1:-1] for c in text)
 
 
 def error_bytes(error: ApiError) -> bytes:
@@ -67,35 +62,48 @@ class LimitedH11(H11Protocol):
     """uvicorn's h11 protocol with connection caps, a header timeout and JSON error bodies.
     Set the class attributes on a subclass (`limited_protocol`); uvicorn makes one per connection.
 
-    Two caps. In all, `max_connections`: over it, a connection's request is answered 503. From one
-    peer (one IP address), `max_per_peer`, so that one peer's idle connections cannot take the whole
-    budget and leave everyone else 503 (/health included): over it, that peer's new connection is
-    answered 503 too, unless its request carries the API key (`api_key`: a keyed caller is the
-    user). A connection over its share counts in neither cap (it cannot fill the budget either)
-    and has OVER_SHARE_S, not the header timeout, to send its request's headers."""
+    Two caps. In all, `max_connections`; from one peer (one IP address), `max_per_peer`, so that one
+    peer's idle connections cannot take the whole budget and leave everyone else 503 (/health
+    included). A connection over either is answered 503, unless its request carries the API key
+    (`api_key`: a keyed caller is the user, who must be able to reach /admin to revoke a worker
+    during a flood from many addresses too). It counts in neither cap (it cannot fill the budget
+    either) and has OVER_SHARE_S, not the header timeout, to send its request's headers. Refusals
+    are logged through the server's LogThrottle: one line a second per kind, with a count."""
 
     max_connections = 256
     max_per_peer = 32
     api_key: str | None = None
     header_timeout_s = 30.0
     log: Callable[[str], None] = staticmethod(lambda line: None)
+    throttle: LogThrottle | None = None  # one per server (limited_protocol): repeated lines summed up
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: Any = None
-        self.over_share = False  # over its peer's share: counted in neither cap, and given OVER_SHARE_S
+        self.over_share = False  # over a cap: counted in neither cap, and given OVER_SHARE_S
         within = [c for c in self.connections if not getattr(c, "over_share", False)]
-        if len(within) > self.max_connections:
-            self.app = _overloaded  # its request is read, answered 503, and the connection closed
-            self.log(f"fusion serve: connection from {self._peer()} over the limit of {self.max_connections}: 503")
-        elif self.client and sum(1 for c in within if c.client and c.client[0] == self.client[0]) > self.max_per_peer:
+        keyed = "503 unless keyed" if self.api_key else "503"
+        if len(within) > self.max_connections or (
+            self.client and sum(1 for c in within if c.client and c.client[0] == self.client[0]) > self.max_per_peer
+        ):
+            which = "in all" if len(within) > self.max_connections else "per peer"
+            cap = self.max_connections if which == "in all" else self.max_per_peer
+            # The key holder is never locked out by the caps: a connection over either cap is read (it
+            # has OVER_SHARE_S for its headers, and counts in neither cap: what a flood of them holds is
+            # bounded by its rate x OVER_SHARE_S) and served when its request carries the key, else
+            # answered 503 (docs/security.md, "fusion serve's port").
             self.over_share = True
-            self.app = _KeyedOnly(self.app, self.api_key)  # 503 unless its request carries the key
-            self.log(
-                f"fusion serve: connection from {self._peer()} over the limit of {self.max_per_peer} per peer: "
-                + ("503 unless keyed" if self.api_key else "503")
-            )
+            self.app = _KeyedOnly(self.app, self.api_key, "from this address" if which == "per peer" else "")
+            self._log_once(f"over {which}", f"connection from {self._peer()} over the limit of {cap} {which}: {keyed}")
         self._arm_header_timer()
+
+    def _log_once(self, kind: str, line: str) -> None:
+        """`line` under `kind`, through the server's throttle: a flood of the same refusal costs a
+        line a second, with the count of those left out."""
+        if self.throttle is None:
+            self.log(f"fusion serve: {line}")
+        else:
+            self.throttle.say(kind, f"fusion serve: {line}", self.log)
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
@@ -115,13 +123,13 @@ class LimitedH11(H11Protocol):
             self._arm_header_timer()  # for the next request on this kept-alive connection
 
     def send_400_response(self, msg: str) -> None:
-        self.log(f"fusion serve: malformed HTTP from {self._peer()}: 400")
+        self._log_once("malformed", f"malformed HTTP from {self._peer()}: 400")
         self._answer_and_close(ApiError(400, "malformed HTTP request (not valid HTTP/1.1, or headers over the limit)"))
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
         wait = min(self.header_timeout_s, OVER_SHARE_S) if self.over_share else self.header_timeout_s
-        self._header_timer = self.loop.call_later(wait, self._header_timeout)
+        self._header_timer = self.loop.call_later(wait, self._header_timeout, wait)
 
     def _cancel_header_timer(self) -> None:
         timer = getattr(self, "_header_timer", None)
@@ -129,14 +137,14 @@ class LimitedH11(H11Protocol):
             timer.cancel()
             self._header_timer = None
 
-    def _header_timeout(self) -> None:
+    def _header_timeout(self, wait: float) -> None:
         self._header_timer = None
         if self.transport.is_closing():
             return
         if self.conn.trailing_data[0]:  # part of a request came, and not all of its headers
-            self.log(f"fusion serve: headers from {self._peer()} too slow: 408")
+            self._log_once("slow headers", f"headers from {self._peer()} too slow: 408")
             self._answer_and_close(
-                ApiError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s")
+                ApiError(408, f"the request headers did not arrive within {wait:g} s")  # (OVER_SHARE_S over the share)
             )
         else:
             self.transport.close()
@@ -151,6 +159,32 @@ class LimitedH11(H11Protocol):
         )
         self.transport.write(head.encode() + body)
         self.transport.close()
+
+
+class LogThrottle:
+    """Repeated log lines of one kind, rate-limited: at most one per `every_s` seconds per kind; the
+    next one that is written says how many were left out since (a flood of 3,000 refused
+    connections wrote 3,042 lines in 2.9 s before)."""
+
+    def __init__(self, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def say(self, kind: str, line: str, log: Callable[[str], None]) -> bool:
+        """Write `line` unless a line of `kind` was written less than `every_s` ago; True if written."""
+        now = self.clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.every_s:
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
+            return False
+        skipped = self._skipped.pop(kind, 0)
+        self._last[kind] = now
+        log(
+            line
+            + (f" (and {skipped} more like it in the last {now - last:.1f} s)" if skipped and last is not None else "")
+        )
+        return True
 
 
 def limited_protocol(
@@ -168,21 +202,19 @@ def limited_protocol(
         "api_key": api_key,
         "header_timeout_s": header_timeout_s,
         "log": staticmethod(log),
+        "throttle": LogThrottle(),
     }
     return type("GatewayH11", (LimitedH11,), limits)
 
 
-async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
-    error = ApiError(503, "too many open connections; retry later", code="too_many_connections", kind="server_error")
-    await send_error(send, error, close=True, headers={"Retry-After": "1"})
-
-
 class _KeyedOnly:
-    """A connection over its peer's share: its requests are answered 503 and the connection closed,
-    unless a request carries the API key (then it goes on, as any keyed request)."""
+    """A connection over a cap (its peer's share, or the whole budget): its requests are answered 503
+    and the connection closed, unless a request carries the API key (then it goes on, as any keyed
+    request)."""
 
-    def __init__(self, app: App, key: str | None):
+    def __init__(self, app: App, key: str | None, whose: str = "from this address"):
         self.app, self.expected = app, None if key is None else b"Bearer " + key.encode()
+        self.whose = whose
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.expected is not None:
@@ -191,7 +223,7 @@ class _KeyedOnly:
                 return await self.app(scope, receive, send)
         error = ApiError(
             503,
-            "too many open connections from this address; retry later",
+            f"too many open connections{' ' + self.whose if self.whose else ''}; retry later",
             code="too_many_connections",
             kind="server_error",
         )
@@ -225,8 +257,12 @@ class AccessLog:
             await self.app(scope, receive, send_noting)
         finally:
             path = scope.get("raw_path", b"").decode("latin-1") or scope.get("path", "")
-            if scope.get("query_string"):
-                path += "?" + scope["query_string"].decode("latin-1")
+            if scope.get("query_string"):  # (never a credential: ApiKey refused it and asked it left out)
+                path += (
+                    "?(left out: it held a key)"
+                    if note.get("redact_query")
+                    else "?" + scope["query_string"].decode("latin-1")
+                )
             extra = f" {note['extra']}" if note.get("extra") else ""
             self.log(
                 f"fusion serve: {scope['method']} {path[:200]} {note.get('status', status or 500)} "
@@ -275,6 +311,17 @@ class ApiKey:
         self.expected = None if key is None else b"Bearer " + key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _key_in_query(scope, self.expected):
+            slot = scope.get(LOG_NOTE)
+            if slot is not None:
+                slot["redact_query"] = True  # the access log leaves the query out
+            error = ApiError(
+                400,
+                "a key in the URL is refused (it lands in logs and histories): send Authorization: Bearer KEY",
+                code="key_in_query",
+            )
+            note(scope, error.message)
+            return await send_error(send, error)
         if scope["type"] == "http" and self.expected is not None and _under_v1(scope.get("path", "")):
             given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
@@ -282,6 +329,24 @@ class ApiKey:
                 note(scope, error.message)
                 return await send_error(send, error)
         await self.app(scope, receive, send)
+
+
+CREDENTIAL_PARAMS = frozenset({"key", "api_key", "apikey", "api-key", "token", "access_token", "auth", "authorization"})
+
+
+def _key_in_query(scope: Scope, expected: bytes | None) -> bool:
+    """A credential in the query string: a parameter named like one (CREDENTIAL_PARAMS, any case),
+    or the server's own key anywhere in it (raw or percent-encoded)."""
+    raw = scope.get("query_string") or b""
+    if not raw:
+        return False
+    from urllib.parse import parse_qsl, unquote_to_bytes
+
+    names = {k.strip().lower() for k, _ in parse_qsl(raw.decode("latin-1"), keep_blank_values=True)}
+    if names & CREDENTIAL_PARAMS:
+        return True
+    key = expected[len(b"Bearer ") :] if expected else b""
+    return bool(key) and (key in raw or key in unquote_to_bytes(raw))
 
 
 def _under_v1(path: str) -> bool:

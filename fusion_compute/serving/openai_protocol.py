@@ -273,6 +273,8 @@ class HealthResponse(Open):
     status: Literal["ok", "degraded"]
     model: str
     workers: int
+    workers_wanted: int = 0
+    removed: int = 0
     plan: str
     context: int
     running: bool

@@ -183,6 +183,9 @@ class Scheduler:
         from ..generation.batching import Sequence
 
         job.t_started = time.perf_counter()
+        short = self._shortfall()
+        if short:
+            self.log(f"fusion serve: request on a short job: {short}")
         req = job.req
         answer = self.gateway.begin(
             req, lambda text: self._send(job, ("delta", text)), lambda: job.cancelled.is_set() or self.stopping
@@ -266,7 +269,14 @@ class Scheduler:
         failed = {p: why for p, why in engine.watch.failed().items() if p in engine.order}
         if failed:
             return "degraded", "; ".join(failed.values())
+        short = self._shortfall()
+        if short:  # serving, on fewer workers than asked for: never silently (colluders left alone show here)
+            return "degraded", short
         return "ok", None
+
+    def _shortfall(self) -> str | None:
+        shortfall = getattr(self.gateway.engine, "shortfall", None)  # (a test's stand-in engine has none)
+        return shortfall() if shortfall is not None else None
 
     def stop(self) -> None:
         """Begin stopping, without blocking: the running request ends at its next token, waiting

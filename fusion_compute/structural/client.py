@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from ..errors import WorkerMisbehaved
+from ..comm.value_checks import ROW_SUMSQ_LIMIT
+from ..errors import WorkerMisbehaved, WorkersSuspected
 from ..model.config import ModelError
 from ..model.kernels import rms_norm
 from ..runtime.engine import EngineBase, control_word
@@ -24,7 +25,7 @@ __all__ = ["Engine", "EngineOptions", "effective_context"]
 # (x.pow(2).mean() in rms_norm) carries without overflow: half of float32's largest value (a float32
 # sum of H squares is off its exact value by at most about H x 2^-24 of it, far under a half for any
 # model's H). Model-independent; Engine._check_egress says why an honest residual never reaches it.
-EGRESS_SCALE_LIMIT = float(torch.finfo(torch.float32).max) / 2
+EGRESS_SCALE_LIMIT = ROW_SUMSQ_LIMIT
 
 
 class Engine(EngineBase):
@@ -209,7 +210,13 @@ class Engine(EngineBase):
         1..96, all 1, all 2: at most 3.8e7, with values up to 4.4e3, against a limit of 1.7e38). Over
         it, every worker whose shard holds more than its even part (limit / N) of some row is named:
         at least one does. These are checks against crashes and gross faults, not integrity: a
-        worker that computes wrong but plausible values passes them (README's threat model)."""
+        worker that computes wrong but plausible values passes them (README's threat model).
+
+        Why naming the worker is sound even when a peer fed it poisoned partials: every worker checks
+        its own egress by the same two rules before it sends it (comm/value_checks.py, egress_fault:
+        finite, each token's sum of squares at most the limit / N) and, when it fails, leaves saying
+        so instead of sending it (TaintedInputs: nobody is named on that). So a shard that fails here
+        is one its sender's own check refused: only a worker that skipped the check sends it."""
         for s, shard in zip(self.plan.workers, shards, strict=True):
             if not bool(torch.isfinite(shard).all()):
                 bad, pid = int((~torch.isfinite(shard)).sum()), self.order[s.rank - 1]
@@ -237,9 +244,11 @@ class Engine(EngineBase):
 
     def _check_logits(self, logits_cV: torch.Tensor, shards: list[torch.Tensor], picked: list[int]) -> None:
         """After the checks on the shards, a row of logits that is not finite, or constant (every
-        token equally likely: greedy would emit token 0), cannot come from an honest step: named
-        are the workers whose shards carry the most of that token's residual (its sum of squares),
-        the one that decided the row; a row of zeros from every worker names them all."""
+        token equally likely: greedy would emit token 0), cannot come from an honest step. But shards
+        that passed their checks were made from every worker's partials: a liar could have fed an
+        honest worker the values that make the row so, and the client cannot tell which. Nobody is
+        convicted: WorkersSuspected, every worker of the epoch a suspect, those whose shards carry
+        the most of that token's residual (its sum of squares) first (set aside first)."""
         finite = torch.isfinite(logits_cV).all(-1)
         flat = logits_cV.amax(-1) == logits_cV.amin(-1)
         bad = (~finite) | flat
@@ -247,12 +256,11 @@ class Engine(EngineBase):
             return
         i = int(bad.nonzero()[0, 0])  # the first such row, in the order the logits were made
         col = torch.stack([shard[:, picked[i]].double().square().sum() for shard in shards])  # (N,): row i's token
-        ranks = [int(r) for r in (col == col.max()).nonzero().flatten()]  # every worker when all are 0
-        pids = sorted(self.order[self.plan.workers[r].rank - 1] for r in ranks)
+        ranks = sorted(range(len(shards)), key=lambda r: -float(col[r]))  # the largest share first
+        pids = [self.order[self.plan.workers[r].rank - 1] for r in ranks]
         what = "not finite" if not bool(finite[i]) else "constant"
-        raise WorkerMisbehaved(
-            f"a row of logits is {what}: no honest step makes it; named by the largest share of that "
-            f"token's residual: participant(s) {pids}",
+        raise WorkersSuspected(
+            f"a row of logits is {what}: no honest step makes it, and every worker contributed to it "
+            f"(the largest share of that token's residual first): suspects {pids}",
             pids,
-            reason=f"its egress made a row of logits {what} (caught by the logits check)",
         )

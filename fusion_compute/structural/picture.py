@@ -83,7 +83,8 @@ def plan_picture(plan, title: str = "") -> Picture:
         subtitle=f"{c.arch}, hidden {c.hidden}, intermediate {c.intermediate}, {c.n_heads} heads / "
         f"{c.n_kv_heads} KV groups x {c.head_dim // 2} RoPE pairs; the same in each of the {c.n_layers} layers; "
         f"plan {plan.fingerprint()}",
-        workers=tuple(f"worker {s.worker} (rank {s.rank})" for s in plan.workers),
+        # numbered from 1, as the logs, the audit's pictures and `fusion chat`'s /workers number them
+        workers=tuple(f"worker {s.rank} (rank {s.rank})" for s in plan.workers),
         rows=plan_holdings(plan),
         ingress=tuple(resid),
         egress=tuple(resid),

@@ -30,12 +30,14 @@ from ..comm import (
     PeerLeft,
     PublicId,
     Pulse,
+    TaintedInputs,
     Witness,
     join_epoch,
     open_pulse,
     reason_of,
     say_farewell,
 )
+from ..comm.value_checks import egress_fault
 from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, torch_dtype
@@ -379,6 +381,9 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
             x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
             me.witness.step(True)  # its account: a step is in progress here (until its egress leaves)
             x_dT = model.forward(x_dT.to(model.device), spans)
+            fault = egress_fault(x_dT, plan.n)  # what the client's checks would name this worker for
+            if fault is not None:  # its inputs passed one by one (comm's checks): it names nobody (TaintedInputs)
+                raise TaintedInputs(f"worker {rank}'s own egress holds {fault}: not sent")
             comm.send(x_dT, 0, "egress", "final")
             me.witness.step(False)
             if audit is not None:
