@@ -31,6 +31,21 @@ def test_mask_and_depths_follow_the_parents():
     assert TREE.cut(3) == TokenTree((9, 4, 5), (-1, 0, 0))
 
 
+def test_a_chains_tree_mask_is_the_causal_mask_with_or_without_a_window():
+    from fusion_compute.model.kernels import causal_mask, tree_mask
+
+    chain = (-1, 0, 1, 2)
+    for pos in (0, 3, 9):
+        for window in (None, 2, 5):
+            assert torch.equal(tree_mask(pos, chain, window), causal_mask(pos, 4, window))
+    # a tree at 5 under a window of 2 (a key is seen when it is less than 2 positions back): column 3
+    # (depth 2, position 7, cache index 8) sees its parent column 1 (position 6, index 6) and itself,
+    # not the root (5); column 2 (depth 1, position 6, index 7) sees the root and itself, not 4
+    m = tree_mask(5, TREE.parents_T, 2)
+    assert [i for i in range(11) if not m[3, i]] == [6, 8]
+    assert [i for i in range(11) if not m[2, i]] == [5, 7]
+
+
 @pytest.mark.parametrize(
     "tokens,parents,needle",
     [
@@ -122,19 +137,27 @@ LOGIT_ATOL = 3e-4  # test_parity.py's: float32 shards against transformers in fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,n", [("llama", 2), ("qwen2", 3), ("qwen2", "masked 1+1")])
-def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(arch, n, tiny_llama, tiny_qwen2):
+@pytest.mark.parametrize("arch,n", [("llama", 2), ("qwen2", 3), ("qwen2", "masked 1+1"), ("mistral", 2)])
+def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
+    arch, n, tiny_llama, tiny_qwen2, tmp_path
+):
     """One sharded forward over a token tree: each column's logits are transformers' after the path to
     it (the ancestor mask and RoPE by depth); keeping a path that is not a prefix of the columns (the
     second branch) moves its KV entries into place, and the next steps (one token, then another tree,
     then a chain) are transformers' after the kept path; the dropped columns are zeroed. qwen2 at N = 3
     splits a KV group across workers (its scores are summed between them); masked 1+1 attends on the
-    client, in the clear, with the same mask and depths and compacts its own cache."""
+    client, in the clear, with the same mask and depths and compacts its own cache; mistral's sliding
+    window of 2 is shorter than the paths here (a key is seen within 2 positions of its column's
+    depth, not of its cache index)."""
+    from tiny_models import build
+
     from fusion_compute.masked.client import MaskedEngine, MaskedOptions
     from fusion_compute.model import reference
     from fusion_compute.structural.client import Engine, EngineOptions
 
-    model = tiny_llama if arch == "llama" else tiny_qwen2
+    # mistral with a window of 2: column 5 (depth 3) must not see its grandparent column 2 (depth 1, two
+    # positions back), whose cache index (pos + 2) is only one back
+    model = {"llama": tiny_llama, "qwen2": tiny_qwen2}.get(arch) or build(tmp_path, arch, sliding_window=2)
     ref = reference.load_reference(model)
     prompt = [5, 17, 33, 2, 99, 5]
     # columns: 0 root (the prompt's next token 40), 1: 41, 2: 42, 3: 43 (child of 1), 4: 44 (child of 2), 5: 45 (child of 4)

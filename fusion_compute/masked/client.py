@@ -37,8 +37,8 @@ import torch
 
 from ..comm import Event, Recorder
 from ..model.config import ModelError
-from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan, rope_tables
-from ..model.kernels import causal_mask, inv_freq_tensor, rms_norm, tree_depths, tree_mask
+from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan
+from ..model.kernels import Rotary, rms_norm, tree_depths, tree_mask
 from ..model.layer import decoder_layer
 from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
@@ -124,7 +124,7 @@ class MaskedEngine(EngineBase):
         self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
         # the layer in the clear, every linear a masked product over all the step's rows
         self.ops = DenseOps(c, self.clear, lambda i, name, x: self.masked_linear(i, LINEARS.index(name), x[0])[None])
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.audit = None
         if self.opts.audit_dir:
             from .audit import AuditLog
@@ -335,17 +335,14 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        # per session: its rows of the step, its rotary tables and causal mask, its slot's cache
+        # per session: its rows of the step, its rotary tables and causal masks, its slot's cache; a token
+        # tree: RoPE by depth, the ancestors' mask (generation/token_tree.py)
         step = tuple(
-            DenseSpan(
-                *rope_tables(self.inv_freq, torch.arange(pos, pos + n)),
-                causal_mask(pos, n),
-                self._kv_update(slot, pos, n),
-            )
+            DenseSpan.at(c, self.rotary, pos, n, self._kv_update(slot, pos, n))
             if slot not in self._trees
-            else DenseSpan(  # a token tree: RoPE by depth, the ancestor mask (generation/token_tree.py)
-                *rope_tables(self.inv_freq, pos + torch.tensor(tree_depths(self._trees[slot]))),
-                tree_mask(pos, self._trees[slot]),
+            else DenseSpan(
+                *self.rotary.tables(pos + torch.tensor(tree_depths(self._trees[slot]))),
+                {w: tree_mask(pos, self._trees[slot], w) for w in c.windows},
                 self._kv_update(slot, pos, n),
             )
             for slot, pos, n in spans

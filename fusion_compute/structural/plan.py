@@ -180,6 +180,9 @@ class Plan:
     # ---- predictions ----
 
     def collectives_per_layer(self, w: int) -> dict[str, int]:
+        """Worker w's sequential exchanges in one layer's forward: the four reduce-scatters and one
+        score sum per split attention block. Per-head q/k norms (Qwen3) ride in the score sum
+        (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a round."""
         split = sum(1 for b in self.workers[w].attention if b.split)
         return {"reduce_scatter": 4, "score_sum": split}
 

@@ -11,7 +11,7 @@ import torch
 
 from ..comm import Comm
 from ..model import architecture as arch
-from ..model.kernels import inv_freq_tensor
+from ..model.kernels import Rotary
 from ..weights.loader import WeightSource
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, make_step
 from .plan import Plan, runs
@@ -64,7 +64,19 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
     gu_w = gu[torch.tensor(gu_rows[w])].contiguous() if replicated else augmented(gu, gu_rows)
     del gu
     down_w = arch.read_weight(src, layer, "down", cols=[share.mlp])
-    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
+    return LayerShard(
+        qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index, qk_w=qk_gains(src, plan, w, layer)
+    )
+
+
+def qk_gains(src: WeightSource, plan: Plan, w: int, layer: int) -> tuple[torch.Tensor, ...] | None:
+    """Per attention block of worker w: the q_norm and k_norm gains (2, dl) of the block's head dims
+    (Qwen3's per-head norms), or None for a family without them."""
+    norms = arch.read_qk_norms(src, layer)
+    if norms is None:
+        return None
+    d = plan.config.head_dim
+    return tuple(torch.stack(norms)[:, torch.tensor(b.head_dims(d))] for b in plan.workers[w].attention)
 
 
 class ShardedModel:
@@ -90,7 +102,7 @@ class ShardedModel:
         self.plan, self.w, self.comm = plan, w, comm
         self.device, self.dtype = device or torch.device("cpu"), dtype
         self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
 
@@ -110,6 +122,7 @@ class ShardedModel:
             head_dim=c.head_dim,
             group_size=c.group_size,
             eps=c.rms_eps,
+            window=c.window(i),
         )
 
     def attach_audit(self, audit) -> None:
@@ -216,7 +229,7 @@ class ShardedModel:
                 raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
         for s in spans:
             self.lengths[s.slot] = max(self.lengths[s.slot], s.pos + s.t)
-        return make_step(spans, self.inv_freq, self.device, self.dtype)
+        return make_step(spans, self.rotary, self.device, self.dtype, self.plan.config.windows)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
