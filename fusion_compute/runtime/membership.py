@@ -18,7 +18,8 @@ for availability), fresh links, the plan handshake again, then the session's rep
 its tokens) when there is one. A worker whose slowness the accounts pin on it (`_judge_slow`) is
 handled as a lost one. When the evidence cannot tell two workers apart (blame.py), nobody is barred:
 the suspects are set aside for standbys (`_set_aside`) and the job goes on, and a worker that
-ambiguity follows (two ambiguous sets sharing only it) is removed.
+ambiguity follows (two ambiguous sets sharing only it, of those only a liar can make: sets judged on
+waits never count, Verdict.liar_only) is removed.
 """
 
 from __future__ import annotations
