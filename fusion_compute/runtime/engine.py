@@ -117,7 +117,8 @@ class EngineBase(Membership):
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
-        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
+        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (counted per worker)
+        self.liar_sets: list[frozenset[int]] = []  # those only a liar makes (Verdict.liar_only): blame.follows' history
         self._keys: dict[int, Identity] = {}  # started workers' keys (handed to them on stdin)
         self.executor: Executor = executor_for(opts)  # who starts the workers, and where (executor/)
         self.procs: WorkerProcs | None = None  # the started workers' supervisor (None: listed workers)
