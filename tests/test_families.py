@@ -293,6 +293,8 @@ RUNTIME_CASES = [
     ("qwen2-sliding", "structural", 4, (1.0, 2.0, 1.0, 1.0)),
     ("qwen2-sliding", "masked", (1, 1), None),
     ("gemma3-mha-untied-plain", "structural", 3, (1.0, 1.0, 2.0)),
+    # Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch), not the links
+    ("gemma3-gqa-odd-tied", "gloo", 3, None),
 ]
 
 
@@ -302,6 +304,8 @@ def engine(mode: str, path, n, caps):
 
     if mode == "masked":
         return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
+    if mode == "gloo":
+        return Engine(path, EngineOptions(n_workers=n, comm_backend="gloo", insecure=True, timeout_s=60, context=128))
     return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128))
 
 

@@ -361,7 +361,8 @@ class Comm:
         """The post-norm's Σy² per token (T,) float32, summed over every worker (each holds some
         residual rows of y): each sends its partial sums to every other and adds theirs in rank order,
         so every worker gets the same sum. One round, N-1 messages of T scalars each way; nothing with
-        one worker (no event). Checked at both ends like a score sum (value_checks)."""
+        one worker (no event). Checked at both ends like a score sum (value_checks), and a sum of
+        squares below zero is one no honest worker sends either (it would make every worker's norm NaN)."""
         peers = [r for r in range(1, self.world) if r != self.rank]
         if not peers:
             return ss
@@ -372,11 +373,21 @@ class Comm:
             mine = ss.contiguous()
             for r in peers:
                 self._check_own(mine, r, op)
+                if bool((mine < 0).any()):
+                    raise TaintedInputs(
+                        f"worker {self.rank}'s own {op} sums of squares for rank {r} are negative: not sent"
+                    )
                 self._put(r, mine)
             stack = torch.empty((self.world - 1, *ss.shape), dtype=ss.dtype)  # host, rank order
             theirs = {r: stack[r - 1] for r in peers}
             self._get_all(theirs, op)
             self._check_received(theirs, op)
+            for src in sorted(theirs):
+                if bool((theirs[src] < 0).any()):
+                    label = self._link(src).label
+                    raise PeerPoisoned(
+                        src, f"{label} sent {op} sums of squares below zero: no honest sender sends them"
+                    )
             stack = stack.to(ss.device)
             stack[self.rank - 1] = mine
             ss.copy_(accumulate(stack))
