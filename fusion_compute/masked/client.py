@@ -75,6 +75,7 @@ class MaskedEngine(EngineBase):
     """Client side of a masked job: the session, the masks, the KV cache, every nonlinear step."""
 
     mode = "masked"
+    verifies_trees = True  # the client attends in the clear: a tree's mask and depths are its own (_masked_step)
     opts: MaskedOptions
 
     def group_names(self) -> tuple[str, ...]:
@@ -251,6 +252,17 @@ class MaskedEngine(EngineBase):
             for t in self._kv[slot]:
                 t[:, :, keep:end].zero_()
 
+    def _keep(self, slot: int, base: int, path: list[int]) -> None:
+        """A token tree's accepted path: its columns' entries moved to base.. in the client's cache (each
+        key was rotated at base + its depth, its place now), everything after them zeroed."""
+        end = self.slot_pos.get(slot, base + len(path))
+        self.slot_pos[slot] = base + len(path)
+        if slot in self._kv:
+            src = torch.tensor([base + c for c in path])
+            for t in self._kv[slot]:
+                t[:, :, base : base + len(path)] = t[:, :, src]
+                t[:, :, base + len(path) : end].zero_()
+
     def kv_abs_max(self, slot: int | None = None) -> float:
         """The largest |value| left in the client's KV cache, of one slot or all (0 after a wipe)."""
         if slot is None:
@@ -324,9 +336,14 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = arch.embed_rows(c, self.embed, torch.tensor(ids))  # (T, H): the clear residual stream, client only
-        # per session: its rows of the step, its rotary tables and causal masks, its slot's cache
+        # per session: its rows of the step, its rotary tables and causal masks, its slot's cache; a token
+        # tree: RoPE by depth, the ancestors' mask (generation/token_tree.py)
         step = tuple(
             DenseSpan.at(c, self.rotary, pos, n, self._kv_update(slot, pos, n), self.rotary_local)
+            if slot not in self._trees
+            else DenseSpan.tree(
+                c, self.rotary, pos, self._trees[slot], self._kv_update(slot, pos, n), self.rotary_local
+            )
             for slot, pos, n in spans
         )
         x_1TH = x_TH[None]

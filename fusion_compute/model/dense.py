@@ -24,7 +24,7 @@ import torch
 from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
-from .kernels import Rotary, attend, causal_mask, gated, rms_norm, rotate
+from .kernels import Rotary, attend, causal_mask, gated, rms_norm, rotate, tree_depths, tree_mask
 from .layer import LayerOps, decoder_layer
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
@@ -94,6 +94,15 @@ class DenseSpan:
         positions = torch.arange(pos, pos + t)
         cos, sin = rotary.tables(positions)
         masks = {w: causal_mask(pos, t, w) for w in config.windows}
+        return DenseSpan(cos, sin, masks, kv, None if local is None else local.tables(positions))
+
+    @staticmethod
+    def tree(config: ModelConfig, rotary: Rotary, pos: int, parents, kv, local: Rotary | None = None) -> DenseSpan:
+        """A token tree's columns at pos (generation/token_tree.py: `parents`): RoPE by depth, each
+        column's mask its ancestors' within each window."""
+        positions = pos + torch.tensor(tree_depths(parents))
+        cos, sin = rotary.tables(positions)
+        masks = {w: tree_mask(pos, parents, w) for w in config.windows}
         return DenseSpan(cos, sin, masks, kv, None if local is None else local.tables(positions))
 
 
