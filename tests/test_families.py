@@ -405,6 +405,7 @@ def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
     """The exchanges one decode step costs each worker, counted by its comm layer (engine.stats()),
     equal the plan's collectives_per_layer × layers at N = 2 (whole KV groups) and N = 3 (a split
     group): the figures of docs/performance.md's table of families."""
+    from fusion_compute.bench.rtt import rounds_per_token
     from fusion_compute.structural.client import Engine, EngineOptions
 
     path, _ = models[name]
@@ -418,6 +419,8 @@ def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
             layers = eng.config.n_layers
             planned = [sum(eng.plan.collectives_per_layer(w).values()) * layers for w in range(n)]
             assert counted == planned, (n, counted, planned)
+            # the latency model's rounds per decode step: ingress, egress and the busiest worker's
+            assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)
             print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
 
 
