@@ -156,6 +156,31 @@ def test_a_poisoned_score_sum_names_its_sender(liar):
     _close(comms)
 
 
+@pytest.mark.parametrize("bad", [math.nan, -1.0])
+def test_a_poisoned_post_norm_sum_names_its_sender(bad):
+    """Gemma 3's all-worker Σy² sum (comm.sum_norms): every honest worker gets the same sum; a NaN or
+    a negative sum of squares from the liar is refused by each receiver, naming it, and an honest
+    worker refuses to send a negative one of its own (naming nobody)."""
+    ranks = [1, 2, 3]
+    links = _mesh(ranks)
+    comms = {r: Comm(r, 3, links[r], timeout_s=10) for r in ranks}
+    got = _run_all(comms, lambda c: c.sum_norms(torch.full((4,), float(c.rank)), "L0.post_o"))
+    assert all(torch.equal(got[r], torch.full((4,), 6.0)) for r in ranks), got
+    liar = 2
+    honest_put = comms[liar]._put
+    comms[liar]._put = lambda peer, t: honest_put(peer, torch.full_like(t, bad))
+    comms[liar]._check_own = lambda block, dst, op: None  # the liar skips its own check
+    got = _run_all(comms, lambda c: c.sum_norms(torch.ones(4), "L0.post_o"))
+    for r in (1, 3):
+        assert isinstance(got[r], PeerPoisoned) and got[r].rank == liar, got
+    _close(comms)
+    links = _mesh([1, 2])
+    comms = {r: Comm(r, 2, links[r], timeout_s=1) for r in (1, 2)}
+    got = _run_all(comms, lambda c: c.sum_norms(torch.full((2,), -1.0 if c.rank == 1 else 1.0), "L0.post_down"))
+    assert isinstance(got[1], TaintedInputs) and "not sent" in str(got[1]), got
+    _close(comms)
+
+
 # ---- the property: one liar, every pattern, the real checks and blame rules ----
 
 OPEN, CLOSED = ("open", None), ("closed", None)

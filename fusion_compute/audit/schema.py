@@ -99,12 +99,14 @@ class LogEvent(NamedTuple):
 
 REDUCE_SCATTER = "reduce_scatter"
 SCORE_SUM = "score_sum"
+NORM_SUM = "norm_sum"  # Gemma 3's post-norms: every worker's partial Σy², one float32 scalar per token
 INGRESS = "ingress"
 EGRESS = "egress"
 CONTROL = "control"
 # Inside the protected interval (between ingress and egress) only these may touch protected data:
-# reduce-scatters of partials (with the fused Σx² scalars) and declared score sums.
-ALLOWED_IN_INTERVAL = (REDUCE_SCATTER, SCORE_SUM)
+# reduce-scatters of partials (with the fused Σx² scalars), declared score sums, and the post-norms'
+# all-worker Σy² sums (a scalar per token, like the fused Σx²; their counts predicted exactly).
+ALLOWED_IN_INTERVAL = (REDUCE_SCATTER, SCORE_SUM, NORM_SUM)
 
 # Operator name (after "L{i}.") -> the tensor role its transfer carries.
 OP_ROLES = {
@@ -113,6 +115,8 @@ OP_ROLES = {
     "gate_up": "gate_up_partial",
     "down": "resid_partial",
     "scores": "scores",
+    "post_o": "resid_sumsq",  # Gemma 3: Σy² of the o output's residual rows, per token
+    "post_down": "resid_sumsq",
     "embed": "resid",
     "final": "resid",
 }

@@ -8,6 +8,9 @@ Ranks: 0 is the client (user side); 1..N are workers. Verbs and what moves:
                                              rows only), summed by the owner in rank order
   sum_scores       owners of a split group   each owner's partial scores to the other owners, summed
                                              by each in owner order (a declared exchanged intermediate)
+  sum_norms        all workers               each worker's partial Σy² (one float32 scalar per token) to
+                                             every other, summed by each in rank order (Gemma 3's post-
+                                             norms: a declared scalar per token, like the fused Σx²)
   send / recv      client <-> worker         ingress shards, egress shards, control words
   isend / irecv    client <-> worker         the same, posted ahead (masked mode); receives complete
                                              in posting order per peer
@@ -382,6 +385,43 @@ class Comm:
             scores.copy_(accumulate(stack))
         self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers}, itemsize)
         return scores
+
+    def sum_norms(self, ss: torch.Tensor, op: str) -> torch.Tensor:
+        """The post-norm's Σy² per token (T,) float32, summed over every worker (each holds some
+        residual rows of y): each sends its partial sums to every other and adds theirs in rank order,
+        so every worker gets the same sum. One round, N-1 messages of T scalars each way; nothing with
+        one worker (no event). Checked at both ends like a score sum (value_checks), and a sum of
+        squares below zero is one no honest worker sends either (it would make every worker's norm NaN)."""
+        peers = [r for r in range(1, self.world) if r != self.rank]
+        if not peers:
+            return ss
+        n = ss.numel()
+        if self.fabric is not None:
+            ss.copy_(self._staged(ss.float(), lambda buf: self._all_reduce(buf)))
+        else:
+            mine = ss.contiguous()
+            for r in peers:
+                self._check_own(mine, r, op)
+                if bool((mine < 0).any()):
+                    raise TaintedInputs(
+                        f"worker {self.rank}'s own {op} sums of squares for rank {r} are negative: not sent"
+                    )
+                self._put(r, mine)
+            stack = torch.empty((self.world - 1, *ss.shape), dtype=ss.dtype)  # host, rank order
+            theirs = {r: stack[r - 1] for r in peers}
+            self._get_all(theirs, op)
+            self._check_received(theirs, op)
+            for src in sorted(theirs):
+                if bool((theirs[src] < 0).any()):
+                    label = self._link(src).label
+                    raise PeerPoisoned(
+                        src, f"{label} sent {op} sums of squares below zero: no honest sender sends them"
+                    )
+            stack = stack.to(ss.device)
+            stack[self.rank - 1] = mine
+            ss.copy_(accumulate(stack))
+        self._emit("norm_sum", op, {r: n for r in peers}, {r: n for r in peers}, ss.element_size())
+        return ss
 
     def _sum_among(self, buf: torch.Tensor, group: int) -> torch.Tensor:
         assert self.fabric is not None

@@ -107,7 +107,7 @@ class EngineBase(Membership):
         self.embed = embed.to(device=self.client_device, dtype=self.dtype)
         self.lm_head = self.embed if head is embed else head.to(device=self.client_device, dtype=self.dtype)
         del embed, head
-        self.final_norm = self.src.read(arch.FINAL_NORM).to(device=self.client_device, dtype=self.dtype)
+        self.final_norm = arch.read_final_norm(self.src).to(device=self.client_device, dtype=self.dtype)
         self.recorder = self.prepare(recorder)
         self.slot_history: dict[
             int, list[int]
