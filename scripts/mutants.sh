@@ -337,8 +337,8 @@ MUTANTS += [
     (
         "recv-check-off-score-sum",
         R + "comm/comm.py",
-        "self._check_received(theirs, op)",
-        "None",
+        "self._check_received(theirs, op)\n            stack = stack.to(scores.device)",
+        "stack = stack.to(scores.device)",
         [P41 + "test_a_poisoned_score_sum_names_its_sender"],
     ),
     (
