@@ -197,7 +197,49 @@ FORBIDDEN = {
     "runtime": {"structural", "masked", "generation", "serving", "cli", "audit", "bench"},
     "executor": {"model", "weights", "structural", "masked", "generation", "serving", "cli", "audit", "bench"},
     "generation": {"serving", "cli", "audit", "bench"},
+    "structural": {"generation", "serving", "cli", "bench"},
+    "masked": {"serving", "cli", "bench"},
 }
+
+# Test-only controls (docs/design.md, "Code habits" 13): the honest worker imports none of them; the
+# command line chooses them once at start-up (controls/), the masked mode its own dishonest members.
+CONTROL_MODULES = {
+    "fusion_compute.runtime.faults": {
+        "fusion_compute.controls.worker",
+        "fusion_compute.masked.controls",
+        "fusion_compute.masked.member",
+    },
+    "fusion_compute.audit.inject": {
+        "fusion_compute.controls.worker",
+        "fusion_compute.audit.runner",
+        "fusion_compute.audit.cli",
+    },
+    "fusion_compute.structural.megatron": {"fusion_compute.controls.worker"},
+}
+
+
+def control_imports(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} imports {t} (a control: only {', '.join(sorted(ok))} may)"
+        for t, ok in CONTROL_MODULES.items()
+        for m, ts in edges.items()
+        if t in ts and m not in ok
+    )
+
+
+def test_controls_stay_out_of_the_honest_runtime():
+    """faults, leaks and the baseline are chosen at start-up, not imported by the worker; the bench's
+    control ops are not production opcodes."""
+    from fusion_compute.structural.protocol import Op
+
+    edges, _ = module_graph()
+    assert control_imports(edges) == []
+    assert not {"PROBE", "STATS", "BENCH_RS"} & set(Op.__members__)
+    edges["fusion_compute.structural.worker"].add("fusion_compute.runtime.faults")  # the check can fail
+    assert control_imports(edges) == [
+        "fusion_compute.structural.worker imports fusion_compute.runtime.faults (a control: only "
+        "fusion_compute.controls.worker, fusion_compute.masked.controls, fusion_compute.masked.member may)"
+    ]
 
 
 def package_edges(edges: dict[str, set[str]]) -> set[tuple[str, str, str, str]]:
@@ -215,7 +257,7 @@ def layering_violations(edges: dict[str, set[str]]) -> list[str]:
     for a, b, m, t in sorted(package_edges(edges)):
         if b in FORBIDDEN.get(a, ()):
             out.append(f"{m} imports {t}")
-        if b == "serving" and a != "cli":
+        if b in ("serving", "controls") and a != "cli":
             out.append(f"{m} imports {t} (only cli may)")
         if b == "cli" and a != "cli" and t != "fusion_compute.cli.options" and m != "fusion_compute.__main__":
             out.append(f"{m} imports {t} (outside cli, only cli.options may be)")

@@ -669,6 +669,8 @@ def add_worker_args(g: dict[str, Any]) -> None:
 
 
 def worker_options(a: argparse.Namespace) -> Any:
+    from ..bench.ops import WORKER_OPS
+    from ..controls.worker import worker_controls
     from ..structural.worker import WorkerOptions
 
     if a.threads is not None and a.threads < 1:
@@ -745,7 +747,6 @@ def worker_options(a: argparse.Namespace) -> Any:
         device=device,
         progress=a.progress,
         audit_dir=a.audit_dir,
-        inject_leak=a.inject_leak,
-        inject_fault=a.inject_fault,
-        variant=a.variant,
+        controls=worker_controls(a.inject_fault, a.inject_leak, a.variant),  # chosen once, here
+        ops=WORKER_OPS,  # the bench's control ops (stats, a collective's latency, the KV probe)
     )
