@@ -32,6 +32,8 @@ def run_member(
     from .audit import AuditLog
     from .ring import limit_blas_threads
 
+    if o.device != "cpu":
+        raise RuntimeError(f"the masked mode runs on the CPU; this worker was started on {o.device}")
     sizes = tuple(int(x) for x in welcome["groups"])
     fault = parse_fault(o.controls.fault) if o.controls.fault else None
     if fault is not None and not fault.lie:

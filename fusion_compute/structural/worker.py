@@ -68,6 +68,7 @@ class WorkerOptions:
     audit_dir: str | None = None
     controls: Controls = field(default_factory=Controls)  # faults, leaks, the baseline: chosen at start-up
     ops: Mapping[int, OpHandler] = field(default_factory=dict)  # control ops beyond protocol.Op (the bench's)
+    modes: Mapping[str, Callable[..., None]] = field(default_factory=dict)  # other modes' runners (masked/member.py)
     log: Callable[[str], None] = _log.warning  # refused connections, epochs that ended or did not open
 
 
@@ -135,13 +136,12 @@ class Worker:
         self.witness.start(welcome.get("epoch"))
         self._aborted = False
         try:
-            if welcome.get("mode") == "masked":
-                if o.device != "cpu":
-                    raise RuntimeError(f"the masked mode runs on the CPU; this worker was started on {o.device}")
-                from ..masked.member import run_member
-
-                run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append, counting=self.counting)
+            mode = welcome.get("mode") or "structural"
+            if mode in o.modes:  # another mode's member (the masked one's, run_member): handed in at start-up
+                o.modes[mode](self.src, welcome, rank, links, o, keep=self.audit_logs.append, counting=self.counting)
                 return True
+            if mode != "structural":
+                raise RuntimeError(f"the client asked for the {mode} mode, which this worker was not started with")
             plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
             dtype = welcome.get("dtype", DEFAULT_DTYPE)  # the client's: the wire carries it
             if dtype not in DTYPES:
