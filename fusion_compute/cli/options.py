@@ -447,7 +447,12 @@ def add_speculative_args(p: Any) -> None:
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
-        help="most tokens proposed per step (default 4; the draft length adapts below it)",
+        help="most tokens proposed per step (default 4, suffix 32; the draft length adapts below it)",
+    )
+    p.add_argument(
+        "--suffix-cache-tokens",
+        type=int,
+        help="--speculative suffix: tokens of earlier outputs kept to draft from (default 8192; 0: none)",
     )
 
 
@@ -457,7 +462,10 @@ def speculative_config(a: argparse.Namespace) -> Any:
     from ..generation.speculative_config import from_flags
 
     cfg = from_flags(
-        getattr(a, "speculative", None), getattr(a, "draft_model", None), getattr(a, "num_speculative_tokens", None)
+        getattr(a, "speculative", None),
+        getattr(a, "draft_model", None),
+        getattr(a, "num_speculative_tokens", None),
+        getattr(a, "suffix_cache_tokens", None),
     )
     if cfg is not None and cfg.draft_model is not None:
         from ..weights.source import resolve_model_path

@@ -91,6 +91,37 @@ def outside_windows(pos: torch.Tensor, window: int | None) -> torch.Tensor:
     return out if window is None else out | (k <= pos[:, None] - window)
 
 
+def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """A token tree's column depths (parents[j] < j, -1 for column 0): column j sits at pos + depth,
+    where RoPE places it (its position on the path from the step's first column)."""
+    d = [0] * len(parents)
+    for j in range(1, len(parents)):
+        d[j] = d[parents[j]] + 1
+    return d
+
+
+def tree_mask(pos: int, parents: tuple[int, ...] | list[int], window: int | None = None) -> torch.Tensor:
+    """(T, pos+T) True where column j must not see key i: the step's columns that are not j or one of
+    its ancestors (a tree's columns sit at cache positions pos..pos+T-1 in column order; everything
+    before pos is the session's own, seen by all), and with a sliding window W every key W or more
+    positions before j's own (pos + its depth; an ancestor at depth d sits at pos + d). A chain
+    (parents j - 1) gives causal_mask(pos, T, W)."""
+    t = len(parents)
+    depth = tree_depths(parents)
+    sees = torch.zeros(t, t, dtype=torch.bool)
+    for j in range(t):
+        i = j
+        while i >= 0:
+            sees[j, i] = True
+            i = parents[i]
+    out = torch.cat([torch.zeros(t, pos, dtype=torch.bool), ~sees], 1)
+    if window is not None:
+        q = pos + torch.tensor(depth)[:, None]  # each column's position
+        k = torch.cat([torch.arange(pos), pos + torch.tensor(depth)])[None, :]  # each key's
+        out |= k <= q - window
+    return out
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,

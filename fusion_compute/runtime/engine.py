@@ -112,6 +112,8 @@ class EngineBase(Membership):
         self.slot_history: dict[
             int, list[int]
         ] = {}  # each open session's tokens, per KV slot: what a replay runs again
+        self._trees: dict[int, tuple[int, ...]] = {}  # the step being run's token trees, by slot (forward_batch)
+        self._widths: dict[int, int] = {}  # per slot: its last step's columns when that step was a tree
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
@@ -226,6 +228,9 @@ class EngineBase(Membership):
     # drafts a speculating session will likely carry at its next step (BatchRunner sets it; 0 without
     # speculation): a mode may prepare for that width (the masked mask groups work ahead for it)
     draft_hint = 0
+    # whether the mode verifies a token tree in one step (speculative decoding, generation/token_tree.py:
+    # the ancestor mask, RoPE by depth, the accepted path's KV kept); without it the loop sends chains
+    verifies_trees = False
     slot_pos: dict[int, int]  # each open slot's position of its next token (set by the mode)
 
     @property
@@ -244,7 +249,12 @@ class EngineBase(Membership):
         (T, V) of every one with all_logits."""
         return self.forward_batch([(0, list(ids))], all_logits={0} if all_logits else ())[0]
 
-    def forward_batch(self, items: list[tuple[int, list[int]]], all_logits: Collection[int] = ()) -> list[torch.Tensor]:
+    def forward_batch(
+        self,
+        items: list[tuple[int, list[int]]],
+        all_logits: Collection[int] = (),
+        trees: dict[int, tuple[int, ...]] | None = None,
+    ) -> list[torch.Tensor]:
         """One step for one or several sessions, each in its own KV slot: `items` are (slot, ids), the
         ids run at that slot's position (a new slot starts at 0: its prefill). Returns each item's
         last-token logits (V,), or (T, V) for every token of a slot in `all_logits` (parity tests,
@@ -253,6 +263,13 @@ class EngineBase(Membership):
         (deadline.py), and its cause is treated as a lost worker."""
         if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
             raise ValueError("a step needs distinct slots, each with tokens to run")
+        if trees and not self.verifies_trees:
+            raise ValueError("this mode verifies chains only: a token tree cannot run here")
+        trees = dict(trees or {})
+        for slot, ids in items:
+            if slot in trees and (len(trees[slot]) != len(ids) or slot not in self.slot_history):
+                raise ValueError(f"slot {slot}: a tree needs one parent per column, after the session's prefill")
+        self._trees = trees  # the mode's _forward_batch reads the step's trees here
         full = frozenset(all_logits) & {s for s, _ in items}
 
         def replay() -> list[torch.Tensor]:
@@ -264,9 +281,15 @@ class EngineBase(Membership):
             return [logits[slot] for slot, _ in items]
 
         tokens = sum(len(ids) for _, ids in items)
-        out = self._with_recovery(lambda: self._timed_step(lambda: self._forward_batch(items, full), tokens), replay)
+        try:
+            out = self._with_recovery(
+                lambda: self._timed_step(lambda: self._forward_batch(items, full), tokens), replay
+            )
+        finally:
+            self._trees = {}
         for slot, ids in items:
             self.slot_history.setdefault(slot, []).extend(ids)
+            self._widths[slot] = len(ids) if slot in trees else 0  # keep_path's: the tree step's columns
         return out
 
     def _replay_slots(
@@ -279,13 +302,22 @@ class EngineBase(Membership):
         step being retried) run again as a prefill in its own slot, one session per step (a step's
         size stays what one session's replay would be). `logits` gets each retried slot's result:
         of its `new` tokens only (all of them for a slot in `full`). Returns the tokens replayed."""
+        trees, self._trees = self._trees, {}
         self._reset()
-        runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}
-        runs.update({slot: ids for slot, ids in new.items() if slot not in runs})
+        runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items() if slot not in trees}
+        runs.update({slot: ids for slot, ids in new.items() if slot not in runs and slot not in trees})
         for slot, ids in runs.items():
             out = self._forward_batch([(slot, ids)], full & {slot})[0]
             if logits is not None and slot in new:
                 logits[slot] = out[-len(new[slot]) :] if slot in full else out
+        for slot, parents in trees.items():  # a tree step retried: its session's tokens, then the tree
+            self._forward_batch([(slot, self.slot_history[slot])])
+            self._trees = {slot: parents}
+            out = self._forward_batch([(slot, new[slot])], full & {slot})[0]
+            self._trees = {}
+            if logits is not None:
+                logits[slot] = out
+        self._trees = trees
         return sum(len(h) for h in self.slot_history.values())
 
     def rollback(self, slot: int, keep: int) -> None:
@@ -302,6 +334,30 @@ class EngineBase(Membership):
             return
         del hist[keep:]
         self._rollback(slot, keep)
+
+    def keep_path(self, slot: int, path: list[int]) -> None:
+        """After a token-tree step: the session keeps the columns `path` of its last step (0 first,
+        each the parent of the next), the rest are dropped: its history holds the path's tokens and
+        its next step starts after them; the mode moves the kept KV entries there and drops the
+        others (`_keep`: the structural workers when the next step names the kept columns)."""
+        hist, width = self.slot_history.get(slot), self._widths.get(slot, 0)
+        if (
+            hist is None
+            or not width
+            or not path
+            or path[0] != 0
+            or any(b <= a for a, b in zip(path, path[1:], strict=False))
+        ):
+            raise ValueError(f"slot {slot}: no tree step to keep columns {path} of")
+        if path[-1] >= width:
+            raise ValueError(f"slot {slot}: column {path[-1]} beyond its last step's {width}")
+        base = len(hist) - width
+        hist[base:] = [hist[base + c] for c in path]
+        self._widths[slot] = 0
+        self._keep(slot, base, path)
+
+    def _keep(self, slot: int, base: int, path: list[int]) -> None:
+        raise NotImplementedError("this mode verifies chains only")
 
     def _rollback(self, slot: int, keep: int) -> None:
         self.slot_pos[slot] = keep

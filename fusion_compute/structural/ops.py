@@ -31,7 +31,17 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..model.kernels import Rotary, attend_scored, causal_mask, outside_windows, rotate, softmax32, swiglu
+from ..model.kernels import (
+    Rotary,
+    attend_scored,
+    causal_mask,
+    outside_windows,
+    rotate,
+    softmax32,
+    swiglu,
+    tree_depths,
+    tree_mask,
+)
 from ..model.layer import LayerOps, decoder_layer
 from .plan import AttnBlock
 
@@ -111,11 +121,18 @@ class BlockCache:
 
 @dataclass(frozen=True)
 class Span:
-    """One session's tokens in a step: its KV slot, the position of its first token, how many."""
+    """One session's tokens in a step: its KV slot, the position of its first token, how many.
+    `parents`: a token tree's (speculative decoding, generation/token_tree.py), column j's parent
+    column (-1 for column 0): column j is written at pos + j, placed by RoPE at pos + its depth and
+    attends its ancestors only; None for a sequence. `keep`: the columns of the slot's previous
+    step (a tree) that stay, 0 first; they are moved to the positions just before `pos` before
+    this step runs (ShardedModel.roll_back), the rest dropped."""
 
     slot: int
     pos: int
     t: int
+    parents: tuple[int, ...] | None = None
+    keep: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -166,14 +183,26 @@ def make_step(
     compute dtype (as transformers casts cos and sin to the activations' dtype), masks for each of
     the model's sliding `windows` (None: full causal) and indices there too."""
     offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
-    tables = [rotary.tables(torch.arange(s.pos, s.pos + s.t)) for s in spans]
+    # a tree's columns by depth (RoPE), its mask the ancestors' within each window
+    tables = [
+        rotary.tables(
+            torch.arange(s.pos, s.pos + s.t) if s.parents is None else s.pos + torch.tensor(tree_depths(s.parents))
+        )
+        for s in spans
+    ]
     cos = torch.cat([c for c, _ in tables]).T.to(device=device, dtype=dtype)  # (d/2, T): feature-major
     sin = torch.cat([s for _, s in tables]).T.to(device=device, dtype=dtype)
 
     def on_device(m: torch.Tensor | None) -> torch.Tensor | None:
         return None if m is None else m.to(device=device)
 
-    masks = {w: tuple(on_device(causal_mask(s.pos, s.t, w)) for s in spans) for w in windows}
+    masks = {
+        w: tuple(
+            on_device(causal_mask(s.pos, s.t, w) if s.parents is None else tree_mask(s.pos, s.parents, w))
+            for s in spans
+        )
+        for w in windows
+    }
     index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
     decodes = None
     if index:

@@ -163,6 +163,8 @@ class ShardedModel:
         audit's keep-slots control, caught at the release's measurement)."""
         out = []
         for s in spans:
+            if s.keep is not None:
+                self._compact(s)
             if s.slot < len(self.lengths) and 0 < s.pos < self.lengths[s.slot]:
                 held = self.lengths[s.slot]
                 for layer in self.layers:
@@ -182,6 +184,29 @@ class ShardedModel:
                 )
                 out.append((s.slot, held, s.pos, zeroed))
         return out
+
+    def _compact(self, s: Span) -> None:
+        """A token tree's accepted path (`s.keep`, columns of the slot's last step, which began at
+        base = s.pos - len(keep)): column keep[i]'s keys and values move to base + i, in order (each
+        moves down or stays, so none is overwritten before it moved); roll_back then zeroes the
+        positions from s.pos on, the dropped columns among them. The keys stay valid: column keep[i]
+        was rotated at base + its depth, which is base + i on a path."""
+        keep, base = s.keep or (), s.pos - len(s.keep or ())
+        held = self.lengths[s.slot] if s.slot < len(self.lengths) else 0
+        if (
+            not keep
+            or keep[0] != 0
+            or any(b <= a for a, b in zip(keep, keep[1:], strict=False))
+            or base < 0
+            or base + keep[-1] >= held
+        ):
+            raise ValueError(f"cannot keep columns {list(keep)} of a step at {base} in a slot holding {held}")
+        src = torch.tensor([base + c for c in keep], device=self.device)
+        dst = torch.arange(base, base + len(keep), device=self.device)
+        for layer in self.layers:
+            for cache in layer.caches:
+                cache.k[s.slot, :, dst] = cache.k[s.slot, :, src]
+                cache.v[s.slot, :, dst] = cache.v[s.slot, :, src]
 
     def kv_abs_max(self, slot: int | None = None) -> float:
         """Largest |value| left in the KV shards, or in one slot's (0 after a wipe): hygiene tests
