@@ -241,7 +241,7 @@ class ShardedRun:
         return logits if all_logits else logits[-1]
 
     def stats(self) -> list[dict]:
-        """Per worker, what its Comm counted (as Engine.stats reports it from the worker processes):
+        """Per worker, what its Comm counted (as bench/ops.stats reports it from the worker processes):
         collectives among workers and the payload bytes it addressed to the other workers."""
         return [
             {"collectives": c.counters.collectives, "peer_bytes_sent": c.counters.peer_bytes_sent} for c in self.comms

@@ -18,6 +18,7 @@ import torch
 from test_cli import no_new_workers  # noqa: F401 (a fixture)
 from tiny_models import build
 
+from fusion_compute.bench.ops import stats
 from fusion_compute.model import reference
 from fusion_compute.model.config import FAMILIES, ModelConfig, ModelError, Unsupported
 from fusion_compute.model.dense import DenseModel
@@ -402,7 +403,7 @@ def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", AUDITED)
 def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
-    """The exchanges one decode step costs each worker, counted by its comm layer (engine.stats()),
+    """The exchanges one decode step costs each worker, counted by its comm layer (bench/ops.stats),
     equal the plan's collectives_per_layer × layers at N = 2 (whole KV groups) and N = 3 (a split
     group): the figures of docs/performance.md's table of families."""
     from fusion_compute.bench.rtt import rounds_per_token
@@ -413,9 +414,9 @@ def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
         with Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
             eng.reset()
             eng.forward(PROMPT)
-            before = [s["collectives"] for s in eng.stats()]
+            before = [s["collectives"] for s in stats(eng)]
             eng.forward([7])
-            counted = [s["collectives"] - b for s, b in zip(eng.stats(), before, strict=True)]
+            counted = [s["collectives"] - b for s, b in zip(stats(eng), before, strict=True)]
             layers = eng.config.n_layers
             planned = [sum(eng.plan.collectives_per_layer(w).values()) * layers for w in range(n)]
             assert counted == planned, (n, counted, planned)

@@ -17,6 +17,7 @@ import procs
 import pytest
 import torch
 
+from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation import batching
 from fusion_compute.generation import speculative as S
 from fusion_compute.generation.batching import Sequence, run_batch
@@ -317,7 +318,7 @@ def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_
             assert [r.token_ids for r in with_miss] == want
             assert miss.totals.num_accepted_tokens == 0 < miss.totals.num_drafts
             assert miss.pool.rate() < 0.1 < hit.pool.rate()  # the job's pooled rate: the next session's prior
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0] * n  # released and zeroed
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0] * n  # released and zeroed
 
 
 @pytest.mark.slow
@@ -346,7 +347,7 @@ def test_suffix_drafts_keep_greedy_tokens_and_the_cache_pays(tiny_llama):
             assert s["columns"] == r.steps - 1 + s["num_draft_tokens"]  # decode steps: 1 + their drafts
             assert sum(s["accepted_by_depth"]) == s["num_accepted_tokens"]
             assert s["tokens_per_forward"] == round(len(r.token_ids) / r.steps, 4)
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0, 0.0]
 
 
 def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
@@ -369,7 +370,7 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
         batched = run_batch(eng, seqs, 3, speculator=spec)
         assert [r.token_ids for r in batched] == alone_spec
         assert sum(r.speculative["num_accepted_tokens"] for r in batched) > 0
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0, 0.0]
 
 
 def test_masked_mode_speculation_equals_greedy(tiny_qwen2):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_speculative import ALPHA, chi2, chi2_quantile
 
+from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation.sampling import Sampler
 from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.generation.token_tree import TokenTree, accept
@@ -209,7 +210,7 @@ def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
         want = reference.logits(ref, kept + [12, 13])[-2:]
         assert torch.allclose(out.double(), want, atol=LOGIT_ATOL, rtol=0), (out.double() - want).abs().max()
         eng.release(0)
-        assert eng.kv_abs_max() == 0.0 if masked else eng.kv_probe() == [0.0] * int(n)
+        assert eng.kv_abs_max() == 0.0 if masked else kv_probe(eng) == [0.0] * int(n)
 
 
 @pytest.mark.slow
@@ -244,7 +245,7 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
             # named for several slots at once
             seqs = [batching.Sequence(p, 24, SamplingParams()) for p in prompts + [[7, 8, 9]]]
             batched = batching.run_batch(eng, seqs, 3, speculator=spec)
-            assert eng.kv_probe() == [0.0, 0.0]
+            assert kv_probe(eng) == [0.0, 0.0]
     finally:
         batching.accept = real_accept
     assert [r.token_ids for r in batched[:2]] == want

@@ -1,4 +1,6 @@
-"""Fault injection for the tests (worker flag `--inject-fault SPEC`, never used otherwise).
+"""Fault injection for the tests (worker flag `--inject-fault SPEC`, never used otherwise). The honest
+worker does not import it: controls/worker.py composes a fault onto its Comm and join at start-up;
+the masked mode picks a lying member (masked/controls.py).
 
   close-mid-message@STEP   at its STEP-th forward (counted from 1 over the worker's life), the worker
                            sends the client the header and half of its egress shard, closes its

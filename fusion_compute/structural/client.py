@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from enum import IntEnum
 
 import torch
 
@@ -43,7 +44,7 @@ class Engine(EngineBase):
 
     # ---- protocol ----
 
-    def _control(self, op: Op, t: int = 0, pos: int = 0, arg: int = 0) -> None:
+    def _control(self, op: IntEnum, t: int = 0, pos: int = 0, arg: int = 0) -> None:
         msg = control_word(op, t, pos, arg)
         self.wire.begin_step()  # each worker starts it as the word arrives (comm.py, "Numbered steps")
         for s in self.plan.workers:
@@ -82,37 +83,13 @@ class Engine(EngineBase):
             for s, r in zip(self.plan.workers, self._replies("pong"), strict=True)
         ]
 
-    def stats(self) -> list[dict]:
-        """Per worker: collectives among workers, payload bytes sent to other workers, bytes to and
-        from the client, peak RSS (MB). Counted by each worker's comm layer since it started."""
-        self._control(Op.STATS)
-        out = []
-        for s, r in zip(self.plan.workers, self._replies("stats"), strict=True):
-            coll, peer, client, rss = (int(v) for v in r)
-            out.append(
-                {
-                    "rank": s.rank,
-                    "collectives": coll,
-                    "peer_bytes_sent": peer,
-                    "client_bytes": client,
-                    "peak_rss_mb": rss / 1024,
-                }
-            )
-        return out
-
-    def bench_collective(self, rows: int = 300, iters: int = 1000) -> list[dict]:
-        """Per worker: median / min / max µs of one reduce-scatter of `rows` fp32 per peer (T = 1)."""
-        self._control(Op.BENCH_RS, rows, iters)
-        wait = self.wire.timeout_s + iters  # the workers run them all before answering
-        return [
-            {"rank": s.rank, "median_us": int(r[0]) / 1000, "min_us": int(r[1]) / 1000, "max_us": int(r[2]) / 1000}
-            for s, r in zip(self.plan.workers, self._replies("bench", wait), strict=True)
-        ]
-
-    def kv_probe(self) -> list[float]:
-        """Per worker, the largest |value| left in its KV shards (0 after a wipe): hygiene tests."""
-        self._control(Op.PROBE)
-        return [int(r[1]) / 1e6 for r in self._replies("probe")]
+    def ask(
+        self, op: IntEnum, reply: str, t: int = 0, pos: int = 0, arg: int = 0, wait_s: float | None = None
+    ) -> list[torch.Tensor]:
+        """One control word of an op beyond the protocol's (one the workers' start-up added to their
+        op table: the bench's, bench/ops.py) to every worker, and each one's reply, in rank order."""
+        self._control(op, t, pos, arg)
+        return self._replies(reply, wait_s)
 
     def _reset(self) -> None:
         """Start a new session: workers zero their KV shards (every slot of a batch too)."""
