@@ -58,6 +58,7 @@ from .sampling import Sampler
 from .speculative_config import SpeculativeConfig
 from .suffix import SuffixCache, SuffixDrafter
 from .token_tree import TokenTree, accept
+from .tree_cost import LinkCost
 
 # DraftLength's low-acceptance pause: over the last WINDOW verifications, fewer than MIN_GAIN accepted
 # tokens per verification stops drafting for PAUSE_STEPS steps, doubling (to PAUSE_MAX) each time it
@@ -172,7 +173,8 @@ class StepCost:
     on the workers and every column's logits on the client, whatever its length), and the drafts
     worth what they cost."""
 
-    def __init__(self):
+    def __init__(self, link: LinkCost | None = None):
+        self.link = link  # a link's model in place of the fitted base and per-column cost (tree_cost.py)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
         # the last fit that could tell a column's cost: once the budget cuts every draft, the steps all
         # have one width and the window alone would forget what a column costs, let every draft back
@@ -223,25 +225,48 @@ class StepCost:
         self.last = fitted[1:]
         return fitted
 
-    def allocate(self, caps: list[int], rates: list[float], fixed: list[bool] | None = None) -> list[int]:
-        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap). The
-        expected tokens of a session's first m drafts are rate + rate² + ... + rate^m (a draft counts
-        only if those before it were accepted); sessions are taken by falling rate, each given the m
-        (0 included) that makes the step's expected tokens per second highest. Unfitted: the caps."""
+    def costs(self) -> tuple[float, float, float] | None:
+        """(base s, s per column, s per drafting session): the link's model when one was given
+        (tree_cost.LinkCost, the drafting session's cost still fitted, else 0), else the fit."""
         fit = self.fit()
+        if self.link is None:
+            return fit
+        return self.link.base_s, self.link.per_column_s, 0.0 if fit is None else fit[2]
+
+    def allocate(
+        self,
+        caps: list[int],
+        rates: list[float],
+        fixed: list[bool] | None = None,
+        gains: list[list[float] | None] | None = None,
+    ) -> list[int]:
+        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap). The
+        expected tokens of a session's first m drafts are g_1 + ... + g_m, g_j the j-th column's
+        chance to be accepted (tree_cost: the product of acceptance on its path): `gains[i]` when
+        given (a tree's, from its drafter's per-node probabilities), else rate^j (a chain's j-th
+        draft counts only if those before it were accepted). Sessions are taken by falling rate,
+        each given the m (0 included) that makes the step's expected tokens per second highest
+        (tree_cost.best_size for one session alone). Unfitted: the caps."""
+        fit = self.costs()
         if fit is None or not caps:
             return list(caps)
         base, per_column, per_span = fit
         fixed = fixed or [False] * len(caps)
+        g = [
+            list(gains[i][: caps[i]])
+            if gains and gains[i] is not None
+            else [rates[i] ** j for j in range(1, caps[i] + 1)]
+            for i in range(len(caps))
+        ]
         ks = [cap if f else 0 for cap, f in zip(caps, fixed, strict=True)]
-        tokens = len(caps) + sum(sum(rates[i] ** j for j in range(1, ks[i] + 1)) for i in range(len(caps)))
+        tokens = len(caps) + sum(sum(g[i][: ks[i]]) for i in range(len(caps)))
         seconds = max(base + per_column * (len(caps) + sum(ks)) + per_span * sum(k > 0 for k in ks), 1e-6)
         for i in sorted(range(len(caps)), key=lambda i: -rates[i]):
             if fixed[i]:
                 continue
             best_m, best, gained, best_gain = 0, tokens / seconds, 0.0, 0.0
-            for m in range(1, caps[i] + 1):
-                gained += rates[i] ** m
+            for m in range(1, len(g[i]) + 1):
+                gained += g[i][m - 1]
                 rate = (tokens + gained) / (seconds + per_span + m * per_column)
                 if rate > best:
                     best_m, best, best_gain = m, rate, gained
