@@ -16,6 +16,8 @@ from pathlib import Path
 import procs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fusion_compute.generation import batching
 from fusion_compute.generation import speculative as S
@@ -77,6 +79,46 @@ def test_ngram_drafter_proposes_what_followed_the_longest_latest_match():
     assert d2.propose([1, 2, 1], 2) == [2, 1]
     assert d2.propose([1, 2, 3, 2], 2) == [3, 2]
     assert d2.tokens == [1, 2, 3, 2] and d2.where == {1: [0], 2: [1, 3], 3: [2]}
+
+
+def test_ngram_tree_branches_where_the_matches_continued_differently():
+    d = NgramDrafter(1, 3)
+    # [1, 2, 3] was followed by 7 twice (then 5, then 6) and by 9 once: 7 first, then the ties at 1/3
+    # latest occurrence first (7 -> 6 -> 1 -> 2 -> 3), then 9 beside 7
+    tree = d.propose_tree([1, 2, 3, 7, 5, 1, 2, 3, 9, 1, 2, 3, 7, 6, 1, 2, 3], 8)
+    assert tree.tokens[:6] == [7, 6, 1, 2, 3, 9] and tree.parents[:6] == [-1, 0, 1, 2, 3, -1]
+    assert tree.probs[:6] == pytest.approx([2 / 3] + [1 / 3] * 5)
+    chain = d.propose_tree([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3], 3)  # every match went on alike: a chain
+    assert chain.is_chain() and chain.tokens == [9, 1, 2] and chain.probs == [1.0, 1.0, 1.0]
+    assert d.propose_tree([4, 5, 6], 3).tokens == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=40), st.integers(1, 12))
+def test_ngram_tree_against_brute_force(tokens, k):
+    """Each node's probability is the share of the longest n-gram's earlier matches whose
+    continuation starts with the node's path; parents come first; with room, every distinct
+    continuation prefix is a node; its first child is the most frequent continuation."""
+    tree = NgramDrafter(1, 3).propose_tree(tokens, k)
+    n_tok = len(tokens)
+    follows: list[list[int]] = []
+    for n in range(min(3, n_tok - 1), 0, -1):
+        follows = [
+            tokens[j + 1 : j + 1 + k]
+            for j in range(n - 1, n_tok - 1)
+            if tokens[j - n + 1 : j + 1] == tokens[n_tok - n :]
+        ]
+        if follows:
+            break
+    paths: list[tuple[int, ...]] = []
+    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        assert -1 <= p < i
+        paths.append((paths[p] if p >= 0 else ()) + (t,))
+        share = sum(tuple(f[: len(paths[i])]) == paths[i] for f in follows) / len(follows)
+        assert tree.probs[i] == pytest.approx(share)
+    prefixes = {tuple(f[:m]) for f in follows for m in range(1, len(f) + 1)}
+    assert set(paths) <= prefixes and len(paths) == min(k, len(prefixes))
+    assert len(set(paths)) == len(paths)
 
 
 def test_greedy_verify_keeps_the_matching_prefix_and_the_targets_next_token():

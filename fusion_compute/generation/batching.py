@@ -31,8 +31,9 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
-from .speculative import DraftLength, SpecStats, Speculator
+from .speculative import DraftLength, NgramDrafter, SpecStats, Speculator
 from .suffix import SuffixDrafter
+from .suffix_tree import Draft
 from .token_tree import TokenTree, accept
 from .tree_cost import path_gains
 
@@ -207,8 +208,15 @@ class BatchRunner:
         drafter = self._drafters[seq.slot]
         tokens = seq.prompt_ids + seq.out
         self._freqs[seq.slot] = None
-        if isinstance(drafter, SuffixDrafter):
-            d = drafter.propose_tree(tokens, k) if self.engine.verifies_trees else drafter.draft(tokens, k, tree=False)
+        if isinstance(drafter, SuffixDrafter | NgramDrafter):
+            if self.engine.verifies_trees:
+                d = drafter.propose_tree(tokens, k)
+            elif isinstance(drafter, SuffixDrafter):
+                d = drafter.draft(tokens, k, tree=False)
+            else:
+                d = Draft()
+                for t in drafter.propose(tokens, k):  # its chain, the latest match's (no frequencies)
+                    d.add(t, len(d.tokens) - 1, 1.0)
             tree = TokenTree.from_drafts(seq.out[-1], d.tokens, d.parents)
             # each column's frequency given its parent's (the drafter's probabilities are path products)
             self._freqs[seq.slot] = [

@@ -23,7 +23,8 @@ worker), or the client zeroes its own cache (masked mode). Nothing rejected is e
 Drafters (one per session):
   NgramDrafter       prompt lookup: the longest n-gram that ends the session's tokens (prompt
                      included) found earlier in them; proposes what followed its latest occurrence
-                     that has K tokens after it (or the most it finds)
+                     that has K tokens after it (or the most it finds), or as a tree what followed
+                     each occurrence, branching where they differ (propose_tree)
   SuffixDrafter      SuffixDecoding (suffix.py): suffix tries over the session's tokens and over
                      the job's earlier outputs, the draft scored by frequency and sized by the match
   DraftModelDrafter  a small model of the same vocabulary on the client (the dense twin), greedy,
@@ -41,11 +42,15 @@ session's j-th draft is worth its acceptance rate to the j-th power). Where a st
 time is the network's (a wide-area round trip) a column costs almost nothing and every draft
 DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
 acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
-seed gives, must not depend on the batch or the clock.
+seed gives, must not depend on the batch or the clock. A tree's j-th column is worth the product of
+acceptance on its path (tree_cost.py: the session's rate times the drafter's branch frequency per
+node), and a StepCost given a link's model (tree_cost.LinkCost: round trips, bytes per column over
+the link's rate, compute per column) sizes trees by it instead of by its fit.
 """
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -57,6 +62,7 @@ from ..errors import UsageError
 from .sampling import Sampler
 from .speculative_config import SpeculativeConfig
 from .suffix import SuffixCache, SuffixDrafter
+from .suffix_tree import Draft
 from .token_tree import TokenTree, accept
 from .tree_cost import LinkCost
 
@@ -385,8 +391,61 @@ class NgramDrafter:
                 return best
         return []
 
+    def propose_tree(self, tokens: list[int], k: int) -> Draft:
+        """A token tree of at most k drafts: every earlier occurrence of the longest matching n-gram
+        (prompt_lookup_max down to _min) contributes what followed it (up to k tokens), merged into a
+        trie whose node counts are the occurrences that continue so; columns are taken best first by
+        estimated probability, a node's count over the matches' (the product of the branch
+        frequencies on its path), a parent before its children, ties to the latest occurrence. Where
+        every occurrence continued alike the tree is a chain; where they differ (an uncertain
+        position) it branches into the continuations seen, most frequent first."""
+        self._sync(tokens)
+        n_tok = len(tokens)
+        if k < 1 or n_tok < self.n_min + 1:
+            return Draft()
+        for n in range(min(self.n_max, n_tok - 1), self.n_min - 1, -1):
+            suffix = tokens[n_tok - n :]
+            follows = [
+                tokens[j + 1 : j + 1 + k]
+                for j in reversed(self.where.get(tokens[-1], ()))  # latest first
+                if n - 1 <= j < n_tok - 1 and tokens[j - n + 1 : j + 1] == suffix
+            ]
+            if follows:
+                return _merge(follows, k)
+        return Draft()
+
     def close(self, output: list[int] | None = None) -> None:
         self.tokens, self.where = [], {}
+
+
+def _merge(follows: list[list[int]], k: int) -> Draft:
+    """The continuations (latest first) as a tree of at most k nodes, best first (propose_tree)."""
+    # trie: node id -> (token, parent node id, count, first continuation that reached it)
+    nodes: list[list[int]] = []
+    kids: dict[tuple[int, int], int] = {}
+    for rank, follow in enumerate(follows):
+        parent = -1
+        for t in follow:
+            node = kids.get((parent, t))
+            if node is None:
+                node = kids[(parent, t)] = len(nodes)
+                nodes.append([t, parent, 0, rank])
+            nodes[node][2] += 1
+            parent = node
+    total = len(follows)
+    children: dict[int, list[int]] = {}
+    for i, (_, parent, _, _) in enumerate(nodes):
+        children.setdefault(parent, []).append(i)
+    draft, column = Draft(), {-1: -1}
+    heap = [(-nodes[c][2], nodes[c][3], c) for c in children.get(-1, ())]
+    heapq.heapify(heap)
+    while heap and len(draft.tokens) < k:
+        neg, _, c = heapq.heappop(heap)
+        t, parent = nodes[c][0], nodes[c][1]
+        column[c] = draft.add(t, column[parent], -neg / total)
+        for d in children.get(c, ()):
+            heapq.heappush(heap, (-nodes[d][2], nodes[d][3], d))
+    return draft
 
 
 class DraftModelDrafter:
