@@ -121,6 +121,36 @@ def test_ngram_tree_against_brute_force(tokens, k):
     assert len(set(paths)) == len(paths)
 
 
+def test_draft_model_tree_branches_where_it_is_unsure(tiny_llama):
+    """The draft model's tree: its greedy chain (the path of first children), and beside the chain's
+    token at each position whose top-1 probability is under UNSURE, the next likeliest tokens as
+    leaves; every column's probability is the model's along its path, recomputed here by running
+    the model on that path; best first, at most k."""
+    model = DenseModel(open_weights(tiny_llama), max_seq=1)
+    prompt, k = [3, 17, 42, 5, 99], 6
+    chain = S.DraftModelDrafter(model, 64).propose(prompt, k)
+    tree = S.DraftModelDrafter(model, 64).propose_tree(prompt, k)
+    assert len(tree.tokens) == k and all(-1 <= p < i for i, p in enumerate(tree.parents))
+
+    def softmax_after(ids: list[int]) -> torch.Tensor:
+        return torch.softmax(model.forward(ids, 0, model.new_cache(len(ids)))[-1].float(), dim=-1)
+
+    paths: list[list[int]] = []
+    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        paths.append((paths[p] if p >= 0 else []) + [t])
+        prob = 1.0
+        for j in range(len(paths[i])):
+            prob *= float(softmax_after(prompt + paths[i][:j])[paths[i][j]])
+        assert tree.probs[i] == pytest.approx(prob, rel=1e-4)
+        on_chain = paths[i] == chain[: len(paths[i])]
+        if not on_chain:  # a leaf: its parent is on the chain, and the position was unsure
+            assert (paths[p] if p >= 0 else []) == chain[: len(paths[i]) - 1]
+            assert float(softmax_after(prompt + paths[i][:-1]).max()) < S.UNSURE
+    assert tree.probs == sorted(tree.probs, reverse=True)
+    # a random tiny model is unsure everywhere: the tree does branch, and its best path is the chain
+    assert not tree.is_chain() and tree.tokens[0] == chain[0]
+
+
 def test_greedy_verify_keeps_the_matching_prefix_and_the_targets_next_token():
     logits = torch.full((4, 10), -1.0)
     for row, tok in enumerate([3, 5, 8, 2]):

@@ -208,19 +208,20 @@ class BatchRunner:
         drafter = self._drafters[seq.slot]
         tokens = seq.prompt_ids + seq.out
         self._freqs[seq.slot] = None
-        if isinstance(drafter, SuffixDrafter | NgramDrafter):
+        if isinstance(drafter, SuffixDrafter | NgramDrafter):  # the draft model's chain: see docs/speculative.md
             if self.engine.verifies_trees:
                 d = drafter.propose_tree(tokens, k)
             elif isinstance(drafter, SuffixDrafter):
                 d = drafter.draft(tokens, k, tree=False)
             else:
                 d = Draft()
-                for t in drafter.propose(tokens, k):  # its chain, the latest match's (no frequencies)
+                for t in drafter.propose(tokens, k):  # a chain, without frequencies
                     d.add(t, len(d.tokens) - 1, 1.0)
             tree = TokenTree.from_drafts(seq.out[-1], d.tokens, d.parents)
             # each column's frequency given its parent's (the drafter's probabilities are path products)
             self._freqs[seq.slot] = [
-                q / (d.probs[p] if p >= 0 else 1.0) for q, p in zip(d.probs, d.parents, strict=True)
+                q if p < 0 else q / d.probs[p] if d.probs[p] > 0 else 0.0
+                for q, p in zip(d.probs, d.parents, strict=True)
             ]
         else:
             tree = TokenTree.chain(seq.out[-1], drafter.propose(tokens, k))

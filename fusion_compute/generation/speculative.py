@@ -28,7 +28,9 @@ Drafters (one per session):
   SuffixDrafter      SuffixDecoding (suffix.py): suffix tries over the session's tokens and over
                      the job's earlier outputs, the draft scored by frequency and sized by the match
   DraftModelDrafter  a small model of the same vocabulary on the client (the dense twin), greedy,
-                     with its own KV cache per session, rolled back to the common prefix each step
+                     with its own KV cache per session, rolled back to the common prefix each step;
+                     as a tree (propose_tree; not used by the loop: docs/speculative.md) its next
+                     likeliest tokens as leaves where its top-1 is unsure
 
 DraftLength adapts K per session: longer after a fully accepted step, shorter after a miss, and no
 drafts at all (for a growing number of steps) while acceptance stays low, so a session whose
@@ -448,6 +450,12 @@ def _merge(follows: list[list[int]], k: int) -> Draft:
     return draft
 
 
+# The draft model's tree: a position whose top-1 probability is under UNSURE branches into its BRANCHES
+# likeliest tokens (the chain's and BRANCHES - 1 leaves beside it)
+UNSURE = 0.5
+BRANCHES = 3
+
+
 class DraftModelDrafter:
     """A draft model's greedy proposals for one session, over the session's own KV cache of the draft
     model (the tokens it holds are `seen`; a step re-runs from the first one that changed)."""
@@ -459,8 +467,38 @@ class DraftModelDrafter:
         self.seen: list[int] = []
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self._chain(tokens, k)[0]
+
+    def propose_tree(self, tokens: list[int], k: int) -> Draft:
+        """A token tree of at most k drafts: the greedy chain, and at each of its positions where the
+        draft model's top-1 probability is below UNSURE, its next likeliest tokens (BRANCHES in all
+        at that position) as leaves beside the chain's token (a leaf costs no forward of the draft
+        model: only the chain runs). A column's probability is the draft model's along its path (a
+        product of softmax probabilities); columns are taken best first by it (a parent before its
+        children: a child's is at most its parent's, and the parent was made first), the first k."""
+        chain, probs = self._chain(tokens, k)
+        nodes: list[tuple[float, int, int]] = []  # (path probability, token, parent node), in order made
+        parent, path = -1, 1.0
+        for t, p_V in zip(chain, probs, strict=True):
+            top_p, top_t = torch.topk(p_V, min(BRANCHES, p_V.numel()))
+            if float(top_p[0]) < UNSURE:  # an uncertain position: its alternatives, as leaves
+                nodes += [
+                    (path * q, alt, parent) for q, alt in zip(top_p.tolist(), top_t.tolist(), strict=True) if alt != t
+                ]
+            path *= float(p_V[t])
+            nodes.append((path, t, parent))
+            parent = len(nodes) - 1
+        order = sorted(range(len(nodes)), key=lambda j: (-nodes[j][0], j))[:k]
+        draft, column = Draft(), {-1: -1}
+        for j in order:
+            prob, t, par = nodes[j]
+            column[j] = draft.add(t, column[par], prob)
+        return draft
+
+    def _chain(self, tokens: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The greedy drafts and the draft model's softmax at each (what each was the argmax of)."""
         if k < 1:
-            return []
+            return [], []
         if self.cache is None:
             self.cache = self.model.new_cache(self.max_seq)
         keep = 0
@@ -470,10 +508,12 @@ class DraftModelDrafter:
         logits = self.model.forward(tokens[keep:], keep, self.cache)[-1]
         self.seen = list(tokens)
         drafts: list[int] = []
+        probs: list[torch.Tensor] = []
         while True:
             drafts.append(int(torch.argmax(logits)))
+            probs.append(torch.softmax(logits.float(), dim=-1))
             if len(drafts) == k or len(self.seen) >= self.max_seq:
-                return drafts
+                return drafts, probs
             logits = self.model.forward(drafts[-1:], len(self.seen), self.cache)[-1]
             self.seen.append(drafts[-1])
 
