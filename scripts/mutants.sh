@@ -266,6 +266,67 @@ MUTANTS += [
         "    if counted:",
         [B41 + "test_two_workers_each_leaving_after_the_other_are_ambiguous"],
     ),
+    # which ambiguous sets feed follows (Verdict.liar_only): only those that hold a liar
+    (
+        "blame-slow-step-set-feeds-follows",
+        R + "runtime/membership.py",
+        "        if verdict.liar_only:\n            convicted = follows(",
+        "        if True:\n            convicted = follows(",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-slow-step-set-remembered",
+        R + "runtime/membership.py",
+        "            self.liar_sets.append(frozenset(verdict.causes))\n",
+        "        self.liar_sets.append(frozenset(verdict.causes))\n",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-slow-step-set-judged-against-liar-sets",
+        R + "runtime/membership.py",
+        "        if verdict.liar_only:\n            convicted = follows(self.liar_sets, verdict.causes)\n",
+        "        convicted = follows(self.liar_sets, verdict.causes)\n        if verdict.liar_only:\n",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-waits-fallback-marked-liar-only",
+        R + "runtime/blame.py",
+        "Verdict(verdict.named, verdict.causes, said)",
+        "Verdict(verdict.named, verdict.causes, said, liar_only=True)",
+        [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
+    ),
+    (
+        "blame-judge-sets-marked-liar-only",
+        R + "runtime/deadline.py",
+        "return Verdict(causes[0] if len(causes) == 1 else None, tuple(causes), said)",
+        "return Verdict(causes[0] if len(causes) == 1 else None, tuple(causes), said, liar_only=True)",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-link-sets-not-liar-only",
+        R + "runtime/blame.py",
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)',
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words))',
+        [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
+    ),
+    (
+        "blame-tainted-set-not-liar-only",
+        R + "runtime/blame.py",
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)',
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words))',
+        [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
+    ),
+    (
+        "blame-logits-suspects-not-liar-only",
+        R + "runtime/membership.py",
+        "verdict = Verdict(None, suspects, _first_line(err), liar_only=True)",
+        "verdict = Verdict(None, suspects, _first_line(err))",
+        [P41 + "test_a_failed_logits_check_sets_the_suspects_aside_and_convicts_only_whom_ambiguity_follows"],
+    ),
     (
         "recv-check-off-reduce-scatter",
         R + "comm/comm.py",
@@ -276,8 +337,8 @@ MUTANTS += [
     (
         "recv-check-off-score-sum",
         R + "comm/comm.py",
-        "self._check_received(theirs, op)",
-        "None",
+        "self._check_received(theirs, op)\n            stack = stack.to(scores.device)",
+        "stack = stack.to(scores.device)",
         [P41 + "test_a_poisoned_score_sum_names_its_sender"],
     ),
     (

@@ -137,7 +137,17 @@ LOGIT_ATOL = 3e-4  # test_parity.py's: float32 shards against transformers in fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,n", [("llama", 2), ("qwen2", 3), ("qwen2", "masked 1+1"), ("mistral", 2)])
+@pytest.mark.parametrize(
+    "arch,n",
+    [
+        ("llama", 2),
+        ("qwen2", 3),
+        ("qwen2", "masked 1+1"),
+        ("mistral", 2),
+        ("gemma3_text", 3),
+        ("gemma3_text", "masked 1+1"),
+    ],
+)
 def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
     arch, n, tiny_llama, tiny_qwen2, tmp_path
 ):
@@ -148,7 +158,8 @@ def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
     splits a KV group across workers (its scores are summed between them); masked 1+1 attends on the
     client, in the clear, with the same mask and depths and compacts its own cache; mistral's sliding
     window of 2 is shorter than the paths here (a key is seen within 2 positions of its column's
-    depth, not of its cache index)."""
+    depth, not of its cache index); gemma3_text the same on its local layers, whose RoPE (by depth) has
+    its own base, and its post-norms' sums at N = 3."""
     from tiny_models import build
 
     from fusion_compute.masked.client import MaskedEngine, MaskedOptions

@@ -211,7 +211,8 @@ def tcp_rtt_ms(hosts: Hosts, a: str, b: str, count: int = 105) -> float:
 def rounds_per_token(model: str, n: int, variant: str) -> int:
     """Sequential network exchanges per decode step: the client's ingress and egress, plus the
     collectives among workers per layer (fusion: 4 reduce-scatters; megatron: 2 all-reduces) and, in
-    both, the score sums of split KV groups (the most any worker makes: they run one after another)."""
+    both, the score sums of split KV groups (the most any worker makes: they run one after another);
+    with post-norms (Gemma 3) the sharded layer's 2 all-worker Σy² sums (megatron's are local)."""
     from ..structural.plan import make_plan
     from ..weights.loader import open_weights
 
@@ -220,7 +221,8 @@ def rounds_per_token(model: str, n: int, variant: str) -> int:
         return 2
     plan = make_plan(config, n)
     split = max(plan.collectives_per_layer(w)["score_sum"] for w in range(n))
-    return 2 + config.n_layers * ((4 if variant == "sharded" else 2) + split)
+    norms = plan.collectives_per_layer(0).get("norm_sum", 0) if variant == "sharded" else 0
+    return 2 + config.n_layers * ((4 + norms if variant == "sharded" else 2) + split)
 
 
 def median_run(reps: list[dict]) -> dict:

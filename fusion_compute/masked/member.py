@@ -45,7 +45,9 @@ def run_member(
     audit = AuditLog(o.audit_dir, rank, "worker", group, sizes, epoch=epoch) if o.audit_dir else None
     if audit is not None:
         keep(audit)
-    comm = Comm(rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, backend="tls" if o.key else "tcp")
+    comm = Comm(
+        rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, backend="tls" if o.key else "tcp", epoch=epoch
+    )
     try:
         with farewell_on_failure(links):  # a failure of its own is said before the links close
             run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)

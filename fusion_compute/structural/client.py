@@ -12,6 +12,7 @@ import torch
 
 from ..comm.value_checks import ROW_SUMSQ_LIMIT
 from ..errors import WorkerMisbehaved, WorkersSuspected
+from ..model import architecture as arch
 from ..model.config import ModelError
 from ..model.kernels import rms_norm
 from ..runtime.engine import EngineBase, control_word
@@ -44,6 +45,7 @@ class Engine(EngineBase):
 
     def _control(self, op: Op, t: int = 0, pos: int = 0, arg: int = 0) -> None:
         msg = control_word(op, t, pos, arg)
+        self.wire.begin_step()  # each worker starts it as the word arrives (comm.py, "Numbered steps")
         for s in self.plan.workers:
             self.wire.send(msg, s.rank, "control", op.name.lower())
 
@@ -140,7 +142,8 @@ class Engine(EngineBase):
         spans = self._batch_spans(items)
         ids = [i for _, seq in items for i in seq]
         total = len(ids)
-        x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, ΣT), full: fine, this is the client
+        # (H, ΣT), full: fine, this is the client
+        x_HT = arch.embed_rows(self.config, self.embed, torch.tensor(ids)).T.contiguous()
         tree_words = self._tree_words(spans)
         self._control(Op.FORWARD, len(spans), total, len(tree_words))
         span_words = torch.tensor(spans, dtype=torch.int64).reshape(-1)

@@ -45,6 +45,12 @@ class MegatronLayer(ShardedLayer):
             return qkv_aT if self.w.qkv_b is None else qkv_aT + self.w.qkv_b[:, None]
         return self.w.gu_w @ h_HT
 
+    def post_norm(self, i: int, name: str, y_HT: torch.Tensor) -> torch.Tensor:
+        """Gemma 3's post-norm on the replicated y (H, T): local, no collective."""
+        if self.w.post_w is None:
+            return y_HT
+        return self.w.post_w[0 if name == "o" else 1][:, None] * norm(y_HT, self.eps)
+
     def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """Row-parallel: every worker gets the full sum W y (H, T)."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
@@ -65,9 +71,9 @@ class MegatronModel(ShardedModel):
         return list(self.plan.residual_sizes)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-        step = self._step(spans)
+        steps = self._layer_steps(spans)
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
-        for layer in self.layers:
+        for layer, step in zip(self.layers, steps, strict=True):
             x_HT = layer.forward(x_HT, step)
         a = sum(self.res_sizes[: self.w])
         return x_HT[a : a + self.res_sizes[self.w]].contiguous()

@@ -16,7 +16,14 @@ lowercase = this worker's shard, uppercase = full extent.
   gate_up         x_dT  (R)        gu_mT  (M)        S(R) -> P -> S(M)   norm fused
   swiglu          gu_mT (M)        h_mT   (M)        local
   down            h_mT  (M)        y_dT   (R)        S(M) -> P -> S(R)
+  post-norm       y_dT  (R)        y_dT   (R)        local + Σy² summed over all workers (Gemma 3: after
+                                                     o and after down; one scalar per token, one round)
   residual add    x_dT, y_dT       x_dT              local
+
+Gemma 3's post-norms (model/layer.py) cost 2 rounds per layer more than the Llama layer: y is known
+only after its scatter, so its Σy² cannot ride in that scatter, and the next norm's scatter needs the
+normalized y already (`post_norm`). (Folding it into the next norm's scatter, sending W x and W g⊙y
+apart and the three sums Σx², Σx·g⊙y, Σ(g⊙y)², would save the rounds at twice the bytes: not done.)
 
 A step may carry several sessions (continuous batching, batching.py): their tokens are consecutive
 columns (`Step.spans`), every linear and collective runs once over all of them, and attention runs
@@ -35,10 +42,10 @@ from ..model.kernels import (
     Rotary,
     attend_scored,
     causal_mask,
+    gated,
     outside_windows,
     rotate,
     softmax32,
-    swiglu,
     tree_depths,
     tree_mask,
 )
@@ -92,6 +99,7 @@ class LayerShard:
     down_w: torch.Tensor  # (H, m_r)
     index: LayerIndex | None = None  # what the rows/columns above stand for (audit)
     qk_w: tuple[torch.Tensor, ...] | None = None  # per attention block: (2, dl) q_norm, k_norm gains (Qwen3)
+    post_w: torch.Tensor | None = None  # (2, d_r): the post-norm gains after o, after down, own rows (Gemma 3)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LayerShard:
         """These slices on `device` in `dtype`, placed once at load (a no-op for float32 on the CPU);
@@ -102,7 +110,8 @@ class LayerShard:
 
         b = None if self.qkv_b is None else move(self.qkv_b)
         qk = None if self.qk_w is None else tuple(move(g) for g in self.qk_w)
-        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index, qk)
+        post = None if self.post_w is None else move(self.post_w)
+        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index, qk, post)
 
 
 @dataclass
@@ -269,8 +278,11 @@ class ShardedLayer(LayerOps[Step]):
         group_size: int,
         eps: float,
         window: int | None = None,
+        scale: float | None = None,
+        activation: str = "silu",
     ):
-        """`window`: this layer's sliding window (None: full causal; config.window)."""
+        """`window`: this layer's sliding window (None: full causal; config.window); `scale`: the
+        scores' (config.scale; None: head_dim^-1/2); `activation`: config.activation."""
         self.i = index
         self.w = weights
         self.blocks = blocks
@@ -284,7 +296,8 @@ class ShardedLayer(LayerOps[Step]):
         self.head_dim = head_dim
         self.gs = group_size
         self.eps = eps
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.act = activation
         self.window = window
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
@@ -466,8 +479,21 @@ class ShardedLayer(LayerOps[Step]):
         )
 
     def activation(self, i: int, gu_mT: torch.Tensor) -> torch.Tensor:
-        """SwiGLU on the worker's MLP rows: gate rows then the same coordinates' up rows."""
-        return swiglu(gu_mT, dim=0)
+        """SwiGLU (GeGLU: Gemma) on the worker's MLP rows: gate rows then the same coordinates' up rows."""
+        return gated(gu_mT, self.act, dim=0)
+
+    def post_norm(self, i: int, name: str, y_dT: torch.Tensor) -> torch.Tensor:
+        """Gemma 3's post-norm on this worker's residual rows of y (d_r, ΣT): g ⊙ y / s with
+        s = sqrt(Σ_all rows y² / H + ε) per token. The Σy² of the other rows is on the other workers:
+        each adds its partial sums, one float32 scalar per token, in one all-worker exchange
+        (comm.sum_norms, op "L{i}.post_{name}"). The identity for the families without post-norms."""
+        if self.w.post_w is None:
+            return y_dT
+        yf = y_dT.float()
+        ss = self.comm.sum_norms((yf * yf).sum(0), f"L{i}.post_{name}")
+        inv_s = torch.rsqrt(ss / self.hidden + self.eps)
+        g = self.w.post_w[0 if name == "o" else 1]
+        return g[:, None] * (yf * inv_s).to(y_dT.dtype)
 
     def hold(self, i: int, name: str, t: torch.Tensor) -> None:
         """The audit's record: the coordinates `t` stands for, from the index maps the weights were

@@ -181,10 +181,15 @@ class Plan:
 
     def collectives_per_layer(self, w: int) -> dict[str, int]:
         """Worker w's sequential exchanges in one layer's forward: the four reduce-scatters and one
-        score sum per split attention block. Per-head q/k norms (Qwen3) ride in the score sum
-        (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a round."""
+        score sum per split attention block, and with post-norms (Gemma 3) two all-worker Σy² sums
+        (ops.ShardedLayer.post_norm: y is known only after its scatter). Per-head q/k norms ride in
+        the score sum (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a round.
+        One worker alone makes none of them."""
         split = sum(1 for b in self.workers[w].attention if b.split)
-        return {"reduce_scatter": 4, "score_sum": split}
+        out = {"reduce_scatter": 4, "score_sum": split}
+        if self.config.post_norms:
+            out["norm_sum"] = 2
+        return out
 
     def bytes_per_token_layer(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
         """Bytes worker w sends per token per layer in the four reduce-scatters (score sums excluded:

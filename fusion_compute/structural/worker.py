@@ -189,6 +189,7 @@ class Worker:
                 fabric=fabric,
                 backend=backend,
                 witness=self.witness,
+                epoch=int(welcome.get("epoch") or 0),
             )
             comm = self.sabotage(comm)
             try:
@@ -331,7 +332,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     the variant: "sharded" or "megatron" (the replicated-residual baseline, same protocol)."""
     rank, leak, variant = w + 1, me.o.inject_leak, me.o.variant
     ctrl = torch.zeros(CONTROL_LEN, dtype=torch.int64)
-    comm.recv(ctrl, 0, "control", "hello")
+    comm.recv(ctrl, 0, "control", "hello", new_step=True)  # a command word: step 1 (comm.py, "Numbered steps")
     op, context, fp, _ = (int(v) for v in ctrl)
     mine = fingerprint_int(plan)
     if op != Op.HELLO or fp != mine:
@@ -355,7 +356,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     )
     n_res = plan.workers[w].n_residual
     while True:
-        comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
+        comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf, new_step=True)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
         if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, W]
             words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()

@@ -143,6 +143,12 @@ def expected_transfers(
         received = per_rank({q + 1: sizes[w] * t for q in others})
         return Transfer(layer, f"L{layer}.{name}", S.REDUCE_SCATTER, sent, received, itemsize)
 
+    def norm_sum(layer: int, name: str) -> Transfer:
+        # Gemma 3's post-norm: this worker's Σy² over its residual rows, one float32 scalar per token,
+        # to every other worker and theirs back (ops.post_norm)
+        cnt = per_rank({q + 1: t for q in others})
+        return Transfer(layer, f"L{layer}.{name}", S.NORM_SUM, cnt, list(cnt), 4)
+
     out = [Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), itemsize)]
     for layer in range(dims["layers"]):
         if n > 1:
@@ -160,8 +166,12 @@ def expected_transfers(
                 out.append(Transfer(layer, f"L{layer}.scores.g{g0}", S.SCORE_SUM, cnt, list(cnt), size))
         if n > 1:
             out.append(rs(layer, "o", res_n))
+            if dims.get("post_norms"):
+                out.append(norm_sum(layer, "post_o"))
             out.append(rs(layer, "gate_up", gu_n))
             out.append(rs(layer, "down", res_n))
+            if dims.get("post_norms"):
+                out.append(norm_sum(layer, "post_down"))
     out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: res_n[w] * t}), per_rank({}), itemsize))
     return out
 
