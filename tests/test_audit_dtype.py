@@ -33,7 +33,7 @@ def test_bfloat16_run_closes_and_its_bytes_are_the_dtypes(tiny_qwen2, tmp_path):
     manifest = load_manifest(epoch)
     assert manifest["wire_dtype"] == "bfloat16"
     events = [json.loads(line) for line in (epoch / S.log_name(1)).read_text().splitlines()]
-    sizes = {e[-1] for r in events for e in r.get("events") or []}
+    sizes = {e[6] for r in events for e in r.get("events") or []}  # LogEvent.itemsize
     assert sizes == {2}, sizes  # every state transfer of worker 1 moved 2-byte elements
 
     assert verify_epoch(epoch, manifest).ok
