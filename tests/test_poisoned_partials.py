@@ -46,11 +46,13 @@ def test_the_block_check_refuses_nan_inf_and_values_over_the_bound_and_passes_th
     assert "over" in block_fault(torch.tensor([1e30, -1e30]))
     assert "over" in block_fault(torch.tensor([3e38], dtype=torch.bfloat16))  # in a 2-byte dtype too
     assert block_fault(torch.empty(0, 4)) is None
-    # the egress: finite, and each token's sum of squares within its 1/N share of the client's limit
+    # the egress (a partial the client sums with N - 1 others): finite, and each token's sum of
+    # squares within its 1/N² share of the client's limit
     assert egress_fault(torch.randn(16, 4), 3) is None
     big = torch.zeros(16, 2)
-    big[0, 1] = math.sqrt(ROW_SUMSQ_LIMIT / 3) * 1.01
+    big[0, 1] = math.sqrt(ROW_SUMSQ_LIMIT / 9) * 1.01
     assert "sum of squares" in egress_fault(big, 3)
+    assert egress_fault(big, 2) is None  # under a quarter of the limit: within two workers' share
     assert egress_fault(big, 1) is None  # one worker's share is the whole limit
     assert "NaN" in egress_fault(torch.tensor([[math.nan]]), 2)
 

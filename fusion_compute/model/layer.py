@@ -8,7 +8,8 @@ baseline) is the ops; what it computes is here, for every one of them:
   o   = attention(qkv)                        ops.attention(i, qkv, step)       RoPE, KV cache, softmax
   x  += W_o o                                 ops.linear_back(i, "o", o)        back to the residual layout
   gu  = W_gate_up (RMSNorm(x) · g_mlp)        ops.norm_linear(i, "gate_up", x)  into the MLP layout
-  x  += W_down (silu(gate) ⊙ up)              ops.activation(i, gu), ops.linear_back(i, "down", h)
+  x  += W_down (silu(gate) ⊙ up)              ops.activation(i, gu), ops.linear_back(i, "down", h),
+                                              ops.residual_add(i, x, y)
 
 `x` is opaque here except for `+`: each implementation keeps its own layout (dense: token-major
 (B, T, H); sharded and Megatron: feature-major (rows, T)) and its own `step` (what attention needs
@@ -54,6 +55,12 @@ class LayerOps(Protocol[S]):
         """The MLP's gated activation, gu (MLP layout, [gate; up]) -> h: SwiGLU silu(gate) ⊙ up."""
         ...
 
+    def residual_add(self, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Layer i's output x + W_down h (y: what linear_back(i, "down", ·) returned). The sharded
+        modes' last layer returns the worker's egress here instead (structural/ops.py: the down
+        partials go straight to the client, which sums them). x + y by default."""
+        return x + y
+
     def hold(self, i: int, name: str, t: torch.Tensor) -> None:
         """Audit hook: at this step, layer i's tensor `name` (one of HOLDS) is `t` ("kv": t is the
         qkv whose k, v went into the cache: the record is the cache's). No-op by default."""
@@ -78,4 +85,4 @@ def decoder_layer(ops: LayerOps[S], i: int, x: torch.Tensor, step: S) -> torch.T
     ops.hold(i, "gate_up", gu)
     ops.hold(i, "h", h)
     ops.hold(i, "resid.out", y)
-    return x + y
+    return ops.residual_add(i, x, y)

@@ -1,5 +1,5 @@
 """The structural client (rank 0, user side, trusted): embedding, ingress split, egress
-reconstruction, final norm, LM head. Text and token ids never leave this process; workers get
+sum (the workers' last down partials), final norm, LM head. Text and token ids never leave this process; workers get
 embedding shards only. Start-up, links and close are engine.py's.
 """
 
@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..comm.buffers import accumulate
 from ..comm.value_checks import ROW_SUMSQ_LIMIT
 from ..errors import WorkerMisbehaved, WorkersSuspected
 from ..model.config import ModelError
@@ -132,7 +133,8 @@ class Engine(EngineBase):
     ) -> list[torch.Tensor]:
         """One step over one or several slots: their tokens as consecutive columns of one ingress, one
         collective per operator for all of them (protocol.Op.FORWARD). Ingress: x[:, R_w] to worker w;
-        egress: shards back. Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
+        egress: each worker's (H, ΣT) last down partial, its residual rows added, summed here (the
+        last layer's scatter merged into the egress: structural/ops.py, ShardedLayer.to_client). Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
         spans = self._batch_spans(items)
         ids = [i for _, seq in items for i in seq]
         total = len(ids)
@@ -145,16 +147,19 @@ class Engine(EngineBase):
             self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
         # all workers' egress waited on at once: a worker is charged only the wait after every other's
         # shard had arrived (comm.Comm.recv_all), so the client's own account names the late one
+        H = self.config.hidden
         got = self.wire.recv_all(
-            {s.rank: torch.empty(s.n_residual, total, dtype=self.dtype) for s in self.plan.workers}, "egress", "final"
+            {s.rank: torch.empty(H, total, dtype=self.dtype) for s in self.plan.workers}, "egress", "final"
         )
         shards = [got[s.rank] for s in self.plan.workers]
         self._check_egress(shards)
+        # Σ_w e_w = x_mid + W_down h: one float32 accumulator, rounded once (as a reduce-scatter sums)
+        x_HT = accumulate(torch.stack(shards))
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
         ends = list(itertools.accumulate(t for _, _, t in spans))
         cols = [list(range(e - t, e)) if slot in full else [e - 1] for (slot, _, t), e in zip(spans, ends, strict=True)]
         picked = [c for cs in cols for c in cs]
-        x_cH = torch.cat(shards).to(self.client_device).T[torch.tensor(picked)]  # on the user side only
+        x_cH = x_HT.to(self.client_device).T[torch.tensor(picked)]  # on the user side only
         x_cH = rms_norm(x_cH, self.final_norm, self.config.rms_eps)
         if len(spans) == 1:
             logits_cV = x_cH @ self.lm_head.T  # (T or 1, V)
@@ -169,25 +174,27 @@ class Engine(EngineBase):
         return out
 
     def _check_egress(self, shards: list[torch.Tensor]) -> None:
-        """Every egress shard must be finite and of a scale the model can produce: a NaN, an
+        """Every egress (a worker's full-width partial of the final residual) must be finite and of a
+        scale the model can produce: a NaN, an
         infinity or a finite ±3e38 from a worker would become token 0 (greedy: the final norm's
         float32 sum of squares overflows, every logit is 0), a sampling error, or drafts accepted
         for nothing, naming nobody. Raises WorkerMisbehaved naming the worker, before anything is
         computed from the step: the engine removes it (membership._expel; a standby takes its seat)
         and the request fails. Two passes over H x T floats, next to the step's round trips.
 
-        The scale: each token's sum of squares over its whole residual row, summed in float64, must
-        stay under EGRESS_SCALE_LIMIT, what the final norm's float32 arithmetic carries. An honest
+        The scale: each token's sum of squares over its whole residual row (the egresses' sum, in
+        float64), must stay under EGRESS_SCALE_LIMIT, what the final norm's float32 arithmetic carries. An honest
         residual above it would overflow the model's own norm, in HF transformers too; real ones
         are far below (SmolLM2-135M, its final residual over four 96-token prompts, random ids,
         1..96, all 1, all 2: at most 3.8e7, with values up to 4.4e3, against a limit of 1.7e38). Over
-        it, every worker whose shard holds more than its even part (limit / N) of some row is named:
-        at least one does. These are checks against crashes and gross faults, not integrity: a
+        it, every worker whose egress holds more than limit / N² of some row's sum of squares is named:
+        at least one does (‖Σ_w e_w‖ <= Σ_w ‖e_w‖, so if every ‖e_w‖² were at most limit / N², the
+        sum's would be at most the limit). These are checks against crashes and gross faults, not integrity: a
         worker that computes wrong but plausible values passes them (README's threat model).
 
         Why naming the worker is sound even when a peer fed it poisoned partials: every worker checks
         its own egress by the same two rules before it sends it (comm/value_checks.py, egress_fault:
-        finite, each token's sum of squares at most the limit / N) and, when it fails, leaves saying
+        finite, each token's sum of squares at most the limit / N²) and, when it fails, leaves saying
         so instead of sending it (TaintedInputs: nobody is named on that). So a shard that fails here
         is one its sender's own check refused: only a worker that skipped the check sends it."""
         for s, shard in zip(self.plan.workers, shards, strict=True):
@@ -200,10 +207,10 @@ class Engine(EngineBase):
                     reason="sent a non-finite egress shard (caught by the finiteness check)",
                 )
         sumsq = [shard.double().square().sum(0) for shard in shards]  # (ΣT,) per worker, float64: cannot overflow
-        rows = torch.stack(sumsq).sum(0)
+        rows = torch.stack([shard.double() for shard in shards]).sum(0).square().sum(0)  # the final residual's
         if bool((rows <= EGRESS_SCALE_LIMIT).all()):
             return
-        share, named = EGRESS_SCALE_LIMIT / len(shards), {}
+        share, named = EGRESS_SCALE_LIMIT / len(shards) ** 2, {}
         for s, ss in zip(self.plan.workers, sumsq, strict=True):
             if bool((ss > share).any()):
                 pid = self.order[s.rank - 1]
@@ -221,7 +228,7 @@ class Engine(EngineBase):
         that passed their checks were made from every worker's partials: a liar could have fed an
         honest worker the values that make the row so, and the client cannot tell which. Nobody is
         convicted: WorkersSuspected, every worker of the epoch a suspect, those whose shards carry
-        the most of that token's residual (its sum of squares) first (set aside first)."""
+        the most of that token's residual (its egress's sum of squares) first (set aside first)."""
         finite = torch.isfinite(logits_cV).all(-1)
         flat = logits_cV.amax(-1) == logits_cV.amin(-1)
         bad = (~finite) | flat

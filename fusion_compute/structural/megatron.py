@@ -10,7 +10,8 @@ Every worker holds the *full* residual (replicated) and computes its heads / MLP
   o_proj         o_aT (A)     x_HT            P -> all-reduce -> R       (every worker: full sum)
   norm + gate/up x_HT (R)     gu_mT (M)       local
   down           h_mT (M)     x_HT            P -> all-reduce -> R
-  egress         x_HT         x_dT            local slice of the replicated residual
+  down (last)    h_mT (M)     e_HT            local partial + the worker's rows R_w of x: the egress,
+                                              summed by the client (as the sharded mode's, ops.py)
 
 Two all-reduces per layer instead of four reduce-scatters, and every worker holds the complete
 residual at every layer: the audit verifier must (and does) reject it. Weights: the same row /
@@ -48,14 +49,24 @@ class MegatronLayer(ShardedLayer):
     def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """Row-parallel: every worker gets the full sum W y (H, T)."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
+        if name == "down" and self.to_client:  # the client sums the partials (ShardedLayer.linear_back)
+            return w_back @ y
         return self.comm.all_reduce_workers(w_back @ y, f"L{i}.{name}")
+
+    def residual_add(self, i: int, x_HT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """As the sharded layer's, x replicated: the last layer adds only this worker's rows R_w of x
+        to its partial, so the client's sum over the workers counts x once."""
+        if not self.to_client:
+            return x_HT + y
+        a, b = self.res_starts[self.me], self.res_starts[self.me + 1]
+        return super().residual_add(i, x_HT[a:b], y)
 
 
 class MegatronModel(ShardedModel):
     """Drop-in for worker.ShardedModel (whose session plumbing it inherits: reset, attach_audit,
     RoPE and mask per step, make_layer with load_layer's replicated slicing): forward(x_dT, pos)
-    maps the ingress shard to the egress shard (so the client runs unchanged), replicating the
-    residual in between."""
+    maps the ingress shard to the egress (the last layer's partial, as the sharded model's: the
+    client runs unchanged), replicating the residual in between."""
 
     layer_class = MegatronLayer
     replicated = True
@@ -69,5 +80,4 @@ class MegatronModel(ShardedModel):
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
         for layer in self.layers:
             x_HT = layer.forward(x_HT, step)
-        a = sum(self.res_sizes[: self.w])
-        return x_HT[a : a + self.res_sizes[self.w]].contiguous()
+        return x_HT  # the egress e_HT (the last layer's residual_add)

@@ -17,6 +17,14 @@ lowercase = this worker's shard, uppercase = full extent.
   down            h_mT  (M)        y_dT   (R)        S(M) -> P -> S(R)
   residual add    x_dT, y_dT       x_dT              local
 
+The last layer's down has no scatter (`ShardedLayer.to_client`): its output goes to the client, not
+to the workers, so each worker keeps its full-width partial y_HT = W_down[:, M_w] h_mT, adds its own
+residual rows x_dT into rows R_w, and that (H, T) is its egress: Σ_w egress_w = x + W_down h, summed
+by the client (one exchange fewer per forward; no worker holds any of the final residual).
+
+  down (last)     h_mT  (M)        y_HT   (P)        local: full-width partial, no collective
+  residual add    x_dT, y_HT       e_HT   (P)        local: e_HT = y_HT + x_dT in rows R_w (egress)
+
 A step may carry several sessions (continuous batching, batching.py): their tokens are consecutive
 columns (`Step.spans`), every linear and collective runs once over all of them, and attention runs
 per session against that session's KV slot.
@@ -240,6 +248,7 @@ class ShardedLayer(LayerOps[Step]):
         self.scale = head_dim**-0.5
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
+        self.to_client = False  # the last layer: its down partials go to the client (module doc)
 
     def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
         self.caches = [
@@ -345,10 +354,21 @@ class ShardedLayer(LayerOps[Step]):
     def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """S(A or M) -> P -> S(R): this worker's residual rows of W_o o or W_down h."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
+        if name == "down" and self.to_client:  # the client sums the partials: no scatter (module doc)
+            return w_back @ y  # y_HT (H, ΣT): this worker's MLP rows' contribution to every coordinate
         starts = self.res_starts
         return self.comm.reduce_scatter_from(
             lambda q: w_back[starts[q] : starts[q + 1]] @ y, self.res_sizes, f"L{i}.{name}"
         )
+
+    def residual_add(self, i: int, x_dT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x_dT + y_dT; the last layer (`to_client`): the egress e_HT, y_HT with x_dT added into this
+        worker's rows R_w, so that the client's Σ_w e_HT is the final residual x + W_down h."""
+        if not self.to_client:
+            return x_dT + y
+        a, b = self.res_starts[self.me], self.res_starts[self.me + 1]
+        y[a:b] += x_dT  # (one rounding, as x + y: in-place add computes in float32 for a 2-byte dtype)
+        return y
 
     def activation(self, i: int, gu_mT: torch.Tensor) -> torch.Tensor:
         """SwiGLU on the worker's MLP rows: gate rows then the same coordinates' up rows."""
@@ -358,7 +378,7 @@ class ShardedLayer(LayerOps[Step]):
         """The audit's record: the coordinates `t` stands for, from the index maps the weights were
         cut with (not the plan), and its row count; "kv": the cache's rows."""
         a = self.audit
-        if a is None:
+        if a is None or (name == "resid.out" and self.to_client):  # the last layer's: only the client's
             return
         index = getattr(self.w.index, HOLD_INDEX[name])
         a.hold(i, name, index, sum(ch.rows for ch in self.caches) if name == "kv" else t.shape[0])

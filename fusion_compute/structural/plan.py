@@ -15,6 +15,11 @@ Fused output spaces, each permuted so that every owner's coordinates are one con
 (so a reduce-scatter is a plain, possibly uneven, split):
   QKV  [q (n_h*d) | k (n_kv*d) | v (n_kv*d)]  -> per owner, per block: q rows, k rows, v rows
   GU   [gate (I) | up (I)]                     -> per owner: gate M_w, up M_w
+
+The boundary (`Plan.boundary`): the client's ingress sends worker w its residual shard x[:, R_w];
+the last layer's down has no reduce-scatter: each worker's egress is its full-width down partial,
+its residual rows added (H per token), and the client sums them. A forward is then 4 reduce-scatters
+per layer but the last layer's 3, plus the score sums, plus the ingress and the egress.
 """
 
 from __future__ import annotations
@@ -180,8 +185,36 @@ class Plan:
     # ---- predictions ----
 
     def collectives_per_layer(self, w: int) -> dict[str, int]:
+        """In every layer but the last (whose down goes to the client: `boundary`)."""
         split = sum(1 for b in self.workers[w].attention if b.split)
         return {"reduce_scatter": 4, "score_sum": split}
+
+    def collectives_per_forward(self, w: int) -> int:
+        """Worker w's collectives in one forward: every layer's, less the last layer's down scatter
+        (merged into the egress; none at N = 1, where nothing is scattered)."""
+        per_layer = self.collectives_per_layer(w)
+        merged = 1 if self.n > 1 else 0
+        return sum(per_layer.values()) * self.config.n_layers - merged
+
+    def exchanges_per_forward(self, w: int) -> int:
+        """Sequential exchanges of one forward as worker w counts them: its collectives plus the
+        client's ingress and egress (SmolLM2 at N = 2: 4 x 30 - 1 + 2 = 121)."""
+        return self.collectives_per_forward(w) + 2
+
+    @property
+    def boundary(self) -> dict[str, Any]:
+        """What crosses the client's boundary each forward, per worker and token, as data."""
+        return {
+            "ingress": {
+                "carries": "x[:, R_w]: the embedding's rows of the worker's residual range",
+                "elements_per_token": list(self.residual_sizes),
+            },
+            "egress": {
+                "carries": "W_down[:, M_w] h_w of the last layer, x[R_w] added in its rows; the client sums them",
+                "elements_per_token": [self.config.hidden] * self.n,
+            },
+            "merged": [f"L{self.config.n_layers - 1}.down reduce-scatter into the egress"] if self.n > 1 else [],
+        }
 
     def bytes_per_token_layer(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
         """Bytes worker w sends per token per layer in the four reduce-scatters (score sums excluded:
@@ -194,6 +227,12 @@ class Plan:
         elems += sum(self.gate_up_sizes[q] + 1 for q in others)
         elems += sum(self.residual_sizes[q] for q in others)  # down_proj
         return elems * itemsize
+
+    def bytes_sent_per_token(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
+        """Bytes worker w sends to other workers per token in one forward (score sums excluded): every
+        layer's scatters less the last layer's down (its partial goes to the client: `boundary`)."""
+        down = sum(self.residual_sizes[q] for q in range(self.n) if q != w) * itemsize
+        return self.bytes_per_token_layer(w, itemsize) * self.config.n_layers - down
 
     def score_elements(self, w: int, n_queries: int, n_keys: int) -> int:
         """Elements in worker w's partial-score sums for one layer (split groups only)."""
@@ -209,6 +248,7 @@ class Plan:
             "model": c.dims(),
             "workers": self.n,
             "group_owners": [list(o) for o in self.group_owners],
+            "boundary": self.boundary,
             "shares": [],
         }
         for s in self.workers:
@@ -232,8 +272,9 @@ class Plan:
                         "bytes_total_fp32": weight_elems * c.n_layers * 4,
                     },
                     "collectives_per_layer": self.collectives_per_layer(w),
+                    "collectives_per_forward": self.collectives_per_forward(w),
                     "bytes_sent_per_token_per_layer": self.bytes_per_token_layer(w),
-                    "bytes_sent_per_token": self.bytes_per_token_layer(w) * c.n_layers,
+                    "bytes_sent_per_token": self.bytes_sent_per_token(w),
                 }
             )
         return out

@@ -1,7 +1,7 @@
 """The sharded model of one worker: its weight slices, its residual and KV shards, every layer.
 
-`ShardedModel.forward(x_dT, spans)` maps this worker's residual shard at ingress to its residual
-shard at egress, for one session or a batch of them (one `ops.Span` each: KV slot, position, token
+`ShardedModel.forward(x_dT, spans)` maps this worker's residual shard at ingress to its egress (the
+last layer's full-width down partial, its own residual rows added: the client sums the workers'), for one session or a batch of them (one `ops.Span` each: KV slot, position, token
 count); the state is never gathered in between (ops.py has the operators, comm.py the wire).
 """
 
@@ -69,7 +69,8 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
 
 class ShardedModel:
     """All layers of one worker. `forward(x_dT, spans)` maps this worker's residual shard at
-    ingress to its residual shard at egress; the state is never gathered in between.
+    ingress to its egress e_HT (H, ΣT), whose sum over the workers is the final residual (ops.py,
+    `to_client`); the state is never gathered in between.
     (`layer_class` and `replicated`: what megatron.MegatronModel changes.)"""
 
     layer_class: type[ShardedLayer] = ShardedLayer
@@ -90,6 +91,7 @@ class ShardedModel:
         self.plan, self.w, self.comm = plan, w, comm
         self.device, self.dtype = device or torch.device("cpu"), dtype
         self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
+        self.layers[-1].to_client = True  # its down partials go to the client: the egress (ops.py)
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
@@ -194,7 +196,8 @@ class ShardedModel:
         return make_step(spans, self.inv_freq, self.device, self.dtype)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
+        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0).
+        Returns the egress e_HT (H, ΣT)."""
         step = self._step(spans)
         for layer in self.layers:
             x_dT = layer.forward(x_dT, step)

@@ -2,7 +2,7 @@
 
 It never receives token ids or text. In the structural mode (`serve` below) it gets its ingress
 shard of the embeddings, control words (operation, token count, position) and the partials
-addressed to its own chunks; in the masked mode (masked/worker.py), masked ring elements or a mask
+addressed to its own chunks, and it returns the last layer's down partial (its egress); in the masked mode (masked/worker.py), masked ring elements or a mask
 key. Every byte arrives over links that authenticated the client (and its peers) by their pinned
 keys, unless the user asked for --insecure.
 """
@@ -377,11 +377,11 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
                 audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
             me.witness.step(True)  # its account: a step is in progress here (until its egress leaves)
-            x_dT = model.forward(x_dT.to(model.device), spans)
-            fault = egress_fault(x_dT, plan.n)  # what the client's checks would name this worker for
+            e_HT = model.forward(x_dT.to(model.device), spans)  # the last layer's partial, summed by the client
+            fault = egress_fault(e_HT, plan.n)  # what the client's checks would name this worker for
             if fault is not None:  # its inputs passed one by one (comm's checks): it names nobody (TaintedInputs)
                 raise TaintedInputs(f"worker {rank}'s own egress holds {fault}: not sent")
-            comm.send(x_dT, 0, "egress", "final")
+            comm.send(e_HT, 0, "egress", "final")
             me.witness.step(False)
             if audit is not None:
                 audit.end_step()

@@ -4,8 +4,9 @@ Part of the independent verifier: imports only audit/schema.py and the standard 
 in the plan, the operators or the comm layer cannot certify itself. Per rank and step: which
 transfers it made and their element counts (closure of kinds, accounting), which coordinates each
 of its tensors stood for (holding, layout closure); then across ranks: sends = peers' receives,
-ingress and egress = the first and last layer's residual, and per protected role the workers' sets
-are a partition with no full holder. The socket byte check is in os_bytes.py.
+ingress = the first layer's residual, egress = every residual coordinate (the last layer's down
+partials, summed by the client: no worker holds the final residual), and per protected role the
+workers' sets are a partition with no full holder. The socket byte check is in os_bytes.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .. import schema as S
-from .expectation import Declared, Transfer, declare, expected_hold, expected_transfers, group_owners, wire_bytes
+from .expectation import (
+    Declared,
+    Transfer,
+    declare,
+    expected_hold,
+    expected_transfers,
+    group_owners,
+    held_in_layer,
+    wire_bytes,
+)
 from .logs import RankLog, StepKey, control_received, read_event
 from .result import RUN_LEVEL, Result, Violation
 from .sessions import Session, spans_of
@@ -228,6 +238,11 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
         for name in S.HOLD_NAMES:
             n_hold += 1
             got = h.get((layer, name))
+            if not held_in_layer(name, layer, n_layers):
+                if got is not None:
+                    msg = f"{name}: holds {len(got)} coordinates of the final residual, the client's alone"
+                    findings.append(("holding", msg, layer))
+                continue
             if got is None:
                 findings.append(("closure", f"no record of what {name} held", layer))
             elif got != expected[name]:
@@ -245,7 +260,6 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
                 "o_proj consumes other q coordinates than attention produced",
             ),
             (resid_mid == resid_in, "o_proj scatter delivers other residual coordinates than the worker holds"),
-            (resid_out == resid_in, "down scatter delivers other residual coordinates than the worker holds"),
             (
                 mlp == frozenset(c for c in gate_up if c < inter),
                 "down_proj consumes other MLP coordinates than gate produced",
@@ -255,7 +269,10 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
                 "SwiGLU pairs gate and up from different coordinates",
             ),
         ]
-        if layer + 1 < n_layers:
+        if layer + 1 < n_layers:  # (the last layer's down goes to the client: no scatter, no resid.out)
+            layout.append(
+                (resid_out == resid_in, "down scatter delivers other residual coordinates than the worker holds")
+            )
             next_in = h.get((layer + 1, "resid.in"), empty)
             layout.append((next_in == resid_out, "next layer consumes other residual coordinates"))
         for ok, msg in layout:
@@ -266,7 +283,8 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
 
 
 def check_client(ctx: Verification, steps: list[dict], ingress: dict, egress: dict) -> None:
-    """The client's side of the boundary: ingress and egress element counts per worker."""
+    """The client's side of the boundary: ingress element counts per worker (its residual shard) and
+    egress (its full-width partial of the final residual: H per token)."""
     n = ctx.n
     for r in steps:
         key = (r.get("session"), r.get("step"))
@@ -286,7 +304,11 @@ def check_client(ctx: Verification, steps: list[dict], ingress: dict, egress: di
                     if not v:
                         continue
                     want = len((ingress if e.kind == S.INGRESS else egress).get(q, ())) * t
-                    declared = len(ctx.decls[q - 1].resid) * t if 1 <= q <= n else None
+                    declared = (
+                        (len(ctx.decls[q - 1].resid) if e.kind == S.INGRESS else ctx.dims["hidden"]) * t
+                        if 1 <= q <= n
+                        else None
+                    )
                     if v != want or v != declared:
                         msg = f"{e.kind} rank {q}: {v} elements, expected {want}"
                         ctx.violate(Violation("accounting", msg, **where))
@@ -319,8 +341,9 @@ def check_conservation(ctx: Verification) -> None:
 
 
 def check_boundary(ctx: Verification, ingress: dict, egress: dict) -> None:
-    """Ingress coordinates = the residual layer 0 consumes; the last layer's output = egress."""
-    last = ctx.n_layers - 1
+    """Ingress coordinates = the residual layer 0 consumes; egress = every residual coordinate (each
+    worker's last down partial, summed by the client; check_holds: no worker holds the final residual)."""
+    everything = frozenset(range(ctx.dims["hidden"]))
     for key, per_w in ctx.held.items():
         for w, h in per_w.items():
             where = dict(rank=w + 1, session=key[0], step=key[1])
@@ -328,9 +351,9 @@ def check_boundary(ctx: Verification, ingress: dict, egress: dict) -> None:
             if ingress and h.get((0, "resid.in")) != ingress.get(w + 1):
                 msg = "ingress coordinates differ from the residual layer 0 consumes"
                 ctx.violate(Violation("closure", msg, layer=0, **where))
-            if egress and h.get((last, "resid.out")) != egress.get(w + 1):
-                msg = "egress coordinates differ from the last layer's residual"
-                ctx.violate(Violation("closure", msg, layer=last, **where))
+            if egress and egress.get(w + 1) != everything:
+                msg = "egress coordinates are not the whole residual the client sums the partials over"
+                ctx.violate(Violation("closure", msg, layer=ctx.n_layers - 1, **where))
 
 
 def check_partition(ctx: Verification) -> None:
@@ -346,6 +369,8 @@ def check_partition(ctx: Verification) -> None:
     for key, per_w in ctx.held.items():
         for layer in range(ctx.n_layers):
             for role, (name, a, b) in parts.items():
+                if not held_in_layer(name, layer, ctx.n_layers):
+                    continue  # nobody's (check_holds: a worker claiming it is a violation)
                 res.checks["partition"] += 1
                 res.checks["no_full_holder"] += 1
                 objs = tuple(per_w.get(w, {}).get((layer, name), empty) for w in range(n))

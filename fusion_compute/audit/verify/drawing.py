@@ -113,7 +113,7 @@ class Picture:
     client_in: str = "client: embed"
     client_out: str = "client: norm, LM head"
     ingress_label: str = "ingress: x[:, R_w]"
-    egress_label: str = "egress: final x[:, R_w]"
+    egress_label: str = "egress: last down partial (H), summed"
     scatter_label: tuple[str, str] = (
         "per layer, 4 reduce-scatters (QKV, o_proj, gate/up, down):",
         "sender (row) sends each owner (column) the rows it owns",

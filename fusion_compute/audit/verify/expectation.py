@@ -58,7 +58,8 @@ def declare(share: dict, dims: dict) -> Declared:
 
 
 def expected_hold(decl: Declared, name: str, dims: dict) -> frozenset[int]:
-    """The coordinates tensor `name` (a schema.HOLD_NAMES entry) must stand for."""
+    """The coordinates tensor `name` (a schema.HOLD_NAMES entry) must stand for (in every layer but
+    the last for "resid.out": `held_in_layer`)."""
     q_size = dims["heads"] * dims["head_dim"]
     if name in ("resid.in", "resid.mid", "resid.out"):
         return decl.resid
@@ -73,6 +74,13 @@ def expected_hold(decl: Declared, name: str, dims: dict) -> frozenset[int]:
     if name == "h":
         return decl.mlp
     raise KeyError(name)
+
+
+def held_in_layer(name: str, layer: int, n_layers: int) -> bool:
+    """Whether a worker holds tensor `name` in `layer`: all of them in every layer, but the last
+    layer's output residual ("resid.out") is nobody's: its down partials go to the client, which sums
+    them (the egress), so no worker ever holds a coordinate of the final residual."""
+    return not (name == "resid.out" and layer == n_layers - 1)
 
 
 def group_owners(decls: list[Declared], n_groups: int) -> list[list[int]]:
@@ -124,7 +132,8 @@ def expected_transfers(
 ) -> list[Transfer]:
     """The transfers worker w must make in one step of t tokens at position pos, in order
     (`spans`: a batched step's sessions, sessions.spans_of), each element `itemsize` bytes (the
-    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16)."""
+    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16). The last layer has no down
+    scatter: each worker's egress is its full-width down partial, H elements per token."""
     n = len(decls)
     gs = dims["heads"] // dims["kv_heads"]
     me = decls[w]
@@ -156,8 +165,9 @@ def expected_transfers(
         if n > 1:
             out.append(rs(layer, "o", res_n))
             out.append(rs(layer, "gate_up", gu_n))
-            out.append(rs(layer, "down", res_n))
-    out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: res_n[w] * t}), per_rank({}), itemsize))
+            if layer < dims["layers"] - 1:
+                out.append(rs(layer, "down", res_n))
+    out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: dims["hidden"] * t}), per_rank({}), itemsize))
     return out
 
 
