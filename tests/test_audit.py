@@ -239,6 +239,15 @@ def egress_as_shard(d: Path) -> None:
     _rechain(d, 0, recs)
 
 
+def ingress_qkv_widened(d: Path) -> None:
+    """The client's log says it sent a worker more of layer 0's q/k/v than the worker's share."""
+    recs = _records(d / "rank0.jsonl")
+    step = recs[_steps(recs)[1]]
+    ev = next(e for e in step["events"] if e[1] == "qkv0")
+    ev[4] = [v * 2 for v in ev[4]]  # (sent)
+    _rechain(d, 0, recs)
+
+
 def reordered_steps(d: Path) -> None:
     recs = _records(d / "rank1.jsonl")
     i, j = _steps(recs)[1:3]
@@ -280,6 +289,7 @@ TAMPERS = {
     "altered-bytes": (altered_bytes, {"accounting"}),
     "held-final-residual": (held_final_residual, {"holding"}),
     "egress-as-shard": (egress_as_shard, {"accounting"}),
+    "ingress-qkv-widened": (ingress_qkv_widened, {"accounting"}),
     "reordered-steps": (reordered_steps, {"structure"}),
     "negative-position": (negative_position, {"structure"}),
     "broken-hash-chain": (broken_chain, {"chain"}),

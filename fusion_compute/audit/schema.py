@@ -107,7 +107,8 @@ OP_ROLES = {
     "down": "resid_partial",
     "scores": "scores",
     "embed": "resid",
-    "final": "resid",
+    "qkv0": "qkv",  # layer 0's q/k/v shard, computed by the client, with the ingress
+    "final": "resid_partial",  # the last layer's down partial, the worker's residual rows added
 }
 
 

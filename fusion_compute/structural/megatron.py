@@ -40,6 +40,9 @@ class MegatronLayer(ShardedLayer):
 
     def norm_linear(self, i: int, name: str, x_HT: torch.Tensor) -> torch.Tensor:
         """Column-parallel, no collective: this worker's rows of W · RMSNorm(x), the bias (qkv) added."""
+        if name == "qkv" and self.given_qkv is not None:  # layer 0: from the client (ShardedLayer.norm_linear)
+            qkv_aT, self.given_qkv = self.given_qkv, None
+            return qkv_aT
         h_HT = norm(x_HT, self.eps)  # full residual: norm is local
         if name == "qkv":
             qkv_aT = self.w.qkv_w @ h_HT
@@ -75,8 +78,9 @@ class MegatronModel(ShardedModel):
     def res_sizes(self) -> list[int]:
         return list(self.plan.residual_sizes)
 
-    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
         step = self._step(spans)
+        self.layers[0].given_qkv = qkv_aT
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
         for layer in self.layers:
             x_HT = layer.forward(x_HT, step)

@@ -17,6 +17,10 @@ lowercase = this worker's shard, uppercase = full extent.
   down            h_mT  (M)        y_dT   (R)        S(M) -> P -> S(R)
   residual add    x_dT, y_dT       x_dT              local
 
+Layer 0's qkv has no scatter either (`ShardedLayer.given_qkv`): the client holds x (the embedding),
+computes layer 0's normalised q/k/v with its own copy of that layer's q/k/v weights, and sends each
+worker its rows with the ingress, beside x_dT (the residual add still needs x_dT).
+
 The last layer's down has no scatter (`ShardedLayer.to_client`): its output goes to the client, not
 to the workers, so each worker keeps its full-width partial y_HT = W_down[:, M_w] h_mT, adds its own
 residual rows x_dT into rows R_w, and that (H, T) is its egress: Σ_w egress_w = x + W_down h, summed
@@ -249,6 +253,7 @@ class ShardedLayer(LayerOps[Step]):
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
         self.to_client = False  # the last layer: its down partials go to the client (module doc)
+        self.given_qkv: torch.Tensor | None = None  # layer 0: q/k/v from the client's ingress (module doc)
 
     def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
         self.caches = [
@@ -343,6 +348,9 @@ class ShardedLayer(LayerOps[Step]):
     def norm_linear(self, i: int, name: str, x_dT: torch.Tensor) -> torch.Tensor:
         """S(R) -> P -> S(A or M): qkv_aT or gu_mT, this worker's rows, the bias (qkv) added."""
         w = self.w
+        if name == "qkv" and self.given_qkv is not None:  # layer 0: the client computed it (module doc)
+            qkv_aT, self.given_qkv = self.given_qkv, None
+            return qkv_aT
         if name == "qkv":
             qkv_aT = norm_linear_scatter(
                 self.comm, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{i}.qkv"

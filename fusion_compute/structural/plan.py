@@ -16,10 +16,11 @@ Fused output spaces, each permuted so that every owner's coordinates are one con
   QKV  [q (n_h*d) | k (n_kv*d) | v (n_kv*d)]  -> per owner, per block: q rows, k rows, v rows
   GU   [gate (I) | up (I)]                     -> per owner: gate M_w, up M_w
 
-The boundary (`Plan.boundary`): the client's ingress sends worker w its residual shard x[:, R_w];
-the last layer's down has no reduce-scatter: each worker's egress is its full-width down partial,
-its residual rows added (H per token), and the client sums them. A forward is then 4 reduce-scatters
-per layer but the last layer's 3, plus the score sums, plus the ingress and the egress.
+The boundary (`Plan.boundary`): the client's ingress sends worker w its residual shard x[:, R_w]
+and its rows of layer 0's q/k/v (the client computes them: layer 0 has no QKV reduce-scatter); the
+last layer's down has no reduce-scatter: each worker's egress is its full-width down partial, its
+residual rows added (H per token), and the client sums them. A forward is then 4 reduce-scatters
+per layer less those two, plus the score sums, plus the ingress and the egress.
 """
 
 from __future__ import annotations
@@ -185,20 +186,22 @@ class Plan:
     # ---- predictions ----
 
     def collectives_per_layer(self, w: int) -> dict[str, int]:
-        """In every layer but the last (whose down goes to the client: `boundary`)."""
+        """In every layer but the first (whose q/k/v come with the ingress) and the last (whose down
+        goes to the client): `boundary`."""
         split = sum(1 for b in self.workers[w].attention if b.split)
         return {"reduce_scatter": 4, "score_sum": split}
 
     def collectives_per_forward(self, w: int) -> int:
-        """Worker w's collectives in one forward: every layer's, less the last layer's down scatter
-        (merged into the egress; none at N = 1, where nothing is scattered)."""
+        """Worker w's collectives in one forward: every layer's, less layer 0's QKV scatter (merged into
+        the ingress) and the last layer's down scatter (into the egress); none at N = 1, where nothing
+        is scattered."""
         per_layer = self.collectives_per_layer(w)
-        merged = 1 if self.n > 1 else 0
+        merged = 2 if self.n > 1 else 0
         return sum(per_layer.values()) * self.config.n_layers - merged
 
     def exchanges_per_forward(self, w: int) -> int:
         """Sequential exchanges of one forward as worker w counts them: its collectives plus the
-        client's ingress and egress (SmolLM2 at N = 2: 4 x 30 - 1 + 2 = 121)."""
+        client's ingress and egress (SmolLM2 at N = 2: 4 x 30 - 2 + 2 = 120)."""
         return self.collectives_per_forward(w) + 2
 
     @property
@@ -206,14 +209,20 @@ class Plan:
         """What crosses the client's boundary each forward, per worker and token, as data."""
         return {
             "ingress": {
-                "carries": "x[:, R_w]: the embedding's rows of the worker's residual range",
-                "elements_per_token": list(self.residual_sizes),
+                "carries": "x[:, R_w], the embedding's rows of the worker's residual range, and the worker's "
+                "rows of layer 0's q/k/v, W_qkv RMSNorm(x) + b, computed by the client",
+                "elements_per_token": [r + q for r, q in zip(self.residual_sizes, self.qkv_sizes, strict=True)],
             },
             "egress": {
                 "carries": "W_down[:, M_w] h_w of the last layer, x[R_w] added in its rows; the client sums them",
                 "elements_per_token": [self.config.hidden] * self.n,
             },
-            "merged": [f"L{self.config.n_layers - 1}.down reduce-scatter into the egress"] if self.n > 1 else [],
+            "merged": [
+                "L0.qkv reduce-scatter into the ingress",
+                f"L{self.config.n_layers - 1}.down reduce-scatter into the egress",
+            ]
+            if self.n > 1
+            else [],
         }
 
     def bytes_per_token_layer(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
@@ -230,9 +239,12 @@ class Plan:
 
     def bytes_sent_per_token(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
         """Bytes worker w sends to other workers per token in one forward (score sums excluded): every
-        layer's scatters less the last layer's down (its partial goes to the client: `boundary`)."""
-        down = sum(self.residual_sizes[q] for q in range(self.n) if q != w) * itemsize
-        return self.bytes_per_token_layer(w, itemsize) * self.config.n_layers - down
+        layer's scatters less layer 0's QKV (the client sends the q/k/v) and the last layer's down (its
+        partial goes to the client): `boundary`."""
+        others = [q for q in range(self.n) if q != w]
+        down = sum(self.residual_sizes[q] for q in others)
+        qkv = sum(self.qkv_sizes[q] + 1 for q in others)
+        return self.bytes_per_token_layer(w, itemsize) * self.config.n_layers - (down + qkv) * itemsize
 
     def score_elements(self, w: int, n_queries: int, n_keys: int) -> int:
         """Elements in worker w's partial-score sums for one layer (split groups only)."""

@@ -92,6 +92,9 @@ class ShardedModel:
         self.device, self.dtype = device or torch.device("cpu"), dtype
         self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
         self.layers[-1].to_client = True  # its down partials go to the client: the egress (ops.py)
+        # layer 0's q/k/v come with the ingress (the client computes them): its q/k/v slices go
+        first = self.layers[0].w
+        first.qkv_w, first.qkv_b = first.qkv_w.new_empty(0, first.qkv_w.shape[1]), None
         self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
@@ -195,10 +198,11 @@ class ShardedModel:
             self.lengths[s.slot] = max(self.lengths[s.slot], s.pos + s.t)
         return make_step(spans, self.inv_freq, self.device, self.dtype)
 
-    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0).
-        Returns the egress e_HT (H, ΣT)."""
+    def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
+        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0);
+        qkv_aT: layer 0's q/k/v rows of this worker, from the client. Returns the egress e_HT (H, ΣT)."""
         step = self._step(spans)
+        self.layers[0].given_qkv = qkv_aT
         for layer in self.layers:
             x_dT = layer.forward(x_dT, step)
         return x_dT

@@ -283,8 +283,9 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
 
 
 def check_client(ctx: Verification, steps: list[dict], ingress: dict, egress: dict) -> None:
-    """The client's side of the boundary: ingress element counts per worker (its residual shard) and
-    egress (its full-width partial of the final residual: H per token)."""
+    """The client's side of the boundary: ingress element counts per worker (its residual shard, and
+    its layer-0 q/k/v shard: "qkv0") and egress (its full-width partial of the final residual: H per
+    token)."""
     n = ctx.n
     for r in steps:
         key = (r.get("session"), r.get("step"))
@@ -303,12 +304,15 @@ def check_client(ctx: Verification, steps: list[dict], ingress: dict, egress: di
                 for q, v in enumerate(counts):
                     if not v:
                         continue
-                    want = len((ingress if e.kind == S.INGRESS else egress).get(q, ())) * t
-                    declared = (
-                        (len(ctx.decls[q - 1].resid) if e.kind == S.INGRESS else ctx.dims["hidden"]) * t
-                        if 1 <= q <= n
-                        else None
-                    )
+                    if e.op == "qkv0":  # layer 0's q/k/v shard: the worker's declared q/k/v coordinates
+                        want = declared = len(ctx.decls[q - 1].qkv) * t if 1 <= q <= n else None
+                    else:
+                        want = len((ingress if e.kind == S.INGRESS else egress).get(q, ())) * t
+                        declared = (
+                            (len(ctx.decls[q - 1].resid) if e.kind == S.INGRESS else ctx.dims["hidden"]) * t
+                            if 1 <= q <= n
+                            else None
+                        )
                     if v != want or v != declared:
                         msg = f"{e.kind} rank {q}: {v} elements, expected {want}"
                         ctx.violate(Violation("accounting", msg, **where))

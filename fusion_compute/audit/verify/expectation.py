@@ -132,8 +132,10 @@ def expected_transfers(
 ) -> list[Transfer]:
     """The transfers worker w must make in one step of t tokens at position pos, in order
     (`spans`: a batched step's sessions, sessions.spans_of), each element `itemsize` bytes (the
-    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16). The last layer has no down
-    scatter: each worker's egress is its full-width down partial, H elements per token."""
+    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16). The ingress carries the
+    worker's residual shard and its layer-0 q/k/v ("qkv0", computed by the client: layer 0 has no QKV
+    scatter); the last layer has no down scatter: each worker's egress is its full-width down
+    partial, H elements per token."""
     n = len(decls)
     gs = dims["heads"] // dims["kv_heads"]
     me = decls[w]
@@ -152,9 +154,12 @@ def expected_transfers(
         received = per_rank({q + 1: sizes[w] * t for q in others})
         return Transfer(layer, f"L{layer}.{name}", S.REDUCE_SCATTER, sent, received, itemsize)
 
-    out = [Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), itemsize)]
+    out = [
+        Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), itemsize),
+        Transfer(-1, "qkv0", S.INGRESS, per_rank({}), per_rank({0: (qkv_n[w] - 1) * t}), itemsize),
+    ]
     for layer in range(dims["layers"]):
-        if n > 1:
+        if n > 1 and layer > 0:  # layer 0's q/k/v come with the ingress
             out.append(rs(layer, "qkv", qkv_n))
         for g0, g1, _, _ in me.blocks:
             peers = [o for o in owners[g0] if o != w]
