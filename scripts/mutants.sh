@@ -30,8 +30,17 @@ MUTANTS = [
     (
         "replay-drops-last-token",
         R + "runtime/engine.py",
-        "runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}",
-        "runs = {slot: hist[:-1] + new.get(slot, []) for slot, hist in self.slot_history.items()}",
+        [
+            (
+                "runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}",
+                "runs = {slot: hist[:-1] + new.get(slot, []) for slot, hist in self.slot_history.items()}",
+            ),
+            (  # issue 43: a tree step's slot is replayed apart
+                "runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items() if slot not in trees}",
+                "runs = {slot: hist[:-1] + new.get(slot, []) for slot, hist in self.slot_history.items() if slot not in trees}",
+            ),
+        ],
+        None,
         [
             "test_membership.py::test_revocation_mid_session_replays_every_token",
             "test_faults.py::test_lost_worker_replaced_by_standby",
@@ -43,8 +52,17 @@ MUTANTS = [
     (
         "replay-only-last-token",
         R + "runtime/engine.py",
-        "runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}",
-        "runs = {slot: hist[-1:] + new.get(slot, []) for slot, hist in self.slot_history.items()}",
+        [
+            (
+                "runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}",
+                "runs = {slot: hist[-1:] + new.get(slot, []) for slot, hist in self.slot_history.items()}",
+            ),
+            (  # issue 43
+                "runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items() if slot not in trees}",
+                "runs = {slot: hist[-1:] + new.get(slot, []) for slot, hist in self.slot_history.items() if slot not in trees}",
+            ),
+        ],
+        None,
         [
             "test_membership.py::test_revocation_mid_session_replays_every_token",
             "test_faults.py::test_lost_worker_replaced_by_standby",
@@ -65,8 +83,17 @@ MUTANTS = [
     (
         "speculation-keeps-a-rejected-draft",
         R + "generation/batching.py",
-        "len(self.engine.slot_history[seq.slot]) - (len(proposed) - accepted))",
-        "len(self.engine.slot_history[seq.slot]) - (len(proposed) - (accepted + 1)))",
+        [
+            (
+                "len(self.engine.slot_history[seq.slot]) - (len(proposed) - accepted))",
+                "len(self.engine.slot_history[seq.slot]) - (len(proposed) - (accepted + 1)))",
+            ),
+            (  # issue 43: one acceptance walk for chains and trees
+                "len(self.engine.slot_history[seq.slot]) - (drafted - accepted))",
+                "len(self.engine.slot_history[seq.slot]) - (drafted - (accepted + 1)))",
+            ),
+        ],
+        None,
         [
             "test_speculative.py::test_batched_sessions_with_speculation_equal_each_alone",
             "test_speculative.py::test_masked_mode_speculation_equals_greedy",
@@ -150,8 +177,9 @@ MUTANTS = [
         None,
         [
             "test_runtime.py",
-            "test_batching.py::test_a_batch_step_equals_each_session_alone",
-            "test_parity.py::test_matches_transformers[structural-qwen2-N2]",
+            "test_sharded_inproc.py::test_a_batch_step_equals_each_session_alone",
+            "test_sharded_inproc.py::test_sharded_model_matches_dense_and_transformers",
+            "test_parity.py::test_matches_transformers[structural-qwen2-N3-cap]",
         ],
     ),
     (
@@ -170,7 +198,8 @@ MUTANTS = [
         ],
         None,
         [
-            "test_batching.py::test_a_batch_step_equals_each_session_alone",
+            "test_sharded_inproc.py::test_a_batch_step_equals_each_session_alone",
+            "test_sharded_inproc.py::test_sharded_model_matches_dense_and_transformers",
             "test_parity.py::test_matches_transformers[structural-qwen2-N3-cap]",
         ],
     ),
@@ -233,7 +262,7 @@ MUTANTS += [
     (
         "blame-mutual-knock-on-ignored",
         R + "runtime/blame.py",
-        "    if counted or mutual:",
+        "    if counted or rings:",
         "    if counted:",
         [B41 + "test_two_workers_each_leaving_after_the_other_are_ambiguous"],
     ),
@@ -665,6 +694,40 @@ MUTANTS += [
         "self.witness.charge(p, time.monotonic() - last)",
         "self.witness.charge(min(outs), time.monotonic() - last)",
         ["test_blame.py::test_the_client_charges_only_the_last_egress_whatever_its_rank"],
+    ),
+]
+
+# Issue 43 (branch suffix): token trees (RoPE by depth, the kept path's move, the sampled rule's
+# renormalisation) and the suffix trie's tie-break. Run them alone: `bash scripts/mutants.sh t43-`.
+T43 = "test_token_tree.py::"
+MUTANTS += [
+    (
+        "t43-tree-rope-by-column",
+        R + "structural/ops.py",
+        "torch.arange(s.pos, s.pos + s.t) if s.parents is None else s.pos + torch.tensor(tree_depths(s.parents))",
+        "torch.arange(s.pos, s.pos + s.t)",
+        [T43 + "test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one"],
+    ),
+    (
+        "t43-kept-keys-not-moved",
+        R + "structural/sharded.py",
+        "cache.k[s.slot, :, dst] = cache.k[s.slot, :, src]",
+        "pass",
+        [T43 + "test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one"],
+    ),
+    (
+        "t43-sampled-tree-no-renormalise",
+        R + "generation/token_tree.py",
+        "p = rest / total",
+        "p = p",
+        [T43 + "test_sampled_tree_acceptance_keeps_the_target_distribution"],
+    ),
+    (
+        "t43-suffix-ties-to-the-oldest",
+        R + "generation/suffix_tree.py",
+        "key=lambda kv: (-kv[1].count, -kv[1].last)",
+        "key=lambda kv: (-kv[1].count, kv[1].last)",
+        ["test_suffix_tree.py::test_trie_matches_brute_force"],
     ),
 ]
 

@@ -28,11 +28,9 @@ import forkserver  # noqa: E402
 import procs  # noqa: E402
 from tiny_models import LLAMA_PROMPTS, PROMPTS, SEEDS, build, check_varied  # noqa: E402
 
-from fusion_compute.runtime import launch  # noqa: E402
-
 # Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
 # differs); a test that checks how a real worker process behaves asks for `real_workers`.
-launch.use_launcher(forkserver.forked_worker)
+forkserver.fork_workers()
 _forks = tempfile.mkdtemp(prefix="fusion-test-forks-")  # who forked what (procs.children)
 forkserver.use_registry(_forks)
 atexit.register(shutil.rmtree, _forks, ignore_errors=True)
@@ -55,9 +53,9 @@ def _package_logging_reset():
 @pytest.fixture
 def real_workers():
     """Workers this test's engines start are fresh `python -m fusion_compute worker` processes."""
-    previous = launch.use_launcher(None)
+    previous, forkserver.default_spawn[0] = forkserver.default_spawn[0], None
     yield
-    launch.use_launcher(previous)
+    forkserver.default_spawn[0] = previous
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ against the plan's prediction, so a worker that quietly computed in float32 fail
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fusion_compute.generation.generate import generate
@@ -61,8 +63,13 @@ def references(path, dtype: str, device: str = "cpu") -> tuple:
     return tokens, gaps, ids, z_exact, z_ref
 
 
-def check_faithful(eng, refs: tuple, dtype: str, n: int) -> None:
-    """(A), (B), (C) of the docstring on a running engine, and the wire's bytes per element at N = 2."""
+def check_faithful(
+    eng, refs: tuple, dtype: str, n: int, greedy: Callable[[list[int], int], list[int]] | None = None
+) -> None:
+    """(A), (B), (C) of the docstring on a running engine, and the wire's bytes per element at N = 2
+    (what each worker's Comm counted: Engine.stats). `eng` may also be an in-process run
+    (tests/inproc.ShardedRun: the same counters, from its ranks' Comms), whose greedy continuation
+    `greedy(prompt, new_tokens)` stands for generate()'s."""
     tokens, gaps, ids, z_exact, z_ref = refs
     faithful, bound = bounds(z_exact, z_ref, dtype)
     eng.reset()
@@ -84,7 +91,11 @@ def check_faithful(eng, refs: tuple, dtype: str, n: int) -> None:
             # counted, one forward: the last layer's down went to the client with the egress
             assert w1["collectives"] - w0["collectives"] == plan.collectives_per_forward(w)
     eng.reset()
-    res = generate(eng, PROMPT, max_new_tokens=NEW_TOKENS, sampling=SamplingParams())
-    first = next((i for i, (a, b) in enumerate(zip(res.token_ids, tokens, strict=False)) if a != b), None)
+    if greedy is None:
+        got = generate(eng, PROMPT, max_new_tokens=NEW_TOKENS, sampling=SamplingParams()).token_ids
+    else:
+        got = greedy(PROMPT, NEW_TOKENS)
+    assert len(got) == NEW_TOKENS
+    first = next((i for i, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), None)
     if first is not None:
         assert gaps[first] <= 2 * bound, f"token {first} differs where HF's margin {gaps[first]:.3g} > {2 * bound:.3g}"

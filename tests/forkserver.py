@@ -1,8 +1,10 @@
 """Start the suite's local workers from a fork server that has already imported torch.
 
 A worker started by `subprocess.Popen` spends 2-3 s of CPU importing torch and the package before
-it does anything; the suite starts several hundred. `runtime.launch.use_launcher` lets the tests
-hand WorkerProcs this launcher instead: multiprocessing's forkserver (the standard library's)
+it does anything; the suite starts several hundred. The local executor takes the function that
+starts a worker (`EngineOptions.spawn`, executor/local.py); `fork_workers()` makes this server's
+`forked_worker` every job's default in this process, so the suite's many EngineOptions need not
+name it: multiprocessing's forkserver (the standard library's)
 imports torch and the worker's modules once, then forks a child per worker, which runs the very
 `fusion worker ARGS` entry point with the worker's environment, log and stdin (its secret key).
 
@@ -197,33 +199,56 @@ def _worker(args: list[str], env: dict[str, str], log_fd: int, stdin: bytes | No
 
 
 class ForkedWorker:
-    """subprocess.Popen's face (runtime.launch.Proc) over a forked multiprocessing.Process."""
+    """subprocess.Popen's face (runtime.launch.Proc) over a forked multiprocessing.Process.
+
+    A forked Process holds two pipe descriptors in this process (its exit status and the fork
+    server's request) until it is closed: once its exit is known it is closed here and the status
+    kept, as a Popen'd worker holds none, so a test process that starts hundreds of workers holds
+    descriptors for the live ones only."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess):
         self._p = process
         assert process.pid is not None
         self.pid: int = process.pid
+        self._code: int | None = None
+        self._lock = threading.Lock()
 
     @property
     def returncode(self) -> int | None:
-        return self._p.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return None if self._p.is_alive() else self._p.exitcode
+        with self._lock:
+            if self._code is None and not self._p.is_alive():
+                self._release()
+            return self._code
+
+    def _release(self) -> None:
+        code = self._p.exitcode
+        assert code is not None
+        self._code = code
+        self._p.close()
 
     def wait(self, timeout: float | None = None) -> int:
-        self._p.join(timeout)
-        if self._p.exitcode is None:
+        if self._code is None:  # (not under the lock: another thread's poll must not wait for this one)
+            try:
+                self._p.join(timeout)
+            except ValueError:
+                pass  # another thread saw the exit and closed it meanwhile
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0)
-        return self._p.exitcode
+        return code
 
     def terminate(self) -> None:
-        if self._p.exitcode is None:
-            self._p.terminate()
+        with self._lock:
+            if self._code is None and self._p.exitcode is None:
+                self._p.terminate()
 
     def kill(self) -> None:
-        if self._p.exitcode is None:
-            self._p.kill()
+        with self._lock:
+            if self._code is None and self._p.exitcode is None:
+                self._p.kill()
 
 
 def _start(p: multiprocessing.process.BaseProcess, role: str) -> None:
@@ -260,6 +285,32 @@ def forked_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: b
     return ForkedWorker(p)
 
 
+# The spawn function a job of this process gets when its options name none (fork_workers); None:
+# the runtime's own, a fresh `python -m fusion_compute worker` (conftest's `real_workers`).
+default_spawn: list[Any] = [forked_worker]
+
+
+def fork_workers() -> None:
+    """Every EngineOptions (and subclass) made in this process from now on starts its local workers
+    with `default_spawn[0]` unless it names its own `spawn`. The runtime keeps no such default (the
+    local executor takes the function it is given); this wraps the options' constructors, in the
+    test process and in each forked command, so that ~60 places need not each pass it."""
+    from fusion_compute.masked.options import MaskedOptions
+    from fusion_compute.runtime.engine_options import EngineOptions
+
+    for cls in (EngineOptions, MaskedOptions):
+        init = cls.__init__
+        if getattr(init, "_forked", False):
+            continue
+
+        def __init__(self, *args, _init=init, **kw):
+            kw.setdefault("spawn", default_spawn[0])
+            _init(self, *args, **kw)
+
+        __init__._forked = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+
 def _command(
     args: list[str],
     env: dict[str, str],
@@ -291,9 +342,8 @@ def _command(
     multiprocessing.process.current_process()._config["daemon"] = False
     atexit.unregister(multiprocessing.util._exit_function)
     from fusion_compute.cli.main import main
-    from fusion_compute.runtime import launch
 
-    launch.use_launcher(forked_worker)
+    fork_workers()
     if registry is not None:
         use_registry(registry)
     interrupted = False

@@ -20,7 +20,7 @@ from test_audit import _rechain, _records, assert_tamper_fails, needs_ss
 from fusion_compute.audit import schema as S
 from fusion_compute.audit.runner import AuditRunError, RunConfig, run_audit, run_cold_start
 from fusion_compute.audit.verify import verify_dir
-from fusion_compute.audit.verify.logs import RankLog, check_same_steps
+from fusion_compute.audit.verify.logs import RankLog, check_same_steps, read_event
 from fusion_compute.audit.verify.result import Result, Violation
 from fusion_compute.audit.verify.sessions import check_slots
 from fusion_compute.cli.main import main
@@ -259,3 +259,46 @@ def test_speculative_limits(tiny_qwen2, tmp_path, capsys):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and msg in err, err
+
+
+@pytest.mark.slow
+def test_tree_run_passes(tiny_qwen2, tmp_path, monkeypatch):
+    """Token trees under the audit: the suffix drafter is made to propose, at every step, a tree whose
+    first branch is wrong and whose second is the target's own greedy continuation (from
+    transformers), so every verification keeps a path that is not a prefix of its columns: the
+    workers move its entries and zero the rest (a recorded rollback to the path's end), the parents
+    and kept columns come as control messages counted in the socket prediction, and the run passes
+    the verifier with the same tokens as without speculation."""
+    from fusion_compute.generation.suffix import SuffixDrafter
+    from fusion_compute.generation.suffix_tree import Draft
+    from fusion_compute.model import reference
+
+    want = reference.greedy(reference.load_reference(tiny_qwen2), PROMPT, TOKENS + 1)
+
+    def two_branches(self, tokens: list[int], k: int) -> Draft:
+        done = len(tokens) - len(PROMPT)  # tokens generated so far
+        right = want[done : done + 2]
+        d = Draft()
+        if len(right) == 2 and k >= 3:
+            d.add((right[0] + 1) % 300, -1, 0.5)  # a wrong first branch
+            d.add(right[0], -1, 0.5)
+            d.add(right[1], 1, 0.5)
+        return d
+
+    monkeypatch.setattr(SuffixDrafter, "propose_tree", two_branches)
+    suffix = SpeculativeConfig("suffix", num_speculative_tokens=4, adaptive=False)
+    r = run_cold_start(config(tiny_qwen2, tmp_path / "suffix", speculative=suffix), 0)
+    assert r["ok"], r["first_violations"]
+    plain = run_cold_start(config(tiny_qwen2, tmp_path / "plain", speculative=None), 0)
+    assert r["generated_sha256"] == plain["generated_sha256"]
+    assert r["verify_steps"] > 0 and r["forwards"] < plain["forwards"]
+    assert r["speculative"]["num_accepted_tokens"] == 2 * r["speculative"]["num_drafts"]  # the second branch
+    tree_words = [
+        sum(e.received)
+        for rec in _log(r, 1)
+        if rec["type"] == "step"
+        for e in map(read_event, rec.get("control") or [])
+        if e.op == "tree"
+    ]
+    assert len(tree_words) >= r["speculative"]["num_drafts"]  # every tree, and every kept path after one
+    assert r["speculative"]["rollbacks"] == r["speculative"]["num_drafts"]  # the dropped branch, each time

@@ -37,49 +37,8 @@ def logits_alone(eng, prompts: list[list[int]]) -> list[torch.Tensor]:
     return alone
 
 
-@pytest.mark.parametrize("arch,n,caps", [("qwen2", 3, None), ("llama", 2, (2.0, 1.0))])
-def test_a_batch_step_equals_each_session_alone(arch, n, caps, tiny_qwen2, tiny_llama):
-    """Mixed steps (a newcomer's prefill beside ongoing decodes, slots out of order and with a gap)
-    give each session the logits it gets alone, and those equal transformers' (the quick loop's
-    parity check; test_parity.py has the rest). qwen2 at N = 3 splits a KV group across workers,
-    so the partial scores of every session are completed in one exchange; llama's shares are
-    uneven (capacities 2:1), so every reduce-scatter's split sizes differ between the workers."""
-    from test_parity import LOGIT_ATOL
-
-    from fusion_compute.model import reference
-
-    model = tiny_qwen2 if arch == "qwen2" else tiny_llama
-    with Engine(model, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=64)) as eng:
-        alone = logits_alone(eng, PROMPTS[:4])
-        ref = reference.load_reference(model)
-        for p, got in zip(PROMPTS[:4], alone, strict=True):
-            want = reference.logits(ref, p + [11, 12])
-            assert torch.allclose(got.double(), want, atol=LOGIT_ATOL, rtol=0), (p, (got.double() - want).abs().max())
-        eng.batch_slots = 6
-        eng.reset()
-        # step 1: sessions 0 and 1 prefill (slots 5 and 0); step 2: 0 and 1 decode, 2 prefills in slot 3;
-        # step 3: all three decode, 3 prefills in slot 1
-        got = {}
-        got[0] = [eng.forward_batch([(5, PROMPTS[0]), (0, PROMPTS[1])])]
-        step2 = eng.forward_batch([(3, PROMPTS[2]), (5, [11]), (0, [11])])
-        step3 = eng.forward_batch([(0, [12]), (1, PROMPTS[3]), (5, [12]), (3, [11])])
-        step4 = eng.forward_batch([(3, [12])])
-        checks = [
-            (got[0][0][0], alone[0][len(PROMPTS[0]) - 1]),
-            (got[0][0][1], alone[1][len(PROMPTS[1]) - 1]),
-            (step2[0], alone[2][len(PROMPTS[2]) - 1]),
-            (step2[1], alone[0][-2]),
-            (step2[2], alone[1][-2]),
-            (step3[0], alone[1][-1]),
-            (step3[1], alone[3][len(PROMPTS[3]) - 1]),
-            (step3[2], alone[0][-1]),
-            (step3[3], alone[2][-2]),
-            (step4[0], alone[2][-1]),
-        ]
-        for i, (a, b) in enumerate(checks):
-            assert close(a, b), (i, (a - b).abs().max())
-        # a negative control for the comparison itself: another session's logits are not "close"
-        assert not close(step3[0], alone[0][-1])
+# Mixed steps of several sessions, each equal to the session alone and to transformers: on the
+# operators in-process, test_sharded_inproc.py::test_a_batch_step_equals_each_session_alone.
 
 
 def test_batched_generation_equals_alone_and_wipes_slots(tiny_llama):

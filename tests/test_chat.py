@@ -7,7 +7,6 @@ import fcntl
 import os
 import pty
 import re
-import select
 import signal
 import subprocess
 import termios
@@ -16,6 +15,8 @@ import time
 import pytest
 from procs import FUSION, children
 from test_serve import alive, build_chat_model
+
+from fusion_compute.comm.readiness import readable
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r")
 
@@ -41,9 +42,9 @@ class Pty:
         deadline = time.monotonic() + timeout_s
         while needle not in ANSI.sub("", self.buf):
             left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None and not select.select([self.master], [], [], 0)[0]:
+            if left <= 0 or self.proc.poll() is not None and not readable([self.master], 0):
                 raise AssertionError(f"no {needle!r} in time; got:\n{ANSI.sub('', self.buf)[-1500:]}")
-            if select.select([self.master], [], [], min(left, 0.5))[0]:
+            if readable([self.master], min(left, 0.5)):
                 try:
                     self.buf += os.read(self.master, 65536).decode(errors="replace")
                 except OSError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
 import threading
 import time
@@ -23,6 +22,7 @@ from procs import fusion, reap
 from test_topology import keys, topo_text, write_keys
 
 from fusion_compute.comm import free_port, rendezvous
+from fusion_compute.comm.readiness import readable
 from fusion_compute.comm.rendezvous import Admission, Credentials, Member, join_epoch
 
 pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
@@ -311,8 +311,8 @@ def test_the_cap_closes_excess_connections_at_once_and_an_honest_worker_gets_in(
         closed: set[socket.socket] = set()
         threads_seen = 0
         while time.monotonic() - t0 < 1.0:  # an over-cap connection reads EOF at once; greeted ones wait 3 s
-            readable, _, _ = select.select([s for s in idle if s not in closed], [], [], 0.1)
-            closed.update(s for s in readable if s.recv(1) == b"")
+            ready = readable([s for s in idle if s not in closed], 0.1)
+            closed.update(s for s in ready if s.recv(1) == b"")
             threads_seen = max(threads_seen, threading.active_count())
         closed_at_once = len(closed)
         over = adm.refusals.counts["too many unauthenticated connections"]  # (the worker's retries come later)

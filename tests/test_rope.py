@@ -3,7 +3,7 @@
 RopeConfig.inv_freq reimplements transformers' rules; these tests compare it with transformers' own
 `ROPE_INIT_FUNCTIONS` on the numbers of real configs (Llama 3.1's llama3 parameters, linear factors),
 then run a tiny Llama 3.1-style model (rope_scaling set, read back from the config.json that
-transformers writes) through the dense twin and the sharded engine against transformers' logits at
+transformers writes) through the dense twin and the sharded model (in-process) against transformers' logits at
 positions where the scaled pairs turn by radians, so a factor multiplied instead of divided or
 llama3's smoothing weights swapped move the logits by far more than the parity tolerance."""
 
@@ -104,18 +104,24 @@ def test_dense_twin_equals_transformers_with_rope_scaling(scaled_llama):
     assert (plain - want).abs().max() > 100 * LOGIT_ATOL  # the check can fail: scaling moves these logits
 
 
-@pytest.mark.slow
-def test_sharded_engine_equals_transformers_with_llama3_scaling(tmp_path):
-    """The workers build their RoPE tables from the same config: structural N = 2 (whole KV heads per
-    worker) against transformers' logits, prefill and decode."""
-    from fusion_compute.structural.client import Engine, EngineOptions
+@pytest.mark.parametrize("n", [2, 3])
+def test_sharded_model_equals_transformers_with_rope_scaling(scaled_llama, n):
+    """The workers build their RoPE tables from the same config: the sharded model in-process
+    (tests/inproc.py: workers as threads, each its own ShardedModel read from the model folder), at
+    N = 2 (whole KV heads per worker) and 3 (Llama's 4 KV heads spread unevenly), against
+    transformers' logits, prefill then decode, llama3 and linear scaling.
 
-    path = build(tmp_path / "l3", "llama", seed=SEEDS["llama"], rope_theta=TINY_THETA, rope_scaling=TINY_LLAMA3)
+    Replaces the slow test_sharded_engine_equals_transformers_with_llama3_scaling (an engine of two
+    worker processes at N = 2, llama3 only): the same prompt, split and comparison, on the same
+    ShardedModel code and tables (ShardedModel.inv_freq, ops.make_step); what a process adds, the
+    config read by another process from the same folder, is the loader's, the same code here."""
+    from inproc import ShardedRun
+
+    _, path, _ = scaled_llama
     ids = prompt()
     want = reference.logits(reference.load_reference(path), ids)
-    with Engine(path, EngineOptions(n_workers=2, timeout_s=60, context=PROMPT_LEN)) as eng:
-        eng.reset()
-        head = eng.forward(ids[:-8], all_logits=True)
-        tail = [eng.forward([t], all_logits=True) for t in ids[-8:]]
-    got = torch.cat([head, *tail]).double()
+    run = ShardedRun(path, n, max_seq=PROMPT_LEN)
+    head = run.forward(ids[:-8])
+    tail = [run.forward([t]) for t in ids[-8:]]
+    got = torch.cat([head, *tail])
     assert torch.allclose(got, want, atol=LOGIT_ATOL, rtol=0), (got - want).abs().max()

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import pty
-import select
 import subprocess
 import time
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from procs import FUSION
 
+from fusion_compute.comm.readiness import readable
 from fusion_compute.runtime.progress import PREFIX, CountingSource, WorkerReporter, parse_progress
 
 
@@ -61,7 +61,7 @@ def _run_with_stderr_pty(args: list[str], timeout_s: float = 120) -> tuple[subpr
     err = b""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if select.select([master], [], [], 0.2)[0]:
+        if readable([master], 0.2):
             try:
                 chunk = os.read(master, 65536)
             except OSError:

@@ -200,6 +200,18 @@ def test_config_refuses_bad_values():
         from_flags(None, None, 3)
     assert from_flags(None, None, None) is None
     assert from_flags(None, "/x", None) == SpeculativeConfig("draft_model", draft_model="/x")
+    # suffix: its own default cap and cache flag; another method's flags refused, and its flag elsewhere
+    assert from_flags("suffix", None, None).num_speculative_tokens == 32
+    assert from_flags("suffix", None, 5, suffix_cache_tokens=0).suffix_cache_tokens == 0
+    for args, needle in [
+        (("suffix", "/x", None), "--draft-model is for the draft_model method, not suffix"),
+        (("ngram", None, None, 64), "--suffix-cache-tokens is for --speculative suffix, not ngram"),
+        ((None, None, None, 64), "needs --speculative suffix"),
+        (("suffix", None, None, -1), "must be >= 0"),
+        (("tree", None, None), "unknown speculative method"),
+    ]:
+        with pytest.raises(SpeculativeError, match=needle):
+            from_flags(*args)
 
 
 # Exactness of the rejection rule: the chi-square statistic of N draws against the exact
@@ -308,6 +320,35 @@ def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_
         assert eng.slot_history == {} and eng.kv_probe() == [0.0] * n  # released and zeroed
 
 
+@pytest.mark.slow
+def test_suffix_drafts_keep_greedy_tokens_and_the_cache_pays(tiny_llama):
+    """`--speculative suffix` (issue 43): greedy tokens equal transformers' with drafts from the
+    session's suffix trie; run again, the same prompts draft from the job's global cache of earlier
+    outputs and need fewer forwards than with no cache (0 tokens); the counters add up."""
+    ref = reference.load_reference(tiny_llama)
+    want = [reference.greedy(ref, p, NEW) for p in PROMPTS]
+    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
+        v = eng.config.vocab
+        cached = Speculator(from_flags("suffix", None, 16), v, eng.context)
+        uncached = Speculator(from_flags("suffix", None, 16, suffix_cache_tokens=0), v, eng.context)
+        first = runs(eng, PROMPTS, cached)
+        assert [r.token_ids for r in first] == want
+        assert cached.suffix_cache is not None and len(cached.suffix_cache) == NEW * len(PROMPTS)
+        again = runs(eng, PROMPTS, cached)
+        alone = runs(eng, PROMPTS, uncached)
+        assert [r.token_ids for r in again] == [r.token_ids for r in alone] == want
+        assert uncached.suffix_cache is not None and len(uncached.suffix_cache) == 0
+        assert sum(r.steps for r in again) < sum(r.steps for r in alone) < len(PROMPTS) * NEW
+        for r in first + again + alone:
+            s = r.speculative
+            assert s["method"] == "suffix" and s["forwards"] == r.steps
+            assert r.steps + s["num_accepted_tokens"] == len(r.token_ids)
+            assert s["columns"] == r.steps - 1 + s["num_draft_tokens"]  # decode steps: 1 + their drafts
+            assert sum(s["accepted_by_depth"]) == s["num_accepted_tokens"]
+            assert s["tokens_per_forward"] == round(len(r.token_ids) / r.steps, 4)
+        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]
+
+
 def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
     """Sessions decoding together, each with its own drafter, verification columns of different
     widths in one step, newcomers joining: every session's tokens are its tokens alone; sampled
@@ -389,14 +430,18 @@ def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
         assert chi2(sample(spec), probs) < bound
         t = spec.totals
         assert 0 < t.num_accepted_tokens < t.num_draft_tokens  # accepted and resampled, both
-        real = batching.verify
-        batching.verify = lambda s, lg, d: (d + [s(lg[len(d)])], len(d))  # a wrong rule: keep every draft
+        real = batching.accept
+        # a wrong rule: keep every draft (of a chain: every column, then a token after the last)
+        batching.accept = lambda s, tree, lg: (
+            [*tree.tokens_T[1:], s(lg[len(tree) - 1])],
+            list(range(len(tree))),
+        )
         try:
             wrong = sample(
                 Speculator(draft_cfg(tiny_llama, k=2), eng.config.vocab, eng.context, draft_model=target), 160
             )
         finally:
-            batching.verify = real
+            batching.accept = real
         assert chi2(wrong, probs) > bound  # the test can fail
 
 
@@ -411,6 +456,12 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
         (["--model", str(tiny_qwen2), "--speculative", "ngram", "--num-speculative-tokens", "0"], r"\[1, 64\]"),
         (["--model", str(tiny_qwen2), "--speculative", "medusa"], "unknown speculative method"),
         (["--model", str(tiny_qwen2), "--num-speculative-tokens", "3"], "needs --speculative"),
+        (["--model", str(tiny_qwen2), "--speculative", "suffix", "--draft-model", str(tiny_llama)], "not suffix"),
+        (["--model", str(tiny_qwen2), "--speculative", "ngram", "--suffix-cache-tokens", "9"], "not ngram"),
+        (
+            ["--model", str(tiny_qwen2), "--context", "16", "--speculative", "suffix"],
+            "--num-speculative-tokens 32 does not fit the context of 16",
+        ),
         (["--model", str(tiny_qwen2), "--draft-model", str(tmp_path / "nope")], "--draft-model: model not found"),
         (["--model", str(tiny_qwen2), "--draft-model", str(tiny_llama)], "vocabulary .300 tokens. differs"),
         (
@@ -439,7 +490,18 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
     plain, spec = (json.loads(r.stdout) for r in runs)
     assert spec["token_ids"] == plain["token_ids"]
     s = spec["speculative"]
-    assert set(s) == {"method", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length"}
+    assert set(s) == {
+        "method",
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "mean_acceptance_length",
+        "forwards",
+        "columns",
+        "tokens_per_forward",
+        "accepted_by_depth",
+    }
+    assert s["forwards"] == spec["steps"] and s["columns"] == spec["steps"] - 1 + s["num_draft_tokens"]
     assert s["method"] == "ngram" and s["num_draft_tokens"] <= 3 * s["num_drafts"]
     assert spec["steps"] + s["num_accepted_tokens"] == len(spec["token_ids"]) and spec["steps"] < plain["steps"]
     assert s["mean_acceptance_length"] == round(1 + s["num_accepted_tokens"] / s["num_drafts"], 4)

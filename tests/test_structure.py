@@ -195,6 +195,7 @@ FORBIDDEN = {
     "weights": {"comm", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
     "comm": {"model", "weights", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
     "runtime": {"structural", "masked", "generation", "serving", "cli", "audit", "bench"},
+    "executor": {"model", "weights", "structural", "masked", "generation", "serving", "cli", "audit", "bench"},
     "generation": {"serving", "cli", "audit", "bench"},
 }
 

@@ -1,4 +1,5 @@
-"""Tiny random Qwen2 / Llama models saved as HF directories (safetensors), built locally.
+"""Tiny random models of every supported family (Llama, Mistral, Qwen2, Qwen3) saved as HF
+directories (safetensors), built locally from transformers' own config classes.
 
 A reference is only as good as its variety. At transformers' default init (std 0.02) these models'
 greedy continuations were flat: token 99 forty-eight times on Qwen2, for every test prompt, so a
@@ -49,6 +50,28 @@ LLAMA_TINY = dict(
     rope_theta=50000.0,
     initializer_range=0.2,
 )
+# Mistral: llama's shapes with GQA (2 KV heads, so N = 3, 4 split them) and a sliding window of 5,
+# shorter than every prompt the family tests give it, so the window masks keys in prefill and decode.
+MISTRAL_TINY = {**LLAMA_TINY, "num_key_value_heads": 2, "sliding_window": 5, "tie_word_embeddings": False}
+# Qwen3: Qwen2's odd widths (72 / 100) and 2 KV groups of 3 heads, per-head q/k norms, tied head.
+QWEN3_TINY = {**QWEN2_TINY, "tie_word_embeddings": True}
+# Phi-3: fused q/k/v and gate/up in the checkpoint, GQA, LongRoPE with distinct short and long factors
+# and L₀ = 16, so a prompt of 13 runs on the short set and its continuation crosses to the long one.
+PHI3_TINY = {
+    **{k: v for k, v in LLAMA_TINY.items() if k != "head_dim"},  # Phi-3 configs have none: H / heads
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "original_max_position_embeddings": 16,
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.25, 1.5, 2.0, 1.1, 3.0, 1.0, 1.7],
+        "long_factor": [2.0, 2.5, 4.0, 6.0, 3.0, 8.0, 5.0, 9.0],
+    },
+}
+TINY = {"llama": LLAMA_TINY, "qwen2": QWEN2_TINY, "mistral": MISTRAL_TINY, "qwen3": QWEN3_TINY, "phi3": PHI3_TINY}
 SEEDS = {"qwen2": 3, "llama": 3}  # the fixtures' models (conftest.py); chosen by the sweep above
 
 # Every prompt the suite's tests give the tiny models (each test file keeps its own copy, by name):
@@ -75,21 +98,25 @@ LLAMA_PROMPTS = ([69, 292, 33, 131, 69, 292, 33, 131],)  # test_speculative (the
 MIN_DISTINCT, OF = 8, 24  # at least 8 distinct tokens in the first 24 of every continuation
 
 
-def build(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def classes(arch: str):
+    """transformers' (config class, model class) of a family."""
+    import transformers as tf
 
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3"}[arch]
+    return getattr(tf, f"{name}Config"), getattr(tf, f"{name}ForCausalLM")
+
+
+def build(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """A random `arch` model (TINY[arch] with `overrides`) saved under `path`."""
+    config_class, model_class = classes(arch)
     torch.manual_seed(seed)
+    model = model_class(config_class(**{**TINY[arch], **overrides}))
     if arch == "qwen2":
-        cfg = Qwen2Config(**{**QWEN2_TINY, **overrides})
-        model = Qwen2ForCausalLM(cfg)
         # HF initialises biases to zero; random biases make the bias-after-scatter rule testable.
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    else:
-        cfg = LlamaConfig(**{**LLAMA_TINY, **overrides})
-        model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # non-trivial norm gains, so folding them into the weights is tested
         for name, p in model.named_parameters():
             if "norm" in name:

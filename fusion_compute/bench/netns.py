@@ -27,12 +27,12 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
 import uuid
 
+from ..comm.readiness import readable
 from ..runtime.launch import terminate_all
 
 DELAYS = ("netem", "nfqueue")
@@ -185,7 +185,7 @@ class Hosts:
             text=True,
         )
         self.delayers.append(p)
-        ready = select.select([p.stdout], [], [], 30)[0] and p.stdout.readline().strip() == "ready"
+        ready = readable([p.stdout], 30) and p.stdout.readline().strip() == "ready"
         if not ready:
             p.kill()
             p.wait()

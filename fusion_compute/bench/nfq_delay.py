@@ -28,7 +28,7 @@ import collections
 import ctypes
 import ctypes.util
 import os
-import select
+import selectors
 import signal
 import socket
 import sys
@@ -113,11 +113,13 @@ def serve(queue: int, delay_s: float) -> None:
         if last is not None:
             lib.nfq_set_verdict_batch(qh, last, NF_ACCEPT)
 
+    waiting = selectors.PollSelector()  # poll(2): no ceiling on the descriptor's number (select's is 1,024)
+    waiting.register(sock, selectors.EVENT_READ)
     print("ready", flush=True)
     try:
         while not stop:
             wait = max(0.0, held[0][0] - clock()) if held else 0.5
-            if select.select([sock], [], [], wait)[0]:
+            if waiting.select(wait):
                 while True:  # every message waiting now, then the verdicts that are due
                     try:
                         n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
@@ -132,6 +134,7 @@ def serve(queue: int, delay_s: float) -> None:
         accept_due(float("inf"))
         lib.nfq_destroy_queue(qh)
         lib.nfq_close(h)
+        waiting.close()
         sock.close()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
+from ..executor.base import EXECUTORS
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from ..runtime.engine_options import EngineOptions, default_backend, default_threads, usable_cores
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
@@ -323,6 +324,19 @@ def add_engine_args(g: dict[str, Any]) -> None:
         "--key", help="this client's key file (a --topology run; `fusion keys new FILE` makes one; default $FUSION_KEY)"
     )
     net.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="who starts the workers (without --topology): local processes (default) or ray actors "
+        "(the [ray] extra; docs/executors.md)",
+    )
+    net.add_argument(
+        "--ray-address",
+        help="HOST:PORT of an existing Ray cluster's GCS for --executor ray (default: a Ray instance of this "
+        "machine's own, on loopback)",
+    )
+    net.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs Ray reserves for each worker actor (default 1)")
+    net.add_argument(
         "--master", help="HOST:PORT to listen at for separately started workers (needs --insecure without a topology)"
     )
     net.add_argument(
@@ -433,7 +447,12 @@ def add_speculative_args(p: Any) -> None:
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
-        help="most tokens proposed per step (default 4; the draft length adapts below it)",
+        help="most tokens proposed per step (default 4, suffix 32; the draft length adapts below it)",
+    )
+    p.add_argument(
+        "--suffix-cache-tokens",
+        type=int,
+        help="--speculative suffix: tokens of earlier outputs kept to draft from (default 8192; 0: none)",
     )
 
 
@@ -443,7 +462,10 @@ def speculative_config(a: argparse.Namespace) -> Any:
     from ..generation.speculative_config import from_flags
 
     cfg = from_flags(
-        getattr(a, "speculative", None), getattr(a, "draft_model", None), getattr(a, "num_speculative_tokens", None)
+        getattr(a, "speculative", None),
+        getattr(a, "draft_model", None),
+        getattr(a, "num_speculative_tokens", None),
+        getattr(a, "suffix_cache_tokens", None),
     )
     if cfg is not None and cfg.draft_model is not None:
         from ..weights.source import resolve_model_path
@@ -520,6 +542,9 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         step_deadline_factor=a.step_deadline_factor,
         step_deadline_min_s=a.step_deadline_min,
         recover=not a.no_recover,
+        executor=a.executor,
+        ray_address=a.ray_address,
+        ray_cpus=a.ray_cpus,
     )
     if a.master is not None:
         host_port(a.master)

@@ -108,6 +108,7 @@ def cmd_serve(a: Any) -> int:
     if not (0 < a.request_timeout < float("inf")):
         raise UsageError(f"--request-timeout must be > 0, got {a.request_timeout}")
 
+    from ..runtime.progress import counted
     from ..serving.api_server import create_app, run_http, wrap
     from ..serving.http_limits import printable
     from . import logs
@@ -145,7 +146,7 @@ def cmd_serve(a: Any) -> int:
         batch = f", up to {a.max_batch} requests at once" if a.max_batch > 1 else ""
         log(
             f"fusion serve: listening on http://{shown}:{port}/v1 "
-            f"(model {gateway.card.id}, {logs.counted(gateway.n_workers, 'worker')}{batch})"
+            f"(model {gateway.card.id}, {counted(gateway.n_workers, 'worker')}{batch})"
         )
         if key is not None:  # the page exists only with a key (control_page.py)
             log(f"fusion serve: control page: http://{shown}:{port}/control")

@@ -15,6 +15,7 @@ schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
                    a farewell frame tells the peer why this end leaves
   rendezvous.py    admission against the roster, epochs, then wiring every pair of workers
   liveness.py      heartbeats: a worker that dies or freezes is named within seconds
+  readiness.py     waiting for sockets to have something to read (poll: no descriptor ceiling)
   comm.py          `Comm`: the verbs (reduce_scatter, sum_scores, send, recv, ...) and their events
   events.py        `Event`, `Counters`, `Recorder`: what the audit and the benchmark read
   buffers.py       tensors of any dtype and device as the bytes a backend moves; the fp32 sum of partials
@@ -72,6 +73,7 @@ __all__ = [
     "open_pulse",
     "reason_of",
     "say_farewell",
+    "unreachable",
     "wire_bytes",
 ]
 
@@ -81,6 +83,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def unreachable(host: str, port: int, timeout_s: float) -> str | None:
+    """Why nothing accepts a TCP connection at host:port within `timeout_s` ("connection refused",
+    "timed out"), or None when something does (the connection is closed at once, nothing sent): a
+    bounded look before handing an address to a client library whose own wait is long (Ray's)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except TimeoutError:
+        return "timed out"
+    except OSError as e:
+        return (e.strerror or str(e)).lower()
+    return None
 
 
 if not TYPE_CHECKING:  # type checkers see the import above, and no catch-all attribute

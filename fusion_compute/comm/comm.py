@@ -43,7 +43,6 @@ element that travelled.
 from __future__ import annotations
 
 import collections
-import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -54,6 +53,7 @@ from .buffers import accumulate, host, raw
 from .errors import CommError, PeerPoisoned, PeerTimeout, TaintedInputs
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .links import TICK_S, Link
+from .readiness import readable
 from .value_checks import block_fault
 
 
@@ -175,7 +175,7 @@ class Comm:
             if not ready:
                 socks = {links[p].sock: p for p in pending}
                 left = deadline - time.monotonic()
-                got, _, _ = select.select(list(socks), [], [], max(0.0, min(TICK_S, left)))
+                got = readable(socks, min(TICK_S, left))
                 ready = sorted(socks[s] for s in got)
             if not ready:  # a tick: the links' check (a lost worker, a step's limit), then the deadline
                 check = next((links[p].check for p in pending if links[p].check is not None), None)
@@ -414,11 +414,13 @@ class Comm:
         else:
             for q in range(n):
                 if q != me:
+                    self._check_own(shard, q + 1, op)
                     self._put(q + 1, shard)
             out = torch.empty((sum(sizes), t), dtype=shard.dtype)
-            for q, rows in enumerate(out.split(list(sizes))):
-                if q != me:
-                    self._get(q + 1, rows, op)
+            gathered = {q + 1: rows for q, rows in enumerate(out.split(list(sizes))) if q != me}
+            for r, rows in gathered.items():
+                self._get(r, rows, op)
+            self._check_received(gathered, op)  # the baseline's blocks too: a liar's NaN names it
             out = out.to(shard.device)
             out.split(list(sizes))[me].copy_(shard)
         self._emit(
@@ -442,11 +444,12 @@ class Comm:
         else:
             mine = tensor.contiguous().clone()
             for r in peers:
+                self._check_own(mine, r, op)
                 self._put(r, mine)
             stack = torch.empty((self.world - 1, *tensor.shape), dtype=tensor.dtype)
-            for r in range(1, self.world):
-                if r != self.rank:
-                    self._get(r, stack[r - 1], op)
+            for r in peers:
+                self._get(r, stack[r - 1], op)
+            self._check_received({r: stack[r - 1] for r in peers}, op)
             stack = stack.to(tensor.device)
             stack[self.rank - 1] = mine
             tensor.copy_(accumulate(stack))

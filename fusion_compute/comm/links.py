@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import select
 import socket
 import ssl
 import struct
@@ -49,6 +48,7 @@ from ..errors import FusionError
 from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout, TaintedInputs
 from .identity import Identity, PublicId
 from .peer_text import printable
+from .readiness import readable
 
 HEADER = struct.Struct("<Q")
 TLS_RECORD = 16384  # largest plaintext per TLS record
@@ -397,7 +397,7 @@ class Link:
         check, self.check = self.check, None  # a liveness verdict about someone else is not this link's news
         sent = False
         try:
-            while self.has_buffered() or select.select([self.sock], [], [], 0)[0]:
+            while self.has_buffered() or readable([self.sock], 0):
                 n = self.recv_size(deadline)  # raises PeerLeft at a farewell
                 junk = memoryview(bytearray(1 << 16))
                 while n > 0:

@@ -21,7 +21,6 @@ Cost on the data path: none (measured in docs/resilience.md).
 from __future__ import annotations
 
 import json
-import select
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from collections.abc import Callable
 
 from .errors import CommError, PeerLost, PeerTimeout
 from .links import Link
+from .readiness import readable
 
 BEAT_S = 0.5  # a worker's beat interval
 DEADLINE_S = 5.0  # no beat for this long: the worker has failed (configurable per job)
@@ -71,8 +71,7 @@ class Pulse:
                     if left <= 0:
                         break
                     if not self.link.has_buffered():
-                        ready, _, _ = select.select([self.link.sock], [], [], left)
-                        if not ready:
+                        if not readable([self.link.sock], left):
                             break
                     word = _recv(self.link, 5.0)
                     if "ask" in word:
@@ -299,7 +298,7 @@ class Watch:
             ready = [by_sock[s] for s in by_sock if by_sock[s][1].has_buffered()]
             if not ready and by_sock:
                 try:
-                    socks, _, _ = select.select(list(by_sock), [], [], 0.1)
+                    socks = readable(by_sock, 0.1)
                 except (OSError, ValueError):  # a link closed under us: look again
                     continue
                 ready = [by_sock[s] for s in socks]
@@ -307,7 +306,8 @@ class Watch:
                 self._stop.wait(0.1)
             now = time.monotonic()
             for rank, link in ready:
-                lock = self._locks.get(rank)
+                with self._guard:  # replaced or forgotten meanwhile: its closing is no news (poll reports it)
+                    lock = self._locks.get(rank) if self._links.get(rank) is link else None
                 if lock is None:
                     continue
                 try:

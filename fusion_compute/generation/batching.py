@@ -31,7 +31,9 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
-from .speculative import DraftLength, SpecStats, Speculator, verify
+from .speculative import DraftLength, SpecStats, Speculator
+from .suffix import SuffixDrafter
+from .token_tree import TokenTree, accept
 
 
 @dataclass
@@ -134,14 +136,16 @@ class BatchRunner:
             return []
         seqs = list(self.active.values())
         drafts = self._budget(seqs, {s.slot: self._draft(s) for s in seqs})
-        items = [(s.slot, list(s.prompt_ids) if not s.out else [s.out[-1], *drafts[s.slot]]) for s in seqs]
+        items = [(s.slot, self._columns(s, drafts[s.slot])) for s in seqs]
+        trees = {slot: t.parents_T for slot, t in drafts.items() if t is not None and not t.is_chain()}
         seen = len(self.engine.recoveries)
         self.hooks.before([(slot, len(self.engine.slot_history.get(slot, ())), len(ids)) for slot, ids in items])
         t0 = time.perf_counter()
-        logits = self.engine.forward_batch(items, all_logits={slot for slot, d in drafts.items() if d})
+        full = {slot for slot, t in drafts.items() if t is not None}
+        # a tree's parents ride with the step (engine.forward_batch's `trees`); chains need none
+        logits = self.engine.forward_batch(items, all_logits=full, **({"trees": trees} if trees else {}))
         if self._cost is not None and all(s.out for s in seqs):  # decode steps only: a prefill is another cost
-            spans = sum(bool(d) for d in drafts.values())
-            self._cost.observe(sum(len(ids) for _, ids in items), spans, time.perf_counter() - t0)
+            self._cost.observe(sum(len(ids) for _, ids in items), len(full), time.perf_counter() - t0)
         self.hooks.after()
         self.steps += 1
         for seq in seqs:
@@ -149,20 +153,27 @@ class BatchRunner:
         done = []
         for seq, lg in zip(seqs, logits, strict=True):
             seq.steps += 1
-            proposed = drafts[seq.slot]
-            if proposed:
-                toks, accepted = verify(self._samplers[seq.slot], lg, proposed)
-                self._lengths[seq.slot].update(len(proposed), accepted)
+            tree = drafts[seq.slot]
+            drafted = 0 if tree is None else len(tree) - 1
+            if tree is not None:
+                toks, path = accept(self._samplers[seq.slot], tree, lg)
+                accepted = len(path) - 1
+                self._lengths[seq.slot].update(drafted, accepted)
                 if seq.spec is not None:
-                    seq.spec.add(len(proposed), accepted)
+                    seq.spec.add(drafted, accepted)
                     if self.speculator is not None:
-                        self.speculator.totals.add(len(proposed), accepted)
-                        self.speculator.pool.add(len(proposed), accepted)
-                if accepted < len(proposed):  # the rejected columns' KV entries are never attended
-                    self.engine.rollback(seq.slot, len(self.engine.slot_history[seq.slot]) - (len(proposed) - accepted))
+                        self.speculator.totals.add(drafted, accepted)
+                        self.speculator.pool.add(drafted, accepted)
+                if tree.is_chain():
+                    if accepted < drafted:  # the rejected columns' KV entries are never attended
+                        self.engine.rollback(seq.slot, len(self.engine.slot_history[seq.slot]) - (drafted - accepted))
+                else:  # the accepted path's entries are kept, the rest dropped (named in the next step)
+                    self.engine.keep_path(seq.slot, path)
             else:
                 toks = [self._samplers[seq.slot](lg)]
             budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+            emitted = len(seq.out)
+            decode = emitted > 0
             for tok in toks:
                 seq.out.append(tok)
                 if len(seq.out) == 1:
@@ -171,44 +182,69 @@ class BatchRunner:
                 if seq.finish is not None:
                     done.append(seq)
                     break
+            if seq.spec is not None:
+                seq.spec.step(1 + drafted, len(seq.out) - emitted, decode)
+                if self.speculator is not None:
+                    self.speculator.totals.step(1 + drafted, len(seq.out) - emitted, decode)
         for seq in done:
             self._retire(seq)
         return done
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        """The tokens `seq` proposes this step: none at its prefill, without a speculator, or while its
-        draft length says so; never more than its remaining budget can use (the step's last token
-        plus K drafts stay within the context, and every accepted draft is an output token)."""
+    def _draft(self, seq: Sequence) -> TokenTree | None:
+        """The columns `seq` proposes this step after its last token, as a token tree (a chain from a
+        chain drafter, or where the engine cannot verify trees): none at its prefill, without a
+        speculator, or while its draft length says so; never more drafts than its remaining budget
+        can use (the step's last token plus its drafts stay within the context and the slot's KV: a
+        tree is cut to that many columns, never written past the end)."""
         if not seq.out or self.speculator is None:
-            return []
+            return None
         budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
         k = min(self._lengths[seq.slot].next(), budget - len(seq.out) - 1)
         if k < 1:
-            return []
-        return self._drafters[seq.slot].propose(seq.prompt_ids + seq.out, k)
+            return None
+        drafter = self._drafters[seq.slot]
+        tokens = seq.prompt_ids + seq.out
+        if self.engine.verifies_trees and isinstance(drafter, SuffixDrafter):
+            d = drafter.propose_tree(tokens, k)
+            tree = TokenTree.from_drafts(seq.out[-1], d.tokens, d.parents)
+        else:
+            tree = TokenTree.chain(seq.out[-1], drafter.propose(tokens, k))
+        return tree if len(tree) > 1 else None
 
-    def _budget(self, seqs: list[Sequence], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+    @staticmethod
+    def _columns(seq: Sequence, tree: TokenTree | None) -> list[int]:
+        if not seq.out:
+            return list(seq.prompt_ids)  # its prefill
+        return [seq.out[-1]] if tree is None else list(tree.tokens_T)
+
+    def _budget(self, seqs: list[Sequence], drafts: dict[int, TokenTree | None]) -> dict[int, TokenTree | None]:
         """Each decoding session's drafts cut to what StepCost says its columns are worth this step
         (greedy sessions only: a sampled session keeps its drafts, so its draws follow its seed
-        whatever the batch and the clock)."""
+        whatever the batch and the clock). A tree is cut to its first columns (its drafter lists
+        them best first, every parent before its children)."""
         decoding = [s for s in seqs if s.out]
         if self._cost is None or not any(drafts[s.slot] for s in decoding):
             return drafts
         assert self.speculator is not None  # a StepCost is the speculator's
         prior = self.speculator.pool.rate()
+        sizes = [0 if (t := drafts[s.slot]) is None else len(t) - 1 for s in decoding]
         ks = self._cost.allocate(
-            [len(drafts[s.slot]) for s in decoding],
+            sizes,
             [self._lengths[s.slot].acceptance(prior) for s in decoding],
             [not s.sampling.greedy for s in decoding],
         )
-        return {**drafts, **{s.slot: drafts[s.slot][:k] for s, k in zip(decoding, ks, strict=True)}}
+        out = dict(drafts)
+        for s, k in zip(decoding, ks, strict=True):
+            t = drafts[s.slot]
+            out[s.slot] = None if t is None or k == 0 else t.cut(1 + k)
+        return out
 
     def _retire(self, seq: Sequence) -> None:
         seq.t_end = time.perf_counter()
         del self.active[seq.slot], self._samplers[seq.slot], self._stops[seq.slot]
         drafter = self._drafters.pop(seq.slot, None)
-        if drafter is not None:
-            drafter.close()
+        if drafter is not None:  # a finished output may serve later sessions' drafts (the suffix cache)
+            drafter.close(seq.out if seq.finish in ("stop", "length") else None)
         self._lengths.pop(seq.slot, None)
         self.engine.release(seq.slot)  # hygiene: its KV slot is zeroed now, not when it is reused
         self.hooks.released(seq.slot)

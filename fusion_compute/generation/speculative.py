@@ -24,6 +24,8 @@ Drafters (one per session):
   NgramDrafter       prompt lookup: the longest n-gram that ends the session's tokens (prompt
                      included) found earlier in them; proposes what followed its latest occurrence
                      that has K tokens after it (or the most it finds)
+  SuffixDrafter      SuffixDecoding (suffix.py): suffix tries over the session's tokens and over
+                     the job's earlier outputs, the draft scored by frequency and sized by the match
   DraftModelDrafter  a small model of the same vocabulary on the client (the dense twin), greedy,
                      with its own KV cache per session, rolled back to the common prefix each step
 
@@ -47,13 +49,15 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UsageError
 from .sampling import Sampler
 from .speculative_config import SpeculativeConfig
+from .suffix import SuffixCache, SuffixDrafter
+from .token_tree import TokenTree, accept
 
 # DraftLength's low-acceptance pause: over the last WINDOW verifications, fewer than MIN_GAIN accepted
 # tokens per verification stops drafting for PAUSE_STEPS steps, doubling (to PAUSE_MAX) each time it
@@ -65,32 +69,22 @@ PAUSE_MAX = 128
 
 
 def verify(sampler: Sampler, logits_TV: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
-    """The tokens one verification emits and how many drafts it accepted. logits_TV: the target's
-    logits at [last, d1..dK], (K + 1, V); row i scores the token after column i."""
-    out: list[int] = []
-    greedy = sampler.params.greedy
-    for i, d in enumerate(drafts):
-        if greedy:
-            t = sampler(logits_TV[i])
-            if t != d:
-                return out + [t], i
-        else:
-            p = sampler.probs(logits_TV[i])
-            if not sampler.uniform() < float(p[d]):  # rejected: draw from (p - q)+, q the point mass at d
-                p = p.clone()
-                p[d] = 0.0
-                return out + [sampler.draw(p / p.sum())], i
-        out.append(d)
-    return out + [sampler(logits_TV[len(drafts)])], len(drafts)
+    """The tokens one verification of a chain emits and how many drafts it accepted: token_tree.accept
+    on the chain [last, d1..dK] (the rule above; a tree's is the same walk with siblings). logits_TV:
+    the target's logits at [last, d1..dK], (K + 1, V); row i scores the token after column i."""
+    out, path = accept(sampler, TokenTree.chain(-1, drafts), logits_TV)
+    return out, len(path) - 1
 
 
 class DraftLength:
     """How many tokens a session drafts at its next step (0: none), from what its last steps accepted.
-    Not adaptive: always the most allowed."""
+    Not adaptive: always the most allowed. `sized_by_drafter` (the suffix drafter, whose drafts are
+    as long as its match earns): the cap stays K, only the low-acceptance pause applies."""
 
-    def __init__(self, k_max: int, adaptive: bool = True):
+    def __init__(self, k_max: int, adaptive: bool = True, sized_by_drafter: bool = False):
         self.k_max = k_max
         self.adaptive = adaptive
+        self.sized_by_drafter = sized_by_drafter
         self.k = k_max
         self.recent: deque[int] = deque(maxlen=WINDOW)  # accepted tokens of the last verifications
         self.paused = 0  # steps left without drafting
@@ -108,14 +102,17 @@ class DraftLength:
             self.history.append((drafted, accepted))
         if not self.adaptive or drafted == 0:
             return
-        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)  # transformers' heuristic
+        if not self.sized_by_drafter:
+            self.k = (
+                min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+            )  # transformers' heuristic
         self.recent.append(accepted)
         if accepted:
             self.pause = PAUSE_STEPS
         if len(self.recent) == WINDOW and sum(self.recent) < MIN_GAIN * WINDOW:
             self.paused, self.pause = self.pause, min(PAUSE_MAX, 2 * self.pause)
             self.recent.clear()
-            self.k = 1  # after a pause, probe with one draft
+            self.k = self.k if self.sized_by_drafter else 1  # after a pause, probe with one draft
 
     def acceptance(self, prior: float = 0.5) -> float:
         """The chance that a draft is accepted given the ones before it were, from the recent
@@ -257,23 +254,52 @@ class StepCost:
 
 @dataclass
 class SpecStats:
-    """vLLM's counters: verification steps that carried drafts, drafts proposed, drafts accepted."""
+    """vLLM's counters (verification steps that carried drafts, drafts proposed, drafts accepted), and
+    what the issue's report needs: sharded forwards (the prefill included), the columns of the decode
+    steps (1 + the drafts of each), and acceptance by depth (accepted_by_depth[j]: verifications whose
+    draft at depth j + 1 was accepted)."""
 
     method: str
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    forwards: int = 0
+    columns: int = 0
+    tokens: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)
+
+    def step(self, columns: int, tokens: int, decode: bool) -> None:
+        """One sharded forward of the session: its columns (counted for decode steps) and the tokens
+        it emitted."""
+        self.forwards += 1
+        self.tokens += tokens
+        if decode:
+            self.columns += columns
 
     def add(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.num_drafts += 1
             self.num_draft_tokens += drafted
             self.num_accepted_tokens += accepted
+            self._depths(accepted)
+
+    def _depths(self, accepted: int) -> None:
+        if len(self.accepted_by_depth) < accepted:
+            self.accepted_by_depth += [0] * (accepted - len(self.accepted_by_depth))
+        for j in range(accepted):
+            self.accepted_by_depth[j] += 1
 
     def merge(self, other: SpecStats) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.forwards += other.forwards
+        self.columns += other.columns
+        self.tokens += other.tokens
+        if len(self.accepted_by_depth) < len(other.accepted_by_depth):
+            self.accepted_by_depth += [0] * (len(other.accepted_by_depth) - len(self.accepted_by_depth))
+        for j, n in enumerate(other.accepted_by_depth):
+            self.accepted_by_depth[j] += n
 
     def as_dict(self) -> dict:
         mal = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None  # vLLM's definition
@@ -283,6 +309,11 @@ class SpecStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_acceptance_length": None if mal is None else round(mal, 4),
+            "forwards": self.forwards,
+            "columns": self.columns,
+            # tau: tokens per sharded forward, the prefill (which emits the first token) included
+            "tokens_per_forward": round(self.tokens / self.forwards, 4) if self.forwards else None,
+            "accepted_by_depth": list(self.accepted_by_depth),
         }
 
 
@@ -329,7 +360,7 @@ class NgramDrafter:
                 return best
         return []
 
-    def close(self) -> None:
+    def close(self, output: list[int] | None = None) -> None:
         self.tokens, self.where = [], {}
 
 
@@ -362,7 +393,7 @@ class DraftModelDrafter:
             logits = self.model.forward(drafts[-1:], len(self.seen), self.cache)[-1]
             self.seen.append(drafts[-1])
 
-    def close(self) -> None:
+    def close(self, output: list[int] | None = None) -> None:
         if self.cache is not None:  # the user's own tokens' keys and values: zeroed, not left behind
             for t in self.cache:
                 t.zero_()
@@ -384,18 +415,33 @@ class Speculator:
             self.model = draft_model if draft_model is not None else load_draft_model(config.draft_model, target_vocab)
             check_vocab(self.model.config.vocab, target_vocab)
         self.totals = SpecStats(config.method)
+        # SuffixDecoding's global cache: the job's finished outputs, from request to request
+        self.suffix_cache = (
+            SuffixCache(config.suffix_max_depth, config.suffix_cache_tokens) if config.method == "suffix" else None
+        )
         self.pool = JobAcceptance()  # what drafts earn on this job, across sessions and requests
         # what a wider step costs on this job's workers and network, learned across its runs and
         # requests; with a fixed draft length nothing is cut
         self.cost = StepCost() if config.adaptive else None
 
-    def drafter(self) -> NgramDrafter | DraftModelDrafter:
+    def drafter(self) -> NgramDrafter | SuffixDrafter | DraftModelDrafter:
+        """A new session's drafter."""
+        c = self.config
         if self.model is not None:
             return DraftModelDrafter(self.model, self.context)
-        return NgramDrafter(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        if c.method == "suffix":
+            return SuffixDrafter(
+                self.suffix_cache,
+                c.suffix_max_depth,
+                c.suffix_max_spec_factor,
+                c.suffix_max_spec_offset,
+                c.suffix_min_token_prob,
+            )
+        return NgramDrafter(c.prompt_lookup_min, c.prompt_lookup_max)
 
     def length(self) -> DraftLength:
-        return DraftLength(self.config.num_speculative_tokens, self.config.adaptive)
+        c = self.config
+        return DraftLength(c.num_speculative_tokens, c.adaptive, sized_by_drafter=c.method == "suffix")
 
 
 def check_vocab(draft_vocab: int, target_vocab: int) -> None:

@@ -6,12 +6,19 @@ at no network cost, and one sharded forward over the last token plus the K propo
 all, at the same number of exchanges as one token. Names follow vLLM's speculative config:
 
     method                  "ngram" (prompt lookup: no model, drafts from the session's own
-                            tokens, prompt included) or "draft_model" (a small model on the client)
+                            tokens, prompt included), "suffix" (SuffixDecoding: suffix tries over
+                            the session's tokens and over earlier outputs of the job, drafts
+                            scored by frequency, as long as the match earns) or "draft_model" (a
+                            small model on the client)
     num_speculative_tokens  K, the most tokens proposed per step (the adaptive length stays at or
                             under it)
     prompt_lookup_max/min   the longest and shortest n-gram the n-gram drafter matches
     draft_model             the draft model's path (HF directory or GGUF), run in the clear on the
                             client: it is the user's own machine
+    suffix_*                vLLM's suffix_decoding_* options: the tries' depth, draft size per matched
+                            token (factor) plus offset, the least estimated probability a draft
+                            token keeps, and the global cache's size (here in tokens, not requests:
+                            what it holds is what it costs; 0: no global cache)
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 64  # more proposals than this never pay: every one must be accepted in turn
+# --speculative suffix without --num-speculative-tokens: its drafts are sized by the match length
+# (factor 1: as many tokens as matched), so the cap is only a cap
+SUFFIX_DEFAULT_TOKENS = 32
+SUFFIX_CACHE_TOKENS = 8192  # the global cache's default size; a trie costs up to max_depth nodes per token
 
 
 class SpeculativeError(UsageError, ValueError):
@@ -36,6 +47,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     draft_model: str | None = None
     adaptive: bool = True  # the draft length follows acceptance (speculative.DraftLength); False: always K
+    suffix_max_depth: int = 64  # the longest substring a trie holds: a match of m proposes <= depth - m
+    # vLLM's default factor is 1 (as many tokens as matched); 4 raised the greedy outputs' tokens per forward
+    # of both bench workloads (bench/workloads.py) replayed offline, at twice the columns (docs/speculative.md)
+    suffix_max_spec_factor: float = 4.0
+    suffix_max_spec_offset: float = 0.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +66,16 @@ class SpeculativeConfig:
                 f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got min {self.prompt_lookup_min}, "
                 f"max {self.prompt_lookup_max}"
             )
+        if not 2 <= self.suffix_max_depth <= 4096:
+            raise SpeculativeError(f"the suffix trie's depth must be in [2, 4096], got {self.suffix_max_depth}")
+        if not (self.suffix_max_spec_factor >= 0 and self.suffix_max_spec_offset > -1e6):
+            raise SpeculativeError("the suffix draft size's factor must be >= 0")
+        if not 0 <= self.suffix_min_token_prob <= 1:
+            raise SpeculativeError(
+                f"the suffix drafts' least probability must be in [0, 1], got {self.suffix_min_token_prob}"
+            )
+        if self.suffix_cache_tokens < 0:
+            raise SpeculativeError(f"--suffix-cache-tokens must be >= 0, got {self.suffix_cache_tokens}")
         if (self.method == "draft_model") != (self.draft_model is not None):
             raise SpeculativeError(
                 "the draft_model method needs --draft-model PATH"
@@ -66,20 +94,41 @@ class SpeculativeConfig:
         out: dict = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "ngram":
             out |= {"prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        elif self.method == "suffix":
+            out |= {
+                "suffix_max_depth": self.suffix_max_depth,
+                "suffix_max_spec_factor": self.suffix_max_spec_factor,
+                "suffix_max_spec_offset": self.suffix_max_spec_offset,
+                "suffix_min_token_prob": self.suffix_min_token_prob,
+                "suffix_cache_tokens": self.suffix_cache_tokens,
+            }
         else:
             out["draft_model"] = self.draft_model
         return out
 
 
-def from_flags(method: str | None, draft_model: str | None, num_tokens: int | None) -> SpeculativeConfig | None:
-    """The command line's `--speculative METHOD`, `--draft-model PATH` and `--num-speculative-tokens K`:
-    None when speculation is off. `--draft-model` alone means the draft_model method."""
+def from_flags(
+    method: str | None, draft_model: str | None, num_tokens: int | None, suffix_cache_tokens: int | None = None
+) -> SpeculativeConfig | None:
+    """The command line's `--speculative METHOD`, `--draft-model PATH`, `--num-speculative-tokens K` and
+    `--suffix-cache-tokens N`: None when speculation is off. `--draft-model` alone means the
+    draft_model method; a flag another method's (e.g. `--draft-model` with suffix) is refused."""
     if method is None and draft_model is None:
         if num_tokens is not None:
-            raise SpeculativeError("--num-speculative-tokens needs --speculative ngram or --draft-model PATH")
+            raise SpeculativeError("--num-speculative-tokens needs --speculative ngram|suffix or --draft-model PATH")
+        if suffix_cache_tokens is not None:
+            raise SpeculativeError("--suffix-cache-tokens needs --speculative suffix")
         return None
     method = method or "draft_model"
+    if method not in METHODS:
+        raise SpeculativeError(f"unknown speculative method {method!r}: choose one of {', '.join(METHODS)}")
     if method == "draft_model" and draft_model is None:
         raise SpeculativeError("--speculative draft_model needs --draft-model PATH")
-    kw = {} if num_tokens is None else {"num_speculative_tokens": num_tokens}
+    if suffix_cache_tokens is not None and method != "suffix":
+        raise SpeculativeError(f"--suffix-cache-tokens is for --speculative suffix, not {method}")
+    kw: dict = {} if num_tokens is None else {"num_speculative_tokens": num_tokens}
+    if method == "suffix":
+        kw.setdefault("num_speculative_tokens", SUFFIX_DEFAULT_TOKENS)
+        if suffix_cache_tokens is not None:
+            kw["suffix_cache_tokens"] = suffix_cache_tokens
     return SpeculativeConfig(method=method, draft_model=draft_model, **kw)

@@ -37,8 +37,8 @@ import torch
 
 from ..comm import Event, Recorder
 from ..model.config import ModelError
-from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan, rope_tables
-from ..model.kernels import causal_mask, inv_freq_tensor, rms_norm
+from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan
+from ..model.kernels import Rotary, rms_norm, tree_depths, tree_mask
 from ..model.layer import decoder_layer
 from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
@@ -74,6 +74,7 @@ class MaskedEngine(EngineBase):
     """Client side of a masked job: the session, the masks, the KV cache, every nonlinear step."""
 
     mode = "masked"
+    verifies_trees = True  # the client attends in the clear: a tree's mask and depths are its own (_masked_step)
     opts: MaskedOptions
 
     def group_names(self) -> tuple[str, ...]:
@@ -123,7 +124,7 @@ class MaskedEngine(EngineBase):
         self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
         # the layer in the clear, every linear a masked product over all the step's rows
         self.ops = DenseOps(c, self.clear, lambda i, name, x: self.masked_linear(i, LINEARS.index(name), x[0])[None])
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.audit = None
         if self.opts.audit_dir:
             from .audit import AuditLog
@@ -250,6 +251,17 @@ class MaskedEngine(EngineBase):
             for t in self._kv[slot]:
                 t[:, :, keep:end].zero_()
 
+    def _keep(self, slot: int, base: int, path: list[int]) -> None:
+        """A token tree's accepted path: its columns' entries moved to base.. in the client's cache (each
+        key was rotated at base + its depth, its place now), everything after them zeroed."""
+        end = self.slot_pos.get(slot, base + len(path))
+        self.slot_pos[slot] = base + len(path)
+        if slot in self._kv:
+            src = torch.tensor([base + c for c in path])
+            for t in self._kv[slot]:
+                t[:, :, base : base + len(path)] = t[:, :, src]
+                t[:, :, base + len(path) : end].zero_()
+
     def kv_abs_max(self, slot: int | None = None) -> float:
         """The largest |value| left in the client's KV cache, of one slot or all (0 after a wipe)."""
         if slot is None:
@@ -323,11 +335,14 @@ class MaskedEngine(EngineBase):
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
         x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
-        # per session: its rows of the step, its rotary tables and causal mask, its slot's cache
+        # per session: its rows of the step, its rotary tables and causal masks, its slot's cache; a token
+        # tree: RoPE by depth, the ancestors' mask (generation/token_tree.py)
         step = tuple(
-            DenseSpan(
-                *rope_tables(self.inv_freq, torch.arange(pos, pos + n)),
-                causal_mask(pos, n),
+            DenseSpan.at(c, self.rotary, pos, n, self._kv_update(slot, pos, n))
+            if slot not in self._trees
+            else DenseSpan(
+                *self.rotary.tables(pos + torch.tensor(tree_depths(self._trees[slot]))),
+                {w: tree_mask(pos, self._trees[slot], w) for w in c.windows},
                 self._kv_update(slot, pos, n),
             )
             for slot, pos, n in spans

@@ -1,4 +1,5 @@
-"""The one description of the decoder architecture that every consumer reads (Llama and Qwen2 families).
+"""The one description of the decoder architecture that every consumer reads (every family of
+config.FAMILIES).
 
 What it fixes, once: the Hugging Face tensor names; which HF linears are stacked by rows into one
 fused linear (q/k/v -> `qkv`, gate/up -> `gate_up`); which RMSNorm sits in front of which fused linear
@@ -13,8 +14,13 @@ through these names, so they cannot drift apart. GGUF's own names are mapped ont
     gate_up        mlp.{gate,up}_proj       rows I, I                post_attention_layernorm   no
     down           mlp.down_proj            rows H                   -                          no
 
-RoPE variants live in config.py (RopeConfig: default, linear, llama3) and kernels.py (the one rotary
-implementation).
+Phi-3 checkpoints store the stacks already fused (`self_attn.qkv_proj`, `mlp.gate_up_proj`, the same
+row order): `read_weight` then reads the rows asked for from the one tensor (`FusedLinear.fused`).
+Qwen3 adds an RMSNorm on each head of q and of k (`self_attn.q_norm`, `self_attn.k_norm`, gains (d,)):
+`read_qk_norms`.
+
+RoPE variants live in config.py (RopeConfig: default, linear, llama3, longrope) and kernels.py (the one
+rotary implementation).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class FusedLinear:
     parts: tuple[str, ...]  # HF module names under model.layers.N., stacked in this order
     norm: str | None  # the RMSNorm whose output this linear reads (its gain folds into the weight)
     biased: bool  # has a bias when the config says so (Qwen2's q/k/v)
+    fused: str | None = None  # the checkpoint's own fused module, where a family stores one (Phi-3)
 
     def part_rows(self, c: ModelConfig) -> tuple[int, ...]:
         """Output rows of each part, in stacking order."""
@@ -50,9 +57,15 @@ class FusedLinear:
 
 
 LINEARS: tuple[FusedLinear, ...] = (  # in the order a layer uses them
-    FusedLinear("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", True),
+    FusedLinear(
+        "qkv",
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "input_layernorm",
+        True,
+        "self_attn.qkv_proj",
+    ),
     FusedLinear("o", ("self_attn.o_proj",), None, False),
-    FusedLinear("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", False),
+    FusedLinear("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", False, "mlp.gate_up_proj"),
     FusedLinear("down", ("mlp.down_proj",), None, False),
 )
 LINEAR_NAMES = tuple(linear.name for linear in LINEARS)
@@ -70,6 +83,9 @@ def read_weight(
     """The fused linear `name`'s weight (out, in), fp32, HF layout: rows [a, b) of the stack (None: all),
     columns `cols` (None: all). Only the parts and rows asked for are read (for GGUF: dequantized)."""
     linear = BY_NAME[name]
+    if linear.fused is not None and src.has(layer_tensor(layer, f"{linear.fused}.weight")):
+        sel = None if rows is None else torch.arange(*rows)
+        return src.read(layer_tensor(layer, f"{linear.fused}.weight"), rows=sel, cols=cols)
     parts, at = [], 0
     for module, n in zip(linear.parts, linear.part_rows(src.config), strict=True):
         lo, hi = (at, at + n) if rows is None else (max(rows[0], at), min(rows[1], at + n))
@@ -94,6 +110,15 @@ def read_norm(src: WeightSource, layer: int, name: str) -> torch.Tensor:
     if norm is None:
         raise ValueError(f"no norm in front of {name}")
     return src.read(layer_tensor(layer, f"{norm}.weight"))
+
+
+def read_qk_norms(src: WeightSource, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The per-head RMSNorm gains (d,) of q and of k (Qwen3), or None when the family has none."""
+    if not src.config.qk_norm:
+        return None
+    return src.read(layer_tensor(layer, "self_attn.q_norm.weight")), src.read(
+        layer_tensor(layer, "self_attn.k_norm.weight")
+    )
 
 
 def lm_head_tied(src: WeightSource) -> bool:

@@ -1,6 +1,24 @@
 """Model configuration: the few numbers the runtime needs, from an HF config.json or GGUF metadata.
 
 Frozen, so nothing downstream can mutate it (gpt-fast's `n_head //= world_size` is the habit we avoid).
+
+The families (FAMILIES) and what each changes in the Llama layer:
+
+    llama     the reference layer: RMSNorm, q/k/v/o, RoPE (default, linear, llama3), SwiGLU
+    mistral   llama's layer; sliding-window attention where the config sets `sliding_window`
+              (query i sees keys j with i - W < j <= i, on every layer)
+    qwen2     a bias on q, k and v; sliding window on the layers past `max_window_layers` when
+              `use_sliding_window` (transformers' `layer_types`)
+    qwen3     no bias; RMSNorm on each head of q and k before RoPE (`q_norm`, `k_norm`, gains (d,));
+              sliding window as qwen2
+    phi3      llama's layer with q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`: split by
+              the config's head counts); LongRoPE; sliding window as mistral (Phi-3, Phi-3.5, Phi-4;
+              Phi-4-mini's partial rotary is refused)
+
+Anything a config asks for that the runtime does not compute (another family, mixture-of-experts,
+an unknown RoPE type, attention soft-capping, biases on o_proj or the MLP, partial rotary) is refused
+by `from_hf` with one line naming what is supported (`Unsupported`, exit 2), before any worker
+starts: a feature silently ignored is a model that runs and answers wrongly.
 """
 
 from __future__ import annotations
@@ -13,21 +31,41 @@ from typing import Any
 
 from ..errors import FusionError
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # transformers' model_type of each
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF's general.architecture values weights/gguf.py reads
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# transformers' mixture-of-experts families: named as such in the refusal
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx", "jamba")
 
 
 class ModelError(FusionError, ValueError):
     """A model that cannot be loaded or run: bad path, unsupported architecture, bad config."""
 
 
+class Unsupported(ModelError):
+    """A model of a family, or with a feature, this runtime does not implement: refused before any
+    worker starts, like a bad command line (exit 2)."""
+
+    exit_code = 2
+
+
 @dataclass(frozen=True)
 class RopeConfig:
+    """RoPE as transformers' ROPE_INIT_FUNCTIONS compute it. LongRoPE (Phi-3: "longrope", older "su")
+    divides the base frequencies by per-pair factors, `short_factor` while a forward's positions stay
+    within `original_max_position` and `long_factor` once one is past it (transformers picks per
+    forward, from that forward's largest position), and multiplies cos and sin by `attention_factor`
+    (√(1 + ln s / ln L₀), s = max_positions / L₀, unless the config sets it)."""
+
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: one per pair
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (longrope)
 
     @staticmethod
     def from_hf(d: dict[str, Any]) -> RopeConfig:
@@ -37,8 +75,11 @@ class RopeConfig:
         theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
         merged = {**scaling, **params}
         kind = str(merged.get("rope_type", merged.get("type", "default")) or "default")
-        if kind not in ("default", "linear", "llama3"):
-            raise ModelError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        kind = "longrope" if kind == "su" else kind  # Phi-3's first configs (transformers does the same)
+        if kind not in ROPE_TYPES:
+            raise Unsupported(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        if kind == "longrope":
+            return RopeConfig._longrope(d, theta, merged)
         return RopeConfig(
             theta=theta,
             kind=kind,
@@ -48,9 +89,41 @@ class RopeConfig:
             original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
         )
 
-    def inv_freq(self, head_dim: int) -> list[float]:
-        """Rotary inverse frequencies, one per RoPE pair (i, i + d/2); same rules as transformers."""
+    @staticmethod
+    def _longrope(d: dict[str, Any], theta: float, merged: dict[str, Any]) -> RopeConfig:
+        """transformers' _compute_longrope_parameters: the factor defaults to max_positions / L₀."""
+        original = int(
+            merged.get("original_max_position_embeddings")
+            or d.get("original_max_position_embeddings")
+            or d.get("max_position_embeddings", 2048)
+        )
+        factor = merged.get("factor")
+        factor = float(d.get("max_position_embeddings", original)) / original if factor is None else float(factor)
+        attention = merged.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short, long = merged.get("short_factor"), merged.get("long_factor")
+        if not isinstance(short, list) or not isinstance(long, list):
+            raise ModelError("longrope rope scaling needs short_factor and long_factor lists")
+        return RopeConfig(
+            theta=theta,
+            kind="longrope",
+            factor=factor,
+            original_max_position=original,
+            short_factor=tuple(float(f) for f in short),
+            long_factor=tuple(float(f) for f in long),
+            attention_factor=float(attention),
+        )
+
+    def inv_freq(self, head_dim: int, long: bool = False) -> list[float]:
+        """Rotary inverse frequencies, one per RoPE pair (i, i + d/2); same rules as transformers
+        (`long`: LongRoPE's long factors, for a forward past original_max_position)."""
         base = [1.0 / (self.theta ** (2 * i / head_dim)) for i in range(head_dim // 2)]
+        if self.kind == "longrope":
+            ext = self.long_factor if long else self.short_factor
+            if len(ext) != len(base):
+                raise ModelError(f"longrope has {len(ext)} factors for {len(base)} rotary pairs")
+            return [f / e for f, e in zip(base, ext, strict=True)]
         if self.kind == "linear":
             return [f / self.factor for f in base]
         if self.kind == "llama3":
@@ -74,7 +147,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2"
+    arch: str  # the family: one of FAMILIES
     hidden: int  # H
     intermediate: int  # I
     n_layers: int
@@ -89,14 +162,45 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    # per layer: the sliding window W (query i attends keys i - W < j <= i), None = full causal; () = all full
+    layer_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3): gains q_norm, k_norm (d,)
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ModelError(f"unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if self.arch not in FAMILIES:
+            raise Unsupported(f"unsupported architecture {self.arch!r} (supported: {', '.join(FAMILIES)})")
+        if self.layer_windows and len(self.layer_windows) != self.n_layers:
+            raise ModelError(f"{len(self.layer_windows)} layer windows for {self.n_layers} layers")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ModelError(f"sliding windows must be >= 1, got {self.layer_windows}")
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads")
         if self.head_dim % 2:
             raise ModelError(f"head_dim {self.head_dim} is odd: rotary pairs need an even head_dim")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window W, or None for full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers (None: full causal), in first-use order: one mask each."""
+        return tuple(dict.fromkeys(self.layer_windows)) if self.layer_windows else (None,)
+
+    def features(self) -> list[str]:
+        """What this model's family adds to the Llama layer, in words (`fusion plan`'s picture)."""
+        out = []
+        windows = [w for w in self.layer_windows if w is not None]
+        if windows:
+            sizes = "/".join(str(w) for w in dict.fromkeys(windows))
+            out.append(f"sliding window {sizes} on {len(windows)} of {self.n_layers} layers")
+        if self.qkv_bias:
+            out.append("q/k/v bias")
+        if self.qk_norm:
+            out.append("per-head q/k norms (split groups' sums ride in the score sums)")
+        if self.rope.kind != "default":
+            out.append(f"RoPE {self.rope.kind}")
+        return out
 
     @property
     def group_size(self) -> int:
@@ -105,36 +209,18 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(d: dict[str, Any]) -> ModelConfig:
-        model_type = d.get("model_type", "")
-        archs = d.get("architectures") or []
-        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
-        if arch is None:
-            raise ModelError(f"unsupported architecture: model_type {model_type!r} {archs} (supported: llama, qwen2)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelError(f"unsupported activation {d.get('hidden_act')!r} (only silu/SwiGLU)")
-        if d.get("mlp_bias"):
-            raise ModelError("unsupported: mlp_bias=true")
-        n_heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return ModelConfig(
-            arch=arch,
-            hidden=hidden,
-            intermediate=int(d["intermediate_size"]),
-            n_layers=int(d["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-            head_dim=int(d.get("head_dim") or hidden // n_heads),
-            vocab=int(d["vocab_size"]),
-            max_positions=int(d.get("max_position_embeddings", 2048)),
-            rms_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf(d),
-            qkv_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_id=d.get("bos_token_id"),
-            eos_ids=tuple(int(e) for e in eos_ids),
-        )
+        """The config of a transformers directory's config.json, through its family's reader (FAMILIES);
+        a family or feature this runtime does not implement is refused (Unsupported), never ignored."""
+        model_type = str(d.get("model_type", ""))
+        reader = _READERS.get(model_type)
+        if reader is None:
+            archs = d.get("architectures") or []
+            what = "mixture-of-experts model" if _is_moe(d) else "architecture"
+            raise Unsupported(
+                f"unsupported {what}: model_type {model_type!r} {archs} (supported: {', '.join(FAMILIES)})"
+            )
+        _refuse_unimplemented(d, model_type)
+        return reader(d)
 
     @staticmethod
     def from_hf_dir(path: str | Path) -> ModelConfig:
@@ -150,8 +236,9 @@ class ModelConfig:
         return asdict(self)
 
     def dims(self) -> dict[str, Any]:
-        """The shape numbers the plan prints and the audit verifier needs (no weights, no rope)."""
-        return {
+        """The shape numbers the plan prints and the audit verifier needs (no weights, no rope); a
+        family's own pieces (q/k norms, sliding windows) only where it has them."""
+        out: dict[str, Any] = {
             "arch": self.arch,
             "hidden": self.hidden,
             "intermediate": self.intermediate,
@@ -161,3 +248,120 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "vocab": self.vocab,
         }
+        if self.qk_norm:
+            out["qk_norm"] = True
+        if any(w is not None for w in self.layer_windows):
+            out["windows"] = list(self.layer_windows)
+        return out
+
+
+def _is_moe(d: dict[str, Any]) -> bool:
+    return d.get("model_type") in _MOE_TYPES or any(
+        d.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+    )
+
+
+def _refuse_unimplemented(d: dict[str, Any], family: str) -> None:
+    """Unsupported for any setting the family's reader would otherwise drop on the floor."""
+
+    def no(feature: str) -> Unsupported:
+        return Unsupported(f"unsupported {family} config: {feature} is not implemented (supported: {_SUPPORTED_NOTE})")
+
+    if _is_moe(d):
+        raise no("mixture-of-experts (num_experts)")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(cap) is not None:
+            raise no(f"{cap}={d[cap]}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise no(f"activation {d.get('hidden_act')!r} (only silu/SwiGLU)")
+    if d.get("mlp_bias"):
+        raise no("mlp_bias=true")
+    if d.get("attention_bias") and family != "qwen2":
+        # llama/qwen3 put this bias on o_proj as well as q/k/v; qwen2's q/k/v bias is its own, always on
+        raise no("attention_bias=true")
+    params = {**dict(d.get("rope_scaling") or {}), **dict(d.get("rope_parameters") or {})}
+    kind = str(params.get("rope_type", params.get("type", "default")) or "default")
+    if kind not in (*ROPE_TYPES, "su"):
+        raise no(f"rope type {kind!r}")
+    partial = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise no(f"partial_rotary_factor={partial}")
+    kinds = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise no(f"layer types {sorted(kinds)}")
+
+
+_SUPPORTED_NOTE = (
+    f"families {', '.join(FAMILIES)}; rope {', '.join(ROPE_TYPES)}, full rotary; SwiGLU; q/k/v bias on qwen2; "
+    "sliding window"
+)
+
+
+def _llama_like(d: dict[str, Any], family: str, **extra: Any) -> ModelConfig:
+    """The fields every family reads the same way (transformers' LlamaConfig names)."""
+    n_heads = int(d["num_attention_heads"])
+    hidden = int(d["hidden_size"])
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        arch=family,
+        hidden=hidden,
+        intermediate=int(d["intermediate_size"]),
+        n_layers=int(d["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=int(d.get("head_dim") or hidden // n_heads),
+        vocab=int(d["vocab_size"]),
+        max_positions=int(d.get("max_position_embeddings", 2048)),
+        rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig.from_hf(d),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_id=d.get("bos_token_id"),
+        eos_ids=tuple(int(e) for e in eos_ids),
+        **extra,
+    )
+
+
+def _window(d: dict[str, Any]) -> int | None:
+    w = d.get("sliding_window")
+    return None if w is None else int(w)
+
+
+def _qwen_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen2/Qwen3: the window only when `use_sliding_window`, on the layers transformers' layer_types
+    marks sliding (by default those from `max_window_layers` on)."""
+    w = _window(d) if d.get("use_sliding_window") else None
+    n = int(d["num_hidden_layers"])
+    if w is None:
+        return ()
+    types = d.get("layer_types") or [
+        "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention" for i in range(n)
+    ]
+    return tuple(w if t == "sliding_attention" else None for t in types)
+
+
+def _llama(d: dict[str, Any]) -> ModelConfig:
+    return _llama_like(d, "llama")
+
+
+def _mistral(d: dict[str, Any]) -> ModelConfig:
+    """Llama's layer; `sliding_window` on every layer (transformers' MistralModel ignores layer_types)."""
+    w = _window(d)
+    return _llama_like(d, "mistral", layer_windows=() if w is None else (w,) * int(d["num_hidden_layers"]))
+
+
+def _qwen2(d: dict[str, Any]) -> ModelConfig:
+    return _llama_like(d, "qwen2", qkv_bias=True, layer_windows=_qwen_windows(d))
+
+
+def _qwen3(d: dict[str, Any]) -> ModelConfig:
+    return _llama_like(d, "qwen3", qk_norm=True, layer_windows=_qwen_windows(d))
+
+
+def _phi3(d: dict[str, Any]) -> ModelConfig:
+    """Phi-3's `sliding_window`, like Mistral's, applies to every layer (transformers' Phi3Model)."""
+    w = _window(d)
+    return _llama_like(d, "phi3", layer_windows=() if w is None else (w,) * int(d["num_hidden_layers"]))
+
+
+_READERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3}

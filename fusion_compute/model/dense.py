@@ -24,7 +24,7 @@ import torch
 from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
-from .kernels import attend, causal_mask, inv_freq_tensor, rms_norm, rope_tables, rotate, swiglu
+from .kernels import Rotary, attend, causal_mask, rms_norm, rotate, swiglu
 from .layer import LayerOps, decoder_layer
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
@@ -36,25 +36,35 @@ KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class ClearParams:
-    """What the clear layer applies itself: the norm gains and the q/k/v bias (Qwen2)."""
+    """What the clear layer applies itself: the norm gains, the q/k/v bias (Qwen2) and the per-head
+    q/k norm gains (Qwen3)."""
 
     g_attn: torch.Tensor
     g_mlp: torch.Tensor
     qkv_bias: torch.Tensor | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # (d,) gains of q_norm, k_norm
 
     @staticmethod
     def read(src: WeightSource, layer: int) -> ClearParams:
         return ClearParams(
-            arch.read_norm(src, layer, "qkv"), arch.read_norm(src, layer, "gate_up"), arch.read_bias(src, layer, "qkv")
+            arch.read_norm(src, layer, "qkv"),
+            arch.read_norm(src, layer, "gate_up"),
+            arch.read_bias(src, layer, "qkv"),
+            arch.read_qk_norms(src, layer),
         )
 
 
-def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) -> torch.Tensor:
-    """qkv (B, T, (nh + 2 nkv) d), bias added -> o (B, T, nh d): RoPE, the KV cache, attention."""
+def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask, qk_norms=None) -> torch.Tensor:
+    """qkv (B, T, (nh + 2 nkv) d), bias added -> o (B, T, nh d): the per-head q/k RMSNorm when the
+    family has one (`qk_norms`: gains (d,) of q and k; Qwen3), RoPE, the KV cache, attention."""
     b, t, _ = qkv.shape
     nh, nkv, d, gs = c.n_heads, c.n_kv_heads, c.head_dim, c.group_size
-    q = rotate(qkv[..., : nh * d].view(b, t, nh, d).transpose(1, 2), cos, sin)  # (B, nh, T, d)
-    k = rotate(qkv[..., nh * d : (nh + nkv) * d].view(b, t, nkv, d).transpose(1, 2), cos, sin)  # (B, nkv, T, d)
+    q = qkv[..., : nh * d].view(b, t, nh, d)
+    k = qkv[..., nh * d : (nh + nkv) * d].view(b, t, nkv, d)
+    if qk_norms is not None:
+        q, k = rms_norm(q, qk_norms[0], c.rms_eps), rms_norm(k, qk_norms[1], c.rms_eps)
+    q = rotate(q.transpose(1, 2), cos, sin)  # (B, nh, T, d)
+    k = rotate(k.transpose(1, 2), cos, sin)  # (B, nkv, T, d)
     v = qkv[..., (nh + nkv) * d :].view(b, t, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
     k_all, v_all = kv(k, v)
     o = attend(q.reshape(b, nkv, gs * t, d), k_all, v_all, mask, gs, t, d**-0.5)  # (B, nkv, gs*T, d)
@@ -64,13 +74,20 @@ def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask) ->
 @dataclass(frozen=True)
 class DenseSpan:
     """What attention needs about one session's tokens in a dense forward: RoPE tables (T, d/2),
-    the causal mask (None: one token, or nothing to hide), and `kv(i, k, v)`: layer i's cache update
-    with this call's k, v (B, n_kv, T, d), returning every (k, v) to attend to (B or 1, n_kv, S, d)."""
+    the causal mask per sliding window of the model's layers (`masks[config.window(i)]`; None: one
+    token inside its window, or nothing to hide), and `kv(i, k, v)`: layer i's cache update with this
+    call's k, v (B, n_kv, T, d), returning every (k, v) to attend to (B or 1, n_kv, S, d)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor | None
+    masks: dict[int | None, torch.Tensor | None]
     kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    @staticmethod
+    def at(config: ModelConfig, rotary: Rotary, pos: int, t: int, kv) -> DenseSpan:
+        """T tokens at positions pos..pos+T-1: their RoPE tables and a mask per window."""
+        cos, sin = rotary.tables(torch.arange(pos, pos + t))
+        return DenseSpan(cos, sin, {w: causal_mask(pos, t, w) for w in config.windows}, kv)
 
 
 # A dense step: its sessions' spans, their tokens consecutive along x's T (the masked client's batch)
@@ -97,7 +114,8 @@ class DenseOps(LayerOps[DenseStep]):
         for s in step:
             t = s.cos.shape[0]
             part = qkv if len(step) == 1 else qkv[:, row : row + t]
-            out.append(self_attention(self.config, part, lambda k, v, s=s: s.kv(i, k, v), s.cos, s.sin, s.mask))
+            kv, mask = (lambda k, v, s=s: s.kv(i, k, v)), s.masks[self.config.window(i)]
+            out.append(self_attention(self.config, part, kv, s.cos, s.sin, mask, self.clear[i].qk_norms))
             row += t
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
@@ -128,7 +146,7 @@ class DenseModel:
         self.weights = [{name: arch.read_weight(src, i, name) for name in LINEARS} for i in range(self.n_layers)]
         shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)  # (L, n_kv, S, d)
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.ops = DenseOps(c, self.clear, lambda i, name, x: x @ self.weights[i][name].T)
 
     def new_cache(self, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +162,6 @@ class DenseModel:
         own, or `cache` from new_cache)."""
         k_cache, v_cache = cache if cache is not None else (self.k_cache, self.v_cache)
         t = len(ids)
-        cos, sin = rope_tables(self.inv_freq, torch.arange(pos, pos + t))
-        mask = causal_mask(pos, t)
         x = self.embed[torch.tensor(ids)][None]  # (1, T, H)
 
         def kv(i, k, v):
@@ -153,7 +169,7 @@ class DenseModel:
             v_cache[i][:, pos : pos + t] = v[0]
             return k_cache[i][None, :, : pos + t], v_cache[i][None, :, : pos + t]
 
-        step = (DenseSpan(cos, sin, mask, kv),)
+        step = (DenseSpan.at(self.config, self.rotary, pos, t, kv),)
         for i in range(self.n_layers):
             x = decoder_layer(self.ops, i, x, step)
         return rms_norm(x[0], self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
@@ -162,14 +178,13 @@ class DenseModel:
     def _run(self, ids: torch.Tensor, upto: int) -> tuple[torch.Tensor, list]:
         t = ids.shape[1]
         x = self.embed[ids]  # (B, T, H)
-        cos, sin = rope_tables(self.inv_freq, torch.arange(t))
         cache: list = []  # layer i's (k, v)
 
         def kv(i, k, v):
             cache.append((k, v))
             return k, v
 
-        step = (DenseSpan(cos, sin, causal_mask(0, t), kv),)
+        step = (DenseSpan.at(self.config, self.rotary, 0, t, kv),)
         for i in range(upto):
             x = decoder_layer(self.ops, i, x, step)
         return x, cache
@@ -186,7 +201,6 @@ class DenseModel:
         p, b = len(prefix), cand.shape[0]
         cache = self._run(torch.tensor([prefix]), upto)[1] if p else [None] * upto
         x = self.embed[cand][:, None, :]  # (B, 1, H)
-        cos, sin = rope_tables(self.inv_freq, torch.tensor([p]))
 
         def kv(i, k, v):
             past = cache[i]
@@ -194,7 +208,7 @@ class DenseModel:
                 return k, v
             return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat([past[1].expand(b, -1, -1, -1), v], 2)
 
-        step = (DenseSpan(cos, sin, None, kv),)
+        step = (DenseSpan.at(self.config, self.rotary, p, 1, kv),)
         for i in range(upto):
             x = decoder_layer(self.ops, i, x, step)
         return x[:, 0]

@@ -17,10 +17,35 @@ def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, d/2) for the given absolute positions."""
+def rope_tables(
+    inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, d/2) for the given absolute positions, times `scale` (LongRoPE's
+    attention factor; transformers multiplies in float32, as here)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, d/2)
-    return freqs.cos(), freqs.sin()
+    if scale == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+class Rotary:
+    """A model's RoPE tables for any positions: `tables(positions)` -> cos, sin (T, d/2).
+
+    LongRoPE keeps two sets of frequencies and picks, like transformers, by the largest position of
+    the call: the long set once it is past original_max_position (each session's own positions here,
+    one call per session, as transformers sees one sequence per forward)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        self.short = inv_freq_tensor(rope, head_dim)
+        self.long = inv_freq_tensor(rope, head_dim, long=True) if rope.kind == "longrope" else None
+        self.switch = rope.original_max_position
+        self.scale = rope.attention_factor
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.short
+        if self.long is not None and positions.numel() and int(positions.max()) + 1 > self.switch:
+            inv_freq = self.long
+        return rope_tables(inv_freq, positions, self.scale)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -33,21 +58,68 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int = -1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=dim)
 
 
-def inv_freq_tensor(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies (d/2,), computed in fp32 exactly as transformers does."""
-    base = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inv_freq_tensor(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies (d/2,), computed in fp32 exactly as transformers does (`long`:
+    LongRoPE's long factors)."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     if rope.kind == "default":
-        return base
+        return 1.0 / (rope.theta**shape)
+    if rope.kind == "longrope":  # 1 / (ext · θ^(2i/d)), in float32 like transformers
+        ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        if ext.shape != shape.shape:
+            raise ValueError(f"longrope has {ext.numel()} factors for {shape.numel()} rotary pairs")
+        return 1.0 / (ext * rope.theta**shape)
     return torch.tensor(rope.inv_freq(head_dim), dtype=torch.float32)
 
 
-def causal_mask(pos: int, t: int) -> torch.Tensor | None:
-    """(T, pos+T) True where query i (at pos+i) must not see key j (j > pos+i). None for T=1."""
-    if t == 1:
+def causal_mask(pos: int, t: int, window: int | None = None) -> torch.Tensor | None:
+    """(T, pos+T) True where query i (at pos+i) must not see key j: j > pos+i, and with a sliding
+    window W also j <= pos+i - W (transformers' sliding_window_overlay: kv_idx > q_idx - W). None
+    when nothing is masked (one token, inside its window)."""
+    if t == 1 and (window is None or pos < window):
         return None
     q = torch.arange(pos, pos + t)[:, None]
     k = torch.arange(pos + t)[None, :]
-    return k > q
+    return (k > q) if window is None else (k > q) | (k <= q - window)
+
+
+def outside_windows(pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(B, max(pos)+1) True where a single token at pos[b] must not see key j: j > pos[b] (the batch's
+    decodes are padded to the longest), and with a sliding window W also j <= pos[b] - W."""
+    k = torch.arange(int(pos.max()) + 1)[None, :]
+    out = k > pos[:, None]
+    return out if window is None else out | (k <= pos[:, None] - window)
+
+
+def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """A token tree's column depths (parents[j] < j, -1 for column 0): column j sits at pos + depth,
+    where RoPE places it (its position on the path from the step's first column)."""
+    d = [0] * len(parents)
+    for j in range(1, len(parents)):
+        d[j] = d[parents[j]] + 1
+    return d
+
+
+def tree_mask(pos: int, parents: tuple[int, ...] | list[int], window: int | None = None) -> torch.Tensor:
+    """(T, pos+T) True where column j must not see key i: the step's columns that are not j or one of
+    its ancestors (a tree's columns sit at cache positions pos..pos+T-1 in column order; everything
+    before pos is the session's own, seen by all), and with a sliding window W every key W or more
+    positions before j's own (pos + its depth; an ancestor at depth d sits at pos + d). A chain
+    (parents j - 1) gives causal_mask(pos, T, W)."""
+    t = len(parents)
+    depth = tree_depths(parents)
+    sees = torch.zeros(t, t, dtype=torch.bool)
+    for j in range(t):
+        i = j
+        while i >= 0:
+            sees[j, i] = True
+            i = parents[i]
+    out = torch.cat([torch.zeros(t, pos, dtype=torch.bool), ~sees], 1)
+    if window is not None:
+        q = pos + torch.tensor(depth)[:, None]  # each column's position
+        k = torch.cat([torch.arange(pos), pos + torch.tensor(depth)])[None, :]  # each key's
+        out |= k <= q - window
+    return out
 
 
 def attend(

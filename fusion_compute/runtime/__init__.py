@@ -3,4 +3,4 @@ links, epochs, close), membership changes (recovery, revocation, standbys), the 
 whom the evidence blames (deadline.py, blame.py), local worker processes,
 topology files, fault injection for the tests, start-up progress.
 
-May import: model, weights, comm, errors. Never structural, masked, generation, serving or cli."""
+May import: model, weights, comm, executor, errors. Never structural, masked, generation, serving or cli."""

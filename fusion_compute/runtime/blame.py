@@ -42,7 +42,9 @@ Farewells checked against what else the client holds (issue 41):
     farewell from the one error that ended its epoch (structural/worker.py, Worker._leaving).
   - Two workers that each say they left after the other's farewell: an honest worker's farewell
     carries the reason it decided before sending it, so the two cannot both be true; one of them
-    lies, and the client cannot tell which: both go into the ambiguous set (with 4, 5).
+    lies, and the client cannot tell which: both go into the ambiguous set (with 4, 5). The same
+    around three or more (q after x, x after y, y after q): every such ring holds a liar, and
+    all of it goes into the ambiguous set.
   - Not a contradiction the client can settle: "I left after X" while X's farewell names the
     claimant as its first-hand cause. A liar X can name an honest peer in its farewell to the client
     and say anything on its link to that peer, which then honestly leaves after X; or the claimant
@@ -120,6 +122,11 @@ def blame_link(
     )
     for q, x in mutual:
         words.append(f"workers {q} and {x} each say they left after the other's farewell: one of them lies")
+    rings = [list(pair) for pair in mutual] + _after_rings(left)
+    for ring in rings[len(mutual) :]:  # the same, around three or more
+        words.append(
+            f"workers {ring} each say they left after the next one's farewell, the last after the first: one lies"
+        )
     for p in sorted(set(counted.values())):
         stayed = seen.get(p, ("open", None))[0] != "left"
         blocked_on = (accounts.get(p) or {}).get("waiting") or []
@@ -134,16 +141,32 @@ def blame_link(
         for q in sorted(tainted):
             words.append(f"worker {q} left: its own block failed though its inputs had passed (it names nobody)")
         accused = sorted(set(counted.values()))
-        pairs = [w for pair in mutual for w in pair]
+        pairs = [w for ring in rings for w in ring]
         causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))
         return set(), Verdict(None, causes, "; ".join(words))
-    if counted or mutual:
+    if counted or rings:
         accused = sorted(set(counted.values()))
-        causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for pair in mutual for w in pair]))
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))
         return set(), Verdict(None, causes, "; ".join(words))
     verdict = judge(blocked, workers, threshold_s)
     said = "; ".join([*words, verdict.said])
     return ({verdict.named} if verdict.named is not None else set()), Verdict(verdict.named, verdict.causes, said)
+
+
+def _after_rings(left: dict[int, dict]) -> list[list[int]]:
+    """The cycles of three or more workers in the farewells' `after` (q left after x, x after y, ...,
+    back to q), each from its lowest id. An honest worker's `after` names a farewell that came before
+    it decided, so honest claims alone never close a cycle: each one holds a liar (issue 41's red
+    team: a liar in a ring with two honest workers otherwise made no suspect at all)."""
+    rings = []
+    for start in sorted(left):
+        path, q = [], start
+        while q in left and q not in path:
+            path.append(q)
+            q = left[q].get("after")
+        if q == start and len(path) >= 3 and start == min(path):
+            rings.append(path)
+    return rings
 
 
 def follows(history: list[frozenset[int]], causes: tuple[int, ...]) -> int | None:

@@ -2,11 +2,13 @@
 are, starting or admitting them, the links, epochs and recovery, and an orderly close (also when
 start-up fails).
 
-Who the workers are, three ways:
+Who the workers are, three ways; who starts them is the job's executor (executor/, chosen once by
+`executor_for`):
 
-  local      `--workers N`: the client spawns N processes on this machine. It makes a fresh key pair
-             for itself and for each worker (in memory; a worker gets its secret on stdin), so even on
-             one machine only the processes it started can join, over TLS on loopback.
+  local      `--workers N`: the client starts N workers: processes on this machine (the default), or
+             Ray actors (`--executor ray`). It makes a fresh key pair for itself and for each worker
+             (in memory; a worker gets its secret on stdin), so only the workers it started can join,
+             over TLS (on loopback, for processes on this machine).
   topology   `--topology FILE --key client.key`: the user's file lists every worker's address, share
              and public key; the client admits exactly those keys (comm/rendezvous.py). With
              `--comm-backend mpi` the workers are a cluster that mpiexec started: their collectives run
@@ -55,6 +57,7 @@ from ..comm import (
     free_port,
 )
 from ..comm.mpi_fabric import WORLD as MPI_WORLD
+from ..executor import Executor, WorkerJob, executor_for
 from ..model import architecture as arch
 from ..model.config import ModelError
 from ..weights.loader import WeightSource, open_weights, resolve_model_path
@@ -63,15 +66,14 @@ from .engine_options import FABRIC_BACKENDS, EngineOptions, default_threads, eff
 from .launch import WorkerProcs
 from .membership import Membership, Seat
 from .placement import gpu_count, is_cuda, local_devices, torch_dtype
-from .topology import check_here
 
 WAIT_NOTE_S = (5.0, 15.0)  # separately started workers not all joined: the first note, then one every ...
 EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
 
 
 class EngineBase(Membership):
-    """Client side of one job: owns the worker processes (if local), the roster, the links of the
-    current epoch, and the session's tokens (for replay)."""
+    """Client side of one job: owns its executor and the workers it started (if any), the roster, the
+    links of the current epoch, and the session's tokens (for replay)."""
 
     mode = "structural"
 
@@ -110,12 +112,15 @@ class EngineBase(Membership):
         self.slot_history: dict[
             int, list[int]
         ] = {}  # each open session's tokens, per KV slot: what a replay runs again
+        self._trees: dict[int, tuple[int, ...]] = {}  # the step being run's token trees, by slot (forward_batch)
+        self._widths: dict[int, int] = {}  # per slot: its last step's columns when that step was a tree
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
         self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
-        self._keys: dict[int, Identity] = {}  # local workers' keys (handed to them on stdin)
-        self.procs: WorkerProcs | None = None
+        self._keys: dict[int, Identity] = {}  # started workers' keys (handed to them on stdin)
+        self.executor: Executor = executor_for(opts)  # who starts the workers, and where (executor/)
+        self.procs: WorkerProcs | None = None  # the started workers' supervisor (None: listed workers)
         self._wait_t0: float | None = None  # when the wait for separately started workers began
         self._wait_next = 0.0  # when to say again that it goes on (_spawn_failure)
         self.comm: Comm | None = None
@@ -125,8 +130,8 @@ class EngineBase(Membership):
         self.waits = Witness()  # the client's own account: which worker's message it waited for
         monitor = None
         try:
-            roster, me, worker_keys = self._roster()
-            host, port = self._listen_address()
+            roster, me, worker_keys = self.executor.roster((s.pid, s.group, s.standby) for s in self.seats.values())
+            host, port = self.executor.listen_address()
             self._admission = Admission(
                 me,
                 roster,
@@ -136,8 +141,10 @@ class EngineBase(Membership):
                 first_epoch=self.order,
                 on_pulse=lambda m, link: self.watch.add(m.pid, link),
             )
-            if opts.is_local:
-                self.procs = self._spawn(me, worker_keys)
+            if self.executor.starts_workers:
+                self.procs = self.executor.launch(self._worker_job(me, worker_keys))
+                if (where := self.executor.where()) is not None:
+                    opts.log(f"note: {where}")
             monitor = opts.progress(self.procs, self.plan, self._admission.address) if opts.progress else None
             self.worker_info = self._open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
             if self.procs is not None:
@@ -221,6 +228,9 @@ class EngineBase(Membership):
     # drafts a speculating session will likely carry at its next step (BatchRunner sets it; 0 without
     # speculation): a mode may prepare for that width (the masked mask groups work ahead for it)
     draft_hint = 0
+    # whether the mode verifies a token tree in one step (speculative decoding, generation/token_tree.py:
+    # the ancestor mask, RoPE by depth, the accepted path's KV kept); without it the loop sends chains
+    verifies_trees = False
     slot_pos: dict[int, int]  # each open slot's position of its next token (set by the mode)
 
     @property
@@ -239,7 +249,12 @@ class EngineBase(Membership):
         (T, V) of every one with all_logits."""
         return self.forward_batch([(0, list(ids))], all_logits={0} if all_logits else ())[0]
 
-    def forward_batch(self, items: list[tuple[int, list[int]]], all_logits: Collection[int] = ()) -> list[torch.Tensor]:
+    def forward_batch(
+        self,
+        items: list[tuple[int, list[int]]],
+        all_logits: Collection[int] = (),
+        trees: dict[int, tuple[int, ...]] | None = None,
+    ) -> list[torch.Tensor]:
         """One step for one or several sessions, each in its own KV slot: `items` are (slot, ids), the
         ids run at that slot's position (a new slot starts at 0: its prefill). Returns each item's
         last-token logits (V,), or (T, V) for every token of a slot in `all_logits` (parity tests,
@@ -248,6 +263,13 @@ class EngineBase(Membership):
         (deadline.py), and its cause is treated as a lost worker."""
         if not items or any(not ids for _, ids in items) or len({s for s, _ in items}) != len(items):
             raise ValueError("a step needs distinct slots, each with tokens to run")
+        if trees and not self.verifies_trees:
+            raise ValueError("this mode verifies chains only: a token tree cannot run here")
+        trees = dict(trees or {})
+        for slot, ids in items:
+            if slot in trees and (len(trees[slot]) != len(ids) or slot not in self.slot_history):
+                raise ValueError(f"slot {slot}: a tree needs one parent per column, after the session's prefill")
+        self._trees = trees  # the mode's _forward_batch reads the step's trees here
         full = frozenset(all_logits) & {s for s, _ in items}
 
         def replay() -> list[torch.Tensor]:
@@ -259,9 +281,15 @@ class EngineBase(Membership):
             return [logits[slot] for slot, _ in items]
 
         tokens = sum(len(ids) for _, ids in items)
-        out = self._with_recovery(lambda: self._timed_step(lambda: self._forward_batch(items, full), tokens), replay)
+        try:
+            out = self._with_recovery(
+                lambda: self._timed_step(lambda: self._forward_batch(items, full), tokens), replay
+            )
+        finally:
+            self._trees = {}
         for slot, ids in items:
             self.slot_history.setdefault(slot, []).extend(ids)
+            self._widths[slot] = len(ids) if slot in trees else 0  # keep_path's: the tree step's columns
         return out
 
     def _replay_slots(
@@ -274,13 +302,22 @@ class EngineBase(Membership):
         step being retried) run again as a prefill in its own slot, one session per step (a step's
         size stays what one session's replay would be). `logits` gets each retried slot's result:
         of its `new` tokens only (all of them for a slot in `full`). Returns the tokens replayed."""
+        trees, self._trees = self._trees, {}
         self._reset()
-        runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items()}
-        runs.update({slot: ids for slot, ids in new.items() if slot not in runs})
+        runs = {slot: hist + new.get(slot, []) for slot, hist in self.slot_history.items() if slot not in trees}
+        runs.update({slot: ids for slot, ids in new.items() if slot not in runs and slot not in trees})
         for slot, ids in runs.items():
             out = self._forward_batch([(slot, ids)], full & {slot})[0]
             if logits is not None and slot in new:
                 logits[slot] = out[-len(new[slot]) :] if slot in full else out
+        for slot, parents in trees.items():  # a tree step retried: its session's tokens, then the tree
+            self._forward_batch([(slot, self.slot_history[slot])])
+            self._trees = {slot: parents}
+            out = self._forward_batch([(slot, new[slot])], full & {slot})[0]
+            self._trees = {}
+            if logits is not None:
+                logits[slot] = out
+        self._trees = trees
         return sum(len(h) for h in self.slot_history.values())
 
     def rollback(self, slot: int, keep: int) -> None:
@@ -297,6 +334,30 @@ class EngineBase(Membership):
             return
         del hist[keep:]
         self._rollback(slot, keep)
+
+    def keep_path(self, slot: int, path: list[int]) -> None:
+        """After a token-tree step: the session keeps the columns `path` of its last step (0 first,
+        each the parent of the next), the rest are dropped: its history holds the path's tokens and
+        its next step starts after them; the mode moves the kept KV entries there and drops the
+        others (`_keep`: the structural workers when the next step names the kept columns)."""
+        hist, width = self.slot_history.get(slot), self._widths.get(slot, 0)
+        if (
+            hist is None
+            or not width
+            or not path
+            or path[0] != 0
+            or any(b <= a for a, b in zip(path, path[1:], strict=False))
+        ):
+            raise ValueError(f"slot {slot}: no tree step to keep columns {path} of")
+        if path[-1] >= width:
+            raise ValueError(f"slot {slot}: column {path[-1]} beyond its last step's {width}")
+        base = len(hist) - width
+        hist[base:] = [hist[base + c] for c in path]
+        self._widths[slot] = 0
+        self._keep(slot, base, path)
+
+    def _keep(self, slot: int, base: int, path: list[int]) -> None:
+        raise NotImplementedError("this mode verifies chains only")
 
     def _rollback(self, slot: int, keep: int) -> None:
         self.slot_pos[slot] = keep
@@ -364,34 +425,6 @@ class EngineBase(Membership):
         """One local standby per entry, for each --standby (masked mode: one per group)."""
         return [None]
 
-    def _roster(self) -> tuple[list[Member], Identity | None, dict[int, Identity]]:
-        opts, secure = self.opts, not self.opts.insecure
-        if opts.topology is not None:
-            roster = [
-                Member(p.rank, p.host, p.key if secure else None, p.group, p.name, p.standby)
-                for p in opts.topology.all_workers
-            ]
-            return roster, opts.key if secure else None, {}
-        seats = self.seats.values()
-        if opts.master is not None:  # insecure, separately started: hosts come from their JOINs
-            return [Member(s.pid, "", None, s.group, None, s.standby) for s in seats], None, {}
-        me = Identity.new() if secure else None
-        keys = {s.pid: Identity.new() for s in seats} if secure else {}
-        roster = [
-            Member(s.pid, "127.0.0.1", keys[s.pid].public if secure else None, s.group, None, s.standby) for s in seats
-        ]
-        return roster, me, keys
-
-    def _listen_address(self) -> tuple[str, int]:
-        opts = self.opts
-        if opts.topology is not None:
-            check_here(opts.topology.client)
-            return opts.topology.client.host, opts.topology.port
-        if opts.master is not None:
-            host, _, port = opts.master.rpartition(":")
-            return host.strip("[]"), int(port)
-        return "127.0.0.1", 0
-
     def _welcome(self, member: Member) -> dict:
         out = {
             "mode": self.mode,
@@ -408,7 +441,9 @@ class EngineBase(Membership):
             out["fabric"] = {"backend": self.opts.comm_backend, "store": self._store}
         return out
 
-    def _spawn(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerProcs:
+    def _worker_job(self, me: Identity | None, keys: dict[int, Identity]) -> WorkerJob:
+        """How the workers the executor starts run: `fusion worker` pointed at this client's
+        rendezvous, with this job's model, threads, devices and mode arguments."""
         opts = self.opts
         threads = opts.threads or default_threads(self.n_workers)
         if opts.comm_backend == "mpi":  # the fabric's rendezvous: a directory only this user can enter
@@ -444,8 +479,8 @@ class EngineBase(Membership):
             )
 
         self._keys = dict(keys)
-        stdin = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
-        return WorkerProcs(argv, len(self.seats), env, stdin_for_rank=stdin)
+        secret = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
+        return WorkerJob(argv, len(self.seats), env, secret)
 
     def _exit_words(self, err: PeerLost) -> str | None:
         """Why a start-up link closed when a local worker's process ended: "worker K exited: <its own
@@ -499,6 +534,7 @@ class EngineBase(Membership):
         """Start-up failed: stop whatever was started, then let the error through."""
         if self.procs is not None:
             self.procs.stop(grace_s=0)
+        self.executor.stop()
         if self._admission is not None:
             self._admission.close()
         if self.comm is not None:
@@ -520,6 +556,7 @@ class EngineBase(Membership):
             self.watch.tell(p, {"stop": True})
         if self.procs is not None:
             self.procs.stop()
+        self.executor.stop()
         if self.opts.comm_backend == "mpi" and getattr(self, "_store", None):  # the fabric's rendezvous directory
             shutil.rmtree(self._store, ignore_errors=True)
         if self.comm is not None:

@@ -15,6 +15,7 @@ from ..comm import COMM_BACKENDS, Identity
 from ..comm.liveness import DEADLINE_S
 from ..errors import UsageError
 from .deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
+from .launch import Launcher
 from .placement import DEFAULT_DTYPE, check_dtype, check_gpus, gpu_count, is_cuda, parse_device
 from .topology import Topology
 
@@ -61,6 +62,12 @@ class EngineOptions:
     worker_env: dict[str, str] = field(default_factory=dict)
     extra_worker_args: tuple[str, ...] = ()
     args_for_worker: dict[int, tuple[str, ...]] = field(default_factory=dict)  # more, for one local worker
+    # Who starts the workers of a run without --topology/--master (executor/): "local" processes,
+    # or "ray" actors (on the cluster at ray_address, else on a Ray instance of this machine's own)
+    executor: str = "local"
+    ray_address: str | None = None  # HOST:PORT of an existing Ray cluster's GCS
+    ray_cpus: float = 1.0  # CPUs Ray reserves for each worker actor
+    spawn: Launcher | None = None  # how a local worker process starts; None: runtime.launch.popen_worker
     # Start-up display (progress.load_monitor): called as progress(procs, plan, master) before the
     # rendezvous, closed after the handshake. None = quiet.
     progress: Callable[..., Any] | None = None
@@ -73,6 +80,7 @@ class EngineOptions:
         """Option combinations that cannot work; raises UsageError naming the fix (the options were
         wrong, nothing on the wire failed: the command line exits 2, a library caller can tell the two
         apart from a CommError)."""
+        self.check_executor()
         if self.comm_backend not in COMM_BACKENDS:
             raise UsageError(f"unknown comm backend {self.comm_backend!r} (choose from {', '.join(COMM_BACKENDS)})")
         vouched = (self.comm_backend in MEMORY_BACKENDS and self.is_local) or self.mpi_world  # asked for by name
@@ -146,6 +154,31 @@ class EngineOptions:
             )
         if not (0 < self.step_deadline_min_s < math.inf):
             raise UsageError(f"--step-deadline-min must be > 0 seconds, got {self.step_deadline_min_s}")
+
+    def check_executor(self) -> None:
+        """An executor that cannot start this run is refused before any worker starts: Ray missing,
+        or nothing answering at --ray-address (a bounded probe, executor/ray.py)."""
+        from ..executor.base import EXECUTORS
+
+        if self.executor not in EXECUTORS:
+            raise UsageError(f"unknown executor {self.executor!r} (choose from {', '.join(EXECUTORS)})")
+        if self.executor != "ray":
+            if self.ray_address is not None:
+                raise UsageError("--ray-address names the Ray cluster of --executor ray: add --executor ray")
+            return
+        if not self.is_local:
+            raise UsageError(
+                "--executor ray starts the workers itself: drop --topology / --master (those workers start on their own)"
+            )
+        if self.comm_backend not in ("tls", "tcp"):
+            raise UsageError(
+                f"--executor ray runs over the links (tls, or tcp with --insecure), not --comm-backend {self.comm_backend}"
+            )
+        if self.device != "cpu":
+            raise UsageError("--executor ray places CPU workers (--device cpu); GPU placement by Ray is not built yet")
+        from ..executor.ray import check_ray
+
+        check_ray(self.ray_address, self.ray_cpus)
 
     def check_gpus(self) -> None:
         """Refuse a CUDA device this machine lacks, and NCCL with fewer GPUs than local workers, before

@@ -91,20 +91,13 @@ def popen_worker(args: list[str], env: dict[str, str], log: IO[bytes], stdin: by
     return p
 
 
+# How a local worker is started: `popen_worker`, or a caller's own (executor/local.py; the test
+# suite forks its workers from a server that has already imported torch, tests/forkserver.py).
 Launcher = Callable[[list[str], dict[str, str], IO[bytes], "bytes | None"], Proc]
-_launcher: Launcher = popen_worker
-
-
-def use_launcher(launcher: Launcher | None) -> Launcher:
-    """Start local workers with `launcher` from now on (None: `popen_worker`, the default); returns
-    the one it replaces. The seam is for the test suite, which starts workers from a fork server
-    that has already imported torch (tests/forkserver.py); a worker is the same program either way."""
-    global _launcher
-    previous, _launcher = _launcher, launcher or popen_worker
-    return previous
 
 
 MAX_WORDS = 300  # characters of a worker's last words kept in errors, logs and the gateway's /health
+WATCH_S = 0.2  # how often the watchdog looks at the workers
 LOG_TAIL = 1 << 16  # bytes of a worker's output read to find its last words (the file itself may grow)
 
 
@@ -131,7 +124,14 @@ def last_words(log: str, returncode: int | None) -> str:
 
 
 class WorkerProcs:
-    """N local worker processes plus a watchdog that reports one that dies unexpectedly."""
+    """N workers started by an executor's launcher (executor/), plus a watchdog that reports one that
+    dies unexpectedly.
+
+    Each worker's output goes to an unlinked temporary file that only this object holds open: the
+    client reads its last words from it. A server lives for weeks and replaces workers (revoked,
+    lost, added), so a worker's file is closed as soon as its exit is seen (the watchdog looks every
+    WATCH_S), its last words kept as text first; `stop` closes the rest. Open files are then bounded
+    by the live workers, and a deleted file's disk space is returned when its worker is gone."""
 
     def __init__(
         self,
@@ -139,28 +139,42 @@ class WorkerProcs:
         n_workers: int,
         env: dict[str, str] | None = None,
         stdin_for_rank: Callable[[int], bytes] | None = None,
+        launcher: Launcher = popen_worker,
     ):
         """`stdin_for_rank(rank)`: bytes written to the worker's stdin, then closed (its secret key:
-        never on a command line or in the environment, which other local users can read)."""
+        never on a command line or in the environment, which other local users can read).
+        `launcher`: what starts one worker (the executor's: a local process, a Ray actor)."""
         self.procs: list[Proc] = []
-        self.logs: list[IO[bytes]] = []
+        self.logs: list[IO[bytes]] = []  # a finished worker's is closed (its fileno() raises ValueError)
         self.closing = False
         self.failures: list[tuple[int, str]] = []
         self.quiet = True  # during start-up the client's own error says it; afterwards the watchdog does
         self.retired: set[int] = set()  # ranks told to leave (revoked): their exit is expected
-        self._args, self._stdin = args_for_rank, stdin_for_rank
+        self._args, self._stdin, self._launcher = args_for_rank, stdin_for_rank, launcher
         self._env = {**os.environ, **(env or {})}
-        for rank in range(1, n_workers + 1):
-            self.spawn(rank)
+        self._final: dict[int, str] = {}  # index -> last words of a worker whose file is closed
+        self._files = threading.Lock()  # a file is read or closed by one thread at a time
+        try:
+            for rank in range(1, n_workers + 1):
+                self.spawn(rank)
+        except BaseException:  # one could not start: those that did go too, with their files
+            terminate_all(self.procs, 0.0)
+            for log in self.logs:
+                log.close()
+            raise
         atexit.register(self.stop)
-        self._watch = threading.Thread(target=self._watchdog, daemon=True)
+        self._watch = threading.Thread(target=self._watchdog, name="fusion-worker-watch", daemon=True)
         self._watch.start()
 
     def spawn(self, rank: int) -> Proc:
         """Start the worker process for participant `rank` (ranks are consecutive from 1)."""
         log = tempfile.TemporaryFile(mode="w+b")
-        stdin = self._stdin(rank) if self._stdin is not None else None
-        p = _launcher(list(self._args(rank)), self._env, log, stdin)
+        try:
+            stdin = self._stdin(rank) if self._stdin is not None else None
+            p = self._launcher(list(self._args(rank)), self._env, log, stdin)
+        except BaseException:
+            log.close()
+            raise
         self.procs.append(p)
         self.logs.append(log)
         return p
@@ -170,7 +184,27 @@ class WorkerProcs:
         return [p.pid for p in self.procs]
 
     def last_error(self, i: int) -> str:
-        return last_words_of(self.logs[i], self.procs[i].returncode)
+        with self._files:
+            if i in self._final:
+                return self._final[i]
+            return last_words_of(self.logs[i], self.procs[i].returncode)
+
+    def output_tail(self, i: int, size: int) -> str:
+        """The last `size` bytes of worker index `i`'s output ("" once its file is closed), read with
+        pread under the files' lock: never from a descriptor closed, and its number reused, meanwhile."""
+        with self._files:
+            if i in self._final:
+                return ""
+            fd = self.logs[i].fileno()
+            end = os.fstat(fd).st_size
+            return os.pread(fd, min(size, end), max(0, end - size)).decode(errors="replace")
+
+    def _settle(self, i: int) -> None:
+        """Worker index `i` has exited: keep its last words, close its output file."""
+        with self._files:
+            if i not in self._final:
+                self._final[i] = last_words_of(self.logs[i], self.procs[i].returncode)
+                self.logs[i].close()
 
     def exit_reason(self, rank: int) -> str | None:
         """ "worker RANK exited: <its last words>" if participant `rank`'s process has ended, else None."""
@@ -180,13 +214,16 @@ class WorkerProcs:
         return f"worker {rank} exited: {self.last_error(i)}"
 
     def _watchdog(self) -> None:
-        """Notice a worker that exits unexpectedly and say which, with its last words. The client
-        itself learns it from its links (the connection closes) or from `failure()` at start-up;
-        this thread never kills the process it runs in (a gateway or a test may host the client)."""
+        """Notice a worker that exits unexpectedly and say which, with its last words; close the
+        output file of every worker that exited (expectedly or not). The client itself learns of a
+        loss from its links (the connection closes) or from `failure()` at start-up; this thread
+        never kills the process it runs in (a gateway or a test may host the client)."""
         reported: set[int] = set()
         while not self.closing:
-            for i, p in enumerate(self.procs):
-                if i not in reported and p.poll() is not None and not self.closing and i + 1 not in self.retired:
+            for i, p in enumerate(list(self.procs)):
+                if i in self._final or p.poll() is None or self.closing:
+                    continue
+                if i not in reported and i + 1 not in self.retired:
                     reported.add(i)
                     self.failures.append((i + 1, self.last_error(i)))
                     if not self.quiet:
@@ -194,16 +231,24 @@ class WorkerProcs:
                             f"fusion: worker {i + 1} (pid {p.pid}) exited unexpectedly: {self.failures[-1][1]}\n"
                         )
                         sys.stderr.flush()
-            time.sleep(0.2)
+                self._settle(i)
+            time.sleep(WATCH_S)
 
     def failure(self) -> tuple[int, str] | None:
         """(rank, last error line) of the first worker that exited unexpectedly, if any."""
         return self.failures[0] if self.failures else None
 
     def stop(self, grace_s: float = 3.0) -> None:
+        """Wait up to `grace_s` for the workers to leave (they were told to), stop any still there,
+        and close every output file: afterwards this object holds no process, thread or descriptor."""
         self.closing = True
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             while p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
         terminate_all(self.procs, 2.0)
+        if threading.current_thread() is not self._watch:
+            self._watch.join(timeout=2 * WATCH_S + 1.0)
+        for i in range(len(self.procs)):
+            self._settle(i)
+        atexit.unregister(self.stop)  # (else the registry would keep this object, and its files, for life)

@@ -4,8 +4,8 @@ removal of a worker caught lying (docs/resilience.md).
 `Membership` is the part of the client's engine (`engine.EngineBase`, which inherits it) that changes
 the epoch's participants. It relies on the engine's state: `opts`, `seats` (every participant of the
 roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
-`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (local processes), `_admission`,
-`_keys` (local workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
+`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (the workers its executor started),
+`executor` (executor/), `_admission`, `_keys` (started workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
 `convicted`, `wanted` (how many workers the user asked for), `suspicions` (the job's ambiguous sets: blame.follows), `clock` (each step's deadline:
 deadline.py) and `waits` (the client's own account of whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
@@ -22,6 +22,7 @@ ambiguity follows (two ambiguous sets sharing only it) is removed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,6 +36,30 @@ from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadli
 
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def waits_by_pid(waits: object, ranks: dict[int, int]) -> dict[int, float]:
+    """An account's `waits` ({rank: seconds}, the JSON a worker answered on its pulse link, or the
+    client's own) by participant id. A peer's account is its word, checked like any input: an entry
+    whose rank is not an epoch rank in ASCII digits, or whose seconds are not a finite number at
+    least 0, is left out, and so is a `waits` that is not a mapping (a liar's "²", "x", [1] or
+    null must not crash the recovery that asked: issue 41's red team)."""
+    if not isinstance(waits, dict):
+        return {}
+    out: dict[int, float] = {}
+    for r, s in waits.items():
+        if isinstance(r, str) and r.isascii() and r.isdigit():
+            r = int(r)
+        if type(r) is not int or r not in ranks or type(s) not in (int, float) or not 0 <= s < math.inf:
+            continue
+        out[ranks[r]] = float(s)
+    return out
+
+
+def waiting_pids(waiting: object, pid: Callable[[object], int | None]) -> list[int]:
+    """An account's `waiting` (the ranks it is blocked on now) by participant id: a list of ranks,
+    anything else in it (or a `waiting` that is not a list) left out."""
+    return [p for p in map(pid, waiting) if p is not None] if isinstance(waiting, list) else []
 
 
 _CLOSED = (PeerLost, PeerTimeout)  # a link that closed or went silent: whose fault is for the evidence
@@ -208,8 +233,8 @@ class Membership:
         def pid(r: object) -> int | None:
             return CLIENT if r == 0 else ranks.get(r) if isinstance(r, int) else None
 
-        def by_pid(waits: dict | None) -> dict[int, float]:
-            return {ranks[int(r)]: float(s) for r, s in (waits or {}).items() if str(r).isdigit() and int(r) in ranks}
+        def by_pid(waits: object) -> dict[int, float]:
+            return waits_by_pid(waits, ranks)
 
         def ask() -> dict[int, dict]:
             return {
@@ -217,7 +242,7 @@ class Membership:
                     "lost": pid(a.get("lost")),
                     "after": pid(a.get("after")),
                     "waits": by_pid(a.get("waits")),
-                    "waiting": [p for p in map(pid, a.get("waiting") or []) if p is not None],
+                    "waiting": waiting_pids(a.get("waiting"), pid),
                     "working": a.get("working") is True,
                 }
                 for q, a in self.watch.ask(order, self.epoch, window).items()
@@ -335,8 +360,8 @@ class Membership:
         window = time.monotonic() - min(s.started for s in struck) + 0.5
         ranks = {rank: pid for rank, pid in enumerate(self.order, start=1)}
 
-        def by_pid(waits: dict) -> dict[int, float]:
-            return {ranks[int(r)]: float(s) for r, s in (waits or {}).items() if str(r).isdigit() and int(r) in ranks}
+        def by_pid(waits: object) -> dict[int, float]:
+            return waits_by_pid(waits, ranks)
 
         blocked = {CLIENT: by_pid(self.waits.answer(self.epoch, window)["waits"])}
         for pid, answer in self.watch.ask(self.order, self.epoch, window).items():
@@ -497,7 +522,7 @@ class Membership:
             if key is not None:
                 raise UnknownWorker("a local run spawns its own workers: add takes no key")
             ident = Identity.new() if not self.opts.insecure else None
-            member = Member(pid, "127.0.0.1", ident.public if ident else None, group, None, True)
+            member = Member(pid, self.executor.member_host, ident.public if ident else None, group, None, True)
             if ident is not None:
                 self._keys[pid] = ident
         else:

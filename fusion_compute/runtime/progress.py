@@ -14,7 +14,6 @@ Progress lines carry counts and phase names only, never data.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -137,12 +136,6 @@ def parse_progress(text: str) -> tuple[str, int, int] | None:
     return None
 
 
-def _tail(fd: int, size: int = 4096) -> str:
-    end = os.fstat(fd).st_size
-    start = max(0, end - size)
-    return os.pread(fd, end - start, start).decode(errors="replace")
-
-
 class LoadMonitor:
     """Bars for the workers' start-up, drawn on a terminal while the client waits for them.
 
@@ -168,7 +161,7 @@ class LoadMonitor:
             st = None
             if self.procs is not None and w < len(self.procs.logs):
                 try:
-                    st = parse_progress(_tail(self.procs.logs[w].fileno()))
+                    st = parse_progress(self.procs.output_tail(w, 4096))
                 except (OSError, ValueError):
                     st = None
             phase, done, _ = st or ("start", 0, total)

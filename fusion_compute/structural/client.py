@@ -35,6 +35,7 @@ class Engine(EngineBase):
     """Client side of a structural job: the session's position and the sharded forward."""
 
     mode = "structural"
+    verifies_trees = True  # the workers' attention takes a tree's mask and depths (ops.make_step)
 
     def plan_for(self, order: list[int]) -> Plan:
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
@@ -99,6 +100,7 @@ class Engine(EngineBase):
                 )
             info.append({"rank": s.rank, "load_s": load_ms / 1000, "peak_rss_mb": rss_kb / 1024})
         self.slot_pos: dict[int, int] = {}  # each open slot: the position of each one's next token
+        self._kept: dict[int, tuple[int, ...]] = {}  # per slot: its tree step's kept columns, told at its next step
         return info
 
     def ping(self) -> list[dict]:
@@ -144,9 +146,11 @@ class Engine(EngineBase):
         """Start a new session: workers zero their KV shards (every slot of a batch too)."""
         self._control(Op.RESET, self.batch_slots, arg=self.context)
         self.slot_pos = {}
+        self._kept = {}
 
     def _release(self, slot: int) -> None:
         self.slot_pos.pop(slot, None)
+        self._kept.pop(slot, None)
         if self.comm is not None:  # else no epoch: the workers zero their memory at the next one's reset
             self._control(Op.RELEASE, slot)
 
@@ -169,13 +173,19 @@ class Engine(EngineBase):
         total = len(ids)
         x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, ΣT), full: fine, this is the client
         qkv0 = self._ingress_qkv(x_HT)
-        self._control(Op.FORWARD, len(spans), total)
+        tree_words = self._tree_words(spans)
+        self._control(Op.FORWARD, len(spans), total, len(tree_words))
         span_words = torch.tensor(spans, dtype=torch.int64).reshape(-1)
+        trees = torch.tensor(tree_words, dtype=torch.int64)
         for s, qkv in zip(self.plan.workers, qkv0, strict=True):
             a, b = s.residual
             self.wire.send(span_words, s.rank, "control", "spans")
+            if tree_words:  # in the same exchange as the spans and the ingress: no extra round
+                self.wire.send(trees, s.rank, "control", "tree")
             self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
             self.wire.send(qkv, s.rank, "ingress", "qkv0")
+        for slot, _, _ in spans:
+            self._kept.pop(slot, None)  # told
         # all workers' egress waited on at once: a worker is charged only the wait after every other's
         # shard had arrived (comm.Comm.recv_all), so the client's own account names the late one
         H = self.config.hidden
@@ -203,6 +213,23 @@ class Engine(EngineBase):
             out.append(logits_cV[at : at + len(cs)] if slot in full else logits_cV[at])
             at += len(cs)
         return out
+
+    def _tree_words(self, spans: list[tuple[int, int, int]]) -> list[int]:
+        """The step's token trees and kept paths for the workers (protocol.Op.FORWARD's tree words):
+        per span [n_parents, n_keep, parents..., kept columns...]; none when no span has either."""
+        if not self._trees and not self._kept:
+            return []
+        words: list[int] = []
+        for slot, _, _ in spans:
+            parents, keep = self._trees.get(slot, ()), self._kept.get(slot, ())
+            words += [len(parents), len(keep), *parents, *keep]
+        return words
+
+    def _keep(self, slot: int, base: int, path: list[int]) -> None:
+        """The slot's next step starts after the kept path; that step's tree words name the kept columns,
+        and the workers move their entries there first (ShardedModel.roll_back)."""
+        self.slot_pos[slot] = base + len(path)
+        self._kept[slot] = tuple(path)
 
     def _check_egress(self, shards: list[torch.Tensor]) -> None:
         """Every egress (a worker's full-width partial of the final residual) must be finite and of a

@@ -9,6 +9,7 @@ lowercase = this worker's shard, uppercase = full extent.
 
   step            input            output            placement change
   qkv             x_dT  (R shard)  qkv_aT (A shard)  S(R) -> P -> S(A)   norm fused, bias after
+  q/k norm        q, k  (A)        q, k   (A)        local (a split group's Σq², Σk² ride on its score sum)
   rope            q, k  (A)        q, k   (A)        local
   attention       q, k, v (A)      o_aT   (A)        local (+ score sum among a split group's owners)
   o_proj          o_aT  (A)        y_dT   (R)        S(A) -> P -> S(R)
@@ -42,7 +43,17 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import Comm
-from ..model.kernels import attend_scored, causal_mask, rope_tables, rotate, softmax32, swiglu
+from ..model.kernels import (
+    Rotary,
+    attend_scored,
+    causal_mask,
+    outside_windows,
+    rotate,
+    softmax32,
+    swiglu,
+    tree_depths,
+    tree_mask,
+)
 from ..model.layer import LayerOps, decoder_layer
 from .plan import AttnBlock
 
@@ -92,6 +103,7 @@ class LayerShard:
     gu_w: torch.Tensor  # (Σ_q (2 m_q + 1), d_r)
     down_w: torch.Tensor  # (H, m_r)
     index: LayerIndex | None = None  # what the rows/columns above stand for (audit)
+    qk_w: tuple[torch.Tensor, ...] | None = None  # per attention block: (2, dl) q_norm, k_norm gains (Qwen3)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LayerShard:
         """These slices on `device` in `dtype`, placed once at load (a no-op for float32 on the CPU);
@@ -101,7 +113,8 @@ class LayerShard:
             return t.to(device=device, dtype=dtype)
 
         b = None if self.qkv_b is None else move(self.qkv_b)
-        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index)
+        qk = None if self.qk_w is None else tuple(move(g) for g in self.qk_w)
+        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index, qk)
 
 
 @dataclass
@@ -120,18 +133,26 @@ class BlockCache:
 
 @dataclass(frozen=True)
 class Span:
-    """One session's tokens in a step: its KV slot, the position of its first token, how many."""
+    """One session's tokens in a step: its KV slot, the position of its first token, how many.
+    `parents`: a token tree's (speculative decoding, generation/token_tree.py), column j's parent
+    column (-1 for column 0): column j is written at pos + j, placed by RoPE at pos + its depth and
+    attends its ancestors only; None for a sequence. `keep`: the columns of the slot's previous
+    step (a tree) that stay, 0 first; they are moved to the positions just before `pos` before
+    this step runs (ShardedModel.roll_back), the rest dropped."""
 
     slot: int
     pos: int
     t: int
+    parents: tuple[int, ...] | None = None
+    keep: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Decodes:
     """The single-token spans of a batched step, attended together (ShardedLayer.attention): their
     columns, slots and positions, the RoPE tables of their columns, the range of slots they fall in,
-    and the mask of positions past each one's own (they are padded to the longest)."""
+    and the mask of positions past each one's own (they are padded to the longest), per sliding
+    window of the model's layers (`pads`, keyed like Step.masks)."""
 
     cols: torch.Tensor  # (B,) their columns
     slots: torch.Tensor  # (B,)
@@ -142,34 +163,58 @@ class Decodes:
     hi: int
     rows: torch.Tensor | None  # slot - lo of each; None when they are exactly lo..hi-1 in order
     pad: torch.Tensor  # (B, 1, 1, S) True past each one's own position; S = max(pos) + 1
+    pads: dict[int | None, torch.Tensor]  # window -> `pad` with keys before the window masked too
 
 
 @dataclass(frozen=True)
 class Step:
     """What every layer needs about one forward step: the sessions' spans, in column order (their
     tokens are consecutive columns of the step's (rows, ΣT) tensors), RoPE tables for every column,
-    each span's causal mask (None for a single token), and, when several spans decode one token
+    each span's causal mask per sliding window of the model's layers (`masks[window][i]`; None where
+    nothing is masked, as for a single token inside its window), and, when several spans decode one token
     each, those spans together (`decodes`; the others are `singles`, attended one by one)."""
 
     spans: tuple[Span, ...]
     offsets: tuple[int, ...]  # each span's first column
     cos: torch.Tensor  # (d/2, ΣT)
     sin: torch.Tensor
-    masks: tuple[torch.Tensor | None, ...]
+    masks: dict[int | None, tuple[torch.Tensor | None, ...]]
     singles: tuple[int, ...]
     decodes: Decodes | None
 
 
 def make_step(
-    spans: list[Span], inv_freq: torch.Tensor, device: torch.device | None = None, dtype: torch.dtype | None = None
+    spans: list[Span],
+    rotary: Rotary,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    windows: tuple[int | None, ...] = (None,),
 ) -> Step:
-    """The step's tables on the worker's device: RoPE in float32, then in the compute dtype (as
-    transformers casts cos and sin to the activations' dtype), masks and indices there too."""
+    """The step's tables on the worker's device: RoPE in float32 (each span's own, as transformers
+    computes one sequence's: LongRoPE picks its factors by the span's last position), then in the
+    compute dtype (as transformers casts cos and sin to the activations' dtype), masks for each of
+    the model's sliding `windows` (None: full causal) and indices there too."""
     offsets = (0, *itertools.accumulate(s.t for s in spans[:-1]))
-    cos_Tp, sin_Tp = rope_tables(inv_freq, torch.cat([torch.arange(s.pos, s.pos + s.t) for s in spans]))
-    cos = cos_Tp.T.to(device=device, dtype=dtype)  # (d/2, T): feature-major, like every tensor here
-    sin = sin_Tp.T.to(device=device, dtype=dtype)
-    masks = tuple(None if m is None else m.to(device=device) for m in (causal_mask(s.pos, s.t) for s in spans))
+    # a tree's columns by depth (RoPE), its mask the ancestors' within each window
+    tables = [
+        rotary.tables(
+            torch.arange(s.pos, s.pos + s.t) if s.parents is None else s.pos + torch.tensor(tree_depths(s.parents))
+        )
+        for s in spans
+    ]
+    cos = torch.cat([c for c, _ in tables]).T.to(device=device, dtype=dtype)  # (d/2, T): feature-major
+    sin = torch.cat([s for _, s in tables]).T.to(device=device, dtype=dtype)
+
+    def on_device(m: torch.Tensor | None) -> torch.Tensor | None:
+        return None if m is None else m.to(device=device)
+
+    masks = {
+        w: tuple(
+            on_device(causal_mask(s.pos, s.t, w) if s.parents is None else tree_mask(s.pos, s.parents, w))
+            for s in spans
+        )
+        for w in windows
+    }
     index = tuple(i for i, s in enumerate(spans) if s.t == 1) if len(spans) > 1 else ()
     decodes = None
     if index:
@@ -178,10 +223,10 @@ def make_step(
         pos = torch.tensor([spans[i].pos for i in index])
         lo, hi = int(slots.min()), int(slots.max()) + 1
         dense = slots.tolist() == list(range(lo, hi))
-        pad = torch.arange(int(pos.max()) + 1)[None, :] > pos[:, None]
-        cols, slots, pos, pad = (x.to(device=device) for x in (cols, slots, pos, pad))
+        pads = {w: outside_windows(pos, w)[:, None, None, :].to(device=device) for w in (None, *windows)}
+        cols, slots, pos = (x.to(device=device) for x in (cols, slots, pos))
         decodes = Decodes(
-            cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo, pad[:, None, None, :]
+            cols, slots, pos, cos[:, cols], sin[:, cols], lo, hi, None if dense else slots - lo, pads[None], pads
         )
     singles = tuple(i for i in range(len(spans)) if i not in index)
     return Step(tuple(spans), offsets, cos, sin, masks, singles, decodes)
@@ -235,7 +280,9 @@ class ShardedLayer(LayerOps[Step]):
         head_dim: int,
         group_size: int,
         eps: float,
+        window: int | None = None,
     ):
+        """`window`: this layer's sliding window (None: full causal; config.window)."""
         self.i = index
         self.w = weights
         self.blocks = blocks
@@ -250,6 +297,7 @@ class ShardedLayer(LayerOps[Step]):
         self.gs = group_size
         self.eps = eps
         self.scale = head_dim**-0.5
+        self.window = window
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
         self.to_client = False  # the last layer: its down partials go to the client (module doc)
@@ -269,7 +317,8 @@ class ShardedLayer(LayerOps[Step]):
         (a_r, ΣT) in q-row order. A split group's partial scores are completed in one exchange for
         every span of the step (one round per split block, whatever the batch). Single-token spans
         (decodes) are computed together, padded to the longest and masked; prefill spans one by one."""
-        outs, row = [], 0
+        outs: list[torch.Tensor] = []
+        row = 0
         spans, offsets, dec = step.spans, step.offsets, step.decodes
         for b, cache in zip(self.blocks, self.caches, strict=True):
             ng, dl, gs = b.n_groups, b.dims, self.gs
@@ -280,6 +329,11 @@ class ShardedLayer(LayerOps[Step]):
             k_all = qkv_aT[row + nq : row + nq + nk]
             v_all = qkv_aT[row + nq + nk : row + nq + 2 * nk]
             row += nq + 2 * nk
+            # Qwen3's per-head q/k norms: local on a whole group; on a split group the gains now, the
+            # division by each head's norm once its owners' Σx² arrive with the score sum (_qk_finish)
+            ss = None
+            if self.w.qk_w is not None:
+                q_all, k_all, ss = self._qk_norm(q_all, k_all, b, self.w.qk_w[len(outs)])
             scores, values = [], []
             for i in step.singles:
                 span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
@@ -295,11 +349,13 @@ class ShardedLayer(LayerOps[Step]):
                 scores.append(self._decode_scores(cache, dec, q_all, k_all, v_all, (p0, p1), ng, gs, dl))
             if b.split:
                 # q·k summed over a split group's dims = Σ over its owners of their partial dot products.
-                scores = self._sum_scores(scores, b.g0)
+                scores, ss = self._sum_scores(scores, b.g0, ss)
+            if ss is not None:
+                self._qk_finish(scores, ss, cache, step, ng, gs)
             o_aT = qkv_aT.new_empty(nq, qkv_aT.shape[1])
             for i, sc, v in zip(step.singles, scores, values, strict=False):
                 t = spans[i].t
-                o = attend_scored(sc, v, step.masks[i], gs, t, self.scale)  # (ng, gs*T, dl)
+                o = attend_scored(sc, v, step.masks[self.window][i], gs, t, self.scale)  # (ng, gs*T, dl)
                 o_aT[:, offsets[i] : offsets[i] + t] = o.view(ng, gs, t, dl).permute(0, 1, 3, 2).reshape(nq, t)
             if dec is not None:
                 o_aT[:, dec.cols] = self._decode_finish(cache, dec, scores[-1], ng, gs, dl)
@@ -328,7 +384,7 @@ class ShardedLayer(LayerOps[Step]):
         self, cache: BlockCache, dec: Decodes, scores: torch.Tensor, ng: int, gs: int, dl: int
     ) -> torch.Tensor:
         """softmax and · v for the decodes' complete scores (B, ng, gs, S); returns (ng·gs·dl, B)."""
-        p = softmax32((scores * self.scale).masked_fill(dec.pad, float("-inf")))
+        p = softmax32((scores * self.scale).masked_fill(dec.pads[self.window], float("-inf")))
         values = cache.v[dec.lo : dec.hi, :, : dec.pad.shape[-1]]
         if dec.rows is None:
             o = p @ values
@@ -338,12 +394,71 @@ class ShardedLayer(LayerOps[Step]):
             o = (p_r @ values)[dec.rows]  # (B, ng, gs, dl)
         return o.permute(1, 2, 3, 0).reshape(ng * gs * dl, -1)
 
-    def _sum_scores(self, scores: list[torch.Tensor], g: int) -> list[torch.Tensor]:
+    def _qk_norm(
+        self, q_all: torch.Tensor, k_all: torch.Tensor, b: AttnBlock, gains: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The per-head RMSNorm of q and k (Qwen3) on this block's rows (ng·gs·dl, ΣT), (ng·dl, ΣT):
+        g ⊙ x / r, r = sqrt(Σ_d x² / d + ε) per head and token, `gains` (2, dl) the q and k gains of
+        the block's dims, before RoPE as in transformers' q_norm / k_norm. A whole head is local:
+        returns the normalized q, k and None. A split group's Σx² is the sum of its owners' partial
+        sums, and r is a scalar per head and token, so RoPE (a rotation) and the dot product commute
+        with it: q̂·k̂ = (R(g_q⊙q)·R(g_k⊙k)) / (r_q r_k). So g ⊙ x is returned unnormalized with the
+        partial sums (ng·gs·ΣT for q, then ng·ΣT for k, float32), which travel in the score sum's
+        message; _qk_finish divides once they are complete. No round of its own."""
+        ng, gs, dl, d = b.n_groups, self.gs, b.dims, self.head_dim
+        t = q_all.shape[1]
+        q = q_all.reshape(ng, gs, dl, t)
+        k = k_all.reshape(ng, dl, t)
+        ss = torch.cat([q.float().pow(2).sum(2).reshape(-1), k.float().pow(2).sum(1).reshape(-1)])
+        if b.split:
+            q_g, k_g = gains[0][:, None] * q, gains[1][:, None] * k
+            return q_g.reshape(q_all.shape), k_g.reshape(k_all.shape), ss
+        inv = torch.rsqrt(ss / d + self.eps)
+        inv_q, inv_k = inv[: ng * gs * t].view(ng, gs, 1, t), inv[ng * gs * t :].view(ng, 1, t)
+        q_n = gains[0][:, None] * (q.float() * inv_q).to(q.dtype)
+        k_n = gains[1][:, None] * (k.float() * inv_k).to(k.dtype)
+        return q_n.reshape(q_all.shape), k_n.reshape(k_all.shape), None
+
+    def _qk_finish(
+        self, scores: list[torch.Tensor], ss: torch.Tensor, cache: BlockCache, step: Step, ng: int, gs: int
+    ) -> None:
+        """A split group's q/k norms, completed (`ss`: every owner's Σx² summed, _qk_norm's layout):
+        every score row divided by its query head's r_q, every score against a key of this step by
+        that key's r_k, and those keys, cached unnormalized, divided by their r_k in the cache (the
+        positions of earlier steps were normalized when they were new)."""
+        t = ss.numel() // (ng * (gs + 1))
+        inv = torch.rsqrt(ss / self.head_dim + self.eps)
+        inv_q, inv_k = inv[: ng * gs * t].view(ng, gs, t), inv[ng * gs * t :].view(ng, t)
+        spans, offsets, dec = step.spans, step.offsets, step.decodes
+        for j, i in enumerate(step.singles):
+            span, cols = spans[i], slice(offsets[i], offsets[i] + spans[i].t)
+            n, pos, sl = span.t, span.pos, span.slot
+            sc = scores[j].view(ng, gs, n, -1)  # (ng, gs, T, S): rows head-major, token-minor
+            sc.mul_(inv_q[:, :, cols, None].to(sc.dtype))
+            sc[..., pos : pos + n].mul_(inv_k[:, None, None, cols].to(sc.dtype))  # keys of this span
+            cache.k[sl, :, pos : pos + n].mul_(inv_k[:, cols, None].to(cache.k.dtype))
+        if dec is not None:
+            sc = scores[-1]  # (B, ng, gs, S)
+            sc.mul_(inv_q[:, :, dec.cols].permute(2, 0, 1)[..., None].to(sc.dtype))
+            b = torch.arange(sc.shape[0], device=sc.device)
+            sc[b, :, :, dec.pos] *= inv_k[:, dec.cols].T[:, :, None].to(sc.dtype)
+            cache.k[dec.slots, :, dec.pos] *= inv_k[:, dec.cols].T[:, :, None].to(cache.k.dtype)
+
+    def _sum_scores(
+        self, scores: list[torch.Tensor], g: int, extra: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The partial scores of a split group summed among its owners in one exchange; `extra`
+        (Qwen3's partial Σq², Σk², float32) rides in the same message, which is then float32."""
         op = f"L{self.i}.scores.g{g}"
-        if len(scores) == 1:
-            return [self.comm.sum_scores(scores[0], g, op)]
-        flat = self.comm.sum_scores(torch.cat([s.reshape(-1) for s in scores]), g, op)
-        return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in scores]), scores, strict=True)]
+        if len(scores) == 1 and extra is None:
+            return [self.comm.sum_scores(scores[0], g, op)], None
+        parts = [s.reshape(-1) for s in scores] + ([] if extra is None else [extra])
+        flat = torch.cat([p.float() for p in parts] if extra is not None else parts)
+        flat = self.comm.sum_scores(flat, g, op)
+        sizes = [s.numel() for s in scores] + ([] if extra is None else [extra.numel()])
+        split = flat.split(sizes)
+        out = [part.view(s.shape).to(s.dtype) for part, s in zip(split, scores, strict=False)]
+        return out, (None if extra is None else split[-1])
 
     def norm_linear(self, i: int, name: str, x_dT: torch.Tensor) -> torch.Tensor:
         """S(R) -> P -> S(A or M): qkv_aT or gu_mT, this worker's rows, the bias (qkv) added."""

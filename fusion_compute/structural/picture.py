@@ -82,7 +82,8 @@ def plan_picture(plan, title: str = "") -> Picture:
         title=title or f"Ownership plan: {plan.n} workers (capacities {caps})",
         subtitle=f"{c.arch}, hidden {c.hidden}, intermediate {c.intermediate}, {c.n_heads} heads / "
         f"{c.n_kv_heads} KV groups x {c.head_dim // 2} RoPE pairs; the same in each of the {c.n_layers} layers; "
-        f"plan {plan.fingerprint()}",
+        + "".join(f"{f}; " for f in c.features())
+        + f"plan {plan.fingerprint()}",
         # numbered from 1, as the logs, the audit's pictures and `fusion chat`'s /workers number them
         workers=tuple(f"worker {s.rank} (rank {s.rank})" for s in plan.workers),
         rows=plan_holdings(plan),
@@ -150,7 +151,7 @@ def masked_picture(plan, title: str = "") -> Picture:
     return Picture(
         title=title or f"Masked plan {plan.spec}: what each group receives and computes",
         subtitle=f"{c.arch}, hidden {c.hidden}, intermediate {c.intermediate}; groups {groups}; the same in each "
-        f"of the {c.n_layers} layers; plan {plan.fingerprint()}",
+        f"of the {c.n_layers} layers; " + "".join(f"{f}; " for f in c.features()) + f"plan {plan.fingerprint()}",
         notes=(
             "Hatched: every member of group A receives each linear's whole input, masked in Z/2^64 by the sum of "
             "the mask groups' r_i;",

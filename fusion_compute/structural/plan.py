@@ -186,8 +186,11 @@ class Plan:
     # ---- predictions ----
 
     def collectives_per_layer(self, w: int) -> dict[str, int]:
-        """In every layer but the first (whose q/k/v come with the ingress) and the last (whose down
-        goes to the client): `boundary`."""
+        """Worker w's sequential exchanges in one layer's forward: the four reduce-scatters and one
+        score sum per split attention block, in every layer but the first (whose q/k/v come with the
+        ingress) and the last (whose down goes to the client): `boundary`. Per-head q/k norms (Qwen3)
+        ride in the score sum (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a
+        round."""
         split = sum(1 for b in self.workers[w].attention if b.split)
         return {"reduce_scatter": 4, "score_sum": split}
 

@@ -15,9 +15,11 @@ MAX_SLOTS = 256  # KV slots (sessions of one batch) a worker accepts
 
 class Op(IntEnum):
     HELLO = 1  # [HELLO, context, plan fingerprint, 0] -> reply [ok, fingerprint, load_ms, rss_kb]
-    FORWARD = 2  # [FORWARD, n, ΣT, 0], then spans (n, 3) int64 rows [slot, pos, T] (control), then
-    #             ingress (d_w, ΣT), the spans' tokens as consecutive columns, and the worker's
-    #             layer-0 q/k/v (qkv_w, ΣT); reply egress (H, ΣT), the last down partial.
+    FORWARD = 2  # [FORWARD, n, ΣT, W], then spans (n, 3) int64 rows [slot, pos, T] (control), then
+    #             when W > 0 W int64 tree words (control: per span [n_parents (0 or T), n_keep,
+    #             parents..., kept columns of its previous step...], worker.with_trees), then ingress
+    #             (d_w, ΣT), the spans' tokens as consecutive columns, and the worker's layer-0 q/k/v
+    #             (qkv_w, ΣT); reply egress (H, ΣT), the last down partial.
     #             One session is one span (slot 0); several are continuous batching's step
     RESET = 3  # [RESET, slots, 0, context]: drop and re-zero the KV shards; `slots` KV slots (0: one)
     PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]

@@ -11,7 +11,7 @@ import torch
 
 from ..comm import Comm
 from ..model import architecture as arch
-from ..model.kernels import inv_freq_tensor
+from ..model.kernels import Rotary
 from ..weights.loader import WeightSource
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, make_step
 from .plan import Plan, runs
@@ -64,7 +64,19 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
     gu_w = gu[torch.tensor(gu_rows[w])].contiguous() if replicated else augmented(gu, gu_rows)
     del gu
     down_w = arch.read_weight(src, layer, "down", cols=[share.mlp])
-    return LayerShard(qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index)
+    return LayerShard(
+        qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index, qk_w=qk_gains(src, plan, w, layer)
+    )
+
+
+def qk_gains(src: WeightSource, plan: Plan, w: int, layer: int) -> tuple[torch.Tensor, ...] | None:
+    """Per attention block of worker w: the q_norm and k_norm gains (2, dl) of the block's head dims
+    (Qwen3's per-head norms), or None for a family without them."""
+    norms = arch.read_qk_norms(src, layer)
+    if norms is None:
+        return None
+    d = plan.config.head_dim
+    return tuple(torch.stack(norms)[:, torch.tensor(b.head_dims(d))] for b in plan.workers[w].attention)
 
 
 class ShardedModel:
@@ -95,7 +107,7 @@ class ShardedModel:
         # layer 0's q/k/v come with the ingress (the client computes them): its q/k/v slices go
         first = self.layers[0].w
         first.qkv_w, first.qkv_b = first.qkv_w.new_empty(0, first.qkv_w.shape[1]), None
-        self.inv_freq = inv_freq_tensor(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.head_dim)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
 
@@ -115,6 +127,7 @@ class ShardedModel:
             head_dim=c.head_dim,
             group_size=c.group_size,
             eps=c.rms_eps,
+            window=c.window(i),
         )
 
     def attach_audit(self, audit) -> None:
@@ -155,6 +168,8 @@ class ShardedModel:
         audit's keep-slots control, caught at the release's measurement)."""
         out = []
         for s in spans:
+            if s.keep is not None:
+                self._compact(s)
             if s.slot < len(self.lengths) and 0 < s.pos < self.lengths[s.slot]:
                 held = self.lengths[s.slot]
                 for layer in self.layers:
@@ -174,6 +189,29 @@ class ShardedModel:
                 )
                 out.append((s.slot, held, s.pos, zeroed))
         return out
+
+    def _compact(self, s: Span) -> None:
+        """A token tree's accepted path (`s.keep`, columns of the slot's last step, which began at
+        base = s.pos - len(keep)): column keep[i]'s keys and values move to base + i, in order (each
+        moves down or stays, so none is overwritten before it moved); roll_back then zeroes the
+        positions from s.pos on, the dropped columns among them. The keys stay valid: column keep[i]
+        was rotated at base + its depth, which is base + i on a path."""
+        keep, base = s.keep or (), s.pos - len(s.keep or ())
+        held = self.lengths[s.slot] if s.slot < len(self.lengths) else 0
+        if (
+            not keep
+            or keep[0] != 0
+            or any(b <= a for a, b in zip(keep, keep[1:], strict=False))
+            or base < 0
+            or base + keep[-1] >= held
+        ):
+            raise ValueError(f"cannot keep columns {list(keep)} of a step at {base} in a slot holding {held}")
+        src = torch.tensor([base + c for c in keep], device=self.device)
+        dst = torch.arange(base, base + len(keep), device=self.device)
+        for layer in self.layers:
+            for cache in layer.caches:
+                cache.k[s.slot, :, dst] = cache.k[s.slot, :, src]
+                cache.v[s.slot, :, dst] = cache.v[s.slot, :, src]
 
     def kv_abs_max(self, slot: int | None = None) -> float:
         """Largest |value| left in the KV shards, or in one slot's (0 after a wipe): hygiene tests
@@ -196,7 +234,7 @@ class ShardedModel:
                 raise ValueError(f"KV slot {s.slot} beyond the {self.n_slots} made at the session's start")
         for s in spans:
             self.lengths[s.slot] = max(self.lengths[s.slot], s.pos + s.t)
-        return make_step(spans, self.inv_freq, self.device, self.dtype)
+        return make_step(spans, self.rotary, self.device, self.dtype, self.plan.config.windows)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
         """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0);

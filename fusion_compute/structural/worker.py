@@ -358,13 +358,16 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
-        if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, 0]
+        if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, W]
             words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
             spans = [Span(*w) for w in words]
             if sum(s.t for s in spans) != pos or any(
                 s.t < 1 or s.pos < 0 or not 0 <= s.slot < MAX_SLOTS for s in spans
             ):
                 raise RuntimeError(f"malformed step: {spans} for {pos} tokens")
+            if arg:  # token trees and kept paths ride with the spans (speculative decoding): no extra round
+                tree = comm.recv(torch.empty(arg, dtype=torch.int64), 0, "control", "tree").tolist()
+                spans = with_trees(spans, tree)
             t, pos = pos, spans[0].pos  # T = ΣT; the record's pos: the first span's
             for slot, held, to, zeroed in model.roll_back(
                 spans, measure=audit is not None
@@ -377,13 +380,11 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
             if audit is not None:
                 audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
-            qkv_aT = comm.recv(
-                torch.empty(n_qkv, t, dtype=model.dtype), 0, "ingress", "qkv0"
-            )  # layer 0's, the client's
+            # layer 0's q/k/v rows, computed by the client (no layer-0 QKV scatter)
+            qkv_aT = comm.recv(torch.empty(n_qkv, t, dtype=model.dtype), 0, "ingress", "qkv0")
             me.witness.step(True)  # its account: a step is in progress here (until its egress leaves)
-            e_HT = model.forward(
-                x_dT.to(model.device), spans, qkv_aT.to(model.device)
-            )  # the last layer's partial, summed by the client
+            # the egress: the last layer's down partial, its residual rows added; the client sums them
+            e_HT = model.forward(x_dT.to(model.device), spans, qkv_aT.to(model.device))
             fault = egress_fault(e_HT, plan.n)  # what the client's checks would name this worker for
             if fault is not None:  # its inputs passed one by one (comm's checks): it names nobody (TaintedInputs)
                 raise TaintedInputs(f"worker {rank}'s own egress holds {fault}: not sent")
@@ -418,6 +419,29 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
             return
         else:
             raise RuntimeError(f"unknown control op {op}")
+
+
+def with_trees(spans: list[Span], words: list[int]) -> list[Span]:
+    """The spans with their trees and kept paths (protocol.Op.FORWARD): per span, in order, [number of
+    parents (0 or T), number of kept columns, the parents, the kept columns]. Checked: a parent
+    comes before its column, column 0 is the root, kept columns start at 0 and increase."""
+    out, at = [], 0
+    for s in spans:
+        if at + 2 > len(words):
+            raise RuntimeError(f"malformed tree words for {spans}")
+        n_par, n_keep = words[at], words[at + 1]
+        parents, keep = words[at + 2 : at + 2 + n_par], words[at + 2 + n_par : at + 2 + n_par + n_keep]
+        at += 2 + n_par + n_keep
+        if n_par not in (0, s.t) or len(parents) != n_par or len(keep) != n_keep or n_keep > s.pos:
+            raise RuntimeError(f"malformed tree words for span {s}")
+        if n_par and (parents[0] != -1 or any(not 0 <= p < j for j, p in enumerate(parents) if j)):
+            raise RuntimeError(f"malformed tree for span {s}: parents {parents}")
+        if n_keep and (keep[0] != 0 or any(b <= a for a, b in zip(keep, keep[1:], strict=False))):
+            raise RuntimeError(f"malformed kept columns for span {s}: {keep}")
+        out.append(Span(s.slot, s.pos, s.t, tuple(parents) if n_par else None, tuple(keep) if n_keep else None))
+    if at != len(words):
+        raise RuntimeError(f"malformed tree words: {len(words) - at} left over")
+    return out
 
 
 def bench_reduce_scatter(comm: Comm, n: int, rows: int, iters: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ..model.config import SUPPORTED_ARCHS, ModelConfig, ModelError, RopeConfig
+from ..model.config import GGUF_ARCHS, ModelConfig, ModelError, RopeConfig, Unsupported
 from .gguf_index import GGUFIndex, TensorInfo
 from .source import Ranges
 
@@ -38,6 +38,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3: per-head RMSNorm gains (d,)
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -83,8 +85,8 @@ def read_config(index: GGUFIndex, path: str | Path = "") -> ModelConfig:
     """ModelConfig from llama.cpp metadata keys (`{arch}.embedding_length`, ...); reads no array."""
     path = path or index.path
     arch = index.scalar("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if arch not in GGUF_ARCHS:
+        raise Unsupported(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
 
     def num(key: str, kind: type, default: Any = _MISSING) -> Any:
         value = index.scalar(key) if default is _MISSING else index.scalar(key, default)
@@ -96,6 +98,9 @@ def read_config(index: GGUFIndex, path: str | Path = "") -> ModelConfig:
     def key(name: str, kind: type = int, default: Any = _MISSING) -> Any:
         return num(f"{arch}.{name}", kind, default)
 
+    for feature in ("attention.sliding_window", "attn_logit_softcapping", "expert_count"):
+        if index.scalar(f"{arch}.{feature}", None) is not None:  # read by llama.cpp, not implemented here
+            raise Unsupported(f"{path}: unsupported GGUF {arch} model: {arch}.{feature} is not implemented")
     names = set(index.tensors)
     hidden = key("embedding_length")
     n_heads = key("attention.head_count")
@@ -123,6 +128,7 @@ def read_config(index: GGUFIndex, path: str | Path = "") -> ModelConfig:
         rms_eps=key("attention.layer_norm_rms_epsilon", float, 1e-6),
         rope=_rope_config(index, arch, theta, head_dim, path),
         qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm=arch == "qwen3",
         # llama.cpp writes no `output.weight` when the LM head is the embedding table.
         tie_embeddings="output.weight" not in names,
         bos_id=bos,
@@ -138,7 +144,7 @@ def _rope_config(index: GGUFIndex, arch: str, theta: float, head_dim: int, path:
             raise ModelError(f"{path}: GGUF {arch}.rope.scaling.factor must be a number, got {factor!r}")
         return RopeConfig(theta=theta, kind="linear", factor=float(factor))
     if kind not in ("none", ""):
-        raise ModelError(f"{path}: unsupported GGUF rope scaling {kind!r} (supported: none, linear)")
+        raise Unsupported(f"{path}: unsupported GGUF rope scaling {kind!r} (supported: none, linear)")
     freqs = index.tensors.get("rope_freqs.weight")
     if freqs is None:
         return RopeConfig(theta=theta)

@@ -165,8 +165,13 @@ def expected_transfers(
             peers = [o for o in owners[g0] if o != w]
             if peers:  # a split group: partial scores summed among its owners
                 elems = (g1 - g0) * gs * score_elements(spans, t, pos)
+                size = itemsize
+                if dims.get("qk_norm"):
+                    # Qwen3: the per-head Σq², Σk² of the step's columns (gs q heads and 1 k head per
+                    # group) ride in the same message, which is then float32 (ops._qk_norm)
+                    elems, size = elems + (g1 - g0) * (gs + 1) * t, 4
                 cnt = per_rank({o + 1: elems for o in peers})
-                out.append(Transfer(layer, f"L{layer}.scores.g{g0}", S.SCORE_SUM, cnt, list(cnt), itemsize))
+                out.append(Transfer(layer, f"L{layer}.scores.g{g0}", S.SCORE_SUM, cnt, list(cnt), size))
         if n > 1:
             out.append(rs(layer, "o", res_n))
             out.append(rs(layer, "gate_up", gu_n))
