@@ -31,6 +31,39 @@ __all__ = ["Engine", "EngineOptions", "effective_context"]
 EGRESS_SCALE_LIMIT = ROW_SUMSQ_LIMIT
 
 
+def layer0_qkv(
+    src, plan: Plan, device: torch.device, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per worker of `plan`: its rows of layer 0's q/k/v weight (the norm's gain folded in, as the
+    workers fold it: sharded.load_layer) and of the bias. The client computes layer 0's q/k/v itself
+    and sends each worker its rows with the ingress, so the layer-0 QKV scatter goes (one exchange
+    fewer per forward). All of one layer's W_qkv: (n_h + 2 n_kv) d x H values (SmolLM2-135M: 960 x
+    576, 2.2 MB in float32)."""
+    w_qkv = arch.read_weight(src, 0, "qkv") * arch.read_norm(src, 0, "qkv")
+    bias = arch.read_bias(src, 0, "qkv")
+    out = []
+    for w in range(plan.n):
+        rows = torch.tensor(plan.qkv_rows(w))
+        b = None if bias is None else bias[rows].to(device=device, dtype=dtype)
+        out.append((w_qkv[rows].to(device=device, dtype=dtype), b))
+    return out
+
+
+def ingress_qkv(
+    x_HT: torch.Tensor, qkv0: list[tuple[torch.Tensor, torch.Tensor | None]], hidden: int, eps: float
+) -> list[torch.Tensor]:
+    """Each worker's layer-0 q/k/v (qkv_w, ΣT) from the full x_HT: W[rows] · RMSNorm(x) + b, as the
+    norm-fused scatter computes it (ops.norm_linear_scatter: Σx² in float32, the product in the
+    dtype, divided by s = sqrt(Σx² / H + ε), the bias after)."""
+    xf = x_HT.float()
+    inv_s = torch.rsqrt((xf * xf).sum(0) / hidden + eps)
+    out = []
+    for w_rows, b in qkv0:
+        qkv = ((w_rows @ x_HT) * inv_s).to(x_HT.dtype)
+        out.append(qkv if b is None else qkv + b[:, None])
+    return out
+
+
 class Engine(EngineBase):
     """Client side of a structural job: the session's position and the sharded forward."""
 
@@ -57,30 +90,11 @@ class Engine(EngineBase):
         ]
 
     def _layer0_qkv(self) -> None:
-        """Layer 0's q/k/v weight rows of each worker of this plan (the norm's gain folded in, as the
-        workers fold it: sharded.load_layer) and their bias, placed with the LM head: the client
-        computes layer 0's q/k/v itself and sends each worker its rows with the ingress, so the
-        layer-0 QKV scatter goes (one exchange fewer per forward). All of W_qkv of one layer:
-        (n_h + 2 n_kv) d x H values (SmolLM2-135M: 960 x 576, 2.2 MB in float32)."""
-        w_qkv = arch.read_weight(self.src, 0, "qkv") * arch.read_norm(self.src, 0, "qkv")
-        bias = arch.read_bias(self.src, 0, "qkv")
-        self.qkv0 = []
-        for w in range(self.plan.n):
-            rows = torch.tensor(self.plan.qkv_rows(w))
-            b = None if bias is None else bias[rows].to(device=self.client_device, dtype=self.dtype)
-            self.qkv0.append((w_qkv[rows].to(device=self.client_device, dtype=self.dtype), b))
+        """This plan's workers' rows of layer 0's q/k/v weights (`layer0_qkv`), placed with the LM head."""
+        self.qkv0 = layer0_qkv(self.src, self.plan, self.client_device, self.dtype)
 
     def _ingress_qkv(self, x_HT: torch.Tensor) -> list[torch.Tensor]:
-        """Each worker's layer-0 q/k/v (qkv_w, ΣT): W[rows] · RMSNorm(x) + b, as the norm-fused scatter
-        computes it (ops.norm_linear_scatter: Σx² in float32, the product in the dtype, divided by
-        s = sqrt(Σx² / H + ε), the bias after)."""
-        xf = x_HT.float()
-        inv_s = torch.rsqrt((xf * xf).sum(0) / self.config.hidden + self.config.rms_eps)
-        out = []
-        for w_rows, b in self.qkv0:
-            qkv = ((w_rows @ x_HT) * inv_s).to(x_HT.dtype)
-            out.append(qkv if b is None else qkv + b[:, None])
-        return out
+        return ingress_qkv(x_HT, self.qkv0, self.config.hidden, self.config.rms_eps)
 
     def hello(self, deadline: float, order: list[int]) -> list[dict]:
         self._layer0_qkv()  # (this epoch's plan: a new seat count moves the rows)
