@@ -266,6 +266,67 @@ MUTANTS += [
         "    if counted:",
         [B41 + "test_two_workers_each_leaving_after_the_other_are_ambiguous"],
     ),
+    # which ambiguous sets feed follows (Verdict.liar_only): only those that hold a liar
+    (
+        "blame-slow-step-set-feeds-follows",
+        R + "runtime/membership.py",
+        "        if verdict.liar_only:\n            convicted = follows(",
+        "        if True:\n            convicted = follows(",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-slow-step-set-remembered",
+        R + "runtime/membership.py",
+        "            self.liar_sets.append(frozenset(verdict.causes))\n",
+        "        self.liar_sets.append(frozenset(verdict.causes))\n",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-slow-step-set-judged-against-liar-sets",
+        R + "runtime/membership.py",
+        "        if verdict.liar_only:\n            convicted = follows(self.liar_sets, verdict.causes)\n",
+        "        convicted = follows(self.liar_sets, verdict.causes)\n        if verdict.liar_only:\n",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-waits-fallback-marked-liar-only",
+        R + "runtime/blame.py",
+        "Verdict(verdict.named, verdict.causes, said)",
+        "Verdict(verdict.named, verdict.causes, said, liar_only=True)",
+        [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
+    ),
+    (
+        "blame-judge-sets-marked-liar-only",
+        R + "runtime/deadline.py",
+        "return Verdict(causes[0] if len(causes) == 1 else None, tuple(causes), said)",
+        "return Verdict(causes[0] if len(causes) == 1 else None, tuple(causes), said, liar_only=True)",
+        ["test_redteam_41.py::test_a_liar_cannot_convert_a_slowness_ambiguity_into_an_honest_removal"],
+    ),
+    (
+        "blame-link-sets-not-liar-only",
+        R + "runtime/blame.py",
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)',
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words))',
+        [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
+    ),
+    (
+        "blame-tainted-set-not-liar-only",
+        R + "runtime/blame.py",
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)',
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))\n"
+        '        return set(), Verdict(None, causes, "; ".join(words))',
+        [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
+    ),
+    (
+        "blame-logits-suspects-not-liar-only",
+        R + "runtime/membership.py",
+        "verdict = Verdict(None, suspects, _first_line(err), liar_only=True)",
+        "verdict = Verdict(None, suspects, _first_line(err))",
+        [P41 + "test_a_failed_logits_check_sets_the_suspects_aside_and_convicts_only_whom_ambiguity_follows"],
+    ),
     (
         "recv-check-off-reduce-scatter",
         R + "comm/comm.py",
@@ -276,8 +337,8 @@ MUTANTS += [
     (
         "recv-check-off-score-sum",
         R + "comm/comm.py",
-        "self._check_received(theirs, op)",
-        "None",
+        "self._check_received(theirs, op)\n            stack = stack.to(scores.device)",
+        "stack = stack.to(scores.device)",
         [P41 + "test_a_poisoned_score_sum_names_its_sender"],
     ),
     (
@@ -332,7 +393,7 @@ MUTANTS += [
     (
         "send-check-off-egress",
         R + "structural/worker.py",
-        "fault = egress_fault(x_dT, plan.n)",
+        "fault = egress_fault(e_HT, plan.n)",
         "fault = None",
         [P41 + "test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody"],
     ),
@@ -537,8 +598,8 @@ MUTANTS += [
     (
         "b47-egress-scale-max-not-sum",
         R + "structural/client.py",
-        "rows = torch.stack(sumsq).sum(0)",
-        "rows = torch.stack(sumsq).amax(0)",
+        "rows = torch.stack([shard.double() for shard in shards]).sum(0).square().sum(0)",
+        "rows = torch.stack([shard.double() for shard in shards]).amax(0).square().sum(0)",
         [E + "::test_a_tokens_row_is_summed_over_the_workers_not_its_largest_part"],
     ),
     (
@@ -551,7 +612,7 @@ MUTANTS += [
     (
         "b47-egress-share-is-the-whole-limit",
         R + "structural/client.py",
-        "share, named = EGRESS_SCALE_LIMIT / len(shards), {}",
+        "share, named = EGRESS_SCALE_LIMIT / len(shards) ** 2, {}",
         "share, named = EGRESS_SCALE_LIMIT, {}",
         [E + "::test_named_are_those_over_their_share_of_the_limit_not_over_the_whole"],
     ),

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from fusion_compute.bench.ops import stats
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.model import reference
@@ -73,9 +74,9 @@ def check_faithful(
     tokens, gaps, ids, z_exact, z_ref = refs
     faithful, bound = bounds(z_exact, z_ref, dtype)
     eng.reset()
-    before = eng.stats()
+    before = stats(eng)
     z = eng.forward(ids, all_logits=True).double()
-    after = eng.stats()
+    after = stats(eng)
     err, diff = float((z - z_exact).abs().max()), float((z - z_ref).abs().max())
     assert err <= faithful, f"{err:.3g} from the exact logits > {faithful:.3g} (HF's own: {bound - faithful:.3g})"
     assert diff <= bound, f"{diff:.3g} from HF's {dtype} logits > {bound:.3g}"

@@ -232,7 +232,7 @@ class ShardedRun:
     def forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         spans = [Span(slot, self.pos[slot], len(ids)) for slot, ids in items]
         ids = [i for _, seq in items for i in seq]
-        x_HT = self.embed[torch.tensor(ids)].T.contiguous()
+        x_HT = arch.embed_rows(self.config, self.embed, torch.tensor(ids)).T.contiguous()  # (Gemma: √H)
         out = accumulate(torch.stack(self.shards(x_HT, spans)))  # (H, ΣT): the residual, the client's alone
         x_TH = rms_norm(out.T, self.final_norm, self.config.rms_eps)
         logits = (x_TH @ self.lm_head.T).double()
@@ -246,7 +246,7 @@ class ShardedRun:
         return logits if all_logits else logits[-1]
 
     def stats(self) -> list[dict]:
-        """Per worker, what its Comm counted (as Engine.stats reports it from the worker processes):
+        """Per worker, what its Comm counted (as bench/ops.stats reports it from the worker processes):
         collectives among workers and the payload bytes it addressed to the other workers."""
         return [
             {"collectives": c.counters.collectives, "peer_bytes_sent": c.counters.peer_bytes_sent} for c in self.comms

@@ -272,6 +272,26 @@ def negative_position(d: Path) -> None:
     _rechain(d, 2, recs)
 
 
+def renumbered_message(d: Path) -> None:
+    """One message of a worker's step logged with the previous step's frame number (comm's step
+    count, carried in every frame's header): it is not the step it is logged under."""
+    recs = _records(d / "rank1.jsonl")
+    step = recs[_steps(recs)[2]]
+    step["events"][1][7] -= 1
+    _rechain(d, 1, recs)
+
+
+def renumbered_steps(d: Path) -> None:
+    """A worker's last step, with all its messages, renumbered consistently (still in order in its
+    own log): the client numbered that step otherwise."""
+    recs = _records(d / "rank2.jsonl")
+    step = recs[_steps(recs)[-1]]
+    step["frame_step"] += 5
+    for e in step["control"] + step["events"]:
+        e[7] += 5
+    _rechain(d, 2, recs)
+
+
 def altered_netcount(d: Path) -> None:
     p = d / S.NETCOUNT
     if not p.exists():
@@ -292,6 +312,8 @@ TAMPERS = {
     "ingress-qkv-widened": (ingress_qkv_widened, {"accounting"}),
     "reordered-steps": (reordered_steps, {"structure"}),
     "negative-position": (negative_position, {"structure"}),
+    "renumbered-message": (renumbered_message, {"structure"}),
+    "renumbered-steps": (renumbered_steps, {"structure"}),
     "broken-hash-chain": (broken_chain, {"chain"}),
     "altered-netcount": (altered_netcount, {"chain"}),
 }

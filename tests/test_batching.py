@@ -15,6 +15,7 @@ import signal
 import pytest
 import torch
 
+from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation.batching import BatchRunner, Sequence, run_batch
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ def test_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
         assert [r.token_ids for r in results] == alone
         assert len({tuple(t) for t in alone}) > 1  # the sessions differ: mixing them up would show
         assert all(r.finish_reason == "length" and r.steps == len(r.token_ids) for r in results)
-        assert eng.kv_probe() == [0.0, 0.0]  # released slots are zeroed at once
+        assert kv_probe(eng) == [0.0, 0.0]  # released slots are zeroed at once
         assert eng.slot_history == {}
 
 
@@ -205,4 +206,4 @@ def test_one_session_path_every_column_per_span_and_step_hooks(tiny_llama):
         n = len(PROMPTS[0])
         assert seen == [[(0, 0, n)], "end"] + [x for i in range(3) for x in ([(0, n + i, 1)], "end")] + [("rel", 0)]
         assert res.steps == 4 and len(res.token_ids) == 4
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]  # released at the end: zeroed
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0, 0.0]  # released at the end: zeroed

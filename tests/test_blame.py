@@ -170,7 +170,7 @@ def test_one_liar_among_three_never_gets_an_honest_worker_removed():
                         case = (liar, act, midstep, picks, lie, conduct, v)
                         assert named <= {liar}, case
                         if not named and v.causes:
-                            assert liar in v.causes, case
+                            assert liar in v.causes and v.liar_only, case
 
 
 # ---- farewells checked against what else the client holds (issue 41 item 2) ----
@@ -251,6 +251,39 @@ def test_one_liar_is_in_every_ambiguous_set_so_follows_never_names_an_honest_wor
             assert follows(list(history[:i]), tuple(history[i])) in (None, liar)
 
 
+def test_only_sets_that_hold_a_liar_are_marked_to_feed_follows():
+    """Verdict.liar_only: the sets blame_link makes from first-hand evidence (rule 4's counted
+    accusation, 5's tainted farewell, a mutual or ringed `after`) are marked; a set judged on waits
+    (rule 6, deadline.judge: one worker's word, which the machine's load alone can make between two
+    honest workers) is not, nor is any verdict of judge's. membership._ambiguous lets only the marked
+    ones into follows (tests/test_redteam_41.py drives it)."""
+    liar_leaves_naming_1 = blame(
+        {1: account(after=3), 2: account(after=3), 3: account(lost=1)},
+        {1: left(after=3), 2: left(after=3), 3: left(cause=1)},
+        owed={3},
+    )
+    mutual = blame(
+        {1: account(after=2), 2: account(after=1), 3: account(after=1)},
+        {1: left(after=2), 2: left(after=1), 3: left(after=1)},
+    )
+    tainted = blame_link(
+        {1: account(), 2: account(after=1), 3: account(after=1)},
+        {1: ("left", {"cause": None, "after": None, "inputs": True, "why": ""}), 2: left(after=1), 3: left(after=1)},
+        W3,
+        {1},
+        {CLIENT: {}},
+        1.0,
+    )
+    for named, v in (liar_leaves_naming_1, mutual, tainted):
+        assert named == set() and len(v.causes) >= 2 and v.liar_only, v
+    # rule 6: nobody left, one worker's word on the waits: ambiguous, not marked
+    named, v = blame(
+        {w: account() for w in [1, 2]}, {1: OPEN, 2: OPEN}, [1, 2], blocked={CLIENT: {}, 1: {2: 4.0}, 2: {}}
+    )
+    assert named == set() and v.causes == (2, 1) and not v.liar_only, v
+    assert not judge({CLIENT: {}, 1: {2: 4.0}, 2: {}}, [1, 2], 1.0).liar_only
+
+
 # ---- the waits: corroboration (deadline.judge) ----
 
 
@@ -284,12 +317,12 @@ def _pair(rank: int) -> tuple[Link, socket.socket]:
 
 
 def _send_later(sock: socket.socket, tensor: torch.Tensor, delay_s: float) -> threading.Thread:
-    from fusion_compute.comm.links import HEADER
+    from fusion_compute.comm.links import frame_header
 
     def go() -> None:
         time.sleep(delay_s)
         payload = tensor.numpy().tobytes()
-        sock.sendall(HEADER.pack(len(payload)) + payload)
+        sock.sendall(frame_header(len(payload)) + payload)
 
     t = threading.Thread(target=go, daemon=True)
     t.start()

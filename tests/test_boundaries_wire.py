@@ -15,7 +15,7 @@ import torch
 from fusion_compute.comm.buffers import raw, words
 from fusion_compute.comm.comm import Comm
 from fusion_compute.comm.errors import PeerError, PeerLeft, PeerLost, PeerTimeout
-from fusion_compute.comm.links import FAREWELL, HEADER, MAX_FAREWELL, MAX_WHY, Link, say_farewell
+from fusion_compute.comm.links import FAREWELL, HEADER, MAX_FAREWELL, MAX_WHY, Link, frame_header, say_farewell
 
 
 def envelope(cause: int | None = None, after: int | None = None) -> int:
@@ -43,7 +43,7 @@ def read_exact(sock: socket.socket, n: int) -> bytes:
 
 def read_frame(sock: socket.socket) -> tuple[int, bytes]:
     """One frame as the far end sees it: its header word and payload (a farewell's: the low bits)."""
-    (header,) = HEADER.unpack(read_exact(sock, HEADER.size))
+    header = HEADER.unpack(read_exact(sock, HEADER.size))[0]  # (length, epoch, step, lane, flags)
     return header, read_exact(sock, header & ~FAREWELL)
 
 
@@ -162,7 +162,7 @@ def farewell_json(total: int) -> bytes:
 
 
 def test_the_receiver_reads_a_farewell_of_exactly_512_bytes():
-    err = received(HEADER.pack(FAREWELL | MAX_FAREWELL) + farewell_json(MAX_FAREWELL))
+    err = received(frame_header(FAREWELL | MAX_FAREWELL) + farewell_json(MAX_FAREWELL))
     assert isinstance(err, PeerLeft)
     assert err.reason == {"why": "x" * MAX_WHY, "cause": None, "after": 3, "inputs": False}  # the peer's line, bounded
     assert str(err) == "worker 2 closed the connection: " + "x" * MAX_WHY
@@ -170,7 +170,7 @@ def test_the_receiver_reads_a_farewell_of_exactly_512_bytes():
 
 def test_the_receiver_refuses_a_farewell_one_byte_over():
     """513 bytes announced (and sent): no farewell, a malformed header, whoever the peer blames."""
-    err = received(HEADER.pack(FAREWELL | (MAX_FAREWELL + 1)) + farewell_json(MAX_FAREWELL + 1), close=True)
+    err = received(frame_header(FAREWELL | (MAX_FAREWELL + 1)) + farewell_json(MAX_FAREWELL + 1), close=True)
     assert not isinstance(err, PeerLost) and "malformed message header" in str(err)
 
 
@@ -178,13 +178,13 @@ def test_the_receiver_refuses_a_header_announcing_a_huge_farewell():
     """A header announcing a farewell of 2^40 bytes (and nothing after it): refused at once, nothing
     allocated for it, nothing waited for."""
     t0 = time.monotonic()
-    err = received(HEADER.pack(FAREWELL | (1 << 40)))
+    err = received(frame_header(FAREWELL | (1 << 40)))
     assert not isinstance(err, (PeerLost, PeerTimeout)) and "malformed message header" in str(err)
     assert time.monotonic() - t0 < 1.5  # measured: ~1 ms (a wait for the announced bytes would time out at 2 s)
 
 
 def test_an_empty_farewell_is_a_farewell_without_a_reason():
-    err = received(HEADER.pack(FAREWELL | 0))
+    err = received(frame_header(FAREWELL | 0))
     assert isinstance(err, PeerLeft) and err.said == "(no reason given)"
     assert err.reason == {"why": "", "cause": None, "after": None, "inputs": False}
 

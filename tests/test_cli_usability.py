@@ -56,6 +56,38 @@ def test_threads_below_one_are_refused(n):
         O.worker_options(worker_args("--master", "127.0.0.1:1", "--insecure", "--rank", "1", "--threads", str(n)))
 
 
+def test_a_worker_is_honest_unless_a_control_flag_names_one():
+    """`fusion worker` chooses its controls once, from its flags: the honest ones (every hook the
+    identity, the sharded model) without any, a fault, a leak or the baseline's model with one, and a
+    bad spec refused at start-up in one line; the bench's ops are added to its op table, not protocol.Op."""
+    from fusion_compute.controls.worker import Chosen
+    from fusion_compute.errors import UsageError
+    from fusion_compute.structural.controls import Controls
+    from fusion_compute.structural.megatron import MegatronModel
+    from fusion_compute.structural.protocol import Op
+    from fusion_compute.structural.sharded import ShardedModel
+
+    base = ("--master", "127.0.0.1:1", "--insecure", "--rank", "1")
+    honest = O.worker_options(worker_args(*base)).controls
+    sentinel = object()
+    assert type(honest) is Controls and honest.comm(sentinel) is sentinel and honest.join(sentinel) is sentinel
+    assert honest.model_class() is ShardedModel and (honest.variant, honest.leak, honest.fault) == (
+        "sharded",
+        None,
+        None,
+    )
+    faulty = O.worker_options(worker_args(*base, "--inject-fault", "never-join@2")).controls
+    assert type(faulty) is Chosen and faulty.join(sentinel) is not sentinel and faulty.fault == "never-join@2"
+    assert O.worker_options(worker_args(*base, "--variant", "megatron")).controls.model_class() is MegatronModel
+    assert O.worker_options(worker_args(*base, "--inject-leak", "gather@1")).controls.leak == "gather@1"
+    with pytest.raises(UsageError, match="expected KIND@STEP"):
+        O.worker_options(worker_args(*base, "--inject-fault", "teleport@1"))
+    with pytest.raises(UsageError, match="expected gather@LAYER"):
+        O.worker_options(worker_args(*base, "--inject-leak", "teleport@1"))
+    ops = O.worker_options(worker_args(*base)).ops
+    assert set(ops) == {6, 7, 9} and not set(ops) & {int(op) for op in Op}
+
+
 # ---- (3) errors a user can cause: one line in words ----
 
 

@@ -18,6 +18,7 @@ import torch
 from test_cli import no_new_workers  # noqa: F401 (a fixture)
 from tiny_models import build
 
+from fusion_compute.bench.ops import stats
 from fusion_compute.model import reference
 from fusion_compute.model.config import FAMILIES, ModelConfig, ModelError, Unsupported
 from fusion_compute.model.dense import DenseModel
@@ -53,6 +54,21 @@ SHAPES = {
     ),
     "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}),
+    "gemma3-gqa-odd-tied": ("gemma3_text", {}),
+    "gemma3-mha-untied-plain": (
+        "gemma3_text",
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 16,
+            "tie_word_embeddings": False,
+            "query_pre_attn_scalar": 16,
+            "layer_types": None,
+            "sliding_window_pattern": 2,
+            "rope_parameters": None,
+        },
+    ),
     "phi3-gqa-longrope": ("phi3", {}),
     "phi3-mha-tied-plain": ("phi3", {"num_key_value_heads": 4, "tie_word_embeddings": True, "rope_scaling": None}),
     "phi3-odd-window": (
@@ -119,15 +135,48 @@ def test_the_window_matters(models):
     for name, strip in (
         ("mistral-gqa-w5", {"layer_windows": ()}),
         ("qwen3-gqa-odd-tied", {"qk_norm": False}),
+        # Gemma 3: each of its pieces, one at a time (the (1 + w) gains: test_gemma3_gains_are_one_plus_w)
+        ("gemma3-gqa-odd-tied", {"post_norms": False}),
+        ("gemma3-gqa-odd-tied", {"embed_scale": 1.0}),
+        ("gemma3-gqa-odd-tied", {"activation": "silu"}),
+        ("gemma3-gqa-odd-tied", {"attn_scale": None}),
+        ("gemma3-gqa-odd-tied", {"rope_local": None}),
+        ("gemma3-gqa-odd-tied", {"layer_windows": ()}),
+        ("gemma3-gqa-odd-tied", {"qk_norm": False}),
     ):
         path, ref = models[name]
         src = open_weights(path)
         src.config = dataclasses.replace(src.config, **strip)
         got = DenseModel(src).forward(PROMPT, 0).double()
-        assert (got - reference.logits(ref, PROMPT)).abs().max() > 0.1, name
+        # Gemma's tiny model (init std 0.02) has logits ~0.3: its pieces move them by > 30 LOGIT_ATOL
+        floor = 30 * LOGIT_ATOL if name.startswith("gemma") else 0.1
+        assert (got - reference.logits(ref, PROMPT)).abs().max() > floor, (name, strip)
     path, ref = models["phi3-gqa-longrope"]
     src = open_weights(path)
     src.config = dataclasses.replace(src.config, rope=dataclasses.replace(src.config.rope, kind="default"))
+    got = DenseModel(src).forward(PROMPT, 0).double()
+    assert (got - reference.logits(ref, PROMPT)).abs().max() > 0.1
+
+
+def test_gemma3_gains_are_one_plus_w(models):
+    """Gemma stores every RMSNorm gain as w and multiplies by 1 + w: every reader returns 1 + w (so
+    every consumer folds the same gain), and read as w the model leaves transformers."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from fusion_compute.model import architecture as arch
+
+    path, ref = models["gemma3-gqa-odd-tied"]
+    src = open_weights(path)
+    stored = load_file(path / "model.safetensors")
+    layer = "model.layers.1."
+    assert torch.equal(arch.read_norm(src, 1, "gate_up"), 1 + stored[layer + "pre_feedforward_layernorm.weight"])
+    assert torch.equal(arch.read_post_norm(src, 1, "o"), 1 + stored[layer + "post_attention_layernorm.weight"])
+    assert torch.equal(arch.read_post_norm(src, 1, "down"), 1 + stored[layer + "post_feedforward_layernorm.weight"])
+    assert torch.equal(arch.read_qk_norms(src, 1)[1], 1 + stored[layer + "self_attn.k_norm.weight"])
+    assert torch.equal(arch.read_final_norm(src), 1 + stored["model.norm.weight"])
+    src.config = dataclasses.replace(src.config, gain_offset=0.0)
     got = DenseModel(src).forward(PROMPT, 0).double()
     assert (got - reference.logits(ref, PROMPT)).abs().max() > 0.1
 
@@ -184,17 +233,23 @@ def refusals() -> list[tuple[dict, str]]:
             {**hf(tf.Qwen3Config, **small), "layer_types": ["chunked_attention"] * 2},
             "layer types ['chunked_attention']",
         ),
+        # Gemma 3: its text decoder loads, its soft-capping (None by default) and the rest are refused
+        ({**hf(tf.Gemma3TextConfig, **small), "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({**hf(tf.Gemma3TextConfig, **small), "final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({**hf(tf.Gemma3TextConfig, **small), "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**hf(tf.Gemma3TextConfig, **small), "hidden_activation": "gelu"}, "activation 'gelu'"),
+        (hf(tf.Gemma3Config), "unsupported architecture: model_type 'gemma3'"),  # the multimodal wrapper
     ]
 
 
-@pytest.mark.parametrize("i", range(13))
+@pytest.mark.parametrize("i", range(18))
 def test_unimplemented_is_refused_naming_what_is_supported(i):
     d, needle = refusals()[i]
     with pytest.raises(Unsupported) as e:
         ModelConfig.from_hf(d)
     msg = str(e.value)
     assert needle in msg and "\n" not in msg, msg
-    assert "llama, mistral, qwen2, qwen3, phi3" in msg, msg  # names every supported family
+    assert "llama, mistral, qwen2, qwen3, phi3, gemma3_text" in msg, msg  # names every supported family
     assert e.value.exit_code == 2
 
 
@@ -214,6 +269,8 @@ def test_refusal_cases_are_each_accepted_without_their_feature():
     for cls in (tf.LlamaConfig, tf.MistralConfig, tf.Qwen3Config, tf.Qwen2Config):
         ModelConfig.from_hf(hf(cls, **small))
     ModelConfig.from_hf(hf(tf.Phi3Config, pad_token_id=0, **small))
+    gemma = ModelConfig.from_hf(hf(tf.Gemma3TextConfig, **small))
+    assert gemma.arch == "gemma3_text" and gemma.post_norms and gemma.rope_local is not None
     with pytest.raises(ModelError, match="sliding windows must be >= 1"):
         ModelConfig.from_hf({**hf(tf.MistralConfig, **small), "sliding_window": 0})
 
@@ -223,7 +280,7 @@ def test_refusal_cases_are_each_accepted_without_their_feature():
 # mode at 1+1. Prefill logits, incremental decode == full forward, greedy ids identical.
 RUNTIME_CASES = [
     (name, mode, n, caps)
-    for name in ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope")
+    for name in ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
     for mode, n, caps in (
         ("structural", 1, None),
         ("structural", 2, None),
@@ -236,6 +293,9 @@ RUNTIME_CASES = [
     ("qwen3-sliding", "structural", 3, None),
     ("qwen2-sliding", "structural", 4, (1.0, 2.0, 1.0, 1.0)),
     ("qwen2-sliding", "masked", (1, 1), None),
+    ("gemma3-mha-untied-plain", "structural", 3, (1.0, 1.0, 2.0)),
+    # Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch), not the links
+    ("gemma3-gqa-odd-tied", "gloo", 3, None),
 ]
 
 
@@ -245,6 +305,8 @@ def engine(mode: str, path, n, caps):
 
     if mode == "masked":
         return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
+    if mode == "gloo":
+        return Engine(path, EngineOptions(n_workers=n, comm_backend="gloo", insecure=True, timeout_s=60, context=128))
     return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128))
 
 
@@ -272,7 +334,7 @@ def test_sharded_runtimes_match_transformers(models, name, mode, n, caps):
         assert res.token_ids == want_ids
 
 
-AUDITED = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope")
+AUDITED = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
 
 
 @pytest.mark.slow
@@ -296,9 +358,15 @@ def test_audit_closes_and_its_negative_controls_fail(models, name, tmp_path):
 
 
 @pytest.mark.slow
-def test_audit_rejects_a_qk_norm_exchange_it_did_not_predict(models, tmp_path, monkeypatch):
-    """Negative control of the extended expectation: read as a family without q/k norms, the Qwen3
-    run's score sums carry more than the scores (the heads' Σq², Σk²), and the verifier says so."""
+@pytest.mark.parametrize(
+    "name,key,op",
+    [("qwen3-gqa-odd-tied", "qk_norm", "L0.scores.g0"), ("gemma3-gqa-odd-tied", "post_norms", "L0.post_o")],
+)
+def test_audit_rejects_a_norm_exchange_it_did_not_predict(models, tmp_path, monkeypatch, name, key, op):
+    """Negative controls of the extended expectation: read as a family without q/k norms, the Qwen3
+    run's score sums carry more than the scores (the heads' Σq², Σk²); read as a family without
+    post-norms, the Gemma 3 run's all-worker Σy² sums are transfers nobody predicted. The verifier
+    says so, naming the first."""
     from test_audit import audited
 
     from fusion_compute.audit.verify import expectation
@@ -306,15 +374,41 @@ def test_audit_rejects_a_qk_norm_exchange_it_did_not_predict(models, tmp_path, m
     real = expectation.expected_transfers
 
     def without_qk_norm(w, decls, owners, dims, *a, **kw):
-        return real(w, decls, owners, {k: v for k, v in dims.items() if k != "qk_norm"}, *a, **kw)
+        return real(w, decls, owners, {k: v for k, v in dims.items() if k != key}, *a, **kw)
 
     monkeypatch.setattr(expectation, "expected_transfers", without_qk_norm)
     from fusion_compute.audit.verify import checks
 
     monkeypatch.setattr(checks, "expected_transfers", without_qk_norm)
-    r = audited(models["qwen3-gqa-odd-tied"][0], tmp_path, 3)
+    r = audited(models[name][0], tmp_path, 3)
     assert not r["ok"] and r["violation_counts"]["accounting"], r["violation_counts"]
-    assert "L0.scores.g0" in " ".join(r["first_violations"])
+    assert op in " ".join(r["first_violations"])
+
+
+@pytest.mark.slow
+def test_the_verifier_reads_the_kept_last_down_scatter_from_the_logged_plan(models, tmp_path):
+    """Gemma 3's last down keeps its scatter (its post-norm needs the summed y: plan.boundary's
+    down_to_client is false, one merge instead of two), and the run's manifest says so. The audit
+    closes reading it there; the same logs read with the flag flipped (as a family without
+    post-norms) are rejected: an L3.down scatter nobody predicted, and the workers' rows of the final
+    residual held where the flag says nobody holds them."""
+    from test_audit import audited
+
+    from fusion_compute.audit import schema as S
+    from fusion_compute.audit.verify import load_manifest, verify_epoch
+
+    good = audited(models["gemma3-gqa-odd-tied"][0], tmp_path, 2)
+    assert good["ok"], good["first_violations"]
+    epoch = tmp_path / "cold0" / S.epoch_dir(0)
+    manifest = load_manifest(epoch)
+    boundary = manifest["plan"]["boundary"]
+    assert boundary["down_to_client"] is False and boundary["merged"] == ["L0.qkv reduce-scatter into the ingress"]
+    assert verify_epoch(epoch, manifest).ok
+    flipped = {**manifest, "plan": {**manifest["plan"], "boundary": {**boundary, "down_to_client": True}}}
+    wrong = verify_epoch(epoch, flipped)
+    c = wrong.counts()
+    assert not wrong.ok and c["accounting"] and c["holding"], c
+    assert "L3.down" in " ".join(v.message for v in wrong.violations)
 
 
 @pytest.mark.slow
@@ -335,10 +429,12 @@ def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", AUDITED)
 def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
-    """The exchanges one decode step costs each worker, counted by its comm layer (engine.stats()),
-    equal the plan's collectives_per_forward (collectives_per_layer × layers, less layer 0's QKV
-    scatter and the last layer's down: the boundary merges) at N = 2 (whole KV groups) and N = 3 (a
-    split group): the figures of docs/performance.md's table of families, less those two."""
+    """The exchanges one decode step costs each worker, counted by its comm layer (bench/ops.stats),
+    equal the plan's collectives_per_forward (collectives_per_layer × layers, less the scatters the
+    boundary merges: layer 0's QKV, and the last layer's down but with post-norms) at N = 2 (whole KV
+    groups) and N = 3 (a split group): the figures of docs/performance.md's table of families, less
+    those."""
+    from fusion_compute.bench.rtt import rounds_per_token
     from fusion_compute.structural.client import Engine, EngineOptions
 
     path, _ = models[name]
@@ -346,17 +442,19 @@ def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
         with Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
             eng.reset()
             eng.forward(PROMPT)
-            before = [s["collectives"] for s in eng.stats()]
+            before = [s["collectives"] for s in stats(eng)]
             eng.forward([7])
-            counted = [s["collectives"] - b for s, b in zip(eng.stats(), before, strict=True)]
+            counted = [s["collectives"] - b for s, b in zip(stats(eng), before, strict=True)]
             layers = eng.config.n_layers
             planned = [eng.plan.collectives_per_forward(w) for w in range(n)]
             assert counted == planned, (n, counted, planned)
+            # the latency model's rounds per decode step: ingress, egress and the busiest worker's
+            assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)
             print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral-gqa-w5", "qwen3-gqa-odd-tied"])
+@pytest.mark.parametrize("name", ["mistral-gqa-w5", "qwen3-gqa-odd-tied", "gemma3-gqa-odd-tied"])
 def test_batched_decodes_keep_each_sessions_window(models, name):
     """Several sessions decoding in one step are attended together, padded to the longest (ops.py's
     Decodes): each must still see only its own last W keys (Mistral, W = 5), and each new key of a
@@ -392,6 +490,10 @@ def test_the_plan_and_its_picture_show_the_familys_pieces(models):
         "qwen3-sliding": ("sliding window 4 on 2 of 3 layers", {"qk_norm": True, "windows": [None, 4, 4]}),
         "qwen3-gqa-odd-tied": ("per-head q/k norms", {"qk_norm": True}),
         "phi3-gqa-longrope": ("RoPE longrope", {}),
+        "gemma3-gqa-odd-tied": (
+            "post-norms on the attention and MLP outputs (+2 all-worker Σy² sums per layer)",
+            {"qk_norm": True, "windows": [5, 5, None, 5], "post_norms": True},
+        ),
     }
     for name, (words, dims) in want.items():
         plan = make_plan(ModelConfig.from_hf_dir(models[name][0]), 3)

@@ -17,6 +17,7 @@ from netns import Hosts, available
 from procs import children, fusion, none_left_after, reap, wait_gone
 from test_topology import keys, write_keys
 
+from fusion_compute.bench.ops import kv_probe
 from fusion_compute.comm import CommError
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
@@ -144,11 +145,11 @@ def test_hygiene_kv_zeroed_at_session_end(tiny_qwen2):
     with structural(tiny_qwen2) as eng:
         eng.reset()
         eng.forward(PROMPT)
-        assert min(eng.kv_probe()) > 0  # the session's keys and values are there...
+        assert min(kv_probe(eng)) > 0  # the session's keys and values are there...
         eng.end_session()
-        assert eng.kv_probe() == [0.0, 0.0]  # ...and gone when it ends
+        assert kv_probe(eng) == [0.0, 0.0]  # ...and gone when it ends
         run(eng)  # generate() ends its session itself
-        assert eng.kv_probe() == [0.0, 0.0]
+        assert kv_probe(eng) == [0.0, 0.0]
     opts = MaskedOptions(n_a=1, n_b=1, context=64, timeout_s=30)
     with MaskedEngine(tiny_qwen2, opts) as eng:
         run(eng)

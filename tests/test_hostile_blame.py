@@ -116,15 +116,16 @@ def test_two_workers_a_lying_dragger_does_not_stop_the_service(tiny_qwen2, liar,
     assert states[honest] == "active", states
     first = res.recoveries[0]
     assert first["lost"] == [] and first["set_aside"] == [1], res.recoveries  # the lower id first: a guess
-    if liar == 2:  # the guess was wrong: the ambiguity followed worker 2 (with 1, then with 3)
-        assert [r["lost"] for r in res.recoveries[1:]] == [[2]], res.recoveries
-        assert states[2] == "removed" and order == [3, 1], (order, states)
+    if liar == 2:  # the guess was wrong: the liar drags on with 3, ambiguous again, and is set aside (accused first)
+        # not removed: a set judged on waits never feeds `follows` (two honest workers slowed by the
+        # machine make one too: tests/test_redteam_41.py), the liveness docs/resilience.md admits
+        assert [(r["lost"], r["set_aside"]) for r in res.recoveries[1:]] == [([], [2])], res.recoveries
+        assert states[2] == "standby" and order == [3, 1], (order, states)
     else:  # right: the job goes on without the liar, which is set aside, not barred
         assert len(res.recoveries) == 1 and states[1] == "standby", (res.recoveries, states)
     err = capfd.readouterr().err
     assert "setting aside worker [1] (not barred)" in err, err[-3000:]
-    if liar == 2:
-        assert "worker 2 was a suspect before with another: it is the cause" in err, err[-3000:]
+    assert "it is the cause" not in err, err[-3000:]
 
 
 def test_no_stray_processes():

@@ -16,7 +16,10 @@ from pathlib import Path
 import procs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation import batching
 from fusion_compute.generation import speculative as S
 from fusion_compute.generation.batching import Sequence, run_batch
@@ -77,6 +80,76 @@ def test_ngram_drafter_proposes_what_followed_the_longest_latest_match():
     assert d2.propose([1, 2, 1], 2) == [2, 1]
     assert d2.propose([1, 2, 3, 2], 2) == [3, 2]
     assert d2.tokens == [1, 2, 3, 2] and d2.where == {1: [0], 2: [1, 3], 3: [2]}
+
+
+def test_ngram_tree_branches_where_the_matches_continued_differently():
+    d = NgramDrafter(1, 3)
+    # [1, 2, 3] was followed by 7 twice (then 5, then 6) and by 9 once: 7 first, then the ties at 1/3
+    # latest occurrence first (7 -> 6 -> 1 -> 2 -> 3), then 9 beside 7
+    tree = d.propose_tree([1, 2, 3, 7, 5, 1, 2, 3, 9, 1, 2, 3, 7, 6, 1, 2, 3], 8)
+    assert tree.tokens[:6] == [7, 6, 1, 2, 3, 9] and tree.parents[:6] == [-1, 0, 1, 2, 3, -1]
+    assert tree.probs[:6] == pytest.approx([2 / 3] + [1 / 3] * 5)
+    chain = d.propose_tree([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3], 3)  # every match went on alike: a chain
+    assert chain.is_chain() and chain.tokens == [9, 1, 2] and chain.probs == [1.0, 1.0, 1.0]
+    assert d.propose_tree([4, 5, 6], 3).tokens == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=40), st.integers(1, 12))
+def test_ngram_tree_against_brute_force(tokens, k):
+    """Each node's probability is the share of the longest n-gram's earlier matches whose
+    continuation starts with the node's path; parents come first; with room, every distinct
+    continuation prefix is a node; its first child is the most frequent continuation."""
+    tree = NgramDrafter(1, 3).propose_tree(tokens, k)
+    n_tok = len(tokens)
+    follows: list[list[int]] = []
+    for n in range(min(3, n_tok - 1), 0, -1):
+        follows = [
+            tokens[j + 1 : j + 1 + k]
+            for j in range(n - 1, n_tok - 1)
+            if tokens[j - n + 1 : j + 1] == tokens[n_tok - n :]
+        ]
+        if follows:
+            break
+    paths: list[tuple[int, ...]] = []
+    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        assert -1 <= p < i
+        paths.append((paths[p] if p >= 0 else ()) + (t,))
+        share = sum(tuple(f[: len(paths[i])]) == paths[i] for f in follows) / len(follows)
+        assert tree.probs[i] == pytest.approx(share)
+    prefixes = {tuple(f[:m]) for f in follows for m in range(1, len(f) + 1)}
+    assert set(paths) <= prefixes and len(paths) == min(k, len(prefixes))
+    assert len(set(paths)) == len(paths)
+
+
+def test_draft_model_tree_branches_where_it_is_unsure(tiny_llama):
+    """The draft model's tree: its greedy chain (the path of first children), and beside the chain's
+    token at each position whose top-1 probability is under UNSURE, the next likeliest tokens as
+    leaves; every column's probability is the model's along its path, recomputed here by running
+    the model on that path; best first, at most k."""
+    model = DenseModel(open_weights(tiny_llama), max_seq=1)
+    prompt, k = [3, 17, 42, 5, 99], 6
+    chain = S.DraftModelDrafter(model, 64).propose(prompt, k)
+    tree = S.DraftModelDrafter(model, 64).propose_tree(prompt, k)
+    assert len(tree.tokens) == k and all(-1 <= p < i for i, p in enumerate(tree.parents))
+
+    def softmax_after(ids: list[int]) -> torch.Tensor:
+        return torch.softmax(model.forward(ids, 0, model.new_cache(len(ids)))[-1].float(), dim=-1)
+
+    paths: list[list[int]] = []
+    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        paths.append((paths[p] if p >= 0 else []) + [t])
+        prob = 1.0
+        for j in range(len(paths[i])):
+            prob *= float(softmax_after(prompt + paths[i][:j])[paths[i][j]])
+        assert tree.probs[i] == pytest.approx(prob, rel=1e-4)
+        on_chain = paths[i] == chain[: len(paths[i])]
+        if not on_chain:  # a leaf: its parent is on the chain, and the position was unsure
+            assert (paths[p] if p >= 0 else []) == chain[: len(paths[i]) - 1]
+            assert float(softmax_after(prompt + paths[i][:-1]).max()) < S.UNSURE
+    assert tree.probs == sorted(tree.probs, reverse=True)
+    # a random tiny model is unsure everywhere: the tree does branch, and its best path is the chain
+    assert not tree.is_chain() and tree.tokens[0] == chain[0]
 
 
 def test_greedy_verify_keeps_the_matching_prefix_and_the_targets_next_token():
@@ -317,7 +390,7 @@ def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_
             assert [r.token_ids for r in with_miss] == want
             assert miss.totals.num_accepted_tokens == 0 < miss.totals.num_drafts
             assert miss.pool.rate() < 0.1 < hit.pool.rate()  # the job's pooled rate: the next session's prior
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0] * n  # released and zeroed
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0] * n  # released and zeroed
 
 
 @pytest.mark.slow
@@ -346,7 +419,7 @@ def test_suffix_drafts_keep_greedy_tokens_and_the_cache_pays(tiny_llama):
             assert s["columns"] == r.steps - 1 + s["num_draft_tokens"]  # decode steps: 1 + their drafts
             assert sum(s["accepted_by_depth"]) == s["num_accepted_tokens"]
             assert s["tokens_per_forward"] == round(len(r.token_ids) / r.steps, 4)
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0, 0.0]
 
 
 def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
@@ -369,7 +442,7 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
         batched = run_batch(eng, seqs, 3, speculator=spec)
         assert [r.token_ids for r in batched] == alone_spec
         assert sum(r.speculative["num_accepted_tokens"] for r in batched) > 0
-        assert eng.slot_history == {} and eng.kv_probe() == [0.0, 0.0]
+        assert eng.slot_history == {} and kv_probe(eng) == [0.0, 0.0]
 
 
 def test_masked_mode_speculation_equals_greedy(tiny_qwen2):

@@ -190,6 +190,8 @@ def test_imports_form_a_dag_with_cli_on_top():
 # Which package may import which (each package's __init__ docstring says the same): the model and its
 # weights know nothing of sharding or jobs, the client's runtime nothing of a mode, generation nothing
 # of serving, and the command line sits on top (other packages may use its flag helpers, cli.options).
+# The structural worker serves the masked mode through a runner the command line hands it, and the
+# bench's control ops are the bench's: structural imports neither masked nor bench.
 FORBIDDEN = {
     "model": {"comm", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
     "weights": {"comm", "structural", "masked", "runtime", "generation", "serving", "cli", "audit", "bench"},
@@ -197,7 +199,49 @@ FORBIDDEN = {
     "runtime": {"structural", "masked", "generation", "serving", "cli", "audit", "bench"},
     "executor": {"model", "weights", "structural", "masked", "generation", "serving", "cli", "audit", "bench"},
     "generation": {"serving", "cli", "audit", "bench"},
+    "structural": {"masked", "generation", "serving", "cli", "bench"},
+    "masked": {"serving", "cli", "bench"},
 }
+
+# Test-only controls (docs/design.md, "Code habits" 13): the honest worker imports none of them; the
+# command line chooses them once at start-up (controls/), the masked mode its own dishonest members.
+CONTROL_MODULES = {
+    "fusion_compute.runtime.faults": {
+        "fusion_compute.controls.worker",
+        "fusion_compute.masked.controls",
+        "fusion_compute.masked.member",
+    },
+    "fusion_compute.audit.inject": {
+        "fusion_compute.controls.worker",
+        "fusion_compute.audit.runner",
+        "fusion_compute.audit.cli",
+    },
+    "fusion_compute.structural.megatron": {"fusion_compute.controls.worker"},
+}
+
+
+def control_imports(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} imports {t} (a control: only {', '.join(sorted(ok))} may)"
+        for t, ok in CONTROL_MODULES.items()
+        for m, ts in edges.items()
+        if t in ts and m not in ok
+    )
+
+
+def test_controls_stay_out_of_the_honest_runtime():
+    """faults, leaks and the baseline are chosen at start-up, not imported by the worker; the bench's
+    control ops are not production opcodes."""
+    from fusion_compute.structural.protocol import Op
+
+    edges, _ = module_graph()
+    assert control_imports(edges) == []
+    assert not {"PROBE", "STATS", "BENCH_RS"} & set(Op.__members__)
+    edges["fusion_compute.structural.worker"].add("fusion_compute.runtime.faults")  # the check can fail
+    assert control_imports(edges) == [
+        "fusion_compute.structural.worker imports fusion_compute.runtime.faults (a control: only "
+        "fusion_compute.controls.worker, fusion_compute.masked.controls, fusion_compute.masked.member may)"
+    ]
 
 
 def package_edges(edges: dict[str, set[str]]) -> set[tuple[str, str, str, str]]:
@@ -215,7 +259,7 @@ def layering_violations(edges: dict[str, set[str]]) -> list[str]:
     for a, b, m, t in sorted(package_edges(edges)):
         if b in FORBIDDEN.get(a, ()):
             out.append(f"{m} imports {t}")
-        if b == "serving" and a != "cli":
+        if b in ("serving", "controls") and a != "cli":
             out.append(f"{m} imports {t} (only cli may)")
         if b == "cli" and a != "cli" and t != "fusion_compute.cli.options" and m != "fusion_compute.__main__":
             out.append(f"{m} imports {t} (outside cli, only cli.options may be)")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_speculative import ALPHA, chi2, chi2_quantile
 
+from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation.sampling import Sampler
 from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.generation.token_tree import TokenTree, accept
@@ -137,7 +138,17 @@ LOGIT_ATOL = 3e-4  # test_parity.py's: float32 shards against transformers in fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,n", [("llama", 2), ("qwen2", 3), ("qwen2", "masked 1+1"), ("mistral", 2)])
+@pytest.mark.parametrize(
+    "arch,n",
+    [
+        ("llama", 2),
+        ("qwen2", 3),
+        ("qwen2", "masked 1+1"),
+        ("mistral", 2),
+        ("gemma3_text", 3),
+        ("gemma3_text", "masked 1+1"),
+    ],
+)
 def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
     arch, n, tiny_llama, tiny_qwen2, tmp_path
 ):
@@ -148,7 +159,8 @@ def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
     splits a KV group across workers (its scores are summed between them); masked 1+1 attends on the
     client, in the clear, with the same mask and depths and compacts its own cache; mistral's sliding
     window of 2 is shorter than the paths here (a key is seen within 2 positions of its column's
-    depth, not of its cache index)."""
+    depth, not of its cache index); gemma3_text the same on its local layers, whose RoPE (by depth) has
+    its own base, and its post-norms' sums at N = 3."""
     from tiny_models import build
 
     from fusion_compute.masked.client import MaskedEngine, MaskedOptions
@@ -198,7 +210,7 @@ def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
         want = reference.logits(ref, kept + [12, 13])[-2:]
         assert torch.allclose(out.double(), want, atol=LOGIT_ATOL, rtol=0), (out.double() - want).abs().max()
         eng.release(0)
-        assert eng.kv_abs_max() == 0.0 if masked else eng.kv_probe() == [0.0] * int(n)
+        assert eng.kv_abs_max() == 0.0 if masked else kv_probe(eng) == [0.0] * int(n)
 
 
 @pytest.mark.slow
@@ -233,7 +245,7 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
             # named for several slots at once
             seqs = [batching.Sequence(p, 24, SamplingParams()) for p in prompts + [[7, 8, 9]]]
             batched = batching.run_batch(eng, seqs, 3, speculator=spec)
-            assert eng.kv_probe() == [0.0, 0.0]
+            assert kv_probe(eng) == [0.0, 0.0]
     finally:
         batching.accept = real_accept
     assert [r.token_ids for r in batched[:2]] == want

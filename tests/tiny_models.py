@@ -71,7 +71,35 @@ PHI3_TINY = {
         "long_factor": [2.0, 2.5, 4.0, 6.0, 3.0, 8.0, 5.0, 9.0],
     },
 }
-TINY = {"llama": LLAMA_TINY, "qwen2": QWEN2_TINY, "mistral": MISTRAL_TINY, "qwen3": QWEN3_TINY, "phi3": PHI3_TINY}
+# Gemma 3 (text): Qwen2's odd widths and 2 KV groups, 4 layers of which the 3rd is global (the others
+# local, window 5, shorter than the test prompts), the local and global RoPE bases apart, an attention
+# scale query_pre_attn_scalar^-1/2 that is not head_dim^-1/2, tied head (Gemma's default). Init std
+# 0.02, not 0.2: the embedding is scaled by √H and every block's output is normalized (post-norms), so
+# at 0.2 the tied head reads back the input token (the same token 24 times); at 0.02, 8 distinct in 24.
+GEMMA3_TINY = {
+    **QWEN2_TINY,
+    "initializer_range": 0.02,
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": True,
+    "sliding_window": 5,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 7,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+    },
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+TINY = {
+    "llama": LLAMA_TINY,
+    "qwen2": QWEN2_TINY,
+    "mistral": MISTRAL_TINY,
+    "qwen3": QWEN3_TINY,
+    "phi3": PHI3_TINY,
+    "gemma3_text": GEMMA3_TINY,
+}
 SEEDS = {"qwen2": 3, "llama": 3}  # the fixtures' models (conftest.py); chosen by the sweep above
 
 # Every prompt the suite's tests give the tiny models (each test file keeps its own copy, by name):
@@ -102,6 +130,8 @@ def classes(arch: str):
     """transformers' (config class, model class) of a family."""
     import transformers as tf
 
+    if arch == "gemma3_text":  # transformers 5.24: Gemma3TextConfig, the text-only Gemma3ForCausalLM
+        return tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
     name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "phi3": "Phi3"}[arch]
     return getattr(tf, f"{name}Config"), getattr(tf, f"{name}ForCausalLM")
 
@@ -119,8 +149,8 @@ def build(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
                     proj.bias.normal_(0, 0.5)
     with torch.no_grad():  # non-trivial norm gains, so folding them into the weights is tested
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+            if "norm" in name:  # Gemma's norms multiply by 1 + w: the same gains 0.5..1.5
+                p.uniform_(-0.5, 0.5) if arch == "gemma3_text" else p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
 

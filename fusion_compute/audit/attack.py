@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model import architecture as arch
 from ..model.dense import DenseModel
 
 
@@ -59,7 +60,7 @@ def vocab_match(
         for i in range(0, len(vocab), batch):
             cand = vocab[i : i + batch]
             if layer == 0:
-                got = dense.embed[cand][:, s]  # a table lookup on E[:, S]
+                got = arch.embed_rows(dense.config, dense.embed, cand)[:, s]  # a table lookup on E[:, S] (× √H: Gemma)
             else:
                 got = dense.residual_after(guesses, cand, layer)[:, s]  # (B, |S|)
             dist = (got - observed[p]).pow(2).sum(-1)

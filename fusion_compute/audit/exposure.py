@@ -11,8 +11,9 @@ With public weights, most of what a worker observes is a *linear function of the
 s = sqrt(Σx²/H + ε) is known to the worker (the fused norm delivers Σx² to every owner), so the
 shard rows are linear in x. The rank of the stacked map (per layer, point, party, view) says how
 many directions of the residual the party can pin down; rank H means the party can reconstruct
-the whole residual by least squares. (Attention outputs, o/down partials and Σx² per worker are
-nonlinear in x and not counted: the ranks here are lower bounds on what a party learns.)
+the whole residual by least squares. (Attention outputs, o/down partials, Σx² per worker and Gemma 3's
+post-norm Σy² sums are nonlinear in x and not counted: the ranks here are lower bounds on what a
+party learns.)
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def parse_leak(spec: str, n_layers: int | None = None) -> Leak:
 
 
 def install_leak(model, spec: str) -> Leak:
-    """Arm the leak on a worker's ShardedModel (worker.py calls this once, after loading)."""
+    """Arm the leak on a worker's ShardedModel (controls/worker.py, the hook the worker calls after each
+    handshake's load and reset; the leak was chosen at start-up)."""
     from ..comm import NullRecorder
 
     leak = parse_leak(spec, len(model.layers))

@@ -64,6 +64,7 @@ class AuditRecorder:
         self._holds: list[list] = []
         self._last_holds: list[list] | None = None
         self._step_meta: dict = {}
+        self._frame_step = 0  # the step number of the last event's frames: a step record's `frame_step`
         self.session = 0
         self.step = 0
         self.steps_total = 0
@@ -88,7 +89,8 @@ class AuditRecorder:
         meta = self._ops.get(event.op)
         if meta is None:
             meta = self._ops[event.op] = parse_op(event.op)
-        row = LogEvent(meta[0], event.op, event.kind, meta[1], event.sent, event.received, event.itemsize)
+        row = LogEvent(meta[0], event.op, event.kind, meta[1], event.sent, event.received, event.itemsize, event.step)
+        self._frame_step = event.step
         (self._events if self._events is not None else self._control).append(row)
         self.busy_s += time.perf_counter() - t0
 
@@ -195,6 +197,7 @@ class AuditRecorder:
         rec = {
             "type": "step",
             **self._step_meta,
+            "frame_step": self._frame_step,
             "control": self._take_control(),
             "events": self._events or [],
             "holds": holds,

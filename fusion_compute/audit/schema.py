@@ -31,7 +31,11 @@ Record types, in order:
            `holds` (coordinates held per protected tensor, per layer), `sets` (new coordinate sets),
            `control` (transfers since the previous record that were outside any step). A batched
            step (several sessions at once, each in its own KV slot) adds `spans`: [slot, pos, T]
-           per session in column order; then t = ΣT and pos = the first span's
+           per session in column order; then t = ΣT and pos = the first span's. `frame_step`: the
+           step number the step's frames carried on the wire (the comm's count of command words in
+           the epoch; comm/comm.py, "Numbered steps"): every event of the step carries it, the events
+           before it a lower or equal one, it grows from step record to step record, and the client
+           and every worker log the same one for the same step
   release  one batched session is over: session (the RESET's), slot; a worker adds `zeroed`, whether
            it measured that slot's KV as all zeros after wiping it
   rollback speculative decoding rejected the last columns of a slot's previous step: session, slot,
@@ -54,7 +58,9 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-SCHEMA_VERSION = 5  # 3: epochs, membership, participants; 4: batched steps, releases; 5: rollbacks, "verify"
+SCHEMA_VERSION = (
+    6  # 3: epochs, membership, participants; 4: batched steps, releases; 5: rollbacks, "verify"; 6: frame steps
+)
 GENESIS = "0" * 64
 MANIFEST = "manifest.json"
 NETCOUNT = "netcount.json"
@@ -88,16 +94,19 @@ class LogEvent(NamedTuple):
     sent: Sequence[int]  # elements sent to each world rank (index = rank)
     received: Sequence[int]  # elements received from each world rank
     itemsize: int  # bytes per element
+    step: int  # the step number its frames carried (comm/links.py's header; comm/comm.py, "Numbered steps")
 
 
 REDUCE_SCATTER = "reduce_scatter"
 SCORE_SUM = "score_sum"
+NORM_SUM = "norm_sum"  # Gemma 3's post-norms: every worker's partial Σy², one float32 scalar per token
 INGRESS = "ingress"
 EGRESS = "egress"
 CONTROL = "control"
 # Inside the protected interval (between ingress and egress) only these may touch protected data:
-# reduce-scatters of partials (with the fused Σx² scalars) and declared score sums.
-ALLOWED_IN_INTERVAL = (REDUCE_SCATTER, SCORE_SUM)
+# reduce-scatters of partials (with the fused Σx² scalars), declared score sums, and the post-norms'
+# all-worker Σy² sums (a scalar per token, like the fused Σx²; their counts predicted exactly).
+ALLOWED_IN_INTERVAL = (REDUCE_SCATTER, SCORE_SUM, NORM_SUM)
 
 # Operator name (after "L{i}.") -> the tensor role its transfer carries.
 OP_ROLES = {
@@ -106,6 +115,8 @@ OP_ROLES = {
     "gate_up": "gate_up_partial",
     "down": "resid_partial",
     "scores": "scores",
+    "post_o": "resid_sumsq",  # Gemma 3: Σy² of the o output's residual rows, per token
+    "post_down": "resid_sumsq",
     "embed": "resid",
     "qkv0": "qkv",  # layer 0's q/k/v shard, computed by the client, with the ingress
     "final": "resid_partial",  # the last layer's down partial, the worker's residual rows added
@@ -214,7 +225,7 @@ def chain_hash(prev: str, record: dict) -> str:
 
 
 # ---- wire model: bytes on the TCP sockets for each message (comm/links.py's framing) ----
-# A message is an 8-byte length, then the payload. On the `tls` comm backend (TLS 1.3, the default) a message
+# A message is a 20-byte header (length, epoch, step, lane, flags), then the payload. On the `tls` comm backend (TLS 1.3, the default) a message
 # whose header and payload fit one record (<= 16384 bytes) is written as one record, a larger one as
 # a header record then payload records of 16384 bytes; every record adds 22 bytes (5 header, 1 inner
 # content type, 16 AEAD tag). The plaintext backend ("tcp") adds only the header. A transfer is one
@@ -224,7 +235,7 @@ LINK_BACKENDS = ("tls", "tcp")  # the comm backends this model predicts (the man
 # bytes per element of the state on the wire, by the manifest's "wire_dtype" (absent: float32, the
 # only dtype before it was recorded); control words are int64 whatever it is
 WIRE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-FRAME_HEADER = 8
+FRAME_HEADER = 20  # length u64, epoch u32, step u32, lane u16, flags u16 (comm/links.py)
 TLS_RECORD = 16384
 TLS_RECORD_OVERHEAD = 22
 CONTROL_BYTES = 32  # a control word: 4 int64

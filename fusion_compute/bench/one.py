@@ -108,6 +108,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
     from ..generation.sampling_params import SamplingParams
     from ..runtime.placement import itemsize
     from ..structural.client import Engine, EngineOptions
+    from .ops import bench_collective, stats
 
     # The client embeds and runs the LM head while the workers wait, and waits while they compute:
     # the two never overlap, so it gets the whole budget, as `fusion generate` gives it by default.
@@ -137,7 +138,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
             eng.forward(ids)
             out[f"prefill_{n}_s"] = time.perf_counter() - t
         ids = _prompt(a.decode_prompt, vocab, 7)
-        before = eng.stats()
+        before = stats(eng)
         pids = eng.procs.pids if eng.procs is not None else []
         sockets = netcount.available() and pids
         at: dict = {}
@@ -146,7 +147,7 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
             at["n"] = at.get("n", 0) + 1
             if at["n"] == 1:
                 out["ttft_s"] = time.perf_counter() - t0
-                at["mid"] = eng.stats()
+                at["mid"] = stats(eng)
                 if sockets:
                     netcount.settle(0.1)
                     at["s0"] = netcount.sample(pids, eng.watch.endpoints())
@@ -157,13 +158,13 @@ def measure_engine(model: str, a: argparse.Namespace) -> dict:
                     netcount.settle(0.1)
                     moved = netcount.delta(at["s0"], netcount.sample(pids, eng.watch.endpoints()))
                     out["wire_bytes_per_token"] = max(m["sent"] for m in moved.values()) / a.decode_tokens
-                at["after"] = eng.stats()  # before the session's release: its counters are the decode's
+                at["after"] = stats(eng)  # before the session's release: its counters are the decode's
 
         t0 = time.perf_counter()
         generate(eng, ids, max_new_tokens=a.decode_tokens + 1, sampling=SamplingParams(), on_token=on_token)
         mid, after = at["mid"], at["after"]
         if a.workers > 1:  # the reduce-scatter verb alone: 300 fp32 rows per peer, as in the figures
-            out["collective_us"] = max(w["median_us"] for w in eng.bench_collective(300, 2000))
+            out["collective_us"] = max(w["median_us"] for w in bench_collective(eng, 300, 2000))
         # Per decode token, per worker: collectives among workers and bytes each worker sent to
         # other workers (ingress/egress/control with the client excluded; they are listed apart).
         k = a.decode_tokens

@@ -18,7 +18,7 @@ code) and open chat, in the bundled model's chat template, greedy, stopping at i
               generated token (forwards × exchanges per forward). Every speculative run's tokens are
               compared with the plain run's (greedy: they must be equal).
   exchanges   per forward, counted, not assumed: the worker comm layer's collective counter
-              (engine.stats()) over that job's forwards, plus the client's ingress and egress (one
+              (bench/ops.stats) over that job's forwards, plus the client's ingress and egress (one
               message each way, before the first collective and after the last); and the same for
               a short Megatron-style job (`--variant megatron` workers). Printed next to the plan's
               own count (plan.collectives_per_layer).
@@ -157,6 +157,7 @@ def measure_acceptance(
     from ..generation.speculative_config import SpeculativeConfig
     from ..structural.client import Engine, EngineOptions
     from . import workloads
+    from .ops import stats
 
     tok = _tokenizer(model)
     loads = {name: workloads.load(name, tok, limit) for name in WORKLOAD_NAMES}
@@ -175,7 +176,7 @@ def measure_acceptance(
         if draft is not None:
             cfg = SpeculativeConfig(method="draft_model", num_speculative_tokens=ks[-1], draft_model=str(model))
             variants.append((f"early_exit_{draft_layers}_layers_k{ks[-1]}", cfg))
-        before = eng.stats()
+        before = stats(eng)
         forwards = 0
         for name, w in loads.items():
             plain: list = []
@@ -208,7 +209,7 @@ def measure_acceptance(
                     log(f"accept {name} {i}: {vname} {len(r.token_ids)} tokens in {r.steps} steps, same {same}")
                 row[vname] = {"tokens": tokens, "steps": steps, "same_tokens_as_plain": same, **acceptance(*tot)}
             out["workloads"][name] = row
-        after = eng.stats()
+        after = stats(eng)
         counted = [a["collectives"] - b["collectives"] for a, b in zip(after, before, strict=True)]
         out["counted"] = {
             "forwards": forwards,
@@ -228,6 +229,7 @@ def measure_acceptance(
 def count_megatron(model: str, n: int, forwards: int = 8) -> dict:
     """Exchanges per forward of the Megatron-style baseline, counted the same way on a short job."""
     from ..structural.client import Engine, EngineOptions
+    from .ops import stats
 
     opts = EngineOptions(
         n_workers=n, comm_backend="tls", log=lambda line: None, extra_worker_args=("--variant", "megatron")
@@ -235,11 +237,11 @@ def count_megatron(model: str, n: int, forwards: int = 8) -> dict:
     opts.context = 64
     with Engine(model, opts) as eng:
         eng.reset()
-        before = eng.stats()
+        before = stats(eng)
         eng.forward([1, 2, 3])
         for t in range(forwards - 1):
             eng.forward([4 + t])
-        after = eng.stats()
+        after = stats(eng)
     counted = [a["collectives"] - b["collectives"] for a, b in zip(after, before, strict=True)]
     return {
         "forwards": forwards,

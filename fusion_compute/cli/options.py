@@ -677,6 +677,9 @@ def add_worker_args(g: dict[str, Any]) -> None:
 
 
 def worker_options(a: argparse.Namespace) -> Any:
+    from ..bench.ops import WORKER_OPS
+    from ..controls.worker import worker_controls
+    from ..masked.member import run_member
     from ..structural.worker import WorkerOptions
 
     if a.threads is not None and a.threads < 1:
@@ -753,7 +756,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         device=device,
         progress=a.progress,
         audit_dir=a.audit_dir,
-        inject_leak=a.inject_leak,
-        inject_fault=a.inject_fault,
-        variant=a.variant,
+        controls=worker_controls(a.inject_fault, a.inject_leak, a.variant),  # chosen once, here
+        ops=WORKER_OPS,  # the bench's control ops (stats, a collective's latency, the KV probe)
+        modes={"masked": run_member},  # the worker serves the mode the client names
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerPoisoned, PeerTimeout, TaintedInputs
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerOutOfStep, PeerPoisoned, PeerTimeout, TaintedInputs
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
 from .identity import Identity, IdentityError, PublicId
 from .links import farewell_all, farewell_on_failure, reason_of, say_farewell, wire_bytes
@@ -57,6 +57,7 @@ __all__ = [
     "PeerError",
     "PeerLeft",
     "PeerLost",
+    "PeerOutOfStep",
     "PeerPoisoned",
     "PeerTimeout",
     "PublicId",

@@ -8,6 +8,9 @@ Ranks: 0 is the client (user side); 1..N are workers. Verbs and what moves:
                                              rows only), summed by the owner in rank order
   sum_scores       owners of a split group   each owner's partial scores to the other owners, summed
                                              by each in owner order (a declared exchanged intermediate)
+  sum_norms        all workers               each worker's partial Σy² (one float32 scalar per token) to
+                                             every other, summed by each in rank order (Gemma 3's post-
+                                             norms: a declared scalar per token, like the fused Σx²)
   send / recv      client <-> worker         ingress shards, egress shards, control words
   isend / irecv    client <-> worker         the same, posted ahead (masked mode); receives complete
                                              in posting order per peer
@@ -32,6 +35,17 @@ seen there, so no sender is named.
 
 When a worker-group `fabric` is given (torch.distributed: NCCL on GPUs, or gloo for comparison),
 reduce_scatter and sum_scores run on it instead; the client's links stay what they are.
+
+Numbered steps: every frame on the links carries this rank's (epoch, step) (links.py's header) and
+every data frame received must carry the receiver's, else PeerOutOfStep names its sender. The epoch
+is the plan epoch the Comm was made for; the step is a count both sides keep without a word more:
+the client starts a step with each command word it sends its workers (`begin_step`, before the
+word: the word itself is the step's first frame), and a worker starts one each time it receives a
+command word (`recv(..., new_step=True)`: it expects the next number, so the client and every
+worker count the same commands and agree). Everything until the next command word (spans,
+ingress, the collectives among workers, egress, replies) belongs to that step. A fabric (gloo,
+NCCL, MPI) carries no frames of ours: its collectives are matched by call order inside the
+fabric, and nothing there checks the step (the client's links still do).
 
 Tensors may live on a GPU and be float32, bfloat16 or float16 (runtime/placement.py): every message
 is the tensor's bytes in its own dtype, staged through host memory on the links and on a fabric that
@@ -118,6 +132,7 @@ class Comm:
         fabric: Fabric | None = None,
         backend: str = "tls",
         witness: WaitAccount | None = None,
+        epoch: int = 0,
     ):
         self.rank = rank
         self.world = n_workers + 1
@@ -136,6 +151,23 @@ class Comm:
         self._posted: dict[int, collections.deque[_Posted]] = collections.defaultdict(collections.deque)
         self.witness = witness  # charged with each wait's last peer (see the module docstring)
         self.awaiting: frozenset[int] = frozenset()  # the peers a receive from several waits on (or failed on)
+        self.epoch = epoch
+        self.step = 0  # commands since the epoch began (module docstring, "Numbered steps")
+        self._stamp()
+
+    # ---- numbered steps ----
+
+    def _stamp(self) -> None:
+        for link in self.links.values():
+            link.epoch, link.step = self.epoch, self.step
+
+    def begin_step(self) -> int:
+        """The next step starts here: what this rank sends from now on is stamped with it, and what
+        it receives must be. The client calls it before each command word; a worker's receive of a
+        command word does (`recv(new_step=True)`). Returns the step's number."""
+        self.step += 1
+        self._stamp()
+        return self.step
 
     # ---- wire ----
 
@@ -242,7 +274,7 @@ class Comm:
             c.peer_bytes_sent += sum(n for r, n in sent.items() if r != 0) * itemsize
         else:
             c.client_bytes += (sent.get(0, 0) + received.get(0, 0)) * itemsize
-        self.recorder.record(Event(kind, op, self._counts(sent), self._counts(received), itemsize))
+        self.recorder.record(Event(kind, op, self._counts(sent), self._counts(received), itemsize, self.step))
 
     # ---- verbs among workers ----
 
@@ -354,6 +386,43 @@ class Comm:
         self._emit("score_sum", op, {r: n for r in peers}, {r: n for r in peers}, itemsize)
         return scores
 
+    def sum_norms(self, ss: torch.Tensor, op: str) -> torch.Tensor:
+        """The post-norm's Σy² per token (T,) float32, summed over every worker (each holds some
+        residual rows of y): each sends its partial sums to every other and adds theirs in rank order,
+        so every worker gets the same sum. One round, N-1 messages of T scalars each way; nothing with
+        one worker (no event). Checked at both ends like a score sum (value_checks), and a sum of
+        squares below zero is one no honest worker sends either (it would make every worker's norm NaN)."""
+        peers = [r for r in range(1, self.world) if r != self.rank]
+        if not peers:
+            return ss
+        n = ss.numel()
+        if self.fabric is not None:
+            ss.copy_(self._staged(ss.float(), lambda buf: self._all_reduce(buf)))
+        else:
+            mine = ss.contiguous()
+            for r in peers:
+                self._check_own(mine, r, op)
+                if bool((mine < 0).any()):
+                    raise TaintedInputs(
+                        f"worker {self.rank}'s own {op} sums of squares for rank {r} are negative: not sent"
+                    )
+                self._put(r, mine)
+            stack = torch.empty((self.world - 1, *ss.shape), dtype=ss.dtype)  # host, rank order
+            theirs = {r: stack[r - 1] for r in peers}
+            self._get_all(theirs, op)
+            self._check_received(theirs, op)
+            for src in sorted(theirs):
+                if bool((theirs[src] < 0).any()):
+                    label = self._link(src).label
+                    raise PeerPoisoned(
+                        src, f"{label} sent {op} sums of squares below zero: no honest sender sends them"
+                    )
+            stack = stack.to(ss.device)
+            stack[self.rank - 1] = mine
+            ss.copy_(accumulate(stack))
+        self._emit("norm_sum", op, {r: n for r in peers}, {r: n for r in peers}, ss.element_size())
+        return ss
+
     def _sum_among(self, buf: torch.Tensor, group: int) -> torch.Tensor:
         assert self.fabric is not None
         self.fabric.sum_among(buf, group)
@@ -366,9 +435,20 @@ class Comm:
         self._put(dst, tensor)
         self._emit(kind, op, {dst: tensor.numel()}, {}, tensor.element_size())
 
-    def recv(self, tensor: torch.Tensor, src: int, kind: str, op: str, wait_s: float | None = None) -> torch.Tensor:
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        kind: str,
+        op: str,
+        wait_s: float | None = None,
+        new_step: bool = False,
+    ) -> torch.Tensor:
         """Receive into `tensor` (CPU, contiguous) and return it. `wait_s`: this wait's bound instead
-        of the session timeout (math.inf for a worker idling between requests)."""
+        of the session timeout (math.inf for a worker idling between requests). `new_step`: a command
+        word, which starts the next step (begin_step first: it must carry the next number)."""
+        if new_step:
+            self.begin_step()
         self._get(src, tensor, op, wait_s)
         self._emit(kind, op, {}, {src: tensor.numel()}, tensor.element_size())
         return tensor

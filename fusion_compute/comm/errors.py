@@ -35,6 +35,21 @@ class PeerPoisoned(PeerError):
     against the peer: a worker leaves the epoch on it naming the peer (`cause`, links.say_farewell)."""
 
 
+class PeerOutOfStep(PeerError):
+    """The peer sent a data frame stamped with another (epoch, step) than the one this end is in
+    (links.py's header; comm.py, "Numbered steps"): a stale or early message, refused before it is
+    read as data. Honest ranks count steps alike, so it is first-hand evidence against the sender."""
+
+    def __init__(self, rank: int, label: str, expected: tuple[int, int], got: tuple[int, int]):
+        super().__init__(
+            rank,
+            f"{label} sent a frame of epoch {got[0]} step {got[1]} where epoch {expected[0]} "
+            f"step {expected[1]} was expected: out of step",
+        )
+        self.expected = expected
+        self.got = got
+
+
 class TaintedInputs(CommError):
     """This participant's own block failed the check it is about to send it under (value_checks):
     the inputs it received passed one by one, yet together made it (or it erred itself). Not sent;

@@ -11,15 +11,16 @@ from typing import Protocol
 class Event:
     """One transfer, as the comm layer saw it (sender-side element counts)."""
 
-    kind: str  # reduce_scatter | score_sum | ingress | egress | control | gather | all_reduce (baselines)
+    kind: str  # reduce_scatter | score_sum | norm_sum | ingress | egress | control | gather | all_reduce (baselines)
     op: str  # operator name, e.g. "L3.qkv"
     sent: tuple[int, ...]  # elements this rank sent to each world rank (index = rank)
     received: tuple[int, ...]  # elements this rank received from each world rank
     itemsize: int = 4  # bytes per element (fp32 state; int64 control words are 8)
+    step: int = 0  # the step its frames were stamped with (comm.py, "Numbered steps")
 
 
 # Transfers among workers (everything else is client <-> worker: ingress, egress, control).
-WORKER_COLLECTIVES = frozenset({"reduce_scatter", "score_sum", "gather", "all_reduce"})
+WORKER_COLLECTIVES = frozenset({"reduce_scatter", "score_sum", "norm_sum", "gather", "all_reduce"})
 
 
 @dataclass

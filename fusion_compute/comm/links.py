@@ -12,14 +12,19 @@ on pyzmq DEALER sockets with CURVE, and large messages encrypt at AES-GCM speed 
 against ~0.5 GB/s for CURVE's XSalsa20-Poly1305; a closed peer is seen at once (EOF) instead of
 through socket monitors; and the bytes on the wire follow an exact model (below).
 
-Framing: a message is an 8-byte little-endian length, then the payload. A header with its top bit
+Framing: a message is a 20-byte little-endian header, then the payload. The header (HEADER) is the
+payload's length (u64), the sender's epoch (u32) and step (u32), a lane (u16, 0: room for several
+steps in flight later) and flags (u16, 0). The receiver checks epoch and step against its own (its
+Comm counts steps: comm.py, "Numbered steps"): a data frame from another epoch or step is
+PeerOutOfStep, naming its sender, before a byte of its payload is read as data. A header with its top bit
 (FAREWELL) set is a farewell: its low bits count the bytes of a small JSON reason that follows, the
 sender's last message on the link before it closes (`Link.farewell`): `why`, one line (its own
 error), and, when it leaves because of a peer, `cause` (the peer whose link failed it first-hand) or
 `after` (the peer whose farewell made it leave). The receiver raises PeerLeft (a PeerLost) carrying
 it, so the far end learns why, not only that, the link closed, and whom the leaver blames
-(docs/resilience.md, "Blame by evidence": an announced close is no first-hand evidence). With TLS, a message whose
-header and payload fit one record (8 + P <= 16384) is written as one record; a larger one as a
+(docs/resilience.md, "Blame by evidence": an announced close is no first-hand evidence); its epoch
+and step are not checked (a leaver may say why at any point). With TLS, a message whose
+header and payload fit one record (20 + P <= 16384) is written as one record; a larger one as a
 header record then the payload in records of 16384 bytes. Every record costs 22 bytes (5 header,
 1 inner content type, 16 tag), so the bytes on the wire are exactly `wire_bytes(P, tls)`.
 
@@ -45,12 +50,12 @@ from contextlib import contextmanager
 from typing import cast
 
 from ..errors import FusionError
-from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerTimeout, TaintedInputs
+from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerOutOfStep, PeerTimeout, TaintedInputs
 from .identity import Identity, PublicId
 from .peer_text import printable
 from .readiness import readable
 
-HEADER = struct.Struct("<Q")
+HEADER = struct.Struct("<QIIHH")  # length (or FAREWELL | reason length), epoch, step, lane, flags
 TLS_RECORD = 16384  # largest plaintext per TLS record
 TLS_OVERHEAD = 22  # bytes per TLS 1.3 record on the wire: 5 header + 1 content type + 16 AEAD tag
 TICK_S = 0.25  # a blocking receive wakes up this often to check its deadline and the liveness watch
@@ -77,6 +82,12 @@ def farewell_reason(raw: bytes) -> dict:
     out["inputs"] = obj.get("inputs") is True  # its own block failed, made from inputs that passed (TaintedInputs)
     out["why"] = printable(" ".join(str(obj.get("why") or "").split()))[:MAX_WHY]  # the peer's text: data
     return out
+
+
+def frame_header(length: int, epoch: int = 0, step: int = 0, lane: int = 0, flags: int = 0) -> bytes:
+    """A frame's header: `length` payload bytes (or FAREWELL | a reason's length) of step `step` of
+    epoch `epoch`, on `lane` (0: one step in flight)."""
+    return HEADER.pack(length, epoch, step, lane, flags)
 
 
 def wire_bytes(payload: int, tls: bool) -> int:
@@ -170,6 +181,10 @@ class Link:
         self._out: ssl.MemoryBIO = getattr(tls, "_fusion_out", None) or ssl.MemoryBIO()
         self._raw = bytearray(RAW_CHUNK)
         self._hdr = bytearray(HEADER.size)
+        # the (epoch, step) this end is in: stamped on every frame it sends, and expected on every data
+        # frame it receives (its Comm sets them: comm.Comm.begin_step)
+        self.epoch = 0
+        self.step = 0
         self._lock = threading.Lock()
         self._queue: collections.deque[memoryview] = collections.deque()
         self._wake = threading.Condition(self._lock)
@@ -193,13 +208,13 @@ class Link:
         n = len(payload)
         if self.tls is not None:
             if HEADER.size + n <= TLS_RECORD:
-                self.tls.write(HEADER.pack(header) + payload)
+                self.tls.write(frame_header(header, self.epoch, self.step) + payload)
             else:
-                self.tls.write(HEADER.pack(header))
+                self.tls.write(frame_header(header, self.epoch, self.step))
                 self.tls.write(payload)
             parts = [memoryview(self._out.read())]
         else:
-            parts = [memoryview(HEADER.pack(header)), payload]
+            parts = [memoryview(frame_header(header, self.epoch, self.step)), payload]
         with self._lock:
             self._raise_writer_error()
             if not self._queue:
@@ -212,7 +227,7 @@ class Link:
     def send_truncated(self, payload: memoryview, keep: float) -> None:
         """FAULT INJECTION ONLY (faults.py): announce the whole message, deliver `keep` of it, then
         close the connection, as a worker dying mid-message would."""
-        head = memoryview(HEADER.pack(len(payload)) + payload[: int(len(payload) * keep)])
+        head = memoryview(frame_header(len(payload), self.epoch, self.step) + payload[: int(len(payload) * keep)])
         if self.tls is not None:
             self.tls.write(head)
             head = memoryview(self._out.read())
@@ -351,19 +366,26 @@ class Link:
             n = self._read_raw(memoryview(self._raw), deadline)
             self._inc.write(memoryview(self._raw)[:n])
 
-    def recv_size(self, deadline: float) -> int:
+    def recv_size(self, deadline: float, numbered: bool = True) -> int:
+        """The next frame's payload length, its header read and checked: a farewell raises PeerLeft, a
+        data frame of another (epoch, step) than this end's PeerOutOfStep (unless not `numbered`: a
+        departing peer's leftovers, read only to be dropped)."""
         if self.said is not None:  # the peer said goodbye: nothing comes after it
             raise self._lost()
         self._read_exact(memoryview(self._hdr), deadline)
-        (n,) = HEADER.unpack(self._hdr)
+        n, epoch, step, lane, flags = HEADER.unpack(self._hdr)
         if n & FAREWELL and n & ~FAREWELL <= MAX_FAREWELL:
             raw = bytearray(n & ~FAREWELL)
             self._read_exact(memoryview(raw), deadline)
             self.left = farewell_reason(bytes(raw))
             self.said = self.left["why"] or "(no reason given)"
             raise self._lost()
-        if n > MAX_MESSAGE:
-            raise PeerError(self.rank, f"{self.label} sent a malformed message header (length {n})")
+        if n > MAX_MESSAGE or lane or flags:
+            raise PeerError(
+                self.rank, f"{self.label} sent a malformed message header (length {n}, lane {lane}, flags {flags})"
+            )
+        if numbered and (epoch, step) != (self.epoch, self.step):
+            raise PeerOutOfStep(self.rank, self.label, (self.epoch, self.step), (epoch, step))
         return n
 
     def recv_into(self, out: memoryview, deadline: float, what: str = "") -> None:
@@ -398,7 +420,7 @@ class Link:
         sent = False
         try:
             while self.has_buffered() or readable([self.sock], 0):
-                n = self.recv_size(deadline)  # raises PeerLeft at a farewell
+                n = self.recv_size(deadline, numbered=False)  # raises PeerLeft at a farewell
                 junk = memoryview(bytearray(1 << 16))
                 while n > 0:
                     k = min(n, len(junk))

@@ -31,9 +31,11 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
-from .speculative import DraftLength, SpecStats, Speculator
+from .speculative import DraftLength, NgramDrafter, SpecStats, Speculator
 from .suffix import SuffixDrafter
+from .suffix_tree import Draft
 from .token_tree import TokenTree, accept
+from .tree_cost import path_gains
 
 
 @dataclass
@@ -101,6 +103,7 @@ class BatchRunner:
         engine.draft_hint = speculator.config.num_speculative_tokens if speculator is not None else 0
         self._drafters: dict = {}  # slot -> its session's drafter (speculative.py)
         self._lengths: dict[int, DraftLength] = {}
+        self._freqs: dict[int, list[float] | None] = {}  # slot -> its drafts' frequencies (suffix), this step
         self._cost = speculator.cost if speculator is not None else None  # speculative.StepCost, the job's
         self.steps = 0
 
@@ -204,9 +207,22 @@ class BatchRunner:
             return None
         drafter = self._drafters[seq.slot]
         tokens = seq.prompt_ids + seq.out
-        if self.engine.verifies_trees and isinstance(drafter, SuffixDrafter):
-            d = drafter.propose_tree(tokens, k)
+        self._freqs[seq.slot] = None
+        if isinstance(drafter, SuffixDrafter | NgramDrafter):  # the draft model's chain: see docs/speculative.md
+            if self.engine.verifies_trees:
+                d = drafter.propose_tree(tokens, k)
+            elif isinstance(drafter, SuffixDrafter):
+                d = drafter.draft(tokens, k, tree=False)
+            else:
+                d = Draft()
+                for t in drafter.propose(tokens, k):  # a chain, without frequencies
+                    d.add(t, len(d.tokens) - 1, 1.0)
             tree = TokenTree.from_drafts(seq.out[-1], d.tokens, d.parents)
+            # each column's frequency given its parent's (the drafter's probabilities are path products)
+            self._freqs[seq.slot] = [
+                q if p < 0 else q / d.probs[p] if d.probs[p] > 0 else 0.0
+                for q, p in zip(d.probs, d.parents, strict=True)
+            ]
         else:
             tree = TokenTree.chain(seq.out[-1], drafter.propose(tokens, k))
         return tree if len(tree) > 1 else None
@@ -228,11 +244,17 @@ class BatchRunner:
         assert self.speculator is not None  # a StepCost is the speculator's
         prior = self.speculator.pool.rate()
         sizes = [0 if (t := drafts[s.slot]) is None else len(t) - 1 for s in decoding]
-        ks = self._cost.allocate(
-            sizes,
-            [self._lengths[s.slot].acceptance(prior) for s in decoding],
-            [not s.sampling.greedy for s in decoding],
-        )
+        rates = [self._lengths[s.slot].acceptance(prior) for s in decoding]
+        gains: list[list[float] | None] = []
+        for s, rate in zip(decoding, rates, strict=True):
+            t, freqs = drafts[s.slot], self._freqs.get(s.slot)
+            # a column's chance given its parent's: the session's acceptance rate times the drafter's
+            # frequency of that branch (siblings share the rate, the frequency ranks them)
+            ok = t is not None and freqs is not None and len(freqs) == len(t) - 1
+            gains.append(
+                path_gains([p - 1 for p in t.parents_T[1:]], [rate * f for f in freqs]) if ok else None  # type: ignore[union-attr,misc]
+            )
+        ks = self._cost.allocate(sizes, rates, [not s.sampling.greedy for s in decoding], gains)
         out = dict(drafts)
         for s, k in zip(decoding, ks, strict=True):
             t = drafts[s.slot]
@@ -246,6 +268,7 @@ class BatchRunner:
         if drafter is not None:  # a finished output may serve later sessions' drafts (the suffix cache)
             drafter.close(seq.out if seq.finish in ("stop", "length") else None)
         self._lengths.pop(seq.slot, None)
+        self._freqs.pop(seq.slot, None)
         self.engine.release(seq.slot)  # hygiene: its KV slot is zeroed now, not when it is reused
         self.hooks.released(seq.slot)
 

@@ -23,11 +23,14 @@ worker), or the client zeroes its own cache (masked mode). Nothing rejected is e
 Drafters (one per session):
   NgramDrafter       prompt lookup: the longest n-gram that ends the session's tokens (prompt
                      included) found earlier in them; proposes what followed its latest occurrence
-                     that has K tokens after it (or the most it finds)
+                     that has K tokens after it (or the most it finds), or as a tree what followed
+                     each occurrence, branching where they differ (propose_tree)
   SuffixDrafter      SuffixDecoding (suffix.py): suffix tries over the session's tokens and over
                      the job's earlier outputs, the draft scored by frequency and sized by the match
   DraftModelDrafter  a small model of the same vocabulary on the client (the dense twin), greedy,
-                     with its own KV cache per session, rolled back to the common prefix each step
+                     with its own KV cache per session, rolled back to the common prefix each step;
+                     as a tree (propose_tree; not used by the loop: docs/speculative.md) its next
+                     likeliest tokens as leaves where its top-1 is unsure
 
 DraftLength adapts K per session: longer after a fully accepted step, shorter after a miss, and no
 drafts at all (for a growing number of steps) while acceptance stays low, so a session whose
@@ -41,11 +44,15 @@ session's j-th draft is worth its acceptance rate to the j-th power). Where a st
 time is the network's (a wide-area round trip) a column costs almost nothing and every draft
 DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
 acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
-seed gives, must not depend on the batch or the clock.
+seed gives, must not depend on the batch or the clock. A tree's j-th column is worth the product of
+acceptance on its path (tree_cost.py: the session's rate times the drafter's branch frequency per
+node), and a StepCost given a link's model (tree_cost.LinkCost: round trips, bytes per column over
+the link's rate, compute per column) sizes trees by it instead of by its fit.
 """
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -57,7 +64,9 @@ from ..errors import UsageError
 from .sampling import Sampler
 from .speculative_config import SpeculativeConfig
 from .suffix import SuffixCache, SuffixDrafter
+from .suffix_tree import Draft
 from .token_tree import TokenTree, accept
+from .tree_cost import LinkCost
 
 # DraftLength's low-acceptance pause: over the last WINDOW verifications, fewer than MIN_GAIN accepted
 # tokens per verification stops drafting for PAUSE_STEPS steps, doubling (to PAUSE_MAX) each time it
@@ -172,7 +181,8 @@ class StepCost:
     on the workers and every column's logits on the client, whatever its length), and the drafts
     worth what they cost."""
 
-    def __init__(self):
+    def __init__(self, link: LinkCost | None = None):
+        self.link = link  # a link's model in place of the fitted base and per-column cost (tree_cost.py)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
         # the last fit that could tell a column's cost: once the budget cuts every draft, the steps all
         # have one width and the window alone would forget what a column costs, let every draft back
@@ -223,25 +233,48 @@ class StepCost:
         self.last = fitted[1:]
         return fitted
 
-    def allocate(self, caps: list[int], rates: list[float], fixed: list[bool] | None = None) -> list[int]:
-        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap). The
-        expected tokens of a session's first m drafts are rate + rate² + ... + rate^m (a draft counts
-        only if those before it were accepted); sessions are taken by falling rate, each given the m
-        (0 included) that makes the step's expected tokens per second highest. Unfitted: the caps."""
+    def costs(self) -> tuple[float, float, float] | None:
+        """(base s, s per column, s per drafting session): the link's model when one was given
+        (tree_cost.LinkCost, the drafting session's cost still fitted, else 0), else the fit."""
         fit = self.fit()
+        if self.link is None:
+            return fit
+        return self.link.base_s, self.link.per_column_s, 0.0 if fit is None else fit[2]
+
+    def allocate(
+        self,
+        caps: list[int],
+        rates: list[float],
+        fixed: list[bool] | None = None,
+        gains: list[list[float] | None] | None = None,
+    ) -> list[int]:
+        """Drafts per decoding session (each at most its cap; a `fixed` one keeps its cap). The
+        expected tokens of a session's first m drafts are g_1 + ... + g_m, g_j the j-th column's
+        chance to be accepted (tree_cost: the product of acceptance on its path): `gains[i]` when
+        given (a tree's, from its drafter's per-node probabilities), else rate^j (a chain's j-th
+        draft counts only if those before it were accepted). Sessions are taken by falling rate,
+        each given the m (0 included) that makes the step's expected tokens per second highest
+        (tree_cost.best_size for one session alone). Unfitted: the caps."""
+        fit = self.costs()
         if fit is None or not caps:
             return list(caps)
         base, per_column, per_span = fit
         fixed = fixed or [False] * len(caps)
+        g = [
+            list(gains[i][: caps[i]])
+            if gains and gains[i] is not None
+            else [rates[i] ** j for j in range(1, caps[i] + 1)]
+            for i in range(len(caps))
+        ]
         ks = [cap if f else 0 for cap, f in zip(caps, fixed, strict=True)]
-        tokens = len(caps) + sum(sum(rates[i] ** j for j in range(1, ks[i] + 1)) for i in range(len(caps)))
+        tokens = len(caps) + sum(sum(g[i][: ks[i]]) for i in range(len(caps)))
         seconds = max(base + per_column * (len(caps) + sum(ks)) + per_span * sum(k > 0 for k in ks), 1e-6)
         for i in sorted(range(len(caps)), key=lambda i: -rates[i]):
             if fixed[i]:
                 continue
             best_m, best, gained, best_gain = 0, tokens / seconds, 0.0, 0.0
-            for m in range(1, caps[i] + 1):
-                gained += rates[i] ** m
+            for m in range(1, len(g[i]) + 1):
+                gained += g[i][m - 1]
                 rate = (tokens + gained) / (seconds + per_span + m * per_column)
                 if rate > best:
                     best_m, best, best_gain = m, rate, gained
@@ -360,8 +393,67 @@ class NgramDrafter:
                 return best
         return []
 
+    def propose_tree(self, tokens: list[int], k: int) -> Draft:
+        """A token tree of at most k drafts: every earlier occurrence of the longest matching n-gram
+        (prompt_lookup_max down to _min) contributes what followed it (up to k tokens), merged into a
+        trie whose node counts are the occurrences that continue so; columns are taken best first by
+        estimated probability, a node's count over the matches' (the product of the branch
+        frequencies on its path), a parent before its children, ties to the latest occurrence. Where
+        every occurrence continued alike the tree is a chain; where they differ (an uncertain
+        position) it branches into the continuations seen, most frequent first."""
+        self._sync(tokens)
+        n_tok = len(tokens)
+        if k < 1 or n_tok < self.n_min + 1:
+            return Draft()
+        for n in range(min(self.n_max, n_tok - 1), self.n_min - 1, -1):
+            suffix = tokens[n_tok - n :]
+            follows = [
+                tokens[j + 1 : j + 1 + k]
+                for j in reversed(self.where.get(tokens[-1], ()))  # latest first
+                if n - 1 <= j < n_tok - 1 and tokens[j - n + 1 : j + 1] == suffix
+            ]
+            if follows:
+                return _merge(follows, k)
+        return Draft()
+
     def close(self, output: list[int] | None = None) -> None:
         self.tokens, self.where = [], {}
+
+
+def _merge(follows: list[list[int]], k: int) -> Draft:
+    """The continuations (latest first) as a tree of at most k nodes, best first (propose_tree)."""
+    # trie: node id -> (token, parent node id, count, first continuation that reached it)
+    nodes: list[list[int]] = []
+    kids: dict[tuple[int, int], int] = {}
+    for rank, follow in enumerate(follows):
+        parent = -1
+        for t in follow:
+            node = kids.get((parent, t))
+            if node is None:
+                node = kids[(parent, t)] = len(nodes)
+                nodes.append([t, parent, 0, rank])
+            nodes[node][2] += 1
+            parent = node
+    total = len(follows)
+    children: dict[int, list[int]] = {}
+    for i, (_, parent, _, _) in enumerate(nodes):
+        children.setdefault(parent, []).append(i)
+    draft, column = Draft(), {-1: -1}
+    heap = [(-nodes[c][2], nodes[c][3], c) for c in children.get(-1, ())]
+    heapq.heapify(heap)
+    while heap and len(draft.tokens) < k:
+        neg, _, c = heapq.heappop(heap)
+        t, parent = nodes[c][0], nodes[c][1]
+        column[c] = draft.add(t, column[parent], -neg / total)
+        for d in children.get(c, ()):
+            heapq.heappush(heap, (-nodes[d][2], nodes[d][3], d))
+    return draft
+
+
+# The draft model's tree: a position whose top-1 probability is under UNSURE branches into its BRANCHES
+# likeliest tokens (the chain's and BRANCHES - 1 leaves beside it)
+UNSURE = 0.5
+BRANCHES = 3
 
 
 class DraftModelDrafter:
@@ -375,8 +467,38 @@ class DraftModelDrafter:
         self.seen: list[int] = []
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self._chain(tokens, k)[0]
+
+    def propose_tree(self, tokens: list[int], k: int) -> Draft:
+        """A token tree of at most k drafts: the greedy chain, and at each of its positions where the
+        draft model's top-1 probability is below UNSURE, its next likeliest tokens (BRANCHES in all
+        at that position) as leaves beside the chain's token (a leaf costs no forward of the draft
+        model: only the chain runs). A column's probability is the draft model's along its path (a
+        product of softmax probabilities); columns are taken best first by it (a parent before its
+        children: a child's is at most its parent's, and the parent was made first), the first k."""
+        chain, probs = self._chain(tokens, k)
+        nodes: list[tuple[float, int, int]] = []  # (path probability, token, parent node), in order made
+        parent, path = -1, 1.0
+        for t, p_V in zip(chain, probs, strict=True):
+            top_p, top_t = torch.topk(p_V, min(BRANCHES, p_V.numel()))
+            if float(top_p[0]) < UNSURE:  # an uncertain position: its alternatives, as leaves
+                nodes += [
+                    (path * q, alt, parent) for q, alt in zip(top_p.tolist(), top_t.tolist(), strict=True) if alt != t
+                ]
+            path *= float(p_V[t])
+            nodes.append((path, t, parent))
+            parent = len(nodes) - 1
+        order = sorted(range(len(nodes)), key=lambda j: (-nodes[j][0], j))[:k]
+        draft, column = Draft(), {-1: -1}
+        for j in order:
+            prob, t, par = nodes[j]
+            column[j] = draft.add(t, column[par], prob)
+        return draft
+
+    def _chain(self, tokens: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The greedy drafts and the draft model's softmax at each (what each was the argmax of)."""
         if k < 1:
-            return []
+            return [], []
         if self.cache is None:
             self.cache = self.model.new_cache(self.max_seq)
         keep = 0
@@ -386,10 +508,12 @@ class DraftModelDrafter:
         logits = self.model.forward(tokens[keep:], keep, self.cache)[-1]
         self.seen = list(tokens)
         drafts: list[int] = []
+        probs: list[torch.Tensor] = []
         while True:
             drafts.append(int(torch.argmax(logits)))
+            probs.append(torch.softmax(logits.float(), dim=-1))
             if len(drafts) == k or len(self.seen) >= self.max_seq:
-                return drafts
+                return drafts, probs
             logits = self.model.forward(drafts[-1:], len(self.seen), self.cache)[-1]
             self.seen.append(drafts[-1])
 

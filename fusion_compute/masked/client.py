@@ -36,9 +36,10 @@ from collections.abc import Callable
 import torch
 
 from ..comm import Event, Recorder
+from ..model import architecture as arch
 from ..model.config import ModelError
-from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan
-from ..model.kernels import Rotary, rms_norm, tree_depths, tree_mask
+from ..model.dense import LINEARS, ClearParams, DenseOps, DenseSpan, rotaries
+from ..model.kernels import rms_norm
 from ..model.layer import decoder_layer
 from ..runtime.engine import EngineBase, control_word
 from . import protocol as P
@@ -124,7 +125,7 @@ class MaskedEngine(EngineBase):
         self.clear = [ClearParams.read(self.src, i) for i in range(c.n_layers)]
         # the layer in the clear, every linear a masked product over all the step's rows
         self.ops = DenseOps(c, self.clear, lambda i, name, x: self.masked_linear(i, LINEARS.index(name), x[0])[None])
-        self.rotary = Rotary(c.rope, c.head_dim)
+        self.rotary, self.rotary_local = rotaries(c)
         self.audit = None
         if self.opts.audit_dir:
             from .audit import AuditLog
@@ -334,16 +335,14 @@ class MaskedEngine(EngineBase):
             self._b_in.append(bufs)
         self._b_out: dict[int, dict[int, list[torch.Tensor]]] = {}
 
-        x_TH = self.embed[torch.tensor(ids)]  # (T, H): the clear residual stream, client only
+        x_TH = arch.embed_rows(c, self.embed, torch.tensor(ids))  # (T, H): the clear residual stream, client only
         # per session: its rows of the step, its rotary tables and causal masks, its slot's cache; a token
         # tree: RoPE by depth, the ancestors' mask (generation/token_tree.py)
         step = tuple(
-            DenseSpan.at(c, self.rotary, pos, n, self._kv_update(slot, pos, n))
+            DenseSpan.at(c, self.rotary, pos, n, self._kv_update(slot, pos, n), self.rotary_local)
             if slot not in self._trees
-            else DenseSpan(
-                *self.rotary.tables(pos + torch.tensor(tree_depths(self._trees[slot]))),
-                {w: tree_mask(pos, self._trees[slot], w) for w in c.windows},
-                self._kv_update(slot, pos, n),
+            else DenseSpan.tree(
+                c, self.rotary, pos, self._trees[slot], self._kv_update(slot, pos, n), self.rotary_local
             )
             for slot, pos, n in spans
         )

@@ -32,10 +32,12 @@ def run_member(
     from .audit import AuditLog
     from .ring import limit_blas_threads
 
+    if o.device != "cpu":
+        raise RuntimeError(f"the masked mode runs on the CPU; this worker was started on {o.device}")
     sizes = tuple(int(x) for x in welcome["groups"])
-    fault = parse_fault(o.inject_fault) if o.inject_fault else None
+    fault = parse_fault(o.controls.fault) if o.controls.fault else None
     if fault is not None and not fault.lie:
-        raise UsageError(f"--inject-fault {o.inject_fault}: a masked worker knows only the lie-* faults")
+        raise UsageError(f"--inject-fault {o.controls.fault}: a masked worker knows only the lie-* faults")
     limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
     plan = make_masked_plan(src.config, sizes[0], sizes[1:], 8)  # the limb width changes no row counts
     group = plan.group_of(rank)[0] if rank <= sum(sizes) else None
@@ -45,10 +47,12 @@ def run_member(
     audit = AuditLog(o.audit_dir, rank, "worker", group, sizes, epoch=epoch) if o.audit_dir else None
     if audit is not None:
         keep(audit)
-    comm = Comm(rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, backend="tls" if o.key else "tcp")
+    comm = Comm(
+        rank, sum(sizes), links, timeout_s=o.timeout_s, recorder=audit, backend="tls" if o.key else "tcp", epoch=epoch
+    )
     try:
         with farewell_on_failure(links):  # a failure of its own is said before the links close
-            run(src, sizes, rank, comm, audit=audit, leak=o.inject_leak, fault=fault)
+            run(src, sizes, rank, comm, audit=audit, leak=o.controls.leak, fault=fault)
     finally:
         if audit is not None:
             audit.close()

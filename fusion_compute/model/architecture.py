@@ -19,6 +19,12 @@ row order): `read_weight` then reads the rows asked for from the one tensor (`Fu
 Qwen3 adds an RMSNorm on each head of q and of k (`self_attn.q_norm`, `self_attn.k_norm`, gains (d,)):
 `read_qk_norms`.
 
+Gemma 3 renames and adds norms: the MLP's pre-norm is `pre_feedforward_layernorm`, and its
+`post_attention_layernorm` / `post_feedforward_layernorm` normalize the o / down outputs before the
+residual adds (`read_post_norm`). Every Gemma gain is stored as w with the norm multiplying by 1 + w:
+every reader here returns the gain the norm multiplies by (config.gain_offset + w), so no consumer
+needs to know. The embedding's √H scale is `embed_rows`.
+
 RoPE variants live in config.py (RopeConfig: default, linear, llama3, longrope) and kernels.py (the one
 rotary implementation).
 """
@@ -104,21 +110,57 @@ def read_bias(src: WeightSource, layer: int, name: str) -> torch.Tensor | None:
     return torch.cat([src.read(layer_tensor(layer, f"{module}.bias")) for module in linear.parts])
 
 
+# the norms a family names its own way (Gemma 3: its post_attention_layernorm is a post-norm)
+_PRE_NORMS = {"gemma3_text": {"gate_up": "pre_feedforward_layernorm"}}
+# the post-norm after the linear back `o` / `down`, for a family with post_norms
+POST_NORMS = {"o": "post_attention_layernorm", "down": "post_feedforward_layernorm"}
+
+
+def _gain(src: WeightSource, name: str) -> torch.Tensor:
+    """A stored RMSNorm gain as the norm multiplies by it: config.gain_offset + w (Gemma's 1 + w,
+    added in float32 as transformers does)."""
+    g = src.read(name)
+    offset = src.config.gain_offset
+    return g if not offset else offset + g.float()
+
+
 def read_norm(src: WeightSource, layer: int, name: str) -> torch.Tensor:
     """The gain (H,) of the RMSNorm in front of the fused linear `name`."""
-    norm = BY_NAME[name].norm
+    norm = _PRE_NORMS.get(src.config.arch, {}).get(name, BY_NAME[name].norm)
     if norm is None:
         raise ValueError(f"no norm in front of {name}")
-    return src.read(layer_tensor(layer, f"{norm}.weight"))
+    return _gain(src, layer_tensor(layer, f"{norm}.weight"))
+
+
+def read_post_norm(src: WeightSource, layer: int, name: str) -> torch.Tensor | None:
+    """The gain (H,) of the post-norm after the linear back `name` ("o", "down"; Gemma 3), or None
+    when the family has none."""
+    if not src.config.post_norms:
+        return None
+    return _gain(src, layer_tensor(layer, f"{POST_NORMS[name]}.weight"))
+
+
+def read_final_norm(src: WeightSource) -> torch.Tensor:
+    """The final RMSNorm's gain (H,)."""
+    return _gain(src, FINAL_NORM)
 
 
 def read_qk_norms(src: WeightSource, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The per-head RMSNorm gains (d,) of q and of k (Qwen3), or None when the family has none."""
+    """The per-head RMSNorm gains (d,) of q and of k (Qwen3, Gemma 3), or None when the family has none."""
     if not src.config.qk_norm:
         return None
-    return src.read(layer_tensor(layer, "self_attn.q_norm.weight")), src.read(
-        layer_tensor(layer, "self_attn.k_norm.weight")
+    return _gain(src, layer_tensor(layer, "self_attn.q_norm.weight")), _gain(
+        src, layer_tensor(layer, "self_attn.k_norm.weight")
     )
+
+
+def embed_rows(config: ModelConfig, embed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of `ids`: rows of `embed` (V, H), times config.embed_scale where the family
+    scales them (Gemma: √H, as a tensor of the embedding's dtype, as transformers multiplies)."""
+    rows = embed[ids]
+    if config.embed_scale == 1.0:
+        return rows
+    return rows * torch.tensor(config.embed_scale, dtype=embed.dtype, device=embed.device)
 
 
 def lm_head_tied(src: WeightSource) -> bool:

@@ -14,6 +14,11 @@ The families (FAMILIES) and what each changes in the Llama layer:
     phi3      llama's layer with q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`: split by
               the config's head counts); LongRoPE; sliding window as mistral (Phi-3, Phi-3.5, Phi-4;
               Phi-4-mini's partial rotary is refused)
+    gemma3_text  Gemma 3's text decoder: RMSNorm gains (1 + w) (folded in when read: architecture.py),
+              the embedding times √H, GeGLU (tanh GELU), q/k norms per head as qwen3, a post-norm on
+              the attention output and on the MLP output before each residual add (`post_norms`),
+              local sliding-window layers (`layer_types`) with their own RoPE base (`rope_local`),
+              the attention scale query_pre_attn_scalar^-1/2; logit soft-capping refused
 
 Anything a config asks for that the runtime does not compute (another family, mixture-of-experts,
 an unknown RoPE type, attention soft-capping, biases on o_proj or the MLP, partial rotary) is refused
@@ -25,13 +30,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import FusionError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # transformers' model_type of each
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")  # transformers' model_type of each
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF's general.architecture values weights/gguf.py reads
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # transformers' mixture-of-experts families: named as such in the refusal
@@ -165,6 +170,14 @@ class ModelConfig:
     # per layer: the sliding window W (query i attends keys i - W < j <= i), None = full causal; () = all full
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3): gains q_norm, k_norm (d,)
+    # Gemma 3: what its layer changes besides qk_norm and the windows
+    gain_offset: float = 0.0  # every RMSNorm gain is offset + w (Gemma: 1 + w)
+    embed_scale: float = 1.0  # the embedding rows are multiplied by it (Gemma: √H)
+    attn_scale: float | None = None  # the scores' scale; None: head_dim^-1/2 (Gemma: query_pre_attn_scalar^-1/2)
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    post_norms: bool = False  # RMSNorm on the attention and the MLP outputs before the residual adds (Gemma)
+    rope_local: RopeConfig | None = None  # the RoPE of the local (sliding) layers where it differs (Gemma)
+    local_layers: tuple[bool, ...] = ()  # per layer: uses rope_local (Gemma's "sliding_attention")
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -175,8 +188,21 @@ class ModelConfig:
             raise ModelError(f"sliding windows must be >= 1, got {self.layer_windows}")
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ModelError(f"activation {self.activation!r} (supported: silu, gelu_tanh)")
+        if self.local_layers and len(self.local_layers) != self.n_layers:
+            raise ModelError(f"{len(self.local_layers)} local-layer flags for {self.n_layers} layers")
         if self.head_dim % 2:
             raise ModelError(f"head_dim {self.head_dim} is odd: rotary pairs need an even head_dim")
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale: attn_scale, else head_dim^-1/2."""
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def local_rope(self, layer: int) -> bool:
+        """Layer `layer` rotates with rope_local (a Gemma local layer), else with rope."""
+        return self.rope_local is not None and bool(self.local_layers) and self.local_layers[layer]
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window W, or None for full causal attention."""
@@ -200,6 +226,16 @@ class ModelConfig:
             out.append("per-head q/k norms (split groups' sums ride in the score sums)")
         if self.rope.kind != "default":
             out.append(f"RoPE {self.rope.kind}")
+        if self.post_norms:
+            out.append("post-norms on the attention and MLP outputs (+2 all-worker Σy² sums per layer)")
+        if self.activation != "silu":
+            out.append("GeGLU (tanh GELU)")
+        if self.gain_offset:
+            out.append(f"norm gains {self.gain_offset:g} + w")
+        if self.embed_scale != 1.0:
+            out.append(f"embedding × {self.embed_scale:.4g}")
+        if self.rope_local is not None and any(self.local_layers):
+            out.append(f"local RoPE θ {self.rope_local.theta:g} on {sum(self.local_layers)} layers")
         return out
 
     @property
@@ -252,6 +288,8 @@ class ModelConfig:
             out["qk_norm"] = True
         if any(w is not None for w in self.layer_windows):
             out["windows"] = list(self.layer_windows)
+        if self.post_norms:
+            out["post_norms"] = True
         return out
 
 
@@ -272,7 +310,13 @@ def _refuse_unimplemented(d: dict[str, Any], family: str) -> None:
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if d.get(cap) is not None:
             raise no(f"{cap}={d[cap]}")
-    if d.get("hidden_act", "silu") != "silu":
+    if family == "gemma3_text":
+        if d.get("use_bidirectional_attention"):
+            raise no("use_bidirectional_attention=true")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise no(f"activation {act!r} (only gelu_pytorch_tanh/GeGLU)")
+    elif d.get("hidden_act", "silu") != "silu":
         raise no(f"activation {d.get('hidden_act')!r} (only silu/SwiGLU)")
     if d.get("mlp_bias"):
         raise no("mlp_bias=true")
@@ -280,20 +324,23 @@ def _refuse_unimplemented(d: dict[str, Any], family: str) -> None:
         # llama/qwen3 put this bias on o_proj as well as q/k/v; qwen2's q/k/v bias is its own, always on
         raise no("attention_bias=true")
     params = {**dict(d.get("rope_scaling") or {}), **dict(d.get("rope_parameters") or {})}
-    kind = str(params.get("rope_type", params.get("type", "default")) or "default")
-    if kind not in (*ROPE_TYPES, "su"):
-        raise no(f"rope type {kind!r}")
-    partial = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise no(f"partial_rotary_factor={partial}")
+    # Gemma 3: one RoPE per layer type (transformers 5's rope_parameters keyed by layer type)
+    per_type = [params[k] for k in ("full_attention", "sliding_attention") if isinstance(params.get(k), dict)]
+    for p in per_type or [params]:
+        kind = str(p.get("rope_type", p.get("type", "default")) or "default")
+        if kind not in (*ROPE_TYPES, "su"):
+            raise no(f"rope type {kind!r}")
+        partial = d.get("partial_rotary_factor", p.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise no(f"partial_rotary_factor={partial}")
     kinds = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
     if kinds:
         raise no(f"layer types {sorted(kinds)}")
 
 
 _SUPPORTED_NOTE = (
-    f"families {', '.join(FAMILIES)}; rope {', '.join(ROPE_TYPES)}, full rotary; SwiGLU; q/k/v bias on qwen2; "
-    "sliding window"
+    f"families {', '.join(FAMILIES)}; rope {', '.join(ROPE_TYPES)}, full rotary; SwiGLU (GeGLU on gemma3_text); "
+    "q/k/v bias on qwen2; sliding window"
 )
 
 
@@ -315,10 +362,9 @@ def _llama_like(d: dict[str, Any], family: str, **extra: Any) -> ModelConfig:
         max_positions=int(d.get("max_position_embeddings", 2048)),
         rms_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope=RopeConfig.from_hf(d),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_id=d.get("bos_token_id"),
         eos_ids=tuple(int(e) for e in eos_ids),
-        **extra,
+        **{"tie_embeddings": bool(d.get("tie_word_embeddings", False)), **extra},
     )
 
 
@@ -364,4 +410,51 @@ def _phi3(d: dict[str, Any]) -> ModelConfig:
     return _llama_like(d, "phi3", layer_windows=() if w is None else (w,) * int(d["num_hidden_layers"]))
 
 
-_READERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3}
+def _gemma3(d: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's text decoder (transformers' Gemma3TextConfig). Its layer_types default, like
+    transformers', to every `sliding_window_pattern`-th layer (6) global and the rest local; the
+    global layers' RoPE is rope_parameters["full_attention"] (rope_theta, 1e6 by default), the local
+    layers' rope_parameters["sliding_attention"] (rope_local_base_freq, 1e4). Older configs give
+    rope_theta, rope_local_base_freq and rope_scaling (global layers only) at the top level."""
+    n = int(d["num_hidden_layers"])
+    pattern = int(d.get("sliding_window_pattern") or 6)
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = d.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    if not full:  # the older spelling
+        full = {**dict(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+    max_pos = d.get("max_position_embeddings", 131_072)
+    rope = RopeConfig.from_hf({"rope_parameters": full, "max_position_embeddings": max_pos})
+    rope_local = RopeConfig.from_hf({"rope_parameters": local, "max_position_embeddings": max_pos})
+    w = _window(d)
+    hidden = int(d["hidden_size"])
+    base = {**d, "rope_parameters": None, "rope_scaling": None}
+    out = _llama_like(
+        {**base, "rope_theta": rope.theta},
+        "gemma3_text",
+        qk_norm=True,
+        layer_windows=tuple(w if t == "sliding_attention" else None for t in types) if w is not None else (),
+        gain_offset=1.0,
+        embed_scale=math.sqrt(hidden),
+        attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        activation="gelu_tanh",
+        post_norms=True,
+        rope_local=rope_local,
+        local_layers=tuple(t == "sliding_attention" for t in types),
+        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+    )
+    return replace(out, rope=rope)
+
+
+_READERS = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "phi3": _phi3,
+    "gemma3_text": _gemma3,
+}

@@ -24,7 +24,7 @@ import torch
 from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
-from .kernels import Rotary, attend, causal_mask, rms_norm, rotate, swiglu
+from .kernels import Rotary, attend, causal_mask, gated, rms_norm, rotate, tree_depths, tree_mask
 from .layer import LayerOps, decoder_layer
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
@@ -43,14 +43,17 @@ class ClearParams:
     g_mlp: torch.Tensor
     qkv_bias: torch.Tensor | None
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # (d,) gains of q_norm, k_norm
+    post_norms: dict[str, torch.Tensor] | None = None  # Gemma 3: "o", "down" -> the post-norm's gain (H,)
 
     @staticmethod
     def read(src: WeightSource, layer: int) -> ClearParams:
+        post = {n: g for n in arch.POST_NORMS if (g := arch.read_post_norm(src, layer, n)) is not None}
         return ClearParams(
             arch.read_norm(src, layer, "qkv"),
             arch.read_norm(src, layer, "gate_up"),
             arch.read_bias(src, layer, "qkv"),
             arch.read_qk_norms(src, layer),
+            post or None,
         )
 
 
@@ -67,7 +70,7 @@ def self_attention(c: ModelConfig, qkv: torch.Tensor, kv: KV, cos, sin, mask, qk
     k = rotate(k.transpose(1, 2), cos, sin)  # (B, nkv, T, d)
     v = qkv[..., (nh + nkv) * d :].view(b, t, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
     k_all, v_all = kv(k, v)
-    o = attend(q.reshape(b, nkv, gs * t, d), k_all, v_all, mask, gs, t, d**-0.5)  # (B, nkv, gs*T, d)
+    o = attend(q.reshape(b, nkv, gs * t, d), k_all, v_all, mask, gs, t, c.scale)  # (B, nkv, gs*T, d)
     return o.view(b, nkv, gs, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)  # (B, T, nh d), head-major
 
 
@@ -82,12 +85,31 @@ class DenseSpan:
     sin: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
     kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    local: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the local layers' RoPE (Gemma 3)
 
     @staticmethod
-    def at(config: ModelConfig, rotary: Rotary, pos: int, t: int, kv) -> DenseSpan:
-        """T tokens at positions pos..pos+T-1: their RoPE tables and a mask per window."""
-        cos, sin = rotary.tables(torch.arange(pos, pos + t))
-        return DenseSpan(cos, sin, {w: causal_mask(pos, t, w) for w in config.windows}, kv)
+    def at(config: ModelConfig, rotary: Rotary, pos: int, t: int, kv, local: Rotary | None = None) -> DenseSpan:
+        """T tokens at positions pos..pos+T-1: their RoPE tables (`local`: the local layers' RoPE,
+        config.rope_local) and a mask per window."""
+        positions = torch.arange(pos, pos + t)
+        cos, sin = rotary.tables(positions)
+        masks = {w: causal_mask(pos, t, w) for w in config.windows}
+        return DenseSpan(cos, sin, masks, kv, None if local is None else local.tables(positions))
+
+    @staticmethod
+    def tree(config: ModelConfig, rotary: Rotary, pos: int, parents, kv, local: Rotary | None = None) -> DenseSpan:
+        """A token tree's columns at pos (generation/token_tree.py: `parents`): RoPE by depth, each
+        column's mask its ancestors' within each window."""
+        positions = pos + torch.tensor(tree_depths(parents))
+        cos, sin = rotary.tables(positions)
+        masks = {w: tree_mask(pos, parents, w) for w in config.windows}
+        return DenseSpan(cos, sin, masks, kv, None if local is None else local.tables(positions))
+
+
+def rotaries(config: ModelConfig) -> tuple[Rotary, Rotary | None]:
+    """The model's RoPE tables, and its local layers' where they differ (Gemma 3's rope_local)."""
+    local = None if config.rope_local is None else Rotary(config.rope_local, config.head_dim)
+    return Rotary(config.rope, config.head_dim), local
 
 
 # A dense step: its sessions' spans, their tokens consecutive along x's T (the masked client's batch)
@@ -95,8 +117,8 @@ DenseStep = tuple[DenseSpan, ...]
 
 
 class DenseOps(LayerOps[DenseStep]):
-    """layer.LayerOps in the clear, token-major: the norms, the q/k/v bias, attention and SwiGLU
-    here; each linear `linear(i, name, x)` (the twin's matmul, or the masked client's product)."""
+    """layer.LayerOps in the clear, token-major: the norms (post-norms too: Gemma 3), the q/k/v bias,
+    attention and the gated activation here; each linear `linear(i, name, x)` (the twin's matmul, or the masked client's product)."""
 
     def __init__(self, config: ModelConfig, clear: list[ClearParams], linear: Linear):
         self.config, self.clear, self.linear = config, clear, linear
@@ -115,7 +137,8 @@ class DenseOps(LayerOps[DenseStep]):
             t = s.cos.shape[0]
             part = qkv if len(step) == 1 else qkv[:, row : row + t]
             kv, mask = (lambda k, v, s=s: s.kv(i, k, v)), s.masks[self.config.window(i)]
-            out.append(self_attention(self.config, part, kv, s.cos, s.sin, mask, self.clear[i].qk_norms))
+            cos, sin = s.local if s.local is not None and self.config.local_rope(i) else (s.cos, s.sin)
+            out.append(self_attention(self.config, part, kv, cos, sin, mask, self.clear[i].qk_norms))
             row += t
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
@@ -123,7 +146,11 @@ class DenseOps(LayerOps[DenseStep]):
         return self.linear(i, name, y)
 
     def activation(self, i: int, gu: torch.Tensor) -> torch.Tensor:
-        return swiglu(gu)
+        return gated(gu, self.config.activation)
+
+    def post_norm(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
+        post = self.clear[i].post_norms
+        return y if post is None else rms_norm(y, post[name], self.config.rms_eps)
 
 
 class DenseModel:
@@ -140,13 +167,13 @@ class DenseModel:
         c = self.config = src.config
         self.n_layers = c.n_layers if n_layers is None else n_layers
         self.embed = src.read(arch.EMBED)  # (V, H)
-        self.final_norm = src.read(arch.FINAL_NORM)
+        self.final_norm = arch.read_final_norm(src)
         self.lm_head = arch.read_lm_head(src, self.embed)
         self.clear = [ClearParams.read(src, i) for i in range(self.n_layers)]
         self.weights = [{name: arch.read_weight(src, i, name) for name in LINEARS} for i in range(self.n_layers)]
         shape = (self.n_layers, c.n_kv_heads, max_seq, c.head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)  # (L, n_kv, S, d)
-        self.rotary = Rotary(c.rope, c.head_dim)
+        self.rotary, self.rotary_local = rotaries(c)
         self.ops = DenseOps(c, self.clear, lambda i, name, x: x @ self.weights[i][name].T)
 
     def new_cache(self, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,14 +189,14 @@ class DenseModel:
         own, or `cache` from new_cache)."""
         k_cache, v_cache = cache if cache is not None else (self.k_cache, self.v_cache)
         t = len(ids)
-        x = self.embed[torch.tensor(ids)][None]  # (1, T, H)
+        x = arch.embed_rows(self.config, self.embed, torch.tensor(ids))[None]  # (1, T, H)
 
         def kv(i, k, v):
             k_cache[i][:, pos : pos + t] = k[0]
             v_cache[i][:, pos : pos + t] = v[0]
             return k_cache[i][None, :, : pos + t], v_cache[i][None, :, : pos + t]
 
-        step = (DenseSpan.at(self.config, self.rotary, pos, t, kv),)
+        step = (DenseSpan.at(self.config, self.rotary, pos, t, kv, self.rotary_local),)
         for i in range(self.n_layers):
             x = decoder_layer(self.ops, i, x, step)
         return rms_norm(x[0], self.final_norm, self.config.rms_eps) @ self.lm_head.T  # (T, V)
@@ -177,14 +204,14 @@ class DenseModel:
     @torch.no_grad()
     def _run(self, ids: torch.Tensor, upto: int) -> tuple[torch.Tensor, list]:
         t = ids.shape[1]
-        x = self.embed[ids]  # (B, T, H)
+        x = arch.embed_rows(self.config, self.embed, ids)  # (B, T, H)
         cache: list = []  # layer i's (k, v)
 
         def kv(i, k, v):
             cache.append((k, v))
             return k, v
 
-        step = (DenseSpan.at(self.config, self.rotary, 0, t, kv),)
+        step = (DenseSpan.at(self.config, self.rotary, 0, t, kv, self.rotary_local),)
         for i in range(upto):
             x = decoder_layer(self.ops, i, x, step)
         return x, cache
@@ -200,7 +227,7 @@ class DenseModel:
         following the same prefix: the prefix runs once, candidates attend to its cached k/v."""
         p, b = len(prefix), cand.shape[0]
         cache = self._run(torch.tensor([prefix]), upto)[1] if p else [None] * upto
-        x = self.embed[cand][:, None, :]  # (B, 1, H)
+        x = arch.embed_rows(self.config, self.embed, cand)[:, None, :]  # (B, 1, H)
 
         def kv(i, k, v):
             past = cache[i]
@@ -208,7 +235,7 @@ class DenseModel:
                 return k, v
             return torch.cat([past[0].expand(b, -1, -1, -1), k], 2), torch.cat([past[1].expand(b, -1, -1, -1), v], 2)
 
-        step = (DenseSpan.at(self.config, self.rotary, p, 1, kv),)
+        step = (DenseSpan.at(self.config, self.rotary, p, 1, kv, self.rotary_local),)
         for i in range(upto):
             x = decoder_layer(self.ops, i, x, step)
         return x[:, 0]

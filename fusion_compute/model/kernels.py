@@ -160,6 +160,15 @@ def swiglu(gu: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gated(gu: torch.Tensor, activation: str = "silu", dim: int = -1) -> torch.Tensor:
+    """The MLP's gated activation on gu = [gate; up] along `dim` (as swiglu): SwiGLU silu(gate) ⊙ up,
+    or GeGLU gelu_tanh(gate) ⊙ up (Gemma: transformers' gelu_pytorch_tanh, torch's tanh GELU)."""
+    if activation == "silu":
+        return swiglu(gu, dim)
+    gate, up = gu.chunk(2, dim=dim)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def softmax32(scores: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim in float32, in the scores' dtype (transformers' eager attention)."""
     if scores.dtype == torch.float32:

@@ -11,6 +11,11 @@ baseline) is the ops; what it computes is here, for every one of them:
   x  += W_down (silu(gate) ⊙ up)              ops.activation(i, gu), ops.linear_back(i, "down", h),
                                               ops.residual_add(i, x, y)
 
+Gemma 3 normalizes each block's output before its residual add (a post-norm): x += RMSNorm(W_o o) ·
+g_post_attn, x += RMSNorm(W_down h) · g_post_ff, `ops.post_norm(i, "o" / "down", y)` (the identity for
+the families without: `post_norm` below). Sharded, y is split by residual rows across the workers, so
+its Σy² per token is summed over all of them first: one all-worker scalar per token (structural/ops.py).
+
 `x` is opaque here except for `+`: each implementation keeps its own layout (dense: token-major
 (B, T, H); sharded and Megatron: feature-major (rows, T)) and its own `step` (what attention needs
 about the tokens of this forward: positions, RoPE tables, masks, KV slots). The audit's hold
@@ -58,8 +63,13 @@ class LayerOps(Protocol[S]):
     def residual_add(self, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Layer i's output x + W_down h (y: what linear_back(i, "down", ·) returned). The sharded
         modes' last layer returns the worker's egress here instead (structural/ops.py: the down
-        partials go straight to the client, which sums them). x + y by default."""
+        partials go straight to the client, which sums them; with post-norms the worker's rows). x + y by default."""
         return x + y
+
+    def post_norm(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
+        """The post-norm of layer i's linear back `name` ("o", "down") on y (residual layout):
+        RMSNorm(y) · g (Gemma 3). The identity by default: the families without post-norms."""
+        return y
 
     def hold(self, i: int, name: str, t: torch.Tensor) -> None:
         """Audit hook: at this step, layer i's tensor `name` (one of HOLDS) is `t` ("kv": t is the
@@ -71,7 +81,7 @@ def decoder_layer(ops: LayerOps[S], i: int, x: torch.Tensor, step: S) -> torch.T
     """Layer i on the residual x, in ops' layout: x + attention block, then + MLP block (module doc)."""
     qkv = ops.norm_linear(i, "qkv", x)
     o = ops.attention(i, qkv, step)
-    y = ops.linear_back(i, "o", o)
+    y = ops.post_norm(i, "o", ops.linear_back(i, "o", o))
     # holdings at this step (recorded after the o linear, as every worker has then held them)
     ops.hold(i, "resid.in", x)
     ops.hold(i, "qkv", qkv)
@@ -81,7 +91,7 @@ def decoder_layer(ops: LayerOps[S], i: int, x: torch.Tensor, step: S) -> torch.T
     x = x + y
     gu = ops.norm_linear(i, "gate_up", x)
     h = ops.activation(i, gu)
-    y = ops.linear_back(i, "down", h)
+    y = ops.post_norm(i, "down", ops.linear_back(i, "down", h))
     ops.hold(i, "gate_up", gu)
     ops.hold(i, "h", h)
     ops.hold(i, "resid.out", y)

@@ -58,8 +58,15 @@ check refuses to send), and the rules above weigh it as any first-hand cause.
 
 What an ambiguous set leads to is membership.py's: its workers are set aside for standbys (none
 barred), and `follows` names a worker once ambiguity has followed it: a worker in two ambiguous sets
-that share nobody else. With one liar every ambiguous set holds the liar, so an honest worker is
-never in two sets that share only it.
+that share nobody else. That is sound only over sets that each hold the liar, so only those count
+(the verdict's `liar_only`): the sets rules 4, 5 and the farewell checks make (with one liar, every
+one holds it: the exhaustive tests) and the client's own value checks' suspects. A set judged on
+waits (rule 6, and every slow-step verdict: deadline.judge on one worker's word) can be two honest
+workers on a loaded machine, with the liar a standby: it sets its workers aside all the same, and
+never feeds `follows`, neither as history nor as the set just made (either way a liar's later or
+earlier pair with one of them would share only that honest worker). With one liar, then, every set
+`follows` sees holds the liar, and an honest worker is never in two that share only it. The cost: a
+liar that only drags is never removed by `follows` (docs/resilience.md, "What the rule guarantees").
 """
 
 from __future__ import annotations
@@ -143,13 +150,14 @@ def blame_link(
         accused = sorted(set(counted.values()))
         pairs = [w for ring in rings for w in ring]
         causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))
-        return set(), Verdict(None, causes, "; ".join(words))
+        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)
     if counted or rings:
         accused = sorted(set(counted.values()))
         causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))
-        return set(), Verdict(None, causes, "; ".join(words))
+        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)
     verdict = judge(blocked, workers, threshold_s)
     said = "; ".join([*words, verdict.said])
+    # waits only (rule 6): an ambiguous set here can be two honest workers on a loaded machine (liar_only False)
     return ({verdict.named} if verdict.named is not None else set()), Verdict(verdict.named, verdict.causes, said)
 
 
@@ -172,7 +180,8 @@ def _after_rings(left: dict[int, dict]) -> list[list[int]]:
 def follows(history: list[frozenset[int]], causes: tuple[int, ...]) -> int | None:
     """The worker an ambiguity has followed: in `causes` and in an earlier ambiguous set that shares
     no other worker with it (two different partners, the same suspect). None when no single worker
-    is. `history` is the job's earlier ambiguous sets (the caller appends this one)."""
+    is. `history` is the job's earlier ambiguous sets (the caller appends this one); both it and
+    `causes` must be `liar_only` sets (above): a set judged on waits is never passed here."""
     now = frozenset(causes)
     hits = {x for x in now for before in history if before & now == {x}}
     return hits.pop() if len(hits) == 1 else None

@@ -178,6 +178,11 @@ class Verdict:
     named: int | None  # the one consistent cause, or None
     causes: tuple[int, ...]  # every consistent cause (two or more: ambiguous; none: unexplained)
     said: str  # the accusations, in words
+    # True when `causes` could only have arisen with a liar among them (first-hand evidence: blame_link's
+    # counted accusations, contradictions, rings, tainted inputs; the client's value checks). False for
+    # timing judged on waits (this module's `judge`): machine load alone makes such a set of honest
+    # workers. Only the former feed blame.follows (docs/resilience.md, "What the rule guarantees").
+    liar_only: bool = False
 
 
 def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s: float) -> Verdict:

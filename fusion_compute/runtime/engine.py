@@ -107,7 +107,7 @@ class EngineBase(Membership):
         self.embed = embed.to(device=self.client_device, dtype=self.dtype)
         self.lm_head = self.embed if head is embed else head.to(device=self.client_device, dtype=self.dtype)
         del embed, head
-        self.final_norm = self.src.read(arch.FINAL_NORM).to(device=self.client_device, dtype=self.dtype)
+        self.final_norm = arch.read_final_norm(self.src).to(device=self.client_device, dtype=self.dtype)
         self.recorder = self.prepare(recorder)
         self.slot_history: dict[
             int, list[int]
@@ -117,7 +117,8 @@ class EngineBase(Membership):
         self.recoveries: list[dict] = []  # one record per epoch change after start-up
         self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
         self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
-        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (blame.follows)
+        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (counted per worker)
+        self.liar_sets: list[frozenset[int]] = []  # those only a liar makes (Verdict.liar_only): blame.follows' history
         self._keys: dict[int, Identity] = {}  # started workers' keys (handed to them on stdin)
         self.executor: Executor = executor_for(opts)  # who starts the workers, and where (executor/)
         self.procs: WorkerProcs | None = None  # the started workers' supervisor (None: listed workers)

@@ -1,4 +1,6 @@
-"""Fault injection for the tests (worker flag `--inject-fault SPEC`, never used otherwise).
+"""Fault injection for the tests (worker flag `--inject-fault SPEC`, never used otherwise). The honest
+worker does not import it: controls/worker.py composes a fault onto its Comm and join at start-up;
+the masked mode picks a lying member (masked/controls.py).
 
   close-mid-message@STEP   at its STEP-th forward (counted from 1 over the worker's life), the worker
                            sends the client the header and half of its egress shard, closes its
@@ -50,6 +52,8 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
   big-rs@N          the same with ±1e19: under the bound every receiver checks, so its victim accepts it,
                     and its own next block or its egress fails its check (the victim leaves saying
                     its inputs made it: nobody named)
+  stale-rs@N        at its N-th reduce-scatter, the block it owes its victim goes out stamped with the
+                    previous step (a late or replayed message of the right size); otherwise it behaves
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -80,7 +84,17 @@ from .launch import leave_now
 
 LIES = ("lie-one", "lie-bias", "lie-stale", "lie-zeros", "lie-shape")
 POISONS = {"poison-rs": math.nan, "huge-rs": 1e30, "big-rs": 1e19}  # what the block for the victim holds
-COMM_FAULTS = ("cut-peer", "slow-rs", "drag-rs", "drag-sub", "drag-lie", "close-link", "leave-lie", *POISONS)
+COMM_FAULTS = (
+    "cut-peer",
+    "slow-rs",
+    "drag-rs",
+    "drag-sub",
+    "drag-lie",
+    "close-link",
+    "leave-lie",
+    "stale-rs",
+    *POISONS,
+)
 SEND_FAULTS = (
     "close-mid-message",
     "nan-egress",
@@ -150,6 +164,8 @@ def comm_fault(fault: Fault | None) -> Callable:
             calls[0] += 1
             if calls[0] == fault.step and fault.kind in POISONS:
                 return _poisoned(comm, honest, victim, chunk, sizes, op, POISONS[fault.kind])
+            if calls[0] == fault.step and fault.kind == "stale-rs":
+                return _stale(comm, honest, victim, chunk, sizes, op)
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
                 if fault.kind == "drag-lie" and comm.witness is not None:
@@ -193,6 +209,28 @@ def _poisoned(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: s
         return honest(chunk, sizes, op)
     finally:
         comm._put, comm._check_own = put, check
+
+
+def _stale(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str):
+    """One reduce-scatter whose block for `victim` carries the previous step's number in its frame
+    header (comm/links.py), as a late or replayed message of the right size would."""
+    put, link = comm._put, comm.links[victim]
+
+    def stale(peer, t):
+        if peer == victim:
+            link.step -= 1
+            try:
+                put(peer, t)
+            finally:
+                link.step += 1
+        else:
+            put(peer, t)
+
+    comm._put = stale
+    try:
+        return honest(chunk, sizes, op)
+    finally:
+        comm._put = put
 
 
 def _send_fault(fault: Fault) -> Callable:

@@ -7,7 +7,8 @@ roster: `Seat`), `order` (the current epoch's participants in rank order), `epoc
 `worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (the workers its executor started),
 `executor` (executor/), `_admission`, `_keys` (started workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
 `slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
-`convicted`, `wanted` (how many workers the user asked for), `suspicions` (the job's ambiguous sets: blame.follows), `clock` (each step's deadline:
+`convicted`, `wanted` (how many workers the user asked for), `suspicions` (the job's ambiguous sets, counted per worker), `liar_sets` (those of them only a liar
+makes: blame.follows' history), `clock` (each step's deadline:
 deadline.py) and `waits` (the client's own account of whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
 `_reset`, `_welcome` and `_spawn_failure`.
 
@@ -17,7 +18,8 @@ for availability), fresh links, the plan handshake again, then the session's rep
 its tokens) when there is one. A worker whose slowness the accounts pin on it (`_judge_slow`) is
 handled as a lost one. When the evidence cannot tell two workers apart (blame.py), nobody is barred:
 the suspects are set aside for standbys (`_set_aside`) and the job goes on, and a worker that
-ambiguity follows (two ambiguous sets sharing only it) is removed.
+ambiguity follows (two ambiguous sets sharing only it, of those only a liar can make: sets judged on
+waits never count, Verdict.liar_only) is removed.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class Membership:
         (StepDeadline), nobody removed."""
         t0, noticed = time.perf_counter(), time.time()
         suspects = tuple(p for p in err.pids if p in self.order)
-        verdict = Verdict(None, suspects, _first_line(err))
+        verdict = Verdict(None, suspects, _first_line(err), liar_only=True)  # values no honest epoch makes
         convicted = self._ambiguous(verdict, "the client's check failed", noticed, t0)
         if convicted is not None:
             caught = WorkerMisbehaved(
@@ -286,10 +288,15 @@ class Membership:
 
     def _ambiguous(self, verdict: Verdict, what: str, noticed: float, t0: float) -> int | None:
         """Evidence that cannot tell `verdict.causes` apart. The worker ambiguity has followed before
-        (blame.follows) is returned, to be removed; else the suspects are set aside for standbys, none
-        barred, and the next epoch opens (None); else (no way to keep the job running without them)
-        the request fails: StepDeadline, nobody removed."""
-        convicted = follows(self.suspicions, verdict.causes)
+        (blame.follows, over the `liar_only` sets alone: `liar_sets`) is returned, to be removed; else
+        the suspects are set aside for standbys, none barred, and the next epoch opens (None); else (no
+        way to keep the job running without them) the request fails: StepDeadline, nobody removed. A
+        set judged on waits (not `liar_only`: it can be two honest workers on a loaded machine) is
+        counted in `suspicions` and set aside, but neither names anyone nor is remembered for `follows`."""
+        convicted = None
+        if verdict.liar_only:
+            convicted = follows(self.liar_sets, verdict.causes)
+            self.liar_sets.append(frozenset(verdict.causes))
         self.suspicions.append(frozenset(verdict.causes))
         why = f"the evidence is ambiguous between workers {list(verdict.causes)} ({verdict.said})"
         if convicted is not None:
@@ -723,6 +730,7 @@ class Membership:
             recorder=self.recorder,
             backend=self.opts.comm_backend,
             witness=self.waits,
+            epoch=self.epoch,
         )
         active = set(order)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from enum import IntEnum
 
 import torch
 
@@ -78,8 +79,9 @@ class Engine(EngineBase):
 
     # ---- protocol ----
 
-    def _control(self, op: Op, t: int = 0, pos: int = 0, arg: int = 0) -> None:
+    def _control(self, op: IntEnum, t: int = 0, pos: int = 0, arg: int = 0) -> None:
         msg = control_word(op, t, pos, arg)
+        self.wire.begin_step()  # each worker starts it as the word arrives (comm.py, "Numbered steps")
         for s in self.plan.workers:
             self.wire.send(msg, s.rank, "control", op.name.lower())
 
@@ -124,37 +126,13 @@ class Engine(EngineBase):
             for s, r in zip(self.plan.workers, self._replies("pong"), strict=True)
         ]
 
-    def stats(self) -> list[dict]:
-        """Per worker: collectives among workers, payload bytes sent to other workers, bytes to and
-        from the client, peak RSS (MB). Counted by each worker's comm layer since it started."""
-        self._control(Op.STATS)
-        out = []
-        for s, r in zip(self.plan.workers, self._replies("stats"), strict=True):
-            coll, peer, client, rss = (int(v) for v in r)
-            out.append(
-                {
-                    "rank": s.rank,
-                    "collectives": coll,
-                    "peer_bytes_sent": peer,
-                    "client_bytes": client,
-                    "peak_rss_mb": rss / 1024,
-                }
-            )
-        return out
-
-    def bench_collective(self, rows: int = 300, iters: int = 1000) -> list[dict]:
-        """Per worker: median / min / max µs of one reduce-scatter of `rows` fp32 per peer (T = 1)."""
-        self._control(Op.BENCH_RS, rows, iters)
-        wait = self.wire.timeout_s + iters  # the workers run them all before answering
-        return [
-            {"rank": s.rank, "median_us": int(r[0]) / 1000, "min_us": int(r[1]) / 1000, "max_us": int(r[2]) / 1000}
-            for s, r in zip(self.plan.workers, self._replies("bench", wait), strict=True)
-        ]
-
-    def kv_probe(self) -> list[float]:
-        """Per worker, the largest |value| left in its KV shards (0 after a wipe): hygiene tests."""
-        self._control(Op.PROBE)
-        return [int(r[1]) / 1e6 for r in self._replies("probe")]
+    def ask(
+        self, op: IntEnum, reply: str, t: int = 0, pos: int = 0, arg: int = 0, wait_s: float | None = None
+    ) -> list[torch.Tensor]:
+        """One control word of an op beyond the protocol's (one the workers' start-up added to their
+        op table: the bench's, bench/ops.py) to every worker, and each one's reply, in rank order."""
+        self._control(op, t, pos, arg)
+        return self._replies(reply, wait_s)
 
     def _reset(self) -> None:
         """Start a new session: workers zero their KV shards (every slot of a batch too)."""
@@ -180,12 +158,15 @@ class Engine(EngineBase):
     ) -> list[torch.Tensor]:
         """One step over one or several slots: their tokens as consecutive columns of one ingress, one
         collective per operator for all of them (protocol.Op.FORWARD). Ingress: x[:, R_w] to worker w and
-        its rows of layer 0's q/k/v (computed here: `_ingress_qkv`; no layer-0 QKV scatter); egress: each worker's (H, ΣT) last down partial, its residual rows added, summed here (the
-        last layer's scatter merged into the egress: structural/ops.py, ShardedLayer.to_client). Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
+        its rows of layer 0's q/k/v (computed here: `_ingress_qkv`; no layer-0 QKV scatter); egress: each worker's (H, ΣT)
+        last down partial, its residual rows added (with post-norms: its rows of the final residual,
+        zeros elsewhere), summed here (plan.boundary; structural/ops.py, ShardedLayer.to_client).
+        Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
         spans = self._batch_spans(items)
         ids = [i for _, seq in items for i in seq]
         total = len(ids)
-        x_HT = self.embed[torch.tensor(ids)].T.contiguous()  # (H, ΣT), full: fine, this is the client
+        # (H, ΣT), full: fine, this is the client (Gemma: scaled by √H, as the workers' layer 0 expects)
+        x_HT = arch.embed_rows(self.config, self.embed, torch.tensor(ids)).T.contiguous()
         qkv0 = self._ingress_qkv(x_HT)
         tree_words = self._tree_words(spans)
         self._control(Op.FORWARD, len(spans), total, len(tree_words))

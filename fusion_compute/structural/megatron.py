@@ -49,6 +49,12 @@ class MegatronLayer(ShardedLayer):
             return qkv_aT if self.w.qkv_b is None else qkv_aT + self.w.qkv_b[:, None]
         return self.w.gu_w @ h_HT
 
+    def post_norm(self, i: int, name: str, y_HT: torch.Tensor) -> torch.Tensor:
+        """Gemma 3's post-norm on the replicated y (H, T): local, no collective."""
+        if self.w.post_w is None:
+            return y_HT
+        return self.w.post_w[0 if name == "o" else 1][:, None] * norm(y_HT, self.eps)
+
     def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """Row-parallel: every worker gets the full sum W y (H, T)."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
@@ -58,11 +64,12 @@ class MegatronLayer(ShardedLayer):
 
     def residual_add(self, i: int, x_HT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """As the sharded layer's, x replicated: the last layer adds only this worker's rows R_w of x
-        to its partial, so the client's sum over the workers counts x once."""
-        if not self.to_client:
+        to its partial, so the client's sum over the workers counts x once (with post-norms, y is
+        the all-reduced full sum: only its rows R_w too)."""
+        if not self.egress:
             return x_HT + y
         a, b = self.res_starts[self.me], self.res_starts[self.me + 1]
-        return super().residual_add(i, x_HT[a:b], y)
+        return super().residual_add(i, x_HT[a:b], y if self.to_client else y[a:b])
 
 
 class MegatronModel(ShardedModel):
@@ -79,9 +86,9 @@ class MegatronModel(ShardedModel):
         return list(self.plan.residual_sizes)
 
     def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
-        step = self._step(spans)
+        steps = self._layer_steps(spans)
         self.layers[0].given_qkv = qkv_aT
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
-        for layer in self.layers:
+        for layer, step in zip(self.layers, steps, strict=True):
             x_HT = layer.forward(x_HT, step)
         return x_HT  # the egress e_HT (the last layer's residual_add)

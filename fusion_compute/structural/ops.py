@@ -16,6 +16,8 @@ lowercase = this worker's shard, uppercase = full extent.
   gate_up         x_dT  (R)        gu_mT  (M)        S(R) -> P -> S(M)   norm fused
   swiglu          gu_mT (M)        h_mT   (M)        local
   down            h_mT  (M)        y_dT   (R)        S(M) -> P -> S(R)
+  post-norm       y_dT  (R)        y_dT   (R)        local + Σy² summed over all workers (Gemma 3: after
+                                                     o and after down; one scalar per token, one round)
   residual add    x_dT, y_dT       x_dT              local
 
 Layer 0's qkv has no scatter either (`ShardedLayer.given_qkv`): the client holds x (the embedding),
@@ -29,6 +31,14 @@ by the client (one exchange fewer per forward; no worker holds any of the final 
 
   down (last)     h_mT  (M)        y_HT   (P)        local: full-width partial, no collective
   residual add    x_dT, y_HT       e_HT   (P)        local: e_HT = y_HT + x_dT in rows R_w (egress)
+
+Gemma 3's post-norms (model/layer.py) cost 2 rounds per layer more than the Llama layer: y is known
+only after its scatter, so its Σy² cannot ride in that scatter, and the next norm's scatter needs the
+normalized y already (`post_norm`). (Folding it into the next norm's scatter, sending W x and W g⊙y
+apart and the three sums Σx², Σx·g⊙y, Σ(g⊙y)², would save the rounds at twice the bytes: not done.)
+They also keep the last layer's down scatter (`to_client` is off, and `Plan.boundary` says so): its
+post-norm needs Σy² of the summed y, which no worker has before the scatter. That layer's egress is then the worker's own rows of x + RMSNorm(y) · g placed in an (H, ΣT)
+of zeros (`residual_add`), so the client's sum over the workers is unchanged, and exact.
 
 A step may carry several sessions (continuous batching, batching.py): their tokens are consecutive
 columns (`Step.spans`), every linear and collective runs once over all of them, and attention runs
@@ -47,10 +57,10 @@ from ..model.kernels import (
     Rotary,
     attend_scored,
     causal_mask,
+    gated,
     outside_windows,
     rotate,
     softmax32,
-    swiglu,
     tree_depths,
     tree_mask,
 )
@@ -104,6 +114,7 @@ class LayerShard:
     down_w: torch.Tensor  # (H, m_r)
     index: LayerIndex | None = None  # what the rows/columns above stand for (audit)
     qk_w: tuple[torch.Tensor, ...] | None = None  # per attention block: (2, dl) q_norm, k_norm gains (Qwen3)
+    post_w: torch.Tensor | None = None  # (2, d_r): the post-norm gains after o, after down, own rows (Gemma 3)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LayerShard:
         """These slices on `device` in `dtype`, placed once at load (a no-op for float32 on the CPU);
@@ -114,7 +125,8 @@ class LayerShard:
 
         b = None if self.qkv_b is None else move(self.qkv_b)
         qk = None if self.qk_w is None else tuple(move(g) for g in self.qk_w)
-        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index, qk)
+        post = None if self.post_w is None else move(self.post_w)
+        return LayerShard(move(self.qkv_w), b, move(self.o_w), move(self.gu_w), move(self.down_w), self.index, qk, post)
 
 
 @dataclass
@@ -281,8 +293,11 @@ class ShardedLayer(LayerOps[Step]):
         group_size: int,
         eps: float,
         window: int | None = None,
+        scale: float | None = None,
+        activation: str = "silu",
     ):
-        """`window`: this layer's sliding window (None: full causal; config.window)."""
+        """`window`: this layer's sliding window (None: full causal; config.window); `scale`: the
+        scores' (config.scale; None: head_dim^-1/2); `activation`: config.activation."""
         self.i = index
         self.w = weights
         self.blocks = blocks
@@ -296,11 +311,13 @@ class ShardedLayer(LayerOps[Step]):
         self.head_dim = head_dim
         self.gs = group_size
         self.eps = eps
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.act = activation
         self.window = window
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
-        self.to_client = False  # the last layer: its down partials go to the client (module doc)
+        self.egress = False  # the last layer: its output is this worker's egress e_HT (H, ΣT) (module doc)
+        self.to_client = False  # the last layer without post-norms: its down partials go to the client
         self.given_qkv: torch.Tensor | None = None  # layer 0: q/k/v from the client's ingress (module doc)
 
     def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
@@ -485,17 +502,36 @@ class ShardedLayer(LayerOps[Step]):
         )
 
     def residual_add(self, i: int, x_dT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x_dT + y_dT; the last layer (`to_client`): the egress e_HT, y_HT with x_dT added into this
-        worker's rows R_w, so that the client's Σ_w e_HT is the final residual x + W_down h."""
-        if not self.to_client:
+        """x_dT + y_dT; the last layer (`egress`): the egress e_HT (H, ΣT), whose sum over the workers
+        the client takes as the final residual. With `to_client`: y_HT (the down partial) with x_dT
+        added into this worker's rows R_w; without (post-norms: the down was scattered and normed),
+        x_dT + y_dT in rows R_w and zeros elsewhere."""
+        if not self.egress:
             return x_dT + y
         a, b = self.res_starts[self.me], self.res_starts[self.me + 1]
+        if not self.to_client:
+            e_HT = y.new_zeros(self.hidden, y.shape[1])
+            e_HT[a:b] = x_dT + y
+            return e_HT
         y[a:b] += x_dT  # (one rounding, as x + y: in-place add computes in float32 for a 2-byte dtype)
         return y
 
     def activation(self, i: int, gu_mT: torch.Tensor) -> torch.Tensor:
-        """SwiGLU on the worker's MLP rows: gate rows then the same coordinates' up rows."""
-        return swiglu(gu_mT, dim=0)
+        """SwiGLU (GeGLU: Gemma) on the worker's MLP rows: gate rows then the same coordinates' up rows."""
+        return gated(gu_mT, self.act, dim=0)
+
+    def post_norm(self, i: int, name: str, y_dT: torch.Tensor) -> torch.Tensor:
+        """Gemma 3's post-norm on this worker's residual rows of y (d_r, ΣT): g ⊙ y / s with
+        s = sqrt(Σ_all rows y² / H + ε) per token. The Σy² of the other rows is on the other workers:
+        each adds its partial sums, one float32 scalar per token, in one all-worker exchange
+        (comm.sum_norms, op "L{i}.post_{name}"). The identity for the families without post-norms."""
+        if self.w.post_w is None:
+            return y_dT
+        yf = y_dT.float()
+        ss = self.comm.sum_norms((yf * yf).sum(0), f"L{i}.post_{name}")
+        inv_s = torch.rsqrt(ss / self.hidden + self.eps)
+        g = self.w.post_w[0 if name == "o" else 1]
+        return g[:, None] * (yf * inv_s).to(y_dT.dtype)
 
     def hold(self, i: int, name: str, t: torch.Tensor) -> None:
         """The audit's record: the coordinates `t` stands for, from the index maps the weights were

@@ -24,11 +24,8 @@ class Op(IntEnum):
     RESET = 3  # [RESET, slots, 0, context]: drop and re-zero the KV shards; `slots` KV slots (0: one)
     PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]
     SHUTDOWN = 5
-    STATS = 6  # [STATS, ...] -> [collectives, peer_bytes_sent, client_bytes, rss_kb] (benchmark)
-    BENCH_RS = 7  # [BENCH_RS, rows, iters, 0]: time `iters` reduce-scatters of `rows` per peer among the
-    #              workers (random data, not state) -> [median ns, min ns, max ns, 0] (benchmark)
+    # 6, 7 and 9: the bench's STATS, BENCH_RS and PROBE (bench/ops.py), which its worker adds
     WIPE = 8  # [WIPE, ...]: the session is over: zero the KV shards now (hygiene)
-    PROBE = 9  # [PROBE, ...] -> [max |KV| * 1e6 as int, 0, 0, rss_kb]: hygiene tests read the buffers
     # 10 was FORWARD_BATCH, now FORWARD's only form
     RELEASE = 11  # [RELEASE, slot, 0, 0]: that slot's session is over: zero its KV slot now (hygiene)
 

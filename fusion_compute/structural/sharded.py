@@ -11,7 +11,7 @@ import torch
 
 from ..comm import Comm
 from ..model import architecture as arch
-from ..model.kernels import Rotary
+from ..model.dense import rotaries
 from ..weights.loader import WeightSource
 from .ops import LayerIndex, LayerShard, ShardedLayer, Span, Step, make_step
 from .plan import Plan, runs
@@ -65,8 +65,24 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
     del gu
     down_w = arch.read_weight(src, layer, "down", cols=[share.mlp])
     return LayerShard(
-        qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, gu_w=gu_w, down_w=down_w, index=index, qk_w=qk_gains(src, plan, w, layer)
+        qkv_w=qkv_w,
+        qkv_b=qkv_b,
+        o_w=o_w,
+        gu_w=gu_w,
+        down_w=down_w,
+        index=index,
+        qk_w=qk_gains(src, plan, w, layer),
+        post_w=post_gains(src, layer, index.resid_out),
     )
+
+
+def post_gains(src: WeightSource, layer: int, rows: list[int]) -> torch.Tensor | None:
+    """The post-norm gains (2, |rows|) after o and after down at the residual `rows` this worker's
+    o / down outputs stand for (Gemma 3), or None for a family without post-norms."""
+    gains = [arch.read_post_norm(src, layer, name) for name in ("o", "down")]
+    if gains[0] is None or gains[1] is None:
+        return None
+    return torch.stack(gains)[:, torch.tensor(rows)].contiguous()
 
 
 def qk_gains(src: WeightSource, plan: Plan, w: int, layer: int) -> tuple[torch.Tensor, ...] | None:
@@ -103,11 +119,13 @@ class ShardedModel:
         self.plan, self.w, self.comm = plan, w, comm
         self.device, self.dtype = device or torch.device("cpu"), dtype
         self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
-        self.layers[-1].to_client = True  # its down partials go to the client: the egress (ops.py)
+        self.layers[-1].egress = True  # its output is the egress (H, ΣT), summed by the client (ops.py)
+        # its down partials go to the client, unless a post-norm needs the summed y first (ops.py)
+        self.layers[-1].to_client = plan.down_to_client
         # layer 0's q/k/v come with the ingress (the client computes them): its q/k/v slices go
         first = self.layers[0].w
         first.qkv_w, first.qkv_b = first.qkv_w.new_empty(0, first.qkv_w.shape[1]), None
-        self.rotary = Rotary(c.rope, c.head_dim)
+        self.rotary, self.rotary_local = rotaries(c)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
 
@@ -128,6 +146,8 @@ class ShardedModel:
             group_size=c.group_size,
             eps=c.rms_eps,
             window=c.window(i),
+            scale=c.scale,
+            activation=c.activation,
         )
 
     def attach_audit(self, audit) -> None:
@@ -236,11 +256,19 @@ class ShardedModel:
             self.lengths[s.slot] = max(self.lengths[s.slot], s.pos + s.t)
         return make_step(spans, self.rotary, self.device, self.dtype, self.plan.config.windows)
 
+    def _layer_steps(self, spans: list[Span]) -> list[Step]:
+        """Each layer's step: `_step`'s, or for a local layer of a model whose local layers rotate
+        with their own RoPE (Gemma 3: config.rope_local) the same with that RoPE's tables."""
+        step, c = self._step(spans), self.plan.config
+        if self.rotary_local is None:
+            return [step] * len(self.layers)
+        local = make_step(spans, self.rotary_local, self.device, self.dtype, c.windows)
+        return [local if c.local_rope(i) else step for i in range(len(self.layers))]
+
     def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
         """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0);
         qkv_aT: layer 0's q/k/v rows of this worker, from the client. Returns the egress e_HT (H, ΣT)."""
-        step = self._step(spans)
         self.layers[0].given_qkv = qkv_aT
-        for layer in self.layers:
+        for layer, step in zip(self.layers, self._layer_steps(spans), strict=True):
             x_dT = layer.forward(x_dT, step)
         return x_dT

@@ -17,8 +17,8 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,11 +39,11 @@ from ..comm import (
     say_farewell,
 )
 from ..comm.value_checks import egress_fault
-from ..runtime.faults import comm_fault, parse_fault, rejoin
 from ..runtime.launch import leave_now
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, torch_dtype
 from ..runtime.progress import CountingSource, WorkerReporter, worker_elements
 from ..weights.loader import WeightSource, open_weights
+from .controls import Controls, OpHandler
 from .ops import Span
 from .plan import Plan, make_plan
 from .protocol import CONTROL_LEN, MAX_SLOTS, Op, fingerprint_int
@@ -67,9 +67,9 @@ class WorkerOptions:
     device: str = "cpu"  # where this worker's weights, KV cache and steps live: cpu, cuda, cuda:K
     progress: str = "auto"
     audit_dir: str | None = None
-    inject_leak: str | None = None
-    inject_fault: str | None = None  # tests only: faults.py
-    variant: str = "sharded"
+    controls: Controls = field(default_factory=Controls)  # faults, leaks, the baseline: chosen at start-up
+    ops: Mapping[int, OpHandler] = field(default_factory=dict)  # control ops beyond protocol.Op (the bench's)
+    modes: Mapping[str, Callable[..., None]] = field(default_factory=dict)  # other modes' runners (masked/member.py)
     log: Callable[[str], None] = _log.warning  # refused connections, epochs that ended or did not open
 
 
@@ -84,9 +84,6 @@ class Worker:
         self.links: dict = {}
         self.words: queue.Queue[dict] = queue.Queue()
         self._links_lock = threading.Lock()
-        fault = parse_fault(o.inject_fault) if o.inject_fault else None
-        self.join_fault = fault if fault is not None and fault.kind == "never-join" else None  # faults.rejoin
-        self.sabotage = comm_fault(fault)  # each epoch's Comm as is, or a faulty one's (faults.py)
         self.witness = Witness()  # what this worker saw of its peers, for the client's questions
         self.fabric = None  # this epoch's worker fabric: an abort word ends its waits
         self._aborted = False  # the client ended the epoch (abort, revoke, stop): no farewell owed
@@ -140,13 +137,12 @@ class Worker:
         self.witness.start(welcome.get("epoch"))
         self._aborted = False
         try:
-            if welcome.get("mode") == "masked":
-                if o.device != "cpu":
-                    raise RuntimeError(f"the masked mode runs on the CPU; this worker was started on {o.device}")
-                from ..masked.member import run_member
-
-                run_member(self.src, welcome, rank, links, o, keep=self.audit_logs.append, counting=self.counting)
+            mode = welcome.get("mode") or "structural"
+            if mode in o.modes:  # another mode's member (the masked one's, run_member): handed in at start-up
+                o.modes[mode](self.src, welcome, rank, links, o, keep=self.audit_logs.append, counting=self.counting)
                 return True
+            if mode != "structural":
+                raise RuntimeError(f"the client asked for the {mode} mode, which this worker was not started with")
             plan = make_plan(self.src.config, n, tuple(float(x) for x in welcome["capacities"]))
             dtype = welcome.get("dtype", DEFAULT_DTYPE)  # the client's: the wire carries it
             if dtype not in DTYPES:
@@ -190,8 +186,9 @@ class Worker:
                 fabric=fabric,
                 backend=backend,
                 witness=self.witness,
+                epoch=int(welcome.get("epoch") or 0),
             )
-            comm = self.sabotage(comm)
+            comm = o.controls.comm(comm)  # as is, or a test's faulty or the audit's leaky one's
             try:
                 serve(self, plan, rank - 1, comm, audit=audit, dtype=dtype)
                 return True
@@ -238,12 +235,7 @@ class Worker:
             self.model.wipe()
         self.model = self.model_key = None
         src = self.counting(self.src, worker_elements(plan, w))
-        if variant == "megatron":
-            from .megatron import MegatronModel
-
-            model = MegatronModel(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
-        else:
-            model = ShardedModel(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
+        model = self.o.controls.model_class()(src, plan, w, comm, torch.device(self.o.device), torch_dtype(dtype))
         release_freed_memory()  # the load's transient copies (measured ~25 MiB per worker) go back now
         self.model, self.model_key = model, key
         return model
@@ -256,10 +248,7 @@ def run(o: WorkerOptions) -> None:
     report = WorkerReporter(o.progress, label="fusion worker")
     report.phase("open")
     src = open_weights(o.model)
-    if o.inject_leak and o.inject_leak != "a-to-b":  # a-to-b: the masked mode's own (masked/worker.py)
-        from ..audit.inject import parse_leak
-
-        parse_leak(o.inject_leak, src.config.n_layers)  # a bad spec fails before joining
+    o.controls.opened(src.config)  # a control's spec that does not fit the model fails before joining
     report.phase("join")
     cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
     report.end_line()
@@ -271,7 +260,7 @@ def run(o: WorkerOptions) -> None:
     report.end_line()
     _joined(welcome)
     me = Worker(o, src, report)
-    join = rejoin(me.join_fault, join_epoch)  # later epochs' joins (a test's faulty worker ignores them: faults.py)
+    join = o.controls.join(join_epoch)  # later epochs' joins (a test's faulty worker ignores them)
     pulse = Pulse(
         open_pulse(cred, int(welcome["pid"]), time.monotonic() + o.join_timeout_s),
         me.on_word,
@@ -328,11 +317,12 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     (protocol.Op).
 
     audit: an `audit.recorder.AuditRecorder` (also the comm's recorder) that closes one log record
-    per step; the worker's options name the negative control (`--inject-leak`, audit/inject.py) and
-    the variant: "sharded" or "megatron" (the replicated-residual baseline, same protocol)."""
-    rank, leak, variant = w + 1, me.o.inject_leak, me.o.variant
+    per step; the worker's controls (controls.Controls) arm the audit's negative control and name
+    the variant: "sharded" or "megatron" (the replicated-residual baseline, same protocol). An op
+    not in protocol.Op is looked up in the options' table (`ops`: the bench's, bench/ops.py)."""
+    rank, controls = w + 1, me.o.controls
     ctrl = torch.zeros(CONTROL_LEN, dtype=torch.int64)
-    comm.recv(ctrl, 0, "control", "hello")
+    comm.recv(ctrl, 0, "control", "hello", new_step=True)  # a command word: step 1 (comm.py, "Numbered steps")
     op, context, fp, _ = (int(v) for v in ctrl)
     mine = fingerprint_int(plan)
     if op != Op.HELLO or fp != mine:
@@ -340,15 +330,12 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
         comm.flush()
         raise RuntimeError(f"plan mismatch with the client (worker {mine:x}, client {fp:x}): same model file?")
     t0 = time.perf_counter()
-    model = me.model_for(plan, w, comm, variant, dtype)
+    model = me.model_for(plan, w, comm, controls.variant, dtype)
     model.reset(context)
-    if leak:
-        from ..audit.inject import install_leak
-
-        install_leak(model, leak)
+    controls.arm(model)
     if audit is not None:
         model.attach_audit(audit)
-        audit.start(plan.workers[w], plan.config, variant=variant, leak=leak)
+        audit.start(plan.workers[w], plan.config, variant=controls.variant, leak=controls.leak)
     load_ms = int((time.perf_counter() - t0) * 1000)
     comm.send(torch.tensor([1, mine, load_ms, rss_kb()]), 0, "control", "hello")
     _log.info(
@@ -356,7 +343,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     )
     n_res, n_qkv = plan.workers[w].n_residual, plan.qkv_sizes[w]
     while True:
-        comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf)  # idle is normal; a gone client is not
+        comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf, new_step=True)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
         if op == Op.FORWARD:  # one session's tokens, or several sessions' (continuous batching): [op, n, ΣT, W]
             words = comm.recv(torch.empty(t * 3, dtype=torch.int64), 0, "control", "spans").view(t, 3).tolist()
@@ -403,20 +390,15 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
                 audit.new_session()
         elif op == Op.WIPE:
             model.wipe()
-        elif op == Op.PROBE:
-            comm.send(torch.tensor([1, int(model.kv_abs_max() * 1e6), 0, rss_kb()]), 0, "control", "probe")
         elif op == Op.PING:
             comm.send(torch.tensor([1, rank, 0, rss_kb()]), 0, "control", "pong")
-        elif op == Op.BENCH_RS:
-            comm.send(bench_reduce_scatter(comm, plan.n, t, pos), 0, "control", "bench")
-        elif op == Op.STATS:
-            k = comm.counters
-            comm.send(torch.tensor([k.collectives, k.peer_bytes_sent, k.client_bytes, rss_kb()]), 0, "control", "stats")
         elif op == Op.SHUTDOWN:
             model.wipe()
             if audit is not None:
                 audit.close()
             return
+        elif op in me.o.ops:  # an op the start-up added (the bench's: bench/ops.py)
+            me.o.ops[op](model, comm, plan, t, pos, arg)
         else:
             raise RuntimeError(f"unknown control op {op}")
 
@@ -442,20 +424,6 @@ def with_trees(spans: list[Span], words: list[int]) -> list[Span]:
     if at != len(words):
         raise RuntimeError(f"malformed tree words: {len(words) - at} left over")
     return out
-
-
-def bench_reduce_scatter(comm: Comm, n: int, rows: int, iters: int) -> torch.Tensor:
-    """Latency of the reduce-scatter verb alone: `iters` of them on random (rows * n, 1) partials
-    (no state involved), timed back to back after one warm-up; [median, min, max] in ns."""
-    partial = torch.randn(rows * n, 1)
-    times = []
-    for i in range(iters + 1):
-        t0 = time.perf_counter_ns()
-        comm.reduce_scatter(partial, [rows] * n, "bench")
-        if i:
-            times.append(time.perf_counter_ns() - t0)
-    times.sort()
-    return torch.tensor([times[len(times) // 2], times[0], times[-1], 0], dtype=torch.int64)
 
 
 def release_freed_memory() -> None:

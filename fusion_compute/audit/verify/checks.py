@@ -44,6 +44,9 @@ class Verification:
     n_layers: int
     wire: str = "tls"  # the link backend whose wire model predicts the socket bytes (manifest "wire")
     itemsize: int = 4  # bytes per element of the state on the wire (manifest "wire_dtype")
+    # the last down's partials go to the client (manifest plan.boundary "down_to_client"; not with
+    # post-norms): no down scatter in the last layer and no worker holds its output residual
+    down_to_client: bool = True
     decls: list[Declared] = field(default_factory=list)  # per worker
     owners: list[list[int]] = field(default_factory=list)  # per KV group
     bad_steps: set[StepId] = field(default_factory=set)
@@ -138,7 +141,7 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
                 sets[k] = frozenset(S.from_runs(runs))
                 sets_version += 1
             spans = spans_of(r) if r.get("spans") is not None else None
-            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans, ctx.itemsize)
+            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans, ctx.itemsize, ctx.down_to_client)
             check_spans_message(r, spans, where, res, ctx.violate)
             s, rr = wire_bytes(expect, n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
@@ -154,7 +157,9 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
             last_holds = holds
             hkey = (sets_version, tuple(tuple(x) for x in holds or []))
             if hkey not in hold_memo:
-                hold_memo[hkey] = check_holds(hkey[1], sets, ctx.decls[w], dims, ctx.n_layers, kv_parts)
+                hold_memo[hkey] = check_holds(
+                    hkey[1], sets, ctx.decls[w], dims, ctx.n_layers, kv_parts, ctx.down_to_client
+                )
             h, findings, (n_holding, n_closure) = hold_memo[hkey]
             res.checks["holding"] += n_holding
             res.checks["closure"] += n_closure
@@ -203,7 +208,7 @@ def check_transfers(events: list[S.LogEvent], expect: list[Transfer], where: dic
         violate(Violation("accounting", msg, layer=layer, **where))
 
 
-def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts: dict):
+def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts: dict, down_to_client: bool = True):
     """Holding (rows vs claimed coordinates vs declared share) and layout closure of one step.
     `kv_parts` caches the k/v part of each claimed set, so equal claims yield the same objects.
 
@@ -238,7 +243,7 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
         for name in S.HOLD_NAMES:
             n_hold += 1
             got = h.get((layer, name))
-            if not held_in_layer(name, layer, n_layers):
+            if not held_in_layer(name, layer, n_layers, down_to_client):
                 if got is not None:
                     msg = f"{name}: holds {len(got)} coordinates of the final residual, the client's alone"
                     findings.append(("holding", msg, layer))
@@ -373,7 +378,7 @@ def check_partition(ctx: Verification) -> None:
     for key, per_w in ctx.held.items():
         for layer in range(ctx.n_layers):
             for role, (name, a, b) in parts.items():
-                if not held_in_layer(name, layer, ctx.n_layers):
+                if not held_in_layer(name, layer, ctx.n_layers, ctx.down_to_client):
                     continue  # nobody's (check_holds: a worker claiming it is a violation)
                 res.checks["partition"] += 1
                 res.checks["no_full_holder"] += 1

@@ -71,6 +71,7 @@ def read_rank_log(path: Path, rank: int, final: str | None, res: Result, left: s
     records = read_chain(path, rank, final, res)
     log = split_records(records, rank, res, left) if records else RankLog({}, [], [], None)
     check_order(log.body, rank, res)
+    check_frame_steps(log.body, rank, res)
     return log
 
 
@@ -150,6 +151,43 @@ def check_order(body: list[dict], rank: int, res: Result) -> None:
         step += 1
 
 
+def check_frame_steps(body: list[dict], rank: int, res: Result) -> None:
+    """The step numbers the frames carried (schema.py: `frame_step`): in log order the events' numbers
+    never go down; every event of a step record carries the record's `frame_step`, and the events
+    before it (its `control`) no higher one; `frame_step` grows from step record to step record (a
+    command word starts each step). A log whose messages were reordered, moved to another step or
+    renumbered fails here; that the client and every worker give a step the same number is
+    check_same_steps' (StepKey)."""
+    seen, last_frame = 0, 0
+    for r in body:
+        frame = r.get("frame_step") if r.get("type") == "step" else None
+        if r.get("type") == "step":
+            if not isinstance(frame, int) or isinstance(frame, bool) or frame <= last_frame:
+                msg = f"frame step {frame!r} after frame step {last_frame}: steps out of order"
+                res.violations.append(
+                    Violation("structure", msg, rank=rank, session=r.get("session"), step=r.get("step"))
+                )
+            else:
+                last_frame = frame
+        for part in ("control", "events"):
+            for raw in r.get(part) or []:
+                try:
+                    step = read_event(raw).step
+                except TypeError:
+                    continue  # malformed: the checks that read events report it
+                ok = isinstance(step, int) and not isinstance(step, bool) and step >= seen
+                if ok and frame is not None:
+                    ok = step == frame if part == "events" else step <= frame
+                if not ok:
+                    under = f" in a step record of frame step {frame}" if frame is not None else ""
+                    msg = f"{raw[1] if len(raw) > 1 else '?'} message of step {step!r} after step {seen}{under}"
+                    res.violations.append(
+                        Violation("structure", msg, rank=rank, session=r.get("session"), step=r.get("step"))
+                    )
+                    continue
+                seen = step
+
+
 class StepKey(NamedTuple):
     """A step as every rank must have run it."""
 
@@ -159,6 +197,7 @@ class StepKey(NamedTuple):
     pos: int | None  # position of the first token
     spans: str | None = None  # a batched step's sessions, as canonical JSON (any value compares, and hashes)
     phase: str | None = None
+    frame_step: int | None = None  # the step number its frames carried (check_frame_steps)
 
     @property
     def decode(self) -> bool:
@@ -178,6 +217,7 @@ def step_key(record: dict) -> StepKey:
         _hashable(record.get("pos")),
         None if spans is None else json.dumps(spans, sort_keys=True),
         _hashable(phase),
+        _hashable(record.get("frame_step")),
     )
 
 
