@@ -416,15 +416,7 @@ class Membership:
         wanted = self.wanted
         if self.comm is None or len(self.order) >= wanted or self.group_names() is not None:
             return  # (masked jobs keep their groups' own standbys: `_next_order`)
-        spares = [
-            p
-            for p, s in self.seats.items()
-            if s.standby
-            and p not in self.order
-            and p in self.watch.ranks
-            and p not in self.watch.failed()
-            and p not in self.removed
-        ]
+        spares = self._alive_spares()
         if not spares:
             return
         take = spares[: wanted - len(self.order)]
@@ -585,9 +577,9 @@ class Membership:
                 why.append(seen[p])
         return "; ".join(why) or str(err)
 
-    def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
-        failed = set(failed) | {p for p in self.order if p in self.removed}  # a failed epoch change's leftovers
-        alive_spares = [
+    def _alive_spares(self) -> list[int]:
+        """Standbys outside the epoch that are joined, alive and not removed: who may take a seat."""
+        return [
             p
             for p, s in self.seats.items()
             if s.standby
@@ -596,6 +588,10 @@ class Membership:
             and p not in self.watch.failed()
             and p not in self.removed
         ]
+
+    def _next_order(self, failed: set[int], why: str = "refusing to continue with") -> list[int]:
+        failed = set(failed) | {p for p in self.order if p in self.removed}  # a failed epoch change's leftovers
+        alive_spares = self._alive_spares()
         order = []
         for p in self.order:
             if p not in failed:
