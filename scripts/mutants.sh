@@ -393,7 +393,7 @@ MUTANTS += [
     (
         "send-check-off-egress",
         R + "structural/worker.py",
-        "fault = egress_fault(x_dT, plan.n)",
+        "fault = egress_fault(e_HT, plan.n)",
         "fault = None",
         [P41 + "test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody"],
     ),
@@ -598,8 +598,8 @@ MUTANTS += [
     (
         "b47-egress-scale-max-not-sum",
         R + "structural/client.py",
-        "rows = torch.stack(sumsq).sum(0)",
-        "rows = torch.stack(sumsq).amax(0)",
+        "rows = torch.stack([shard.double() for shard in shards]).sum(0).square().sum(0)",
+        "rows = torch.stack([shard.double() for shard in shards]).amax(0).square().sum(0)",
         [E + "::test_a_tokens_row_is_summed_over_the_workers_not_its_largest_part"],
     ),
     (
@@ -612,7 +612,7 @@ MUTANTS += [
     (
         "b47-egress-share-is-the-whole-limit",
         R + "structural/client.py",
-        "share, named = EGRESS_SCALE_LIMIT / len(shards), {}",
+        "share, named = EGRESS_SCALE_LIMIT / len(shards) ** 2, {}",
         "share, named = EGRESS_SCALE_LIMIT, {}",
         [E + "::test_named_are_those_over_their_share_of_the_limit_not_over_the_whole"],
     ),

@@ -87,10 +87,12 @@ def check_faithful(
     assert int(clear.sum()) >= len(ids) // 2, "too few clear margins: the check would be vacuous"
     assert torch.equal(z.argmax(-1)[clear], top.indices[clear, 0])
     if n == 2:  # the wire carried the dtype: the reduce-scatters' bytes are the plan's at its bytes per element
-        plan, layers = eng.plan, eng.config.n_layers
+        plan = eng.plan
         for w, (w0, w1) in enumerate(zip(before, after, strict=True)):
             sent = w1["peer_bytes_sent"] - w0["peer_bytes_sent"]
-            assert sent == plan.bytes_per_token_layer(w, itemsize(dtype)) * layers * len(ids)
+            assert sent == plan.bytes_sent_per_token(w, itemsize(dtype)) * len(ids)
+            # counted, one forward: the last layer's down went to the client with the egress
+            assert w1["collectives"] - w0["collectives"] == plan.collectives_per_forward(w)
     eng.reset()
     if greedy is None:
         got = generate(eng, PROMPT, max_new_tokens=NEW_TOKENS, sampling=SamplingParams()).token_ids

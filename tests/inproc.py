@@ -10,8 +10,9 @@ as the links do (Comm._scatter_blocks), so a step's numbers are those of a job o
 
 What does not run here: processes, links, TLS, the client's engine (runtime/engine.py,
 structural/client.py), the worker's op loop. `ShardedRun` does the client's arithmetic itself
-(embedding, ingress split by the plan's residual ranges, egress concatenated, final norm, LM head:
-what structural.client.Engine._forward_batch computes), so a test of the operators needs no
+(embedding, ingress split by the plan's residual ranges with layer 0's q/k/v rows (the client's
+own structural.client.ingress_qkv), egress summed, final norm, LM head: what
+structural.client.Engine._forward_batch computes), so a test of the operators needs no
 process; the tests of the protocol, TLS, faults and recovery keep real ones.
 
 Any model directory works (`model`: an HF folder, e.g. one saved from a tiny transformers config by
@@ -40,6 +41,7 @@ from fusion_compute.comm.errors import CommError
 from fusion_compute.model import architecture as arch
 from fusion_compute.model.dense import ClearParams, DenseModel
 from fusion_compute.model.kernels import rms_norm
+from fusion_compute.structural.client import ingress_qkv, layer0_qkv
 from fusion_compute.structural.ops import Span
 from fusion_compute.structural.plan import Plan, make_plan
 from fusion_compute.structural.sharded import ShardedModel
@@ -189,6 +191,7 @@ class ShardedRun:
         self.embed = embed.to(dtype)
         self.lm_head = arch.read_lm_head(self.src, embed).to(dtype)
         self.final_norm = self.src.read(arch.FINAL_NORM).to(dtype)
+        self.qkv0 = layer0_qkv(self.src, self.plan, torch.device("cpu"), dtype)  # the client's layer-0 q/k/v
         self.reset(max_seq, slots)
 
     def reset(self, max_seq: int | None = None, slots: int | None = None) -> None:
@@ -210,15 +213,17 @@ class ShardedRun:
         self.pos[slot] = 0
 
     def shards(self, x_HT: torch.Tensor, spans: list[Span]) -> list[torch.Tensor]:
-        """One step on every worker, from the full ingress (H, ΣT): each worker's egress shard."""
+        """One step on every worker, from the full ingress (H, ΣT): each worker's egress (H, ΣT), its
+        partial of the final residual."""
         ins = [x_HT[slice(*s.residual)].contiguous() for s in self.plan.workers]
+        qkv = ingress_qkv(x_HT, self.qkv0, self.config.hidden, self.config.rms_eps)
 
         def step(w: int) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
                 m = self.workers[w]
                 m.roll_back(spans)
                 with torch.no_grad():
-                    return m.forward(ins[w], spans)
+                    return m.forward(ins[w], spans, qkv[w])
 
             return run
 
@@ -227,8 +232,8 @@ class ShardedRun:
     def forward_batch(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         spans = [Span(slot, self.pos[slot], len(ids)) for slot, ids in items]
         ids = [i for _, seq in items for i in seq]
-        x_HT = self.embed[torch.tensor(ids)].T.contiguous()
-        out = torch.cat(self.shards(x_HT, spans))  # (H, ΣT): the residual, on the client's side only
+        x_HT = arch.embed_rows(self.config, self.embed, torch.tensor(ids)).T.contiguous()  # (Gemma: √H)
+        out = accumulate(torch.stack(self.shards(x_HT, spans)))  # (H, ΣT): the residual, the client's alone
         x_TH = rms_norm(out.T, self.final_norm, self.config.rms_eps)
         logits = (x_TH @ self.lm_head.T).double()
         for s in spans:

@@ -214,9 +214,38 @@ def extra_coordinates(d: Path) -> None:
 def altered_bytes(d: Path) -> None:
     recs = _records(d / "rank3.jsonl")
     step = recs[_steps(recs)[3]]
-    ev = next(e for e in step["events"] if e[1] == "L2.down")
+    ev = next(e for e in step["events"] if e[1] == "L1.down")  # (L2, the last, has no down scatter)
     ev[4] = [v - 1 if v else 0 for v in ev[4]]
     _rechain(d, 3, recs)
+
+
+def held_final_residual(d: Path) -> None:
+    """A worker claims its residual rows of the last layer's output, which only the client holds
+    (the last down's partials go to it: no scatter delivers them to a worker)."""
+    recs = _records(d / "rank2.jsonl")
+    first = recs[_steps(recs)[0]]
+    last = max(h[0] for h in first["holds"])
+    held = next(h for h in first["holds"] if h[0] == last and h[1] == "resid.in")
+    first["holds"].append([last, "resid.out", held[2], held[3]])
+    _rechain(d, 2, recs)
+
+
+def egress_as_shard(d: Path) -> None:
+    """The client's log says it got each worker's residual shard back, not its full-width partial."""
+    recs = _records(d / "rank0.jsonl")
+    step = recs[_steps(recs)[1]]
+    ev = next(e for e in step["events"] if e[1] == "final")
+    ev[5] = [v // 3 for v in ev[5]]  # (received) tiny Qwen2 at N = 3: H / 3 per worker, the old egress
+    _rechain(d, 0, recs)
+
+
+def ingress_qkv_widened(d: Path) -> None:
+    """The client's log says it sent a worker more of layer 0's q/k/v than the worker's share."""
+    recs = _records(d / "rank0.jsonl")
+    step = recs[_steps(recs)[1]]
+    ev = next(e for e in step["events"] if e[1] == "qkv0")
+    ev[4] = [v * 2 for v in ev[4]]  # (sent)
+    _rechain(d, 0, recs)
 
 
 def reordered_steps(d: Path) -> None:
@@ -278,6 +307,9 @@ TAMPERS = {
     "dropped-event-rechained": (drop_event_rechained, {"accounting"}),
     "extra-coordinates": (extra_coordinates, {"holding", "partition"}),
     "altered-bytes": (altered_bytes, {"accounting"}),
+    "held-final-residual": (held_final_residual, {"holding"}),
+    "egress-as-shard": (egress_as_shard, {"accounting"}),
+    "ingress-qkv-widened": (ingress_qkv_widened, {"accounting"}),
     "reordered-steps": (reordered_steps, {"structure"}),
     "negative-position": (negative_position, {"structure"}),
     "renumbered-message": (renumbered_message, {"structure"}),

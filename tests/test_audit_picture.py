@@ -89,13 +89,17 @@ def test_the_picture_is_what_the_logs_record(run_dir, tiny_qwen2, tmp_path, caps
     assert rc == 0
     assert drawn(svg) == recorded(run_dir / "epoch0", 3)
     # an honest run holds what was planned, drawn where the plan picture draws it
-    check_drawing(svg, make_plan(open_weights(str(tiny_qwen2)).config, 3))
+    plan = make_plan(open_weights(str(tiny_qwen2)).config, 3)
+    check_drawing(svg, plan)
     assert any(n.startswith("verifier: PASS") for n in notes(svg)), notes(svg)
     assert {g.get("data-epoch") for g in ET.fromstring(svg).iter(f"{NS}g") if g.get("class") == "hold"} == {"0"}
-    # the transfers of the first decode step, as logged: ingress = each worker's residual rows
+    # the transfers of the first decode step, as logged: ingress = each worker's residual rows and its
+    # rows of layer 0's q/k/v (the client computes them); egress = the full width, summed by the client
     root = ET.fromstring(svg)
     ingress = [int(e.get("data-elements")) for e in root.iter(f"{NS}line") if e.get("class") == "ingress"]
-    assert ingress == [24, 24, 24]  # hidden 72 over 3 workers
+    assert ingress == [24 + q for q in plan.qkv_sizes]  # hidden 72 over 3 workers, + q/k/v rows
+    egress = [int(e.get("data-elements")) for e in root.iter(f"{NS}line") if e.get("class") == "egress"]
+    assert egress == [72, 72, 72]
     cells = [r for r in root.iter(f"{NS}rect") if r.get("class") == "scatter"]
     assert len(cells) == 9 and all(
         int(c.get("data-elements")) == 0 for c in cells if c.get("data-from") == c.get("data-to")

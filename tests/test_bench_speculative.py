@@ -48,21 +48,24 @@ def test_unknown_workload_names_the_known_ones():
 
 
 def test_exchanges_per_forward_from_counters():
-    # SmolLM2 at N = 2: 4 reduce-scatters x 30 layers among the workers, + the client's ingress and egress
-    assert B.exchanges_per_forward(collectives=120 * 78, forwards=78) == 122
-    # Megatron-style TP: 2 all-reduces x 30 layers + the ingress all-gather, + the client's two
-    assert B.exchanges_per_forward(collectives=61 * 8, forwards=8) == 63
+    # SmolLM2 at N = 2: 4 reduce-scatters x 30 layers among the workers but layer 0's QKV (the client
+    # sends its q/k/v with the ingress) and the last layer's down (its partials go to the client with
+    # the egress), + the client's ingress and egress
+    assert B.exchanges_per_forward(collectives=118 * 78, forwards=78) == 120
+    # Megatron-style TP: 2 all-reduces x 30 layers + the ingress all-gather, less the last down
+    # all-reduce (its partials go to the client too), + the client's two
+    assert B.exchanges_per_forward(collectives=60 * 8, forwards=8) == 62
     with pytest.raises(ValueError):
         B.exchanges_per_forward(10, 0)
 
 
 def test_per_token_counts_the_prefill_step_and_its_token():
-    # 64 tokens in 30 forwards (1 prefill + 29 verifications) at 122 exchanges each
-    r = B.per_token(steps=30, tokens=64, exchanges_per_forward=122)
-    assert r == {"forwards_per_token": 0.4688, "exchanges_per_token": 57.19}
-    assert B.per_token(10, 10, 122)["exchanges_per_token"] == 122  # no speculation: one forward per token
+    # 64 tokens in 30 forwards (1 prefill + 29 verifications) at 120 exchanges each
+    r = B.per_token(steps=30, tokens=64, exchanges_per_forward=120)
+    assert r == {"forwards_per_token": 0.4688, "exchanges_per_token": 56.25}
+    assert B.per_token(10, 10, 120)["exchanges_per_token"] == 120  # no speculation: one forward per token
     with pytest.raises(ValueError):
-        B.per_token(1, 0, 122)
+        B.per_token(1, 0, 120)
 
 
 def test_acceptance_is_vllms_definition():

@@ -1,8 +1,10 @@
-"""The structural client's egress scale check at its boundaries (issue 47), on hand-built shards and
-no workers: a token's sum of squares is summed over every worker's shard (a sum, not the largest
-part), one token's row at a time (not over the step's tokens), against half of float32's largest
-value; and over it, the workers named are those holding more than their even share of the limit
-(the limit over N, not the whole), by their participant ids. The multi-process run (a worker sending
+"""The structural client's egress scale check at its boundaries (issue 47), on hand-built egresses
+and no workers. An egress is a worker's full-width partial of the final residual (the last layer's
+down partial, its residual rows added; the client sums the N of them: issue 43): a token's sum of
+squares is that of the summed row (the partials added, not their sums of squares, and not the
+largest part), one token's row at a time (not over the step's tokens), against half of float32's
+largest value; and over it, the workers named are those whose egress holds more than the limit over
+N² (N parts each within it sum to a row within the limit), by their participant ids. The multi-process run (a worker sending
 ±3e38 named and replaced) is tests/test_egress_checks.py's, marked slow."""
 
 from __future__ import annotations
@@ -56,44 +58,45 @@ def test_the_limit_is_half_of_float32s_largest_value():
 
 
 def test_a_tokens_row_is_summed_over_the_workers_not_its_largest_part():
-    """Two workers each hold 0.6 of the limit of token 0: neither part is over the limit, their sum
-    is. Both are over their even share (a half) and both are named."""
+    """Two workers' partials of token 0, 0.3 of the limit each in the same coordinate: neither is over
+    the limit, their sum (1.2 of it) is. Both are over their share (a quarter) and both are named.
+    At 0.2 each the sum is 0.8: it passes. Opposite signs cancel: the partials are added, not their
+    squares."""
     L = EGRESS_SCALE_LIMIT
-    assert named(engine([4, 7]), [shard(0.6 * L), shard(0.6 * L)]) == [4, 7]
-    assert named(engine([4, 7]), [shard(0.49 * L), shard(0.49 * L)]) is None
+    assert named(engine([4, 7]), [shard(0.3 * L), shard(0.3 * L)]) == [4, 7]
+    assert named(engine([4, 7]), [shard(0.2 * L), shard(0.2 * L)]) is None
+    assert named(engine([4, 7]), [shard(0.9 * L), -shard(0.9 * L)]) is None
 
 
 def test_each_token_is_its_own_row_not_the_steps_sum():
-    """Three tokens at 0.8 of the limit each (0.4 from each worker): the step holds 2.4 limits in all,
-    and each token's row is under it: honest. One token over: named."""
+    """Three tokens at 0.8 of the limit each (0.2 from each worker, summed): the step holds 2.4
+    limits in all, and each token's row is under it: honest. One token over (0.2 and 0.7: 1.65):
+    named, the worker over its quarter only."""
     L = EGRESS_SCALE_LIMIT
     eng = engine([1, 2])
-    assert named(eng, [shard(0.4 * L, 0.4 * L, 0.4 * L), shard(0.4 * L, 0.4 * L, 0.4 * L)]) is None
-    assert named(eng, [shard(0.4 * L, 0.4 * L, 0.4 * L), shard(0.4 * L, 0.7 * L, 0.4 * L)]) == [2]
+    assert named(eng, [shard(0.2 * L, 0.2 * L, 0.2 * L), shard(0.2 * L, 0.2 * L, 0.2 * L)]) is None
+    assert named(eng, [shard(0.2 * L, 0.2 * L, 0.2 * L), shard(0.2 * L, 0.7 * L, 0.2 * L)]) == [2]
 
 
 def test_named_are_those_over_their_share_of_the_limit_not_over_the_whole():
-    """Three workers: 0.5, 0.3, 0.3 of the limit for one token (1.1 in all). The share is a third:
-    only the first is over it. None of them is over the whole limit alone."""
+    """Three workers: 0.5, 0.1, 0.1 of the limit for one token, summed in one coordinate (1.87 in
+    all). The share is a ninth: only the first is over it. None of them is over the whole limit."""
     L = EGRESS_SCALE_LIMIT
-    assert named(engine([9, 5, 2]), [shard(0.5 * L), shard(0.3 * L), shard(0.3 * L)]) == [9]
+    assert named(engine([9, 5, 2]), [shard(0.5 * L), shard(0.1 * L), shard(0.1 * L)]) == [9]
     # the participant named is the shard's worker's, whatever the order of the seats
-    assert named(engine([9, 5, 2]), [shard(0.3 * L), shard(0.3 * L), shard(0.5 * L)]) == [2]
-    assert named(engine([9, 5, 2]), [shard(0.3 * L), shard(0.5 * L), shard(0.3 * L)]) == [5]
+    assert named(engine([9, 5, 2]), [shard(0.1 * L), shard(0.1 * L), shard(0.5 * L)]) == [2]
+    assert named(engine([9, 5, 2]), [shard(0.1 * L), shard(0.5 * L), shard(0.1 * L)]) == [5]
 
 
 def test_exactly_the_limit_and_exactly_the_even_share_are_not_over_them(monkeypatch):
-    """With a limit of 100 (the rule is the same for any), sums of squares of small integers (exact):
-    a row of 101, parts 50 (5² + 5²) and 51 (7² + 1 + 1). The share is 50: the worker at exactly
-    50 holds no more than its even part and is not named. A row of exactly 100 passes."""
+    """With a limit of 100 (the rule is the same for any), small integers (exact): partials (3, 4, 0)
+    (sum of squares 25) and (6, 1, 1) (38) sum to (9, 5, 1), a row of 107. The share is 100 / 2² = 25:
+    the worker at exactly 25 is not named. Partials (3, 4, 0) twice sum to (6, 8, 0), a row of
+    exactly 100: it passes."""
     monkeypatch.setattr(client, "EGRESS_SCALE_LIMIT", 100.0)
-    fifty, fifty_one, forty_nine = (
-        torch.tensor([[5.0], [5.0]]),
-        torch.tensor([[7.0], [1.0], [1.0]]),
-        torch.tensor([[7.0]]),
-    )
-    assert named(engine([1, 2]), [fifty, fifty_one]) == [2]
-    assert named(engine([1, 2]), [forty_nine, fifty_one]) is None
+    twenty_five, thirty_eight = torch.tensor([[3.0], [4.0], [0.0]]), torch.tensor([[6.0], [1.0], [1.0]])
+    assert named(engine([1, 2]), [twenty_five, thirty_eight]) == [2]
+    assert named(engine([1, 2]), [twenty_five, twenty_five.clone()]) is None
 
 
 def test_the_message_names_the_seat_and_the_participant():

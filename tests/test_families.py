@@ -386,6 +386,32 @@ def test_audit_rejects_a_norm_exchange_it_did_not_predict(models, tmp_path, monk
 
 
 @pytest.mark.slow
+def test_the_verifier_reads_the_kept_last_down_scatter_from_the_logged_plan(models, tmp_path):
+    """Gemma 3's last down keeps its scatter (its post-norm needs the summed y: plan.boundary's
+    down_to_client is false, one merge instead of two), and the run's manifest says so. The audit
+    closes reading it there; the same logs read with the flag flipped (as a family without
+    post-norms) are rejected: an L3.down scatter nobody predicted, and the workers' rows of the final
+    residual held where the flag says nobody holds them."""
+    from test_audit import audited
+
+    from fusion_compute.audit import schema as S
+    from fusion_compute.audit.verify import load_manifest, verify_epoch
+
+    good = audited(models["gemma3-gqa-odd-tied"][0], tmp_path, 2)
+    assert good["ok"], good["first_violations"]
+    epoch = tmp_path / "cold0" / S.epoch_dir(0)
+    manifest = load_manifest(epoch)
+    boundary = manifest["plan"]["boundary"]
+    assert boundary["down_to_client"] is False and boundary["merged"] == ["L0.qkv reduce-scatter into the ingress"]
+    assert verify_epoch(epoch, manifest).ok
+    flipped = {**manifest, "plan": {**manifest["plan"], "boundary": {**boundary, "down_to_client": True}}}
+    wrong = verify_epoch(epoch, flipped)
+    c = wrong.counts()
+    assert not wrong.ok and c["accounting"] and c["holding"], c
+    assert "L3.down" in " ".join(v.message for v in wrong.violations)
+
+
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_new_workers")
 @pytest.mark.parametrize("i", [0, 4, 6])  # a MoE model, attention soft-capping, an unknown RoPE type
 def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
@@ -404,8 +430,10 @@ def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
 @pytest.mark.parametrize("name", AUDITED)
 def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
     """The exchanges one decode step costs each worker, counted by its comm layer (bench/ops.stats),
-    equal the plan's collectives_per_layer × layers at N = 2 (whole KV groups) and N = 3 (a split
-    group): the figures of docs/performance.md's table of families."""
+    equal the plan's collectives_per_forward (collectives_per_layer × layers, less the scatters the
+    boundary merges: layer 0's QKV, and the last layer's down but with post-norms) at N = 2 (whole KV
+    groups) and N = 3 (a split group): the figures of docs/performance.md's table of families, less
+    those."""
     from fusion_compute.bench.rtt import rounds_per_token
     from fusion_compute.structural.client import Engine, EngineOptions
 
@@ -418,7 +446,7 @@ def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
             eng.forward([7])
             counted = [s["collectives"] - b for s, b in zip(stats(eng), before, strict=True)]
             layers = eng.config.n_layers
-            planned = [sum(eng.plan.collectives_per_layer(w).values()) * layers for w in range(n)]
+            planned = [eng.plan.collectives_per_forward(w) for w in range(n)]
             assert counted == planned, (n, counted, planned)
             # the latency model's rounds per decode step: ingress, egress and the busiest worker's
             assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)

@@ -47,11 +47,13 @@ def test_the_block_check_refuses_nan_inf_and_values_over_the_bound_and_passes_th
     assert "over" in block_fault(torch.tensor([1e30, -1e30]))
     assert "over" in block_fault(torch.tensor([3e38], dtype=torch.bfloat16))  # in a 2-byte dtype too
     assert block_fault(torch.empty(0, 4)) is None
-    # the egress: finite, and each token's sum of squares within its 1/N share of the client's limit
+    # the egress (a partial the client sums with N - 1 others): finite, and each token's sum of
+    # squares within its 1/N² share of the client's limit
     assert egress_fault(torch.randn(16, 4), 3) is None
     big = torch.zeros(16, 2)
-    big[0, 1] = math.sqrt(ROW_SUMSQ_LIMIT / 3) * 1.01
+    big[0, 1] = math.sqrt(ROW_SUMSQ_LIMIT / 9) * 1.01
     assert "sum of squares" in egress_fault(big, 3)
+    assert egress_fault(big, 2) is None  # under a quarter of the limit: within two workers' share
     assert egress_fault(big, 1) is None  # one worker's share is the whole limit
     assert "NaN" in egress_fault(torch.tensor([[math.nan]]), 2)
 
@@ -413,8 +415,8 @@ def test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed(tiny_qw
 
 @pytest.mark.slow
 def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qwen2):
-    """The liar (rank 3) sends its victim ±1e19 in the last reduce-scatter of the 6th step: under the
-    bound, so the victim adds it; the victim's egress then holds a token whose sum of squares is over
+    """The liar (rank 3) sends its victim ±1e19 in the last reduce-scatter of the 6th step (the last
+    layer's gate/up: its down goes to the client): under the bound, so the victim uses it; the victim's egress then holds a token whose sum of squares is over
     its share of the client's limit. Its own check refuses to send it (TaintedInputs): it leaves
     saying its inputs made it, and every worker is a suspect, none removed. Without that check the
     client's scale check would name the victim (honest) and remove it. The request completes with
@@ -432,7 +434,9 @@ def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qw
         context=128,
         liveness_s=LIVENESS_S,
         timeout_s=TIMEOUT_S,
-        args_for_worker={3: ("--inject-fault", f"big-rs@{STEP_RS * 6}")},  # the 6th step's last (L2.down)
+        # the 6th step's last reduce-scatter (L2.gate_up): the boundary merges layer 0's QKV and the
+        # last down scatters (plan.boundary), 2 of STEP_RS's 12; the victim's egress is next
+        args_for_worker={3: ("--inject-fault", f"big-rs@{(STEP_RS - 2) * 6}")},
     )
     with Engine(tiny_qwen2, opts) as eng:
         res = run(eng)

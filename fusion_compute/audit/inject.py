@@ -170,8 +170,8 @@ def ignore_rollbacks(model) -> None:
     model.roll_back = lambda spans, measure=False: []
     model.reset = lambda max_seq, slots=1: reset(max_seq * STALE_ROOM, slots)
 
-    def forward_past_rollback(x_dT, spans):
-        return forward(x_dT, [Span(s.slot, max(s.pos, model.lengths[s.slot]), s.t) for s in spans])
+    def forward_past_rollback(x_dT, spans, qkv_aT):
+        return forward(x_dT, [Span(s.slot, max(s.pos, model.lengths[s.slot]), s.t) for s in spans], qkv_aT)
 
     model.forward = forward_past_rollback
 

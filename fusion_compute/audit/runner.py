@@ -305,9 +305,12 @@ class _Epoch:
 
 
 def _open_client_log(cfg: RunConfig, engine, ep: _Epoch) -> None:
-    """The header of the client's log of an epoch: the ingress / egress maps of its plan."""
+    """The header of the client's log of an epoch: the ingress / egress maps of its plan (ingress: a
+    worker's residual shard; egress: every residual coordinate, the last layer's down partial with the
+    worker's own rows added, which the client sums)."""
     ingress = {str(s.rank): S.to_runs(range(*s.residual)) for s in ep.plan.workers}
-    ep.rec.start(None, engine.config, variant=cfg.variant, leak=cfg.inject_leak, ingress=ingress, egress=ingress)
+    egress = {str(s.rank): S.to_runs(range(engine.config.hidden)) for s in ep.plan.workers}
+    ep.rec.start(None, engine.config, variant=cfg.variant, leak=cfg.inject_leak, ingress=ingress, egress=egress)
 
 
 def _revoke(cfg: RunConfig, engine, d: Path, ep: _Epoch, sockets: _Sockets) -> _Epoch:

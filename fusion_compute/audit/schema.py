@@ -118,7 +118,8 @@ OP_ROLES = {
     "post_o": "resid_sumsq",  # Gemma 3: Σy² of the o output's residual rows, per token
     "post_down": "resid_sumsq",
     "embed": "resid",
-    "final": "resid",
+    "qkv0": "qkv",  # layer 0's q/k/v shard, computed by the client, with the ingress
+    "final": "resid_partial",  # the last layer's down partial, the worker's residual rows added
 }
 
 

@@ -212,7 +212,9 @@ def rounds_per_token(model: str, n: int, variant: str) -> int:
     """Sequential network exchanges per decode step: the client's ingress and egress, plus the
     collectives among workers per layer (fusion: 4 reduce-scatters; megatron: 2 all-reduces) and, in
     both, the score sums of split KV groups (the most any worker makes: they run one after another);
-    with post-norms (Gemma 3) the sharded layer's 2 all-worker Σy² sums (megatron's are local)."""
+    with post-norms (Gemma 3) the sharded layer's 2 all-worker Σy² sums (megatron's are local); less
+    the scatters the boundary merges (plan.boundary: the sharded mode's layer-0 QKV scatter and, but
+    with post-norms, either mode's last down exchange)."""
     from ..structural.plan import make_plan
     from ..weights.loader import open_weights
 
@@ -220,9 +222,10 @@ def rounds_per_token(model: str, n: int, variant: str) -> int:
     if n == 1:
         return 2
     plan = make_plan(config, n)
+    if variant == "sharded":
+        return 2 + max(plan.collectives_per_forward(w) for w in range(n))
     split = max(plan.collectives_per_layer(w)["score_sum"] for w in range(n))
-    norms = plan.collectives_per_layer(0).get("norm_sum", 0) if variant == "sharded" else 0
-    return 2 + config.n_layers * ((4 + norms if variant == "sharded" else 2) + split)
+    return 2 + config.n_layers * (2 + split) - (1 if plan.down_to_client else 0)
 
 
 def median_run(reps: list[dict]) -> dict:

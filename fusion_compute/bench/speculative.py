@@ -260,6 +260,7 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
 
     from ..generation.speculative import DraftLength, DraftModelDrafter, SpecStats
     from ..model.dense import DenseModel
+    from ..structural.plan import make_plan
     from ..weights.loader import open_weights
     from . import workloads
 
@@ -267,6 +268,7 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
     src = open_weights(model)
     target = DenseModel(src, max_seq=1)
     drafts = {n: DenseModel(src, n_layers=n, max_seq=1) for n in layers}
+    exchanges_n2 = make_plan(src.config, 2).exchanges_per_forward(0)  # the sharded loop's at N = 2
     out: dict = {"k": k, "max_new_tokens": max_new, "workloads": {}}
     for name in WORKLOAD_NAMES:
         w = workloads.load(name, tok, limit)
@@ -306,7 +308,7 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
             row[f"early_exit_{n}_layers"] = {
                 "steps": steps,
                 **acceptance(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]),
-                **per_token(steps, row["tokens"], 122),
+                **per_token(steps, row["tokens"], exchanges_n2),
             }
             log(f"replay {name} early exit {n}: {row[f'early_exit_{n}_layers']}")
         out["workloads"][name] = row

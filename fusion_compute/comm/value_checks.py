@@ -1,7 +1,8 @@
 """What a block of values a worker puts on the wire may hold (docs/resilience.md, "Evidence at the
 receiver"): every value finite and at most PEER_VALUE_LIMIT in magnitude, for the partials of a
-reduce-scatter and of a score sum; and, for the egress a worker returns to the client, each token's
-sum of squares (float64) at most ROW_SUMSQ_LIMIT / N (the share over which the client names it).
+reduce-scatter and of a score sum; and, for the egress a worker returns to the client (its partial
+of the final residual), each token's sum of squares (float64) at most ROW_SUMSQ_LIMIT / N² (the share
+over which the client names it).
 
 The same function judges a block on both ends: the sender checks the block it is about to send, and
 refuses to send one that fails (comm.Comm: TaintedInputs, "my own output failed; my inputs made it
@@ -52,18 +53,20 @@ def block_fault(block: torch.Tensor) -> str | None:
 
 
 def egress_fault(shard: torch.Tensor, n_workers: int) -> str | None:
-    """Why a worker's egress shard (rows of the residual, one column per token) cannot go to the
-    client, or None: a NaN or infinity, or a token whose sum of squares (float64) over the shard is
-    over ROW_SUMSQ_LIMIT / n_workers, the share over which the client's scale check names the worker
-    that sent it (structural/client.py, Engine._check_egress)."""
+    """Why a worker's egress (its full-width partial of the final residual, one column per token;
+    the client sums the N workers') cannot go to the client, or None: a NaN or infinity, or a token
+    whose sum of squares (float64) is over ROW_SUMSQ_LIMIT / n_workers², the share over which the
+    client's scale check names the worker that sent it (structural/client.py, Engine._check_egress:
+    N partials each within it sum to a row within the limit)."""
     finite = torch.isfinite(shard)
     if not bool(finite.all()):
         return f"{int((~finite).sum())} NaN or infinite value(s) of {shard.numel()}"
     if shard.numel() == 0:
         return None
     sumsq = float(shard.double().square().sum(0).max())
-    if sumsq > ROW_SUMSQ_LIMIT / n_workers:
-        return f"a token's sum of squares {sumsq:.3g}, over {ROW_SUMSQ_LIMIT / n_workers:.3g} (its share of the limit)"
+    share = ROW_SUMSQ_LIMIT / n_workers**2
+    if sumsq > share:
+        return f"a token's sum of squares {sumsq:.3g}, over {share:.3g} (its share of the limit)"
     return None
 
 

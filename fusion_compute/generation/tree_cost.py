@@ -5,7 +5,7 @@ A sharded decode step of W columns (the last token plus W - 1 drafts) costs
 
     seconds(W) = X · rtt + base_compute + W · (bytes_per_column / link_rate + compute_per_column)
 
-X the forward's sequential exchanges (122 for SmolLM2 at N = 2), rtt one exchange's latency,
+X the forward's sequential exchanges (Plan.exchanges_per_forward: 120 for SmolLM2 at N = 2), rtt one exchange's latency,
 bytes_per_column the bytes one more column adds on the critical path summed over those X exchanges
 (a message grows by one row per column: SmolLM2's hidden row is 576 fp32 = 2.3 KB; a 7B-class
 model's gate/up message is ~76 KB per column, once per layer), link_rate the link's bytes per

@@ -8,7 +8,8 @@ baseline) is the ops; what it computes is here, for every one of them:
   o   = attention(qkv)                        ops.attention(i, qkv, step)       RoPE, KV cache, softmax
   x  += W_o o                                 ops.linear_back(i, "o", o)        back to the residual layout
   gu  = W_gate_up (RMSNorm(x) · g_mlp)        ops.norm_linear(i, "gate_up", x)  into the MLP layout
-  x  += W_down (silu(gate) ⊙ up)              ops.activation(i, gu), ops.linear_back(i, "down", h)
+  x  += W_down (silu(gate) ⊙ up)              ops.activation(i, gu), ops.linear_back(i, "down", h),
+                                              ops.residual_add(i, x, y)
 
 Gemma 3 normalizes each block's output before its residual add (a post-norm): x += RMSNorm(W_o o) ·
 g_post_attn, x += RMSNorm(W_down h) · g_post_ff, `ops.post_norm(i, "o" / "down", y)` (the identity for
@@ -59,6 +60,12 @@ class LayerOps(Protocol[S]):
         """The MLP's gated activation, gu (MLP layout, [gate; up]) -> h: SwiGLU silu(gate) ⊙ up."""
         ...
 
+    def residual_add(self, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Layer i's output x + W_down h (y: what linear_back(i, "down", ·) returned). The sharded
+        modes' last layer returns the worker's egress here instead (structural/ops.py: the down
+        partials go straight to the client, which sums them; with post-norms the worker's rows). x + y by default."""
+        return x + y
+
     def post_norm(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """The post-norm of layer i's linear back `name` ("o", "down") on y (residual layout):
         RMSNorm(y) · g (Gemma 3). The identity by default: the families without post-norms."""
@@ -88,4 +95,4 @@ def decoder_layer(ops: LayerOps[S], i: int, x: torch.Tensor, step: S) -> torch.T
     ops.hold(i, "gate_up", gu)
     ops.hold(i, "h", h)
     ops.hold(i, "resid.out", y)
-    return x + y
+    return ops.residual_add(i, x, y)

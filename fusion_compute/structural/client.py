@@ -1,5 +1,6 @@
-"""The structural client (rank 0, user side, trusted): embedding, ingress split, egress
-reconstruction, final norm, LM head. Text and token ids never leave this process; workers get
+"""The structural client (rank 0, user side, trusted): embedding, layer 0's normalised q/k/v (the
+ingress carries each worker its residual shard and its q/k/v shard), egress sum (the workers' last
+down partials), final norm, LM head. Text and token ids never leave this process; workers get
 embedding shards only. Start-up, links and close are engine.py's.
 """
 
@@ -11,6 +12,7 @@ from enum import IntEnum
 
 import torch
 
+from ..comm.buffers import accumulate
 from ..comm.value_checks import ROW_SUMSQ_LIMIT
 from ..errors import WorkerMisbehaved, WorkersSuspected
 from ..model import architecture as arch
@@ -28,6 +30,39 @@ __all__ = ["Engine", "EngineOptions", "effective_context"]
 # sum of H squares is off its exact value by at most about H x 2^-24 of it, far under a half for any
 # model's H). Model-independent; Engine._check_egress says why an honest residual never reaches it.
 EGRESS_SCALE_LIMIT = ROW_SUMSQ_LIMIT
+
+
+def layer0_qkv(
+    src, plan: Plan, device: torch.device, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per worker of `plan`: its rows of layer 0's q/k/v weight (the norm's gain folded in, as the
+    workers fold it: sharded.load_layer) and of the bias. The client computes layer 0's q/k/v itself
+    and sends each worker its rows with the ingress, so the layer-0 QKV scatter goes (one exchange
+    fewer per forward). All of one layer's W_qkv: (n_h + 2 n_kv) d x H values (SmolLM2-135M: 960 x
+    576, 2.2 MB in float32)."""
+    w_qkv = arch.read_weight(src, 0, "qkv") * arch.read_norm(src, 0, "qkv")
+    bias = arch.read_bias(src, 0, "qkv")
+    out = []
+    for w in range(plan.n):
+        rows = torch.tensor(plan.qkv_rows(w))
+        b = None if bias is None else bias[rows].to(device=device, dtype=dtype)
+        out.append((w_qkv[rows].to(device=device, dtype=dtype), b))
+    return out
+
+
+def ingress_qkv(
+    x_HT: torch.Tensor, qkv0: list[tuple[torch.Tensor, torch.Tensor | None]], hidden: int, eps: float
+) -> list[torch.Tensor]:
+    """Each worker's layer-0 q/k/v (qkv_w, ΣT) from the full x_HT: W[rows] · RMSNorm(x) + b, as the
+    norm-fused scatter computes it (ops.norm_linear_scatter: Σx² in float32, the product in the
+    dtype, divided by s = sqrt(Σx² / H + ε), the bias after)."""
+    xf = x_HT.float()
+    inv_s = torch.rsqrt((xf * xf).sum(0) / hidden + eps)
+    out = []
+    for w_rows, b in qkv0:
+        qkv = ((w_rows @ x_HT) * inv_s).to(x_HT.dtype)
+        out.append(qkv if b is None else qkv + b[:, None])
+    return out
 
 
 class Engine(EngineBase):
@@ -56,7 +91,15 @@ class Engine(EngineBase):
             for s in self.plan.workers
         ]
 
+    def _layer0_qkv(self) -> None:
+        """This plan's workers' rows of layer 0's q/k/v weights (`layer0_qkv`), placed with the LM head."""
+        self.qkv0 = layer0_qkv(self.src, self.plan, self.client_device, self.dtype)
+
+    def _ingress_qkv(self, x_HT: torch.Tensor) -> list[torch.Tensor]:
+        return ingress_qkv(x_HT, self.qkv0, self.config.hidden, self.config.rms_eps)
+
     def hello(self, deadline: float, order: list[int]) -> list[dict]:
+        self._layer0_qkv()  # (this epoch's plan: a new seat count moves the rows)
         fp = fingerprint_int(self.plan)
         self._control(Op.HELLO, self.context, fp)
         info = []
@@ -114,37 +157,45 @@ class Engine(EngineBase):
         self, items: list[tuple[int, list[int]]], full: frozenset[int] = frozenset()
     ) -> list[torch.Tensor]:
         """One step over one or several slots: their tokens as consecutive columns of one ingress, one
-        collective per operator for all of them (protocol.Op.FORWARD). Ingress: x[:, R_w] to worker w;
-        egress: shards back. Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
+        collective per operator for all of them (protocol.Op.FORWARD). Ingress: x[:, R_w] to worker w and
+        its rows of layer 0's q/k/v (computed here: `_ingress_qkv`; no layer-0 QKV scatter); egress: each worker's (H, ΣT)
+        last down partial, its residual rows added (with post-norms: its rows of the final residual,
+        zeros elsewhere), summed here (plan.boundary; structural/ops.py, ShardedLayer.to_client).
+        Returns each slot's last-token logits (V,), or (T, V) for a slot in `full`."""
         spans = self._batch_spans(items)
         ids = [i for _, seq in items for i in seq]
         total = len(ids)
-        # (H, ΣT), full: fine, this is the client
+        # (H, ΣT), full: fine, this is the client (Gemma: scaled by √H, as the workers' layer 0 expects)
         x_HT = arch.embed_rows(self.config, self.embed, torch.tensor(ids)).T.contiguous()
+        qkv0 = self._ingress_qkv(x_HT)
         tree_words = self._tree_words(spans)
         self._control(Op.FORWARD, len(spans), total, len(tree_words))
         span_words = torch.tensor(spans, dtype=torch.int64).reshape(-1)
         trees = torch.tensor(tree_words, dtype=torch.int64)
-        for s in self.plan.workers:
+        for s, qkv in zip(self.plan.workers, qkv0, strict=True):
             a, b = s.residual
             self.wire.send(span_words, s.rank, "control", "spans")
             if tree_words:  # in the same exchange as the spans and the ingress: no extra round
                 self.wire.send(trees, s.rank, "control", "tree")
             self.wire.send(x_HT[a:b], s.rank, "ingress", "embed")
+            self.wire.send(qkv, s.rank, "ingress", "qkv0")
         for slot, _, _ in spans:
             self._kept.pop(slot, None)  # told
         # all workers' egress waited on at once: a worker is charged only the wait after every other's
         # shard had arrived (comm.Comm.recv_all), so the client's own account names the late one
+        H = self.config.hidden
         got = self.wire.recv_all(
-            {s.rank: torch.empty(s.n_residual, total, dtype=self.dtype) for s in self.plan.workers}, "egress", "final"
+            {s.rank: torch.empty(H, total, dtype=self.dtype) for s in self.plan.workers}, "egress", "final"
         )
         shards = [got[s.rank] for s in self.plan.workers]
         self._check_egress(shards)
+        # Σ_w e_w = x_mid + W_down h: one float32 accumulator, rounded once (as a reduce-scatter sums)
+        x_HT = accumulate(torch.stack(shards))
         self.slot_pos.update({slot: pos + t for slot, pos, t in spans})
         ends = list(itertools.accumulate(t for _, _, t in spans))
         cols = [list(range(e - t, e)) if slot in full else [e - 1] for (slot, _, t), e in zip(spans, ends, strict=True)]
         picked = [c for cs in cols for c in cs]
-        x_cH = torch.cat(shards).to(self.client_device).T[torch.tensor(picked)]  # on the user side only
+        x_cH = x_HT.to(self.client_device).T[torch.tensor(picked)]  # on the user side only
         x_cH = rms_norm(x_cH, self.final_norm, self.config.rms_eps)
         if len(spans) == 1:
             logits_cV = x_cH @ self.lm_head.T  # (T or 1, V)
@@ -176,25 +227,27 @@ class Engine(EngineBase):
         self._kept[slot] = tuple(path)
 
     def _check_egress(self, shards: list[torch.Tensor]) -> None:
-        """Every egress shard must be finite and of a scale the model can produce: a NaN, an
+        """Every egress (a worker's full-width partial of the final residual) must be finite and of a
+        scale the model can produce: a NaN, an
         infinity or a finite ±3e38 from a worker would become token 0 (greedy: the final norm's
         float32 sum of squares overflows, every logit is 0), a sampling error, or drafts accepted
         for nothing, naming nobody. Raises WorkerMisbehaved naming the worker, before anything is
         computed from the step: the engine removes it (membership._expel; a standby takes its seat)
         and the request fails. Two passes over H x T floats, next to the step's round trips.
 
-        The scale: each token's sum of squares over its whole residual row, summed in float64, must
-        stay under EGRESS_SCALE_LIMIT, what the final norm's float32 arithmetic carries. An honest
+        The scale: each token's sum of squares over its whole residual row (the egresses' sum, in
+        float64), must stay under EGRESS_SCALE_LIMIT, what the final norm's float32 arithmetic carries. An honest
         residual above it would overflow the model's own norm, in HF transformers too; real ones
         are far below (SmolLM2-135M, its final residual over four 96-token prompts, random ids,
         1..96, all 1, all 2: at most 3.8e7, with values up to 4.4e3, against a limit of 1.7e38). Over
-        it, every worker whose shard holds more than its even part (limit / N) of some row is named:
-        at least one does. These are checks against crashes and gross faults, not integrity: a
+        it, every worker whose egress holds more than limit / N² of some row's sum of squares is named:
+        at least one does (‖Σ_w e_w‖ <= Σ_w ‖e_w‖, so if every ‖e_w‖² were at most limit / N², the
+        sum's would be at most the limit). These are checks against crashes and gross faults, not integrity: a
         worker that computes wrong but plausible values passes them (README's threat model).
 
         Why naming the worker is sound even when a peer fed it poisoned partials: every worker checks
         its own egress by the same two rules before it sends it (comm/value_checks.py, egress_fault:
-        finite, each token's sum of squares at most the limit / N) and, when it fails, leaves saying
+        finite, each token's sum of squares at most the limit / N²) and, when it fails, leaves saying
         so instead of sending it (TaintedInputs: nobody is named on that). So a shard that fails here
         is one its sender's own check refused: only a worker that skipped the check sends it."""
         for s, shard in zip(self.plan.workers, shards, strict=True):
@@ -207,10 +260,10 @@ class Engine(EngineBase):
                     reason="sent a non-finite egress shard (caught by the finiteness check)",
                 )
         sumsq = [shard.double().square().sum(0) for shard in shards]  # (ΣT,) per worker, float64: cannot overflow
-        rows = torch.stack(sumsq).sum(0)
+        rows = torch.stack([shard.double() for shard in shards]).sum(0).square().sum(0)  # the final residual's
         if bool((rows <= EGRESS_SCALE_LIMIT).all()):
             return
-        share, named = EGRESS_SCALE_LIMIT / len(shards), {}
+        share, named = EGRESS_SCALE_LIMIT / len(shards) ** 2, {}
         for s, ss in zip(self.plan.workers, sumsq, strict=True):
             if bool((ss > share).any()):
                 pid = self.order[s.rank - 1]
@@ -228,7 +281,7 @@ class Engine(EngineBase):
         that passed their checks were made from every worker's partials: a liar could have fed an
         honest worker the values that make the row so, and the client cannot tell which. Nobody is
         convicted: WorkersSuspected, every worker of the epoch a suspect, those whose shards carry
-        the most of that token's residual (its sum of squares) first (set aside first)."""
+        the most of that token's residual (its egress's sum of squares) first (set aside first)."""
         finite = torch.isfinite(logits_cV).all(-1)
         flat = logits_cV.amax(-1) == logits_cV.amin(-1)
         bad = (~finite) | flat

@@ -10,7 +10,8 @@ Every worker holds the *full* residual (replicated) and computes its heads / MLP
   o_proj         o_aT (A)     x_HT            P -> all-reduce -> R       (every worker: full sum)
   norm + gate/up x_HT (R)     gu_mT (M)       local
   down           h_mT (M)     x_HT            P -> all-reduce -> R
-  egress         x_HT         x_dT            local slice of the replicated residual
+  down (last)    h_mT (M)     e_HT            local partial + the worker's rows R_w of x: the egress,
+                                              summed by the client (as the sharded mode's, ops.py)
 
 Two all-reduces per layer instead of four reduce-scatters, and every worker holds the complete
 residual at every layer: the audit verifier must (and does) reject it. Weights: the same row /
@@ -39,6 +40,9 @@ class MegatronLayer(ShardedLayer):
 
     def norm_linear(self, i: int, name: str, x_HT: torch.Tensor) -> torch.Tensor:
         """Column-parallel, no collective: this worker's rows of W · RMSNorm(x), the bias (qkv) added."""
+        if name == "qkv" and self.given_qkv is not None:  # layer 0: from the client (ShardedLayer.norm_linear)
+            qkv_aT, self.given_qkv = self.given_qkv, None
+            return qkv_aT
         h_HT = norm(x_HT, self.eps)  # full residual: norm is local
         if name == "qkv":
             qkv_aT = self.w.qkv_w @ h_HT
@@ -54,14 +58,25 @@ class MegatronLayer(ShardedLayer):
     def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """Row-parallel: every worker gets the full sum W y (H, T)."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
+        if name == "down" and self.to_client:  # the client sums the partials (ShardedLayer.linear_back)
+            return w_back @ y
         return self.comm.all_reduce_workers(w_back @ y, f"L{i}.{name}")
+
+    def residual_add(self, i: int, x_HT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """As the sharded layer's, x replicated: the last layer adds only this worker's rows R_w of x
+        to its partial, so the client's sum over the workers counts x once (with post-norms, y is
+        the all-reduced full sum: only its rows R_w too)."""
+        if not self.egress:
+            return x_HT + y
+        a, b = self.res_starts[self.me], self.res_starts[self.me + 1]
+        return super().residual_add(i, x_HT[a:b], y if self.to_client else y[a:b])
 
 
 class MegatronModel(ShardedModel):
     """Drop-in for worker.ShardedModel (whose session plumbing it inherits: reset, attach_audit,
     RoPE and mask per step, make_layer with load_layer's replicated slicing): forward(x_dT, pos)
-    maps the ingress shard to the egress shard (so the client runs unchanged), replicating the
-    residual in between."""
+    maps the ingress shard to the egress (the last layer's partial, as the sharded model's: the
+    client runs unchanged), replicating the residual in between."""
 
     layer_class = MegatronLayer
     replicated = True
@@ -70,10 +85,10 @@ class MegatronModel(ShardedModel):
     def res_sizes(self) -> list[int]:
         return list(self.plan.residual_sizes)
 
-    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
         steps = self._layer_steps(spans)
+        self.layers[0].given_qkv = qkv_aT
         x_HT = self.comm.all_gather_workers(x_dT, self.res_sizes, "ingress.gather")  # (H, T), replicated
         for layer, step in zip(self.layers, steps, strict=True):
             x_HT = layer.forward(x_HT, step)
-        a = sum(self.res_sizes[: self.w])
-        return x_HT[a : a + self.res_sizes[self.w]].contiguous()
+        return x_HT  # the egress e_HT (the last layer's residual_add)

@@ -20,10 +20,25 @@ lowercase = this worker's shard, uppercase = full extent.
                                                      o and after down; one scalar per token, one round)
   residual add    x_dT, y_dT       x_dT              local
 
+Layer 0's qkv has no scatter either (`ShardedLayer.given_qkv`): the client holds x (the embedding),
+computes layer 0's normalised q/k/v with its own copy of that layer's q/k/v weights, and sends each
+worker its rows with the ingress, beside x_dT (the residual add still needs x_dT).
+
+The last layer's down has no scatter (`ShardedLayer.to_client`): its output goes to the client, not
+to the workers, so each worker keeps its full-width partial y_HT = W_down[:, M_w] h_mT, adds its own
+residual rows x_dT into rows R_w, and that (H, T) is its egress: Σ_w egress_w = x + W_down h, summed
+by the client (one exchange fewer per forward; no worker holds any of the final residual).
+
+  down (last)     h_mT  (M)        y_HT   (P)        local: full-width partial, no collective
+  residual add    x_dT, y_HT       e_HT   (P)        local: e_HT = y_HT + x_dT in rows R_w (egress)
+
 Gemma 3's post-norms (model/layer.py) cost 2 rounds per layer more than the Llama layer: y is known
 only after its scatter, so its Σy² cannot ride in that scatter, and the next norm's scatter needs the
 normalized y already (`post_norm`). (Folding it into the next norm's scatter, sending W x and W g⊙y
 apart and the three sums Σx², Σx·g⊙y, Σ(g⊙y)², would save the rounds at twice the bytes: not done.)
+They also keep the last layer's down scatter (`to_client` is off, and `Plan.boundary` says so): its
+post-norm needs Σy² of the summed y, which no worker has before the scatter. That layer's egress is then the worker's own rows of x + RMSNorm(y) · g placed in an (H, ΣT)
+of zeros (`residual_add`), so the client's sum over the workers is unchanged, and exact.
 
 A step may carry several sessions (continuous batching, batching.py): their tokens are consecutive
 columns (`Step.spans`), every linear and collective runs once over all of them, and attention runs
@@ -301,6 +316,9 @@ class ShardedLayer(LayerOps[Step]):
         self.window = window
         self.caches: list[BlockCache] = []  # per attention block: every slot's KV
         self.audit = None  # audit.recorder.AuditRecorder when recording: `hold` per protected tensor
+        self.egress = False  # the last layer: its output is this worker's egress e_HT (H, ΣT) (module doc)
+        self.to_client = False  # the last layer without post-norms: its down partials go to the client
+        self.given_qkv: torch.Tensor | None = None  # layer 0: q/k/v from the client's ingress (module doc)
 
     def alloc_cache(self, max_seq: int, dtype: torch.dtype, device: torch.device, slots: int = 1) -> None:
         self.caches = [
@@ -462,6 +480,9 @@ class ShardedLayer(LayerOps[Step]):
     def norm_linear(self, i: int, name: str, x_dT: torch.Tensor) -> torch.Tensor:
         """S(R) -> P -> S(A or M): qkv_aT or gu_mT, this worker's rows, the bias (qkv) added."""
         w = self.w
+        if name == "qkv" and self.given_qkv is not None:  # layer 0: the client computed it (module doc)
+            qkv_aT, self.given_qkv = self.given_qkv, None
+            return qkv_aT
         if name == "qkv":
             qkv_aT = norm_linear_scatter(
                 self.comm, x_dT, w.qkv_w, self.qkv_sizes_aug, self.hidden, self.eps, f"L{i}.qkv"
@@ -473,10 +494,27 @@ class ShardedLayer(LayerOps[Step]):
     def linear_back(self, i: int, name: str, y: torch.Tensor) -> torch.Tensor:
         """S(A or M) -> P -> S(R): this worker's residual rows of W_o o or W_down h."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
+        if name == "down" and self.to_client:  # the client sums the partials: no scatter (module doc)
+            return w_back @ y  # y_HT (H, ΣT): this worker's MLP rows' contribution to every coordinate
         starts = self.res_starts
         return self.comm.reduce_scatter_from(
             lambda q: w_back[starts[q] : starts[q + 1]] @ y, self.res_sizes, f"L{i}.{name}"
         )
+
+    def residual_add(self, i: int, x_dT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x_dT + y_dT; the last layer (`egress`): the egress e_HT (H, ΣT), whose sum over the workers
+        the client takes as the final residual. With `to_client`: y_HT (the down partial) with x_dT
+        added into this worker's rows R_w; without (post-norms: the down was scattered and normed),
+        x_dT + y_dT in rows R_w and zeros elsewhere."""
+        if not self.egress:
+            return x_dT + y
+        a, b = self.res_starts[self.me], self.res_starts[self.me + 1]
+        if not self.to_client:
+            e_HT = y.new_zeros(self.hidden, y.shape[1])
+            e_HT[a:b] = x_dT + y
+            return e_HT
+        y[a:b] += x_dT  # (one rounding, as x + y: in-place add computes in float32 for a 2-byte dtype)
+        return y
 
     def activation(self, i: int, gu_mT: torch.Tensor) -> torch.Tensor:
         """SwiGLU (GeGLU: Gemma) on the worker's MLP rows: gate rows then the same coordinates' up rows."""
@@ -499,7 +537,7 @@ class ShardedLayer(LayerOps[Step]):
         """The audit's record: the coordinates `t` stands for, from the index maps the weights were
         cut with (not the plan), and its row count; "kv": the cache's rows."""
         a = self.audit
-        if a is None:
+        if a is None or (name == "resid.out" and self.to_client):  # the last layer's: only the client's
             return
         index = getattr(self.w.index, HOLD_INDEX[name])
         a.hold(i, name, index, sum(ch.rows for ch in self.caches) if name == "kv" else t.shape[0])

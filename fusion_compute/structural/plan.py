@@ -15,6 +15,14 @@ Fused output spaces, each permuted so that every owner's coordinates are one con
 (so a reduce-scatter is a plain, possibly uneven, split):
   QKV  [q (n_h*d) | k (n_kv*d) | v (n_kv*d)]  -> per owner, per block: q rows, k rows, v rows
   GU   [gate (I) | up (I)]                     -> per owner: gate M_w, up M_w
+
+The boundary (`Plan.boundary`): the client's ingress sends worker w its residual shard x[:, R_w]
+and its rows of layer 0's q/k/v (the client computes them: layer 0 has no QKV reduce-scatter); the
+last layer's down has no reduce-scatter: each worker's egress is its full-width down partial, its
+residual rows added (H per token), and the client sums them. A forward is then 4 reduce-scatters
+per layer less those two, plus the score sums, plus the ingress and the egress. With post-norms
+(Gemma 3) the last down keeps its scatter (its post-norm needs the summed y): the egress is the
+worker's final residual rows in zeros (still H per token), and one scatter more.
 """
 
 from __future__ import annotations
@@ -184,12 +192,59 @@ class Plan:
         score sum per split attention block, and with post-norms (Gemma 3) two all-worker Σy² sums
         (ops.ShardedLayer.post_norm: y is known only after its scatter). Per-head q/k norms ride in
         the score sum (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a round.
-        One worker alone makes none of them."""
+        The first layer's q/k/v and the last layer's down may come without their scatter (`boundary`:
+        `collectives_per_forward`). One worker alone makes none of them."""
         split = sum(1 for b in self.workers[w].attention if b.split)
         out = {"reduce_scatter": 4, "score_sum": split}
         if self.config.post_norms:
             out["norm_sum"] = 2
         return out
+
+    @property
+    def down_to_client(self) -> bool:
+        """Whether the last layer's down partials go straight to the client (its scatter merged into
+        the egress): not with post-norms (Gemma 3), whose last post-norm needs Σy² of the summed y,
+        which no worker has before the scatter (structural/ops.py)."""
+        return not self.config.post_norms
+
+    def collectives_per_forward(self, w: int) -> int:
+        """Worker w's collectives in one forward: every layer's, less those `boundary` merges (layer 0's
+        QKV scatter into the ingress; the last layer's down scatter into the egress, unless post-norms
+        keep it); none at N = 1, where nothing is scattered."""
+        per_layer = self.collectives_per_layer(w)
+        return sum(per_layer.values()) * self.config.n_layers - len(self.boundary["merged"])
+
+    def exchanges_per_forward(self, w: int) -> int:
+        """Sequential exchanges of one forward as worker w counts them: its collectives plus the
+        client's ingress and egress (SmolLM2 at N = 2: 4 x 30 - 2 + 2 = 120; with post-norms the last
+        down scatter stays: one more)."""
+        return self.collectives_per_forward(w) + 2
+
+    @property
+    def boundary(self) -> dict[str, Any]:
+        """What crosses the client's boundary each forward, per worker and token, as data; "merged": the
+        scatters it replaces, "down_to_client": whether the egress is the last down's partial."""
+        last = self.config.n_layers - 1
+        merged = ["L0.qkv reduce-scatter into the ingress"]
+        if self.down_to_client:
+            merged.append(f"L{last}.down reduce-scatter into the egress")
+            egress = "W_down[:, M_w] h_w of the last layer, x[R_w] added in its rows; the client sums them"
+        else:
+            egress = "the worker's rows R_w of the final residual (its last down scattered and post-normed), "
+            egress += "zeros elsewhere; the client sums them"
+        return {
+            "ingress": {
+                "carries": "x[:, R_w], the embedding's rows of the worker's residual range, and the worker's "
+                "rows of layer 0's q/k/v, W_qkv RMSNorm(x) + b, computed by the client",
+                "elements_per_token": [r + q for r, q in zip(self.residual_sizes, self.qkv_sizes, strict=True)],
+            },
+            "egress": {
+                "carries": egress,
+                "elements_per_token": [self.config.hidden] * self.n,
+            },
+            "down_to_client": self.down_to_client,
+            "merged": merged if self.n > 1 else [],
+        }
 
     def bytes_per_token_layer(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
         """Bytes worker w sends per token per layer in the four reduce-scatters (score sums excluded:
@@ -202,6 +257,15 @@ class Plan:
         elems += sum(self.gate_up_sizes[q] + 1 for q in others)
         elems += sum(self.residual_sizes[q] for q in others)  # down_proj
         return elems * itemsize
+
+    def bytes_sent_per_token(self, w: int, itemsize: int = BYTES_PER_ELEMENT) -> int:
+        """Bytes worker w sends to other workers per token in one forward (score sums excluded): every
+        layer's scatters less layer 0's QKV (the client sends the q/k/v) and the last layer's down (its
+        partial goes to the client, unless post-norms keep that scatter): `boundary`."""
+        others = [q for q in range(self.n) if q != w]
+        down = sum(self.residual_sizes[q] for q in others) if self.down_to_client else 0
+        qkv = sum(self.qkv_sizes[q] + 1 for q in others)
+        return self.bytes_per_token_layer(w, itemsize) * self.config.n_layers - (down + qkv) * itemsize
 
     def score_elements(self, w: int, n_queries: int, n_keys: int) -> int:
         """Elements in worker w's partial-score sums for one layer (split groups only)."""
@@ -217,6 +281,7 @@ class Plan:
             "model": c.dims(),
             "workers": self.n,
             "group_owners": [list(o) for o in self.group_owners],
+            "boundary": self.boundary,
             "shares": [],
         }
         for s in self.workers:
@@ -240,8 +305,9 @@ class Plan:
                         "bytes_total_fp32": weight_elems * c.n_layers * 4,
                     },
                     "collectives_per_layer": self.collectives_per_layer(w),
+                    "collectives_per_forward": self.collectives_per_forward(w),
                     "bytes_sent_per_token_per_layer": self.bytes_per_token_layer(w),
-                    "bytes_sent_per_token": self.bytes_per_token_layer(w) * c.n_layers,
+                    "bytes_sent_per_token": self.bytes_sent_per_token(w),
                 }
             )
         return out

@@ -18,7 +18,8 @@ class Op(IntEnum):
     FORWARD = 2  # [FORWARD, n, ΣT, W], then spans (n, 3) int64 rows [slot, pos, T] (control), then
     #             when W > 0 W int64 tree words (control: per span [n_parents (0 or T), n_keep,
     #             parents..., kept columns of its previous step...], worker.with_trees), then ingress
-    #             (d_w, ΣT), the spans' tokens as consecutive columns; reply egress (d_w, ΣT).
+    #             (d_w, ΣT), the spans' tokens as consecutive columns, and the worker's layer-0 q/k/v
+    #             (qkv_w, ΣT); reply egress (H, ΣT), the last down partial.
     #             One session is one span (slot 0); several are continuous batching's step
     RESET = 3  # [RESET, slots, 0, context]: drop and re-zero the KV shards; `slots` KV slots (0: one)
     PING = 4  # [PING, ...] -> [1, rank, 0, rss_kb]

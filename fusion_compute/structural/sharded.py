@@ -1,7 +1,7 @@
 """The sharded model of one worker: its weight slices, its residual and KV shards, every layer.
 
-`ShardedModel.forward(x_dT, spans)` maps this worker's residual shard at ingress to its residual
-shard at egress, for one session or a batch of them (one `ops.Span` each: KV slot, position, token
+`ShardedModel.forward(x_dT, spans)` maps this worker's residual shard at ingress to its egress (the
+last layer's full-width down partial, its own residual rows added: the client sums the workers'), for one session or a batch of them (one `ops.Span` each: KV slot, position, token
 count); the state is never gathered in between (ops.py has the operators, comm.py the wire).
 """
 
@@ -97,7 +97,8 @@ def qk_gains(src: WeightSource, plan: Plan, w: int, layer: int) -> tuple[torch.T
 
 class ShardedModel:
     """All layers of one worker. `forward(x_dT, spans)` maps this worker's residual shard at
-    ingress to its residual shard at egress; the state is never gathered in between.
+    ingress to its egress e_HT (H, ΣT), whose sum over the workers is the final residual (ops.py,
+    `to_client`); the state is never gathered in between.
     (`layer_class` and `replicated`: what megatron.MegatronModel changes.)"""
 
     layer_class: type[ShardedLayer] = ShardedLayer
@@ -118,6 +119,12 @@ class ShardedModel:
         self.plan, self.w, self.comm = plan, w, comm
         self.device, self.dtype = device or torch.device("cpu"), dtype
         self.layers = [self.make_layer(src, i) for i in range(c.n_layers)]
+        self.layers[-1].egress = True  # its output is the egress (H, ΣT), summed by the client (ops.py)
+        # its down partials go to the client, unless a post-norm needs the summed y first (ops.py)
+        self.layers[-1].to_client = plan.down_to_client
+        # layer 0's q/k/v come with the ingress (the client computes them): its q/k/v slices go
+        first = self.layers[0].w
+        first.qkv_w, first.qkv_b = first.qkv_w.new_empty(0, first.qkv_w.shape[1]), None
         self.rotary, self.rotary_local = rotaries(c)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)
@@ -258,8 +265,10 @@ class ShardedModel:
         local = make_step(spans, self.rotary_local, self.device, self.dtype, c.windows)
         return [local if c.local_rope(i) else step for i in range(len(self.layers))]
 
-    def forward(self, x_dT: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0)."""
+    def forward(self, x_dT: torch.Tensor, spans: list[Span], qkv_aT: torch.Tensor) -> torch.Tensor:
+        """x_dT (d_w, ΣT): the spans' tokens as consecutive columns (one span: one session in slot 0);
+        qkv_aT: layer 0's q/k/v rows of this worker, from the client. Returns the egress e_HT (H, ΣT)."""
+        self.layers[0].given_qkv = qkv_aT
         for layer, step in zip(self.layers, self._layer_steps(spans), strict=True):
             x_dT = layer.forward(x_dT, step)
         return x_dT

@@ -2,7 +2,8 @@
 
 It never receives token ids or text. In the structural mode (`serve` below) it gets its ingress
 shard of the embeddings, control words (operation, token count, position) and the partials
-addressed to its own chunks; in the masked mode (masked/worker.py), masked ring elements or a mask
+addressed to its own chunks (layer 0's q/k/v shard comes with the ingress, computed by the client),
+and it returns the last layer's down partial (its egress); in the masked mode (masked/worker.py), masked ring elements or a mask
 key. Every byte arrives over links that authenticated the client (and its peers) by their pinned
 keys, unless the user asked for --insecure.
 """
@@ -340,7 +341,7 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
     _log.info(
         f"ready: plan {plan.fingerprint()}, its share loaded in {load_ms / 1000:.1f} s, RSS {rss_kb() / 1024:.0f} MiB"
     )
-    n_res = plan.workers[w].n_residual
+    n_res, n_qkv = plan.workers[w].n_residual, plan.qkv_sizes[w]
     while True:
         comm.recv(ctrl, 0, "control", "cmd", wait_s=math.inf, new_step=True)  # idle is normal; a gone client is not
         op, t, pos, arg = (int(v) for v in ctrl)
@@ -366,12 +367,15 @@ def serve(me: Worker, plan: Plan, w: int, comm: Comm, *, audit=None, dtype: str 
             if audit is not None:
                 audit.begin_step(t, pos, spans=batch)
             x_dT = comm.recv(torch.empty(n_res, t, dtype=model.dtype), 0, "ingress", "embed")
+            # layer 0's q/k/v rows, computed by the client (no layer-0 QKV scatter)
+            qkv_aT = comm.recv(torch.empty(n_qkv, t, dtype=model.dtype), 0, "ingress", "qkv0")
             me.witness.step(True)  # its account: a step is in progress here (until its egress leaves)
-            x_dT = model.forward(x_dT.to(model.device), spans)
-            fault = egress_fault(x_dT, plan.n)  # what the client's checks would name this worker for
+            # the egress: the last layer's down partial, its residual rows added; the client sums them
+            e_HT = model.forward(x_dT.to(model.device), spans, qkv_aT.to(model.device))
+            fault = egress_fault(e_HT, plan.n)  # what the client's checks would name this worker for
             if fault is not None:  # its inputs passed one by one (comm's checks): it names nobody (TaintedInputs)
                 raise TaintedInputs(f"worker {rank}'s own egress holds {fault}: not sent")
-            comm.send(x_dT, 0, "egress", "final")
+            comm.send(e_HT, 0, "egress", "final")
             me.witness.step(False)
             if audit is not None:
                 audit.end_step()

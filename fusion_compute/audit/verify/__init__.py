@@ -135,6 +135,9 @@ def _verify_epoch(d: Path, manifest: dict, departing: dict[int, str]) -> tuple[R
     ctx = Verification(
         res, dims, n, res.layers, wire=str(manifest.get("wire")), itemsize=S.WIRE_ITEMSIZE.get(wire_dtype, 4)
     )
+    # whether the last down's partials went to the client (the plan the run logged: not with
+    # post-norms); absent in a log from before the plan said so: they did
+    ctx.down_to_client = bool(((manifest.get("plan") or {}).get("boundary") or {}).get("down_to_client", True))
     if wire_dtype not in S.WIRE_ITEMSIZE:
         res.violations.append(
             Violation("structure", f"manifest's wire dtype is none the verifier knows ({wire_dtype!r})")

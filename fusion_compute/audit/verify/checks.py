@@ -4,8 +4,9 @@ Part of the independent verifier: imports only audit/schema.py and the standard 
 in the plan, the operators or the comm layer cannot certify itself. Per rank and step: which
 transfers it made and their element counts (closure of kinds, accounting), which coordinates each
 of its tensors stood for (holding, layout closure); then across ranks: sends = peers' receives,
-ingress and egress = the first and last layer's residual, and per protected role the workers' sets
-are a partition with no full holder. The socket byte check is in os_bytes.py.
+ingress = the first layer's residual, egress = every residual coordinate (the last layer's down
+partials, summed by the client: no worker holds the final residual), and per protected role the
+workers' sets are a partition with no full holder. The socket byte check is in os_bytes.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .. import schema as S
-from .expectation import Declared, Transfer, declare, expected_hold, expected_transfers, group_owners, wire_bytes
+from .expectation import (
+    Declared,
+    Transfer,
+    declare,
+    expected_hold,
+    expected_transfers,
+    group_owners,
+    held_in_layer,
+    wire_bytes,
+)
 from .logs import RankLog, StepKey, control_received, read_event
 from .result import RUN_LEVEL, Result, Violation
 from .sessions import Session, spans_of
@@ -34,6 +44,9 @@ class Verification:
     n_layers: int
     wire: str = "tls"  # the link backend whose wire model predicts the socket bytes (manifest "wire")
     itemsize: int = 4  # bytes per element of the state on the wire (manifest "wire_dtype")
+    # the last down's partials go to the client (manifest plan.boundary "down_to_client"; not with
+    # post-norms): no down scatter in the last layer and no worker holds its output residual
+    down_to_client: bool = True
     decls: list[Declared] = field(default_factory=list)  # per worker
     owners: list[list[int]] = field(default_factory=list)  # per KV group
     bad_steps: set[StepId] = field(default_factory=set)
@@ -128,7 +141,7 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
                 sets[k] = frozenset(S.from_runs(runs))
                 sets_version += 1
             spans = spans_of(r) if r.get("spans") is not None else None
-            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans, ctx.itemsize)
+            expect = expected_transfers(w, ctx.decls, ctx.owners, dims, t, pos, spans, ctx.itemsize, ctx.down_to_client)
             check_spans_message(r, spans, where, res, ctx.violate)
             s, rr = wire_bytes(expect, n_ctl, ctx.wire)
             wire_sent, wire_recv = wire_sent + s, wire_recv + rr
@@ -144,7 +157,9 @@ def check_worker(ctx: Verification, w: int, body: list[dict]) -> None:
             last_holds = holds
             hkey = (sets_version, tuple(tuple(x) for x in holds or []))
             if hkey not in hold_memo:
-                hold_memo[hkey] = check_holds(hkey[1], sets, ctx.decls[w], dims, ctx.n_layers, kv_parts)
+                hold_memo[hkey] = check_holds(
+                    hkey[1], sets, ctx.decls[w], dims, ctx.n_layers, kv_parts, ctx.down_to_client
+                )
             h, findings, (n_holding, n_closure) = hold_memo[hkey]
             res.checks["holding"] += n_holding
             res.checks["closure"] += n_closure
@@ -193,7 +208,7 @@ def check_transfers(events: list[S.LogEvent], expect: list[Transfer], where: dic
         violate(Violation("accounting", msg, layer=layer, **where))
 
 
-def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts: dict):
+def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts: dict, down_to_client: bool = True):
     """Holding (rows vs claimed coordinates vs declared share) and layout closure of one step.
     `kv_parts` caches the k/v part of each claimed set, so equal claims yield the same objects.
 
@@ -228,6 +243,11 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
         for name in S.HOLD_NAMES:
             n_hold += 1
             got = h.get((layer, name))
+            if not held_in_layer(name, layer, n_layers, down_to_client):
+                if got is not None:
+                    msg = f"{name}: holds {len(got)} coordinates of the final residual, the client's alone"
+                    findings.append(("holding", msg, layer))
+                continue
             if got is None:
                 findings.append(("closure", f"no record of what {name} held", layer))
             elif got != expected[name]:
@@ -245,7 +265,6 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
                 "o_proj consumes other q coordinates than attention produced",
             ),
             (resid_mid == resid_in, "o_proj scatter delivers other residual coordinates than the worker holds"),
-            (resid_out == resid_in, "down scatter delivers other residual coordinates than the worker holds"),
             (
                 mlp == frozenset(c for c in gate_up if c < inter),
                 "down_proj consumes other MLP coordinates than gate produced",
@@ -255,7 +274,10 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
                 "SwiGLU pairs gate and up from different coordinates",
             ),
         ]
-        if layer + 1 < n_layers:
+        if layer + 1 < n_layers:  # (the last layer's down goes to the client: no scatter, no resid.out)
+            layout.append(
+                (resid_out == resid_in, "down scatter delivers other residual coordinates than the worker holds")
+            )
             next_in = h.get((layer + 1, "resid.in"), empty)
             layout.append((next_in == resid_out, "next layer consumes other residual coordinates"))
         for ok, msg in layout:
@@ -266,7 +288,9 @@ def check_holds(holds, sets, decl: Declared, dims: dict, n_layers: int, kv_parts
 
 
 def check_client(ctx: Verification, steps: list[dict], ingress: dict, egress: dict) -> None:
-    """The client's side of the boundary: ingress and egress element counts per worker."""
+    """The client's side of the boundary: ingress element counts per worker (its residual shard, and
+    its layer-0 q/k/v shard: "qkv0") and egress (its full-width partial of the final residual: H per
+    token)."""
     n = ctx.n
     for r in steps:
         key = (r.get("session"), r.get("step"))
@@ -285,8 +309,15 @@ def check_client(ctx: Verification, steps: list[dict], ingress: dict, egress: di
                 for q, v in enumerate(counts):
                     if not v:
                         continue
-                    want = len((ingress if e.kind == S.INGRESS else egress).get(q, ())) * t
-                    declared = len(ctx.decls[q - 1].resid) * t if 1 <= q <= n else None
+                    if e.op == "qkv0":  # layer 0's q/k/v shard: the worker's declared q/k/v coordinates
+                        want = declared = len(ctx.decls[q - 1].qkv) * t if 1 <= q <= n else None
+                    else:
+                        want = len((ingress if e.kind == S.INGRESS else egress).get(q, ())) * t
+                        declared = (
+                            (len(ctx.decls[q - 1].resid) if e.kind == S.INGRESS else ctx.dims["hidden"]) * t
+                            if 1 <= q <= n
+                            else None
+                        )
                     if v != want or v != declared:
                         msg = f"{e.kind} rank {q}: {v} elements, expected {want}"
                         ctx.violate(Violation("accounting", msg, **where))
@@ -319,8 +350,9 @@ def check_conservation(ctx: Verification) -> None:
 
 
 def check_boundary(ctx: Verification, ingress: dict, egress: dict) -> None:
-    """Ingress coordinates = the residual layer 0 consumes; the last layer's output = egress."""
-    last = ctx.n_layers - 1
+    """Ingress coordinates = the residual layer 0 consumes; egress = every residual coordinate (each
+    worker's last down partial, summed by the client; check_holds: no worker holds the final residual)."""
+    everything = frozenset(range(ctx.dims["hidden"]))
     for key, per_w in ctx.held.items():
         for w, h in per_w.items():
             where = dict(rank=w + 1, session=key[0], step=key[1])
@@ -328,9 +360,9 @@ def check_boundary(ctx: Verification, ingress: dict, egress: dict) -> None:
             if ingress and h.get((0, "resid.in")) != ingress.get(w + 1):
                 msg = "ingress coordinates differ from the residual layer 0 consumes"
                 ctx.violate(Violation("closure", msg, layer=0, **where))
-            if egress and h.get((last, "resid.out")) != egress.get(w + 1):
-                msg = "egress coordinates differ from the last layer's residual"
-                ctx.violate(Violation("closure", msg, layer=last, **where))
+            if egress and egress.get(w + 1) != everything:
+                msg = "egress coordinates are not the whole residual the client sums the partials over"
+                ctx.violate(Violation("closure", msg, layer=ctx.n_layers - 1, **where))
 
 
 def check_partition(ctx: Verification) -> None:
@@ -346,6 +378,8 @@ def check_partition(ctx: Verification) -> None:
     for key, per_w in ctx.held.items():
         for layer in range(ctx.n_layers):
             for role, (name, a, b) in parts.items():
+                if not held_in_layer(name, layer, ctx.n_layers, ctx.down_to_client):
+                    continue  # nobody's (check_holds: a worker claiming it is a violation)
                 res.checks["partition"] += 1
                 res.checks["no_full_holder"] += 1
                 objs = tuple(per_w.get(w, {}).get((layer, name), empty) for w in range(n))

@@ -112,8 +112,8 @@ class Picture:
     transfers_title: str = "The transfers of one step (elements per token; fp32 on the wire)"
     client_in: str = "client: embed"
     client_out: str = "client: norm, LM head"
-    ingress_label: str = "ingress: x[:, R_w]"
-    egress_label: str = "egress: final x[:, R_w]"
+    ingress_label: str = "ingress: x[:, R_w], layer-0 qkv"
+    egress_label: str = "egress: last down partial (H), summed"
     scatter_label: tuple[str, str] = (
         "per layer, 4 reduce-scatters (QKV, o_proj, gate/up, down):",
         "sender (row) sends each owner (column) the rows it owns",

@@ -58,7 +58,8 @@ def declare(share: dict, dims: dict) -> Declared:
 
 
 def expected_hold(decl: Declared, name: str, dims: dict) -> frozenset[int]:
-    """The coordinates tensor `name` (a schema.HOLD_NAMES entry) must stand for."""
+    """The coordinates tensor `name` (a schema.HOLD_NAMES entry) must stand for (in every layer but
+    the last for "resid.out": `held_in_layer`)."""
     q_size = dims["heads"] * dims["head_dim"]
     if name in ("resid.in", "resid.mid", "resid.out"):
         return decl.resid
@@ -73,6 +74,15 @@ def expected_hold(decl: Declared, name: str, dims: dict) -> frozenset[int]:
     if name == "h":
         return decl.mlp
     raise KeyError(name)
+
+
+def held_in_layer(name: str, layer: int, n_layers: int, down_to_client: bool = True) -> bool:
+    """Whether a worker holds tensor `name` in `layer`: all of them in every layer, but with
+    `down_to_client` (the manifest's plan.boundary) the last layer's output residual ("resid.out")
+    is nobody's: its down partials go to the client, which sums them (the egress), so no worker ever
+    holds a coordinate of the final residual. Without (post-norms: the last down is scattered and
+    normed first), each worker holds its rows of it, as of every other layer's."""
+    return not (down_to_client and name == "resid.out" and layer == n_layers - 1)
 
 
 def group_owners(decls: list[Declared], n_groups: int) -> list[list[int]]:
@@ -121,10 +131,16 @@ def expected_transfers(
     pos: int,
     spans: list[tuple[int, int, int]] | None = None,
     itemsize: int = 4,
+    down_to_client: bool = True,
 ) -> list[Transfer]:
     """The transfers worker w must make in one step of t tokens at position pos, in order
     (`spans`: a batched step's sessions, sessions.spans_of), each element `itemsize` bytes (the
-    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16)."""
+    manifest's wire dtype: 4 for float32, 2 for bfloat16 and float16). The ingress carries the
+    worker's residual shard and its layer-0 q/k/v ("qkv0", computed by the client: layer 0 has no QKV
+    scatter); with `down_to_client` (the manifest's plan.boundary: not with post-norms) the last
+    layer has no down scatter: each worker's egress is its full-width down partial; without, the
+    down scatter stays and the egress is its final residual rows in zeros: H elements per token
+    either way."""
     n = len(decls)
     gs = dims["heads"] // dims["kv_heads"]
     me = decls[w]
@@ -149,9 +165,12 @@ def expected_transfers(
         cnt = per_rank({q + 1: t for q in others})
         return Transfer(layer, f"L{layer}.{name}", S.NORM_SUM, cnt, list(cnt), 4)
 
-    out = [Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), itemsize)]
+    out = [
+        Transfer(-1, "embed", S.INGRESS, per_rank({}), per_rank({0: res_n[w] * t}), itemsize),
+        Transfer(-1, "qkv0", S.INGRESS, per_rank({}), per_rank({0: (qkv_n[w] - 1) * t}), itemsize),
+    ]
     for layer in range(dims["layers"]):
-        if n > 1:
+        if n > 1 and layer > 0:  # layer 0's q/k/v come with the ingress
             out.append(rs(layer, "qkv", qkv_n))
         for g0, g1, _, _ in me.blocks:
             peers = [o for o in owners[g0] if o != w]
@@ -169,10 +188,12 @@ def expected_transfers(
             if dims.get("post_norms"):
                 out.append(norm_sum(layer, "post_o"))
             out.append(rs(layer, "gate_up", gu_n))
+            if down_to_client and layer == dims["layers"] - 1:
+                continue  # the last down partial goes to the client: the egress
             out.append(rs(layer, "down", res_n))
             if dims.get("post_norms"):
                 out.append(norm_sum(layer, "post_down"))
-    out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: res_n[w] * t}), per_rank({}), itemsize))
+    out.append(Transfer(-1, "final", S.EGRESS, per_rank({0: dims["hidden"] * t}), per_rank({}), itemsize))
     return out
 
 

@@ -311,5 +311,5 @@ def control_received(record: dict) -> list[int]:
 
 
 def coordinate_map(header: dict, key: str) -> dict[int, frozenset[int]]:
-    """The client header's ingress / egress map: worker rank -> the residual coordinates it gets."""
+    """The client header's ingress / egress map: worker rank -> the residual coordinates it gets / returns."""
     return {int(k): frozenset(S.from_runs(v)) for k, v in (header.get(key) or {}).items()}
