@@ -18,6 +18,7 @@ from fusion_compute.comm.links import MAX_FAREWELL, MAX_WHY, farewell_reason
 from fusion_compute.comm.peer_text import printable
 from fusion_compute.runtime.blame import CLIENT, blame_link, follows
 from fusion_compute.runtime.deadline import Verdict, judge
+from fusion_compute.runtime.faults import lie_to
 from fusion_compute.runtime.membership import waiting_pids, waits_by_pid
 
 OPEN = ("open", None)
@@ -183,17 +184,8 @@ def test_two_workers_a_liar_accusing_its_only_peer_is_only_ambiguous(liar):
 
 def _lying(comm: Comm, victim: int, value: float) -> Comm:
     """The liar: what it puts on its link to `victim` is `value` throughout (alternating sign), past
-    its own check (as faults._poisoned does for the reduce-scatter)."""
-    put = comm._put
-
-    def poisoning(peer, t):
-        if peer == victim:
-            bad = torch.full((t.numel(),), value, dtype=t.dtype)
-            bad[1::2] = -value
-            t = bad.view_as(t)
-        put(peer, t)
-
-    comm._put, comm._check_own = poisoning, lambda block, dst, op: None
+    its own check (faults.lie_to, as the poison-rs faults do for one reduce-scatter)."""
+    lie_to(comm, victim, value)
     return comm
 
 

@@ -192,9 +192,9 @@ def comm_fault(fault: Fault | None) -> Callable:
     return patch
 
 
-def _poisoned(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str, value: float):
-    """One reduce-scatter whose block for `victim` is `value` (alternating sign), sent past the
-    sender's own check (comm.Comm._check_own) as a liar would."""
+def lie_to(comm, victim: int, value: float) -> Callable[[], None]:
+    """From now on, what `comm` puts on its link to `victim` is `value` throughout (alternating sign),
+    sent past its own check (comm.Comm._check_own) as a liar would. Returns the undo."""
     put, check = comm._put, comm._check_own
 
     def poisoning(peer, t):
@@ -205,10 +205,20 @@ def _poisoned(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: s
         put(peer, t)
 
     comm._put, comm._check_own = poisoning, lambda block, dst, op: None
+
+    def undo() -> None:
+        comm._put, comm._check_own = put, check
+
+    return undo
+
+
+def _poisoned(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str, value: float):
+    """One reduce-scatter whose block for `victim` is `value` (alternating sign): `lie_to` for it."""
+    undo = lie_to(comm, victim, value)
     try:
         return honest(chunk, sizes, op)
     finally:
-        comm._put, comm._check_own = put, check
+        undo()
 
 
 def _stale(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str):
