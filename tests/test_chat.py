@@ -114,7 +114,11 @@ def test_chat_in_a_terminal(long_chat_model):
         reply1 = first.split("hello world\n", 1)[1].split("\n[", 1)[0]
         t.send("the lazy dog\n")
         t.read_until("you> ")
-        t.send("half a line\x03")  # Ctrl-C at the prompt drops the line, not the conversation (issue 45)
+        # Ctrl-C at the prompt drops the line, not the conversation (issue 45); sent once the line's echo
+        # shows the chat is reading it, as a person's Ctrl-C comes after their typing
+        t.send("half a line")
+        t.read_until("half a line")
+        t.send("\x03")
         assert "(Ctrl-D or /quit leaves)" in t.read_until("you> ")
         t.send("/history\n")
         hist = t.read_until("you> ")

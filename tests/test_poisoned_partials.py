@@ -434,9 +434,9 @@ def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qw
         context=128,
         liveness_s=LIVENESS_S,
         timeout_s=TIMEOUT_S,
-        # the 6th step's last reduce-scatter (L2.gate_up): the boundary merges layer 0's QKV and the
-        # last down scatters (plan.boundary), 2 of STEP_RS's 12; the victim's egress is next
-        args_for_worker={3: ("--inject-fault", f"big-rs@{(STEP_RS - 2) * 6}")},
+        # the 6th step's last reduce-scatter (L2.gate_up: the last down is the client's, plan.boundary);
+        # the victim's egress is next
+        args_for_worker={3: ("--inject-fault", f"big-rs@{STEP_RS * 6}")},
     )
     with Engine(tiny_qwen2, opts) as eng:
         res = run(eng)

@@ -1,6 +1,6 @@
 """The per-step deadline in a real job (issue 26, item 5; runtime/deadline.py). A listed worker that
 drags every reduce-scatter by 0.4 s (`--inject-fault drag-rs@N`, composed in at start-up: faults.py)
-stays under the per-message timeout with every message and every step (4.8 s on the tiny Qwen2's 12
+stays under the per-message timeout with every message and every step (4 s on the tiny Qwen2's 10
 reduce-scatters, under `--timeout 10`), so only the step deadline can see it. With three workers and
 a standby it is named by its peers' accounts and removed, and the job ends with the tokens of a run
 without it; with two workers and no standby the accounts are ambiguous (worker 1 waited on worker 2,
@@ -22,15 +22,17 @@ from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.runtime.deadline import DEFAULT_MIN_S, StepDeadline
 from fusion_compute.structural.client import Engine, EngineOptions
 
-TIMEOUT_S = 10.0  # per message: the dragging worker's 0.4 s per message and 4.8 s per step stay under it
-STEP_RS = 12  # reduce-scatter calls per step on the tiny Qwen2 (measured: a dragged step takes 12 x 0.4 s)
+TIMEOUT_S = 10.0  # per message: the dragging worker's 0.4 s per message and 4 s per step stay under it
+# reduce-scatter calls per step on the tiny Qwen2: 3 layers x (QKV, O, gate/up, down), less layer 0's QKV
+# and the last down, which the client does (plan.boundary); a dragged step takes 10 x 0.4 s
+STEP_RS = 10
 SLOW_FROM = 11  # the step the worker starts dragging at (the 10 before set the healthy median)
-# The step bound's floor (--step-deadline-min, 2 s by default). At 1.5 s a dragged step (4.8 s) is cut
-# at STRIKES x 1.5 = 4.5 s and judged in that one step (the honest run below is held to the same floor;
+# The step bound's floor (--step-deadline-min, 2 s by default). At 1.2 s a dragged step (4 s) is cut
+# at STRIKES x 1.2 = 3.6 s and judged in that one step (the honest run below is held to the same floor;
 # a healthy tiny step takes milliseconds). At the default 2 s (the two-worker test) it earns 2 strikes
 # and is not cut, so the judgement comes when the second dragged step makes the strikes due: both ways
 # of reaching a verdict run.
-DEADLINE_MIN_S = 1.5
+DEADLINE_MIN_S = 1.2
 
 
 def run(eng, stamps: list[float] | None = None):
