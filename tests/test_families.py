@@ -198,6 +198,17 @@ def test_fused_phi3_checkpoint_splits_by_the_config(models):
     assert arch.read_weight(src, 1, "gate_up").shape == gu.shape == (2 * src.config.intermediate, src.config.hidden)
 
 
+# The refusal cases' base config: small, valid for every family listed
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 def hf(config_class, **kw) -> dict:
     return json.loads(config_class(**kw).to_json_string())
 
@@ -205,14 +216,7 @@ def hf(config_class, **kw) -> dict:
 def refusals() -> list[tuple[dict, str]]:
     import transformers as tf
 
-    small = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    small = SMALL
     return [
         (hf(tf.MixtralConfig, **small), "unsupported mixture-of-experts model: model_type 'mixtral'"),
         (hf(tf.Qwen3MoeConfig, **small), "unsupported mixture-of-experts model: model_type 'qwen3_moe'"),
@@ -258,14 +262,7 @@ def test_refusal_cases_are_each_accepted_without_their_feature():
     refusal is caused by the key it names, not by something else in the config)."""
     import transformers as tf
 
-    small = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    small = SMALL
     for cls in (tf.LlamaConfig, tf.MistralConfig, tf.Qwen3Config, tf.Qwen2Config):
         ModelConfig.from_hf(hf(cls, **small))
     ModelConfig.from_hf(hf(tf.Phi3Config, pad_token_id=0, **small))
