@@ -184,6 +184,28 @@ def test_draft_length_adapts_and_pauses_while_drafts_do_not_pay():
     assert fixed.next() == 4
 
 
+def test_a_priced_session_is_gated_by_the_cost_not_paused():
+    """Where the job's cost model prices a greedy session's drafts (the loop says `priced`), that
+    model is the gate: the pause, set by the same misses, does not stop drafting (a wide-area step,
+    where a column costs nearly nothing, keeps its drafts); unpriced, the same session pauses."""
+    from fusion_compute.generation import speculative as S
+
+    n = DraftLength(32, sized_by_drafter=True)
+    for _ in range(S.WINDOW):
+        n.update(n.next(), 0)
+    assert n.paused == S.PAUSE_STEPS
+    assert [n.next(priced=True) for _ in range(3)] == [32] * 3  # priced: the budget decides, every step
+    assert [n.next() for _ in range(S.PAUSE_STEPS - 3)] == [0] * (S.PAUSE_STEPS - 3)  # unpriced: paused
+    assert n.next() == 32
+    # a priced StepCost cuts what does not pay: at 0.1 ms a column costs as much as the step, at 21 ms
+    # the same acceptance keeps its drafts
+    from fusion_compute.generation.tree_cost import LinkCost
+
+    for rtt, want in ((0.0001, 0), (0.021, 4)):
+        cost = S.StepCost(LinkCost(rtt, 120, 0.0, 1e9, 0.012, 0.0))
+        assert cost.allocate([4], [0.3]) == [want], rtt
+
+
 def test_acceptance_rate_counts_prefixes():
     n = DraftLength(8)
     assert n.acceptance() == 0.5  # the prior alone
@@ -282,9 +304,16 @@ def test_config_refuses_bad_values():
         ((None, None, None, 64), "needs --speculative suffix"),
         (("suffix", None, None, -1), "must be >= 0"),
         (("tree", None, None), "unknown speculative method"),
+        ((None, None, None, None, (5.0, 100.0)), "they need --speculative"),
+        (("suffix", None, None, None, (5.0, None)), "go together"),
+        (("suffix", None, None, None, (None, 100.0)), "go together"),
+        (("suffix", None, None, None, (-1.0, 100.0)), "must be in"),
+        (("suffix", None, None, None, (5.0, 0.0)), "must be in"),
     ]:
         with pytest.raises(SpeculativeError, match=needle):
             from_flags(*args)
+    link = from_flags("suffix", None, None, None, (5.0, 100.0))
+    assert (link.link_rtt_ms, link.link_mbps) == (5.0, 100.0) and link.describe()["link_mbps"] == 100.0
 
 
 # Exactness of the rejection rule: the chi-square statistic of N draws against the exact
@@ -531,6 +560,8 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
         (["--model", str(tiny_qwen2), "--num-speculative-tokens", "3"], "needs --speculative"),
         (["--model", str(tiny_qwen2), "--speculative", "suffix", "--draft-model", str(tiny_llama)], "not suffix"),
         (["--model", str(tiny_qwen2), "--speculative", "ngram", "--suffix-cache-tokens", "9"], "not ngram"),
+        (["--model", str(tiny_qwen2), "--speculative", "suffix", "--link-rtt-ms", "5"], "go together"),
+        (["--model", str(tiny_qwen2), "--link-rtt-ms", "5", "--link-mbps", "100"], "they need --speculative"),
         (
             ["--model", str(tiny_qwen2), "--context", "16", "--speculative", "suffix"],
             "--num-speculative-tokens 32 does not fit the context of 16",

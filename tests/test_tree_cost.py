@@ -109,3 +109,43 @@ def test_sizes_grow_monotonically_with_latency_for_random_trees():
             gains = path_gains(list(parents), [q] * 4)
             sizes = [best_size(gains, link(r, 1000, compute_ms=1).base_s, 1e-3) for r in (0, 0.1, 1, 10)]
             assert sizes == sorted(sizes), (parents, q, sizes)
+
+
+def test_link_flags_build_the_plans_link_and_add_the_measured_compute():
+    """--link-rtt-ms/--link-mbps (SpeculativeConfig) become a LinkCost from the engine's plan: its
+    exchanges per forward and the busiest worker's bytes per column; once the steps are fitted, the
+    fit is the compute and the link's round trips and bytes are added to it. A plan without those
+    counts (the masked mode's) and a config without a link leave the cost fitted."""
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+    from fusion_compute.model.config import ModelConfig
+    from fusion_compute.structural.plan import make_plan
+
+    cfg = ModelConfig(
+        arch="llama",
+        vocab=300,
+        hidden=64,
+        intermediate=128,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        max_positions=256,
+        rms_eps=1e-6,
+    )
+    plan = make_plan(cfg, 2)
+    sp = S.Speculator(SpeculativeConfig("suffix", 32, link_rtt_ms=20.0, link_mbps=80.0), 300, 256)
+    sp.bind(plan)
+    c = sp.cost.link
+    assert c is not None and c.exchanges == plan.exchanges_per_forward(0) and c.round_trip_s == 0.02
+    assert c.bytes_per_column == max(plan.bytes_sent_per_token(w) for w in range(2)) and c.link_bytes_per_s == 1e7
+    assert sp.cost.costs() == (c.base_s, c.per_column_s, 0.0)  # unfitted: the link alone
+    for w in range(2, 12):  # steps of 2..11 columns, 10 ms + 1 ms a column: the workers' compute here
+        sp.cost.observe(w, 1, 0.010 + 0.001 * w)
+    base, per_column, _ = sp.cost.costs()
+    assert base == pytest.approx(c.exchanges * 0.02 + 0.010, rel=1e-6)
+    assert per_column == pytest.approx(c.bytes_per_column / 1e7 + 0.001, rel=1e-6)
+    plain = S.Speculator(SpeculativeConfig("suffix", 32), 300, 256)
+    plain.bind(plan)
+    masked = S.Speculator(SpeculativeConfig("suffix", 32, link_rtt_ms=20.0, link_mbps=80.0), 300, 256)
+    masked.bind(object())
+    assert plain.cost.link is None and masked.cost.link is None

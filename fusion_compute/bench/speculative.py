@@ -136,10 +136,14 @@ def _tokenizer(path):
     return Tokenizer.from_gguf(path) if Path(path).is_file() else load_tokenizer(path)
 
 
-def _spec(k: int):
+def _spec(k: int, method: str = "ngram"):
+    """The sweep's config. Suffix without its global cache: the pairs run the same prompts again (the
+    batch repeats the single sessions' prompts), and a cache would draft from their earlier outputs."""
     from ..generation.speculative_config import SpeculativeConfig
 
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    if method == "suffix":
+        return SpeculativeConfig(method=method, num_speculative_tokens=k, suffix_cache_tokens=0)
+    return SpeculativeConfig(method=method, num_speculative_tokens=k)
 
 
 def measure_acceptance(
@@ -372,7 +376,7 @@ def client(d: Path) -> int:
     opts.context = job["context"]
     greedy = SamplingParams()
     stop, m, batch = job["stop_ids"], job["tokens"], job["batch"]
-    cfg = _spec(job["k"])
+    cfg = _spec(job["k"], job.get("method", "ngram"))
     results: dict = {}
     with Engine(topo.model_for(0), opts) as eng:
         # One speculator for the job, as `fusion serve` keeps one: what it learns of a wider step's
@@ -446,6 +450,7 @@ def rtt_sweep(
     limit: int | None = None,
     names: tuple[str, ...] = WORKLOAD_NAMES,
     batch_pairs: int = 1,
+    method: str = "ngram",
 ) -> list[dict]:
     from . import workloads
     from .rtt import keys, topology
@@ -469,6 +474,7 @@ def rtt_sweep(
                     "batch": batch,
                     "batch_pairs": batch_pairs,
                     "k": k,
+                    "method": method,
                     "context": longest + tokens + k + 8,
                     # each repeat its own prompts for the single session: pairs over several prompts
                     "single_prompts": [rep * singles + j for j in range(singles)],
@@ -598,6 +604,12 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default=",".join(WORKLOAD_NAMES), help="which workloads the RTT sweep runs (comma-separated)"
     )
     p.add_argument("--repeats", type=int, default=2, help="sweeps over every RTT")
+    p.add_argument(
+        "--method",
+        choices=("ngram", "suffix"),
+        default="ngram",
+        help="the RTT sweep's drafter (the acceptance job runs n-gram drafts); suffix: K is its cap",
+    )
     p.add_argument("--delay", choices=("netem", "nfqueue"), default="nfqueue")
     p.add_argument("--skip-acceptance", action="store_true")
     p.add_argument("--limit", type=int, help="only the first N prompts of each workload (a smoke test)")
@@ -649,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         report["megatron"] = count_megatron(model, a.workers)
         out.write_text(json.dumps(report, indent=1))  # what is measured so far survives a later failure
     if rtts:
-        report |= {"rtt_tokens": a.rtt_tokens, "repeats": a.repeats, "delay": a.delay, "k": ks[-1]}
+        report |= {"rtt_tokens": a.rtt_tokens, "repeats": a.repeats, "delay": a.delay, "k": ks[-1], "method": a.method}
         every: list[dict] = []
         try:
             every = rtt_sweep(
@@ -668,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
                 on_job=lambda runs: out.write_text(json.dumps(report | {"rtt_runs": runs}, indent=1)),
                 names=names,
                 batch_pairs=a.batch_pairs,
+                method=a.method,
             )
         finally:
             report["rtt_runs"] = every

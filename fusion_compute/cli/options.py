@@ -454,6 +454,13 @@ def add_speculative_args(p: Any) -> None:
         type=int,
         help="--speculative suffix: tokens of earlier outputs kept to draft from (default 8192; 0: none)",
     )
+    p.add_argument(
+        "--link-rtt-ms",
+        type=float,
+        help="with --link-mbps: the round trip (ms) of the link the workers are reached over, when this "
+        "job's own steps do not show it; draft trees are sized by it (default: measured from the steps)",
+    )
+    p.add_argument("--link-mbps", type=float, help="with --link-rtt-ms: that link's rate, Mbit/s")
 
 
 def speculative_config(a: argparse.Namespace) -> Any:
@@ -466,6 +473,7 @@ def speculative_config(a: argparse.Namespace) -> Any:
         getattr(a, "draft_model", None),
         getattr(a, "num_speculative_tokens", None),
         getattr(a, "suffix_cache_tokens", None),
+        (getattr(a, "link_rtt_ms", None), getattr(a, "link_mbps", None)),
     )
     if cfg is not None and cfg.draft_model is not None:
         from ..weights.source import resolve_model_path

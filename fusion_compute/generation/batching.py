@@ -104,6 +104,8 @@ class BatchRunner:
         self._drafters: dict = {}  # slot -> its session's drafter (speculative.py)
         self._lengths: dict[int, DraftLength] = {}
         self._freqs: dict[int, list[float] | None] = {}  # slot -> its drafts' frequencies (suffix), this step
+        if speculator is not None:
+            speculator.bind(getattr(engine, "plan", None))  # --link-rtt-ms/--link-mbps: the link's model
         self._cost = speculator.cost if speculator is not None else None  # speculative.StepCost, the job's
         self.steps = 0
 
@@ -202,7 +204,9 @@ class BatchRunner:
         if not seq.out or self.speculator is None:
             return None
         budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
-        k = min(self._lengths[seq.slot].next(), budget - len(seq.out) - 1)
+        # a greedy session whose drafts the job's cost model prices: that model is the gate (_budget)
+        priced = self._cost is not None and seq.sampling.greedy and self._cost.costs() is not None
+        k = min(self._lengths[seq.slot].next(priced), budget - len(seq.out) - 1)
         if k < 1:
             return None
         drafter = self._drafters[seq.slot]

@@ -56,7 +56,7 @@ import heapq
 import statistics
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -100,10 +100,15 @@ class DraftLength:
         self.pause = PAUSE_STEPS
         self.history: deque[tuple[int, int]] = deque(maxlen=4 * WINDOW)  # (drafted, accepted) per verification
 
-    def next(self) -> int:
+    def next(self, priced: bool = False) -> int:
+        """Drafts for the next step. `priced`: a cost model prices this step's drafts (StepCost has
+        costs, and the session is greedy, so the budget may cut it): it is the gate then, and the
+        low-acceptance pause, a guess made before any cost was known, does not apply (the pause kept
+        drafts from wide-area steps where a column costs nearly nothing: docs/speculative.md)."""
         if self.paused:
             self.paused -= 1
-            return 0
+            if not priced:
+                return 0
         return self.k
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -235,11 +240,16 @@ class StepCost:
 
     def costs(self) -> tuple[float, float, float] | None:
         """(base s, s per column, s per drafting session): the link's model when one was given
-        (tree_cost.LinkCost, the drafting session's cost still fitted, else 0), else the fit."""
+        (tree_cost.LinkCost, its compute terms the fit's once there is one: what the steps measured
+        is taken as the workers' compute, the link's round trips and bytes added to it; the drafting
+        session's cost fitted, else 0), else the fit."""
         fit = self.fit()
         if self.link is None:
             return fit
-        return self.link.base_s, self.link.per_column_s, 0.0 if fit is None else fit[2]
+        link = self.link
+        if fit is not None:
+            link = replace(link, compute_base_s=max(0.0, fit[0]), compute_per_column_s=fit[1])
+        return link.base_s, link.per_column_s, 0.0 if fit is None else fit[2]
 
     def allocate(
         self,
@@ -547,6 +557,23 @@ class Speculator:
         # what a wider step costs on this job's workers and network, learned across its runs and
         # requests; with a fixed draft length nothing is cut
         self.cost = StepCost() if config.adaptive else None
+
+    def bind(self, plan) -> None:
+        """The job's link model from `--link-rtt-ms/--link-mbps` and the engine's plan (its exchanges
+        per forward and the busiest worker's bytes per column: structural.plan's count), once. A plan
+        that does not count them (the masked mode's) leaves the cost fitted."""
+        c = self.config
+        if c.link_rtt_ms is None or self.cost is None or self.cost.link is not None:
+            return
+        if not hasattr(plan, "exchanges_per_forward") or not hasattr(plan, "bytes_sent_per_token"):
+            return
+        self.cost.link = LinkCost(
+            round_trip_s=c.link_rtt_ms / 1e3,
+            exchanges=plan.exchanges_per_forward(0),
+            bytes_per_column=float(max(plan.bytes_sent_per_token(w) for w in range(plan.n))),
+            link_bytes_per_s=c.link_mbps * 1e6 / 8,  # type: ignore[operator]
+            compute_per_column_s=0.0,
+        )
 
     def drafter(self) -> NgramDrafter | SuffixDrafter | DraftModelDrafter:
         """A new session's drafter."""

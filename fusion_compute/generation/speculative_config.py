@@ -48,12 +48,19 @@ class SpeculativeConfig:
     draft_model: str | None = None
     adaptive: bool = True  # the draft length follows acceptance (speculative.DraftLength); False: always K
     suffix_max_depth: int = 64  # the longest substring a trie holds: a match of m proposes <= depth - m
-    # vLLM's default factor is 1 (as many tokens as matched); 4 raised the greedy outputs' tokens per forward
-    # of both bench workloads (bench/workloads.py) replayed offline, at twice the columns (docs/speculative.md)
-    suffix_max_spec_factor: float = 4.0
+    # vLLM's defaults are factor 1 (as many tokens as matched) and 0.1. Replayed offline over both bench
+    # workloads' greedy outputs (bench/replay.py, docs/speculative.md), a larger tree of likelier-than-2 %
+    # tokens raised tokens per forward (grounded 2.30 -> 2.43 at 21 ms with the cost budget): where a
+    # column is cheap, the cost budget (StepCost), not the match length, is what should size the tree
+    suffix_max_spec_factor: float = 16.0
     suffix_max_spec_offset: float = 0.0
-    suffix_min_token_prob: float = 0.1
+    suffix_min_token_prob: float = 0.02
     suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS
+    # the link the workers are reached over, when the job's own steps do not show it (a plan made on
+    # loopback for a wide-area deployment): its round trip (ms) and rate (Mbit/s), both or neither
+    # (tree_cost.LinkCost; the loop adds them to the compute it measures)
+    link_rtt_ms: float | None = None
+    link_mbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -76,6 +83,12 @@ class SpeculativeConfig:
             )
         if self.suffix_cache_tokens < 0:
             raise SpeculativeError(f"--suffix-cache-tokens must be >= 0, got {self.suffix_cache_tokens}")
+        if (self.link_rtt_ms is None) != (self.link_mbps is None):
+            raise SpeculativeError("--link-rtt-ms and --link-mbps go together (a link has a round trip and a rate)")
+        if self.link_rtt_ms is not None and not (0 <= self.link_rtt_ms < 1e5 and 0 < self.link_mbps < 1e7):  # type: ignore[operator]
+            raise SpeculativeError(
+                f"--link-rtt-ms must be in [0, 1e5) and --link-mbps in (0, 1e7), got {self.link_rtt_ms}, {self.link_mbps}"
+            )
         if (self.method == "draft_model") != (self.draft_model is not None):
             raise SpeculativeError(
                 "the draft_model method needs --draft-model PATH"
@@ -104,11 +117,17 @@ class SpeculativeConfig:
             }
         else:
             out["draft_model"] = self.draft_model
+        if self.link_rtt_ms is not None:
+            out |= {"link_rtt_ms": self.link_rtt_ms, "link_mbps": self.link_mbps}
         return out
 
 
 def from_flags(
-    method: str | None, draft_model: str | None, num_tokens: int | None, suffix_cache_tokens: int | None = None
+    method: str | None,
+    draft_model: str | None,
+    num_tokens: int | None,
+    suffix_cache_tokens: int | None = None,
+    link: tuple[float | None, float | None] = (None, None),
 ) -> SpeculativeConfig | None:
     """The command line's `--speculative METHOD`, `--draft-model PATH`, `--num-speculative-tokens K` and
     `--suffix-cache-tokens N`: None when speculation is off. `--draft-model` alone means the
@@ -118,6 +137,8 @@ def from_flags(
             raise SpeculativeError("--num-speculative-tokens needs --speculative ngram|suffix or --draft-model PATH")
         if suffix_cache_tokens is not None:
             raise SpeculativeError("--suffix-cache-tokens needs --speculative suffix")
+        if link != (None, None):
+            raise SpeculativeError("--link-rtt-ms and --link-mbps size speculative drafts: they need --speculative")
         return None
     method = method or "draft_model"
     if method not in METHODS:
@@ -127,6 +148,7 @@ def from_flags(
     if suffix_cache_tokens is not None and method != "suffix":
         raise SpeculativeError(f"--suffix-cache-tokens is for --speculative suffix, not {method}")
     kw: dict = {} if num_tokens is None else {"num_speculative_tokens": num_tokens}
+    kw["link_rtt_ms"], kw["link_mbps"] = link
     if method == "suffix":
         kw.setdefault("num_speculative_tokens", SUFFIX_DEFAULT_TOKENS)
         if suffix_cache_tokens is not None:

@@ -1,0 +1,264 @@
+"""A drafter replayed offline over greedy outputs: tokens per forward without workers or timing.
+
+    python -m fusion_compute.bench.replay [--method suffix] [--max-new-tokens 128] [--k 32]
+        [--chain] [--no-cache] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
+
+Greedy decoding's tokens do not depend on the drafts, so one greedy output per prompt (the target's
+dense twin, model/dense.py: the same weights in one process, no workers) tells what any drafter
+would have had accepted: the loop's drafter and draft length (speculative.Speculator) run over the
+output as the sharded loop would, and a draft is accepted as far as its path equals the output
+(the greedy walk of token_tree.accept: at each column, the child whose token is the next one). The
+counters are the loop's (SpecStats: τ = tokens per forward, the prefill's forward and token
+included; columns per decode step; acceptance by depth). `--rtt-ms R` also runs the loop's cost
+budget with a link's model (tree_cost.LinkCost: 120 exchanges of R ms, SmolLM2's bytes per column
+over 1 Gbit/s, `--compute-ms` per column and per step): the tree sizes a deployment at that round
+trip would choose; without it, every draft the drafter makes is verified.
+
+Beside the counters, `--detail` prints what bounds τ on each workload, from the outputs alone:
+  copy oracle   at each step, the longest run of the next output tokens found verbatim anywhere
+                earlier in the session (prompt and output so far): a drafter that always knew
+                where to copy from would accept exactly that, so its τ bounds every copy drafter
+  first miss    verifications whose draft's first token (every root child of a tree) was wrong,
+                and how many of those had the right token nowhere among the root's children
+
+The greedy outputs are cached in `--refs` (JSON; the model and prompts are checked against it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKLOAD_NAMES = ("input_grounded", "open_chat")
+
+
+def greedy_refs(model: str, max_new: int, limit: int | None, log=lambda s: None) -> dict:
+    """Each workload's prompts (chat template ids) and the target's greedy output for each, up to
+    `max_new` tokens, stopping after an end-of-turn token (kept, as generate keeps it)."""
+    import torch
+
+    from ..model.dense import DenseModel
+    from ..weights.loader import open_weights
+    from . import workloads
+    from .speculative import _tokenizer
+
+    tok = _tokenizer(model)
+    target = DenseModel(open_weights(model), max_seq=1)
+    out: dict = {"model": model, "max_new_tokens": max_new, "workloads": {}}
+    for name in WORKLOAD_NAMES:
+        w = workloads.load(name, tok, limit)
+        rows = []
+        for i, p in enumerate(w.prompts):
+            cache = target.new_cache(len(p) + max_new + 1)
+            with torch.no_grad():
+                logits = target.forward(list(p), 0, cache)[-1]
+                gen: list[int] = []
+                while True:
+                    gen.append(int(torch.argmax(logits)))
+                    if gen[-1] in tok.eos_ids or len(gen) >= max_new:
+                        break
+                    logits = target.forward(gen[-1:], len(p) + len(gen) - 1, cache)[-1]
+            rows.append({"prompt": list(p), "output": gen})
+            log(f"refs {name} {i}: {len(gen)} tokens")
+        out["workloads"][name] = rows
+    return out
+
+
+def copy_oracle(prompt: list[int], output: list[int]) -> tuple[int, int]:
+    """(forwards, tokens) of a drafter that at each step proposes the longest run of the next output
+    tokens that occurs verbatim earlier in the session (prompt + output so far): each forward emits
+    that run plus the target's own token. The prefill's forward emits the first token."""
+    forwards, i = 1, 1
+    while i < len(output):
+        seen = prompt + output[:i]
+        n = 0
+        while i + n < len(output) - 1 and _occurs(seen, output[i : i + n + 1]):
+            n += 1
+        i += n + 1
+        forwards += 1
+    return forwards, len(output)
+
+
+def _occurs(hay: list[int], needle: list[int]) -> bool:
+    k = len(needle)
+    first = needle[0]
+    return any(hay[j] == first and hay[j : j + k] == needle for j in range(len(hay) - k + 1))
+
+
+@dataclass
+class Detail:
+    """Per verification: the draft's match length, size, root width (children of the last token),
+    and accepted depth; plus verifications whose first token missed, and of those, how many had the
+    right token nowhere among the root's children."""
+
+    rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # (match, size, root width, accepted)
+    first_miss: int = 0
+    first_absent: int = 0
+
+
+def replay(
+    spec_config,
+    rows: list[dict],
+    tree: bool = True,
+    link=None,
+    max_new: int | None = None,
+    detail: Detail | None = None,
+):
+    """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
+    job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
+    serve`). `link`: a tree_cost.LinkCost for the loop's cost budget (else every draft is kept)."""
+    from ..generation.speculative import SpecStats, Speculator, StepCost
+    from ..generation.suffix import SuffixDrafter
+    from ..generation.suffix_tree import Draft
+    from ..generation.token_tree import TokenTree
+    from ..generation.tree_cost import path_gains
+
+    context = max(len(r["prompt"]) + len(r["output"]) for r in rows) + spec_config.num_speculative_tokens + 8
+    sp = Speculator(spec_config, 1 << 20, context)
+    cost = StepCost(link) if link is not None else None
+    total = SpecStats(spec_config.method)
+    for r in rows:
+        prompt, ref = list(r["prompt"]), list(r["output"])
+        budget = max_new if max_new is not None else len(ref)
+        drafter, length, stats = sp.drafter(), sp.length(), SpecStats(spec_config.method)
+        out = ref[:1]
+        stats.step(len(prompt), 1, decode=False)
+        while len(out) < len(ref):
+            k = min(length.next(cost is not None and cost.costs() is not None), budget - len(out) - 1)
+            d = Draft()
+            if k >= 1:
+                if tree:
+                    d = drafter.propose_tree(prompt + out, k)
+                elif isinstance(drafter, SuffixDrafter):
+                    d = drafter.draft(prompt + out, k, tree=False)
+                else:
+                    for t in drafter.propose(prompt + out, k):
+                        d.add(t, len(d.tokens) - 1, 1.0)
+            if d.tokens and cost is not None:
+                freqs = [
+                    q if p < 0 else q / d.probs[p] if d.probs[p] > 0 else 0.0
+                    for q, p in zip(d.probs, d.parents, strict=True)
+                ]
+                rate = length.acceptance(sp.pool.rate())
+                gains = path_gains(d.parents, [rate * f for f in freqs])
+                n = cost.allocate([len(d.tokens)], [rate], None, [gains])[0]
+                d = _cut(d, n)
+            t = TokenTree.from_drafts(out[-1], d.tokens, d.parents)
+            node, accepted = 0, 0
+            while True:  # the greedy walk: the child whose token is the output's next one
+                want = ref[len(out) + accepted] if len(out) + accepted < len(ref) else None
+                nxt = next((c for c in t.children(node) if t.tokens_T[c] == want), None)
+                if nxt is None or len(out) + accepted + 1 >= len(ref):
+                    break
+                node, accepted = nxt, accepted + 1
+            drafted = len(t) - 1
+            if drafted:
+                length.update(drafted, accepted)
+                stats.add(drafted, accepted)
+                sp.pool.add(drafted, accepted)
+                if detail is not None:
+                    roots = [t.tokens_T[c] for c in t.children(0)]
+                    last = getattr(drafter, "last", None)
+                    detail.rows.append((getattr(last, "match_len", 0), drafted, len(roots), accepted))
+                    if accepted == 0:
+                        detail.first_miss += 1
+                        detail.first_absent += ref[len(out)] not in roots
+            emitted = min(accepted + 1, len(ref) - len(out))
+            out = ref[: len(out) + emitted]
+            stats.step(1 + drafted, emitted, decode=True)
+        drafter.close(ref)
+        total.merge(stats)
+    return total
+
+
+def _cut(d, n: int):
+    from ..generation.suffix_tree import Draft
+
+    c = Draft(match_len=d.match_len)
+    for t, p, q in zip(d.tokens[:n], d.parents[:n], d.probs[:n], strict=True):
+        c.add(t, p, q)
+    return c
+
+
+def summarise(stats, sessions: int, exchanges: int = 120) -> dict:
+    d = stats.as_dict()
+    verifs = d["num_drafts"] or 1
+    tau = d["tokens_per_forward"]
+    decode_steps = stats.forwards - sessions  # columns are counted over decode steps, not prefills
+    return {
+        "tau": tau,
+        "exchanges_per_token": round(exchanges / tau, 1) if tau else None,
+        "columns_per_step": round(stats.columns / max(1, decode_steps), 2),
+        "accepted_by_depth": [round(n / verifs, 2) for n in d["accepted_by_depth"][:6]],
+        "verifications": d["num_drafts"],
+        "forwards": stats.forwards,
+        "tokens": stats.tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..generation.speculative_config import SpeculativeConfig, SpeculativeError
+    from ..weights.loader import resolve_model_path
+
+    p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.replay", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--method", default="suffix", choices=("suffix", "ngram"))
+    p.add_argument("--k", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--chain", action="store_true", help="chains, not trees")
+    p.add_argument("--no-cache", action="store_true", help="suffix: no global cache")
+    p.add_argument("--rtt-ms", type=float, help="run the cost budget with a link of this round trip")
+    p.add_argument("--compute-ms", type=float, default=0.5, help="with --rtt-ms: compute per column, ms")
+    p.add_argument("--refs", default="/tmp/fc-replay-refs.json", help="greedy outputs' cache (JSON)")
+    p.add_argument("--detail", action="store_true")
+    p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
+    p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
+    a = p.parse_args(argv)
+    model = str(resolve_model_path(a.model))
+    refs_path = Path(a.refs)
+    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else None
+    if refs is None or refs["model"] != model or refs["max_new_tokens"] != a.max_new_tokens:
+        refs = greedy_refs(model, a.max_new_tokens, None, lambda s: print(s, file=sys.stderr, flush=True))
+        refs_path.write_text(json.dumps(refs))
+    try:
+        kw: dict = {"suffix_cache_tokens": 0} if a.no_cache and a.method == "suffix" else {}
+        if a.factor is not None:
+            kw["suffix_max_spec_factor"] = a.factor
+        if a.min_prob is not None:
+            kw["suffix_min_token_prob"] = a.min_prob
+        cfg = SpeculativeConfig(method=a.method, num_speculative_tokens=a.k, **kw)
+    except SpeculativeError as e:
+        print(f"bench.replay: {e}", file=sys.stderr)
+        return 2
+    link = None
+    if a.rtt_ms is not None:
+        from ..generation.tree_cost import LinkCost
+
+        # SmolLM2 at N = 2: 120 exchanges; a column adds a 576-float row to each, 2.3 KB x 120
+        link = LinkCost(a.rtt_ms / 1e3, 120, 576 * 4 * 120, 125e6, a.compute_ms / 1e3, a.compute_ms / 1e3)
+    report = {}
+    for name in WORKLOAD_NAMES:
+        rows = refs["workloads"][name][: a.limit]
+        det = Detail() if a.detail else None
+        s = replay(cfg, rows, tree=not a.chain, link=link, max_new=a.max_new_tokens, detail=det)
+        report[name] = summarise(s, len(rows))
+        if det is not None:
+            fw = tok = 0
+            for r in rows:
+                f, t = copy_oracle(r["prompt"], r["output"])
+                fw, tok = fw + f, tok + t
+            report[name]["copy_oracle_tau"] = round(tok / fw, 2)
+            report[name]["first_miss"] = det.first_miss
+            report[name]["first_absent"] = det.first_absent
+            report[name]["mean_match"] = round(sum(r[0] for r in det.rows) / max(1, len(det.rows)), 2)
+            report[name]["mean_root_width"] = round(sum(r[2] for r in det.rows) / max(1, len(det.rows)), 2)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
