@@ -790,6 +790,20 @@ MUTANTS += [
         "key=lambda kv: (-kv[1].count, kv[1].last)",
         ["test_suffix_tree.py::test_trie_matches_brute_force"],
     ),
+    (  # issue 43 (branch tau): the cost model is the gate for a priced session, the pause is not
+        "t43-priced-session-still-paused",
+        R + "generation/speculative.py",
+        "            if not priced:\n                return 0",
+        "            return 0",
+        ["test_speculative.py::test_a_priced_session_is_gated_by_the_cost_not_paused"],
+    ),
+    (  # issue 43 (branch tau): --link-rtt-ms/--link-mbps add the link to the measured compute
+        "t43-link-ignores-the-fit",
+        R + "generation/speculative.py",
+        "link = replace(link, compute_base_s=max(0.0, fit[0]), compute_per_column_s=fit[1])",
+        "link = link",
+        ["test_tree_cost.py::test_link_flags_build_the_plans_link_and_add_the_measured_compute"],
+    ),
 ]
 
 words = sys.argv[1:]

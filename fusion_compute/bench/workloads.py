@@ -1,4 +1,4 @@
-"""The speculative-decoding bench's two workloads (bench/speculative.py), as data.
+"""The speculative-decoding bench's workloads (bench/speculative.py, bench/serve_cache.py), as data.
 
   input_grounded  the answer is in the prompt: summarise, extract, rewrite or copy from a given text,
                   fix a bug in given code. Prompt lookup (n-gram drafts) pays here: what the model
@@ -6,6 +6,9 @@
   open_chat       open questions with nothing to copy from: drafts come only from the session's own
                   earlier tokens, and rarely pay. This is where the adaptive draft length must keep
                   speculation from costing anything.
+  structured      the global suffix cache's workload (bench/serve_cache.py): the same JSON object
+                  asked for about different people, so each answer repeats the earlier ones' keys
+                  and punctuation; not in the speculative bench's sweep.
 
 Written for this bench (no data set is downloaded), one user turn each, put in the bundled
 SmolLM2-135M-Instruct's chat template by `prompt_ids` (the tokenizer the model ships). A module, not
@@ -123,7 +126,27 @@ OPEN_CHAT: tuple[str, ...] = (
     "What makes a good friend?",
 )
 
-WORKLOADS: dict[str, tuple[str, ...]] = {"input_grounded": INPUT_GROUNDED, "open_chat": OPEN_CHAT}
+# The global suffix cache's workload (docs/speculative.md): requests whose answers share a structure,
+# as a service's repeated structured outputs do; each asks for the same JSON object about another
+# person, so an answer repeats the keys and punctuation of the ones before it, not their values.
+_PEOPLE = (
+    "Maria Lopez, a 34-year-old nurse from Madrid who speaks Spanish and English",
+    "Tom Becker, a 52-year-old carpenter from Hamburg who speaks German",
+    "Aiko Tanaka, a 27-year-old software engineer from Osaka who speaks Japanese and English",
+    "Samuel Okoye, a 41-year-old teacher from Lagos who speaks English, Yoruba and French",
+    "Lena Novak, a 23-year-old student from Prague who speaks Czech, German and English",
+    "Pierre Martin, a 66-year-old retired pilot from Lyon who speaks French and Italian",
+)
+STRUCTURED: tuple[str, ...] = tuple(
+    f"Return only a JSON object with the keys name, age, city, occupation and languages (a list) for this person: {p}."
+    for p in _PEOPLE
+)
+
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "input_grounded": INPUT_GROUNDED,
+    "open_chat": OPEN_CHAT,
+    "structured": STRUCTURED,
+}
 
 
 @dataclass(frozen=True)
