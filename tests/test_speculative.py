@@ -206,6 +206,48 @@ def test_a_priced_session_is_gated_by_the_cost_not_paused():
         assert cost.allocate([4], [0.3]) == [want], rtt
 
 
+def test_acceptance_by_depth_counts_each_depth_apart():
+    """depth_rates: a verification that accepted a of a path d deep is a success at depths 1..a and a
+    failure at a + 1; each depth after PRIOR_TRIALS trials at its prior. Where the first draft often
+    misses but a hit goes on (a suffix draft: the right place to copy from, or not), depth 1's rate
+    is lower than depth 2's, which one rate for every depth cannot say."""
+    from fusion_compute.generation import speculative as S
+
+    hist = [(4, 0), (4, 0), (4, 4), (3, 1), (6, 3)]  # (path depth, accepted)
+    flat = [0.5] * S.DEPTHS
+    q = S.depth_rates(hist, flat)
+    # depth 1: 5 trials, 3 hits; depth 2: 3 trials (4/4, 3/1's miss, 6/3), 2 hits; depth 3: 2 trials,
+    # 2 hits; depth 4: 2 trials (4/4's hit, 6/3's miss), 1 hit; deeper: none
+    want = [(3 + 1) / (5 + 2), (2 + 1) / (3 + 2), (2 + 1) / (2 + 2), (1 + 1) / (2 + 2)] + [0.5] * (S.DEPTHS - 4)
+    assert q == pytest.approx(want)
+    assert S.chain_gains(q, 3) == pytest.approx([want[0], want[0] * want[1], want[0] * want[1] * want[2]])
+    assert S.depth_rates([(1, 1)] * 4, flat)[0] == pytest.approx(5 / 6)  # a full chain of one: no miss
+    job = S.JobAcceptance()
+    for d, a in hist:
+        job.add(d + 1, a, depth=d)
+    assert job.depth_rates() == pytest.approx(S.depth_rates(hist, [job.rate()] * S.DEPTHS))
+    # the budget judges a session by these: a session that misses its first draft half the time but
+    # copies on once it hits; the one rate reads the same history as 0.86 for the first draft
+    first_miss = [(8, 0), (8, 8)] * 3
+    q = S.depth_rates(first_miss, flat)
+    assert q[0] == pytest.approx(0.5) and min(q[1:]) == pytest.approx(0.8)
+    one = DraftLength(8)
+    for d, a in first_miss:
+        one.update(d, a)
+    assert one.acceptance() == pytest.approx(25 / 29) and one.depth_rates(flat) == pytest.approx(q)
+
+
+def test_a_starved_priced_session_probes_with_one_draft():
+    """A priced session whose every draft the budget cut keeps learning: after PAUSE_STEPS steps cut to
+    none it runs one draft, and a step the budget allowed resets the count."""
+    from fusion_compute.generation import speculative as S
+
+    n = DraftLength(32, sized_by_drafter=True)
+    assert [n.probe(0) for _ in range(S.PAUSE_STEPS)] == [0] * (S.PAUSE_STEPS - 1) + [1]
+    assert n.probe(0) == 0 and n.probe(5) == 5
+    assert [n.probe(0) for _ in range(S.PAUSE_STEPS)][-1] == 1
+
+
 def test_acceptance_rate_counts_prefixes():
     n = DraftLength(8)
     assert n.acceptance() == 0.5  # the prior alone

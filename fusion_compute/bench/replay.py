@@ -110,7 +110,7 @@ def replay(
     """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
     job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
     serve`). `link`: a tree_cost.LinkCost for the loop's cost budget (else every draft is kept)."""
-    from ..generation.speculative import SpecStats, Speculator, StepCost
+    from ..generation.speculative import DEPTHS, SpecStats, Speculator, StepCost
     from ..generation.suffix import SuffixDrafter
     from ..generation.suffix_tree import Draft
     from ..generation.token_tree import TokenTree
@@ -137,14 +137,15 @@ def replay(
                 else:
                     for t in drafter.propose(prompt + out, k):
                         d.add(t, len(d.tokens) - 1, 1.0)
-            if d.tokens and cost is not None:
+            if d.tokens and cost is not None:  # the loop's budget (batching.BatchRunner._budget), one session
                 freqs = [
                     q if p < 0 else q / d.probs[p] if d.probs[p] > 0 else 0.0
                     for q, p in zip(d.probs, d.parents, strict=True)
                 ]
-                rate = length.acceptance(sp.pool.rate())
-                gains = path_gains(d.parents, [rate * f for f in freqs])
-                n = cost.allocate([len(d.tokens)], [rate], None, [gains])[0]
+                q = length.depth_rates(sp.pool.depth_rates())
+                depths = TokenTree.from_drafts(out[-1], d.tokens, d.parents).depths_T()[1:]
+                gains = path_gains(d.parents, [q[min(x, DEPTHS) - 1] * f for x, f in zip(depths, freqs, strict=True)])
+                n = length.probe(cost.allocate([len(d.tokens)], [q[0]], None, [gains])[0])
                 d = _cut(d, n)
             t = TokenTree.from_drafts(out[-1], d.tokens, d.parents)
             node, accepted = 0, 0
@@ -154,11 +155,11 @@ def replay(
                 if nxt is None or len(out) + accepted + 1 >= len(ref):
                     break
                 node, accepted = nxt, accepted + 1
-            drafted = len(t) - 1
+            drafted, depth = len(t) - 1, max(t.depths_T())
             if drafted:
-                length.update(drafted, accepted)
+                length.update(drafted, accepted, depth)
                 stats.add(drafted, accepted)
-                sp.pool.add(drafted, accepted)
+                sp.pool.add(drafted, accepted, depth)
                 if detail is not None:
                     roots = [t.tokens_T[c] for c in t.children(0)]
                     last = getattr(drafter, "last", None)

@@ -31,7 +31,7 @@ from ..runtime.engine import EngineBase
 from .result import GenerationResult, check_prompt, next_finish
 from .sampling import Sampler
 from .sampling_params import SamplingParams
-from .speculative import DraftLength, NgramDrafter, SpecStats, Speculator
+from .speculative import DEPTHS, DraftLength, NgramDrafter, SpecStats, Speculator, chain_gains
 from .suffix import SuffixDrafter
 from .suffix_tree import Draft
 from .token_tree import TokenTree, accept
@@ -163,12 +163,13 @@ class BatchRunner:
             if tree is not None:
                 toks, path = accept(self._samplers[seq.slot], tree, lg)
                 accepted = len(path) - 1
-                self._lengths[seq.slot].update(drafted, accepted)
+                depth = max(tree.depths_T())  # the verification's trials run along one path this deep
+                self._lengths[seq.slot].update(drafted, accepted, depth)
                 if seq.spec is not None:
                     seq.spec.add(drafted, accepted)
                     if self.speculator is not None:
                         self.speculator.totals.add(drafted, accepted)
-                        self.speculator.pool.add(drafted, accepted)
+                        self.speculator.pool.add(drafted, accepted, depth)
                 if tree.is_chain():
                     if accepted < drafted:  # the rejected columns' KV entries are never attended
                         self.engine.rollback(seq.slot, len(self.engine.slot_history[seq.slot]) - (drafted - accepted))
@@ -246,22 +247,30 @@ class BatchRunner:
         if self._cost is None or not any(drafts[s.slot] for s in decoding):
             return drafts
         assert self.speculator is not None  # a StepCost is the speculator's
-        prior = self.speculator.pool.rate()
+        prior = self.speculator.pool.depth_rates()
         sizes = [0 if (t := drafts[s.slot]) is None else len(t) - 1 for s in decoding]
-        rates = [self._lengths[s.slot].acceptance(prior) for s in decoding]
+        qs = [self._lengths[s.slot].depth_rates(prior) for s in decoding]
+        rates = [q[0] for q in qs]
         gains: list[list[float] | None] = []
-        for s, rate in zip(decoding, rates, strict=True):
+        for s, q in zip(decoding, qs, strict=True):
             t, freqs = drafts[s.slot], self._freqs.get(s.slot)
-            # a column's chance given its parent's: the session's acceptance rate times the drafter's
-            # frequency of that branch (siblings share the rate, the frequency ranks them)
-            ok = t is not None and freqs is not None and len(freqs) == len(t) - 1
-            gains.append(
-                path_gains([p - 1 for p in t.parents_T[1:]], [rate * f for f in freqs]) if ok else None  # type: ignore[union-attr,misc]
-            )
+            # a column's chance given its parent's: the session's acceptance at that column's depth
+            # times the drafter's frequency of that branch (siblings share the rate, the frequency
+            # ranks them); a chain without frequencies: the product of the depths' rates
+            if t is None:
+                gains.append(None)
+            elif freqs is not None and len(freqs) == len(t) - 1:
+                depths = t.depths_T()[1:]
+                accept = [q[min(d, DEPTHS) - 1] * f for d, f in zip(depths, freqs, strict=True)]
+                gains.append(path_gains([p - 1 for p in t.parents_T[1:]], accept))
+            else:
+                gains.append(chain_gains(q, len(t) - 1))
         ks = self._cost.allocate(sizes, rates, [not s.sampling.greedy for s in decoding], gains)
         out = dict(drafts)
         for s, k in zip(decoding, ks, strict=True):
             t = drafts[s.slot]
+            if t is not None and s.sampling.greedy:
+                k = self._lengths[s.slot].probe(k)  # one draft now and then where every one was cut
             out[s.slot] = None if t is None or k == 0 else t.cut(1 + k)
         return out
 
