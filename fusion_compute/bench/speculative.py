@@ -451,6 +451,7 @@ def rtt_sweep(
     names: tuple[str, ...] = WORKLOAD_NAMES,
     batch_pairs: int = 1,
     method: str = "ngram",
+    start_repeat: int = 0,
 ) -> list[dict]:
     from . import workloads
     from .rtt import keys, topology
@@ -465,7 +466,7 @@ def rtt_sweep(
 
         lines = keys(d, n)
         topology(d, model, lines, [f"{BASE}.{i + 1}" for i in range(n + 1)])
-        for rep in range(repeats):
+        for rep in range(start_repeat, start_repeat + repeats):
             for rtt in rtts:
                 job = {
                     "prompts": {name: [list(p) for p in w.prompts] for name, w in loads.items()},
@@ -605,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeats", type=int, default=2, help="sweeps over every RTT")
     p.add_argument(
+        "--start-repeat",
+        type=int,
+        default=0,
+        help="the first sweep's index: a later run continues an earlier one's (its prompts, the pairs' order)",
+    )
+    p.add_argument(
         "--method",
         choices=("ngram", "suffix"),
         default="ngram",
@@ -626,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.speculative: needs --workers >= 2, K >= 1, --max-new-tokens >= 2, --repeats, --batch >= 1")
         return 2
     names = tuple(x for x in a.workloads.split(",") if x)
-    if not names or set(names) - set(WORKLOAD_NAMES) or a.batch_pairs < 0 or a.singles < 0:
+    if not names or set(names) - set(WORKLOAD_NAMES) or a.batch_pairs < 0 or a.singles < 0 or a.start_repeat < 0:
         print(
             f"bench.speculative: --workloads takes {', '.join(WORKLOAD_NAMES)}; --batch-pairs and --singles >= 0",
             file=sys.stderr,
@@ -681,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
                 names=names,
                 batch_pairs=a.batch_pairs,
                 method=a.method,
+                start_repeat=a.start_repeat,
             )
         finally:
             report["rtt_runs"] = every

@@ -40,14 +40,17 @@ StepCost (one per job) weighs acceptance against what a wider step costs: the lo
 step's width (columns), how many sessions in it carried drafts, and its wall time; it fits time =
 base + per_column × columns + per_span × drafting sessions over the recent steps, and gives each
 greedy session the number of drafts that makes the step's expected tokens per second highest (a
-session's j-th draft is worth its acceptance rate to the j-th power). Where a step's
+session's j-th draft is worth q_1 ⋯ q_j, q_d its acceptance at depth d: depth_rates). Where a step's
 time is the network's (a wide-area round trip) a column costs almost nothing and every draft
 DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
 acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
 seed gives, must not depend on the batch or the clock. A tree's j-th column is worth the product of
-acceptance on its path (tree_cost.py: the session's rate times the drafter's branch frequency per
-node), and a StepCost given a link's model (tree_cost.LinkCost: round trips, bytes per column over
-the link's rate, compute per column) sizes trees by it instead of by its fit.
+acceptance on its path (tree_cost.py: the session's acceptance at each node's depth times the
+drafter's branch frequency), and a StepCost given a link's model (tree_cost.LinkCost, from
+--link-rtt-ms/--link-mbps: round trips, bytes per column over the link's rate) adds it to the
+compute it fits. Where a cost model prices a greedy session's drafts, it is the gate: DraftLength's
+pause applies only before one does (and to sampled sessions), and a session the budget starves
+probes with one draft now and then.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class SpeculativeConfig:
     suffix_max_depth: int = 64  # the longest substring a trie holds: a match of m proposes <= depth - m
     # vLLM's defaults are factor 1 (as many tokens as matched) and 0.1. Replayed offline over both bench
     # workloads' greedy outputs (bench/replay.py, docs/speculative.md), a larger tree of likelier-than-2 %
-    # tokens raised tokens per forward (grounded 2.30 -> 2.43 at 21 ms with the cost budget): where a
+    # tokens raised tokens per forward (grounded 2.30 -> 2.42 at 21 ms with the cost budget): where a
     # column is cheap, the cost budget (StepCost), not the match length, is what should size the tree
     suffix_max_spec_factor: float = 16.0
     suffix_max_spec_offset: float = 0.0
