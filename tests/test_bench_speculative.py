@@ -143,3 +143,42 @@ def test_side_by_side_jobs_are_summed_and_their_overlap_measured():
     assert together == [{"tokens_per_s": 30.0, "side_by_side": 1.0}]  # 10 + 20 tok/s, fully overlapped
     apart = combine([job((0.0, 1.0, 10), (5.0, 6.0, 10)), job((1.0, 2.0, 10), (5.5, 6.5, 10))], 2)
     assert [r["side_by_side"] for r in apart] == [0.0, pytest.approx(1 / 3)]  # one after the other; half-overlapped
+
+
+# ---- bench/replay.py: a drafter replayed over greedy outputs ----
+
+
+def test_copy_oracle_takes_the_longest_run_seen_before():
+    from fusion_compute.bench.replay import copy_oracle
+
+    # the prefill emits 9; then 1 2 3 4 is the prompt's, and the last token is always the target's own
+    assert copy_oracle([1, 2, 3, 4, 5], [9, 1, 2, 3, 4, 7]) == (2, 6)
+    assert copy_oracle([1], [5, 6, 7]) == (3, 3)  # nothing recurs: one token a forward
+    assert copy_oracle([5, 6, 5, 6], [5, 6, 5, 6, 5]) == (2, 5)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+    output=st.lists(st.integers(0, 3), min_size=1, max_size=30),
+    k=st.integers(1, 8),
+    chain=st.booleans(),
+)
+def test_replayed_suffix_drafts_never_beat_the_copy_oracle(prompt, output, k, chain):
+    """Every path of the session's suffix trie is a run of the session's tokens, so no draft is
+    accepted further than the longest run of the next tokens seen before: the replay's forwards are
+    at least the oracle's (greedy parsing into runs seen before is the shortest), and its counters
+    add up (every token emitted once, one prefill)."""
+    from fusion_compute.bench.replay import copy_oracle, replay
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+
+    cfg = SpeculativeConfig("suffix", k, suffix_cache_tokens=0)
+    stats = replay(cfg, [{"prompt": prompt, "output": output}], tree=not chain, max_new=len(output))
+    forwards, tokens = copy_oracle(prompt, output)
+    assert stats.tokens == tokens == len(output)
+    assert stats.forwards >= forwards
+    assert stats.num_accepted_tokens == len(output) - stats.forwards

@@ -147,21 +147,21 @@ def replay(
                 gains = path_gains(d.parents, [q[min(x, DEPTHS) - 1] * f for x, f in zip(depths, freqs, strict=True)])
                 n = length.probe(cost.allocate([len(d.tokens)], [q[0]], None, [gains])[0])
                 d = _cut(d, n)
-            t = TokenTree.from_drafts(out[-1], d.tokens, d.parents)
+            step = TokenTree.from_drafts(out[-1], d.tokens, d.parents)
             node, accepted = 0, 0
             while True:  # the greedy walk: the child whose token is the output's next one
                 want = ref[len(out) + accepted] if len(out) + accepted < len(ref) else None
-                nxt = next((c for c in t.children(node) if t.tokens_T[c] == want), None)
+                nxt = next((c for c in step.children(node) if step.tokens_T[c] == want), None)
                 if nxt is None or len(out) + accepted + 1 >= len(ref):
                     break
                 node, accepted = nxt, accepted + 1
-            drafted, depth = len(t) - 1, max(t.depths_T())
+            drafted, depth = len(step) - 1, max(step.depths_T())
             if drafted:
                 length.update(drafted, accepted, depth)
                 stats.add(drafted, accepted)
                 sp.pool.add(drafted, accepted, depth)
                 if detail is not None:
-                    roots = [t.tokens_T[c] for c in t.children(0)]
+                    roots = [step.tokens_T[c] for c in step.children(0)]
                     last = getattr(drafter, "last", None)
                     detail.rows.append((getattr(last, "match_len", 0), drafted, len(roots), accepted))
                     if accepted == 0:

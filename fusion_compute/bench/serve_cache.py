@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def serve(args: list[str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
@@ -66,7 +67,7 @@ def run(cache: bool, workers: int, max_tokens: int, d: Path, link: list[str], lo
     rows = []
     try:
         for i, text in enumerate(workloads.STRUCTURED):
-            body = {
+            body: dict[str, Any] = {
                 "model": "m",
                 "messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens,
