@@ -117,10 +117,11 @@ class CountingSource:
 
 def worker_elements(plan: Any, w: int) -> int:
     """fp32 weight elements worker w (0-based; rank w + 1) reads, all layers: a structural plan's
-    per-layer count times layers, or a masked plan's member's rows (masked/plan.py)."""
+    (plan.loaded_elements: every layer's slices less layer 0's q/k/v, which the client computes), or
+    a masked plan's member's rows (masked/plan.py)."""
     if hasattr(plan, "group_of"):  # masked.plan.MaskedPlan
         return plan.weight_elements(*plan.group_of(w + 1))
-    return plan.weight_elements(w) * plan.config.n_layers
+    return plan.loaded_elements(w)
 
 
 # ---- client side ----
