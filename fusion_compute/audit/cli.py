@@ -307,6 +307,11 @@ def cmd_exposure(a: argparse.Namespace) -> int:
         f"(rank of the linear map from the residual to what a party observes; {h} = can reconstruct it)"
     )
     print("  views: shard = own residual coords + own q/k/v or gate/up shard; wire = shard + each peer's partial")
+    if summary["no_peer_partials"]:
+        print(
+            f"  no peer partials at {', '.join(summary['no_peer_partials'])} (wire = shard there): the plan's "
+            f"boundary merges {'; '.join(summary['boundary'])}"
+        )
     for w, views in summary["per_worker"].items():
         parts = []
         for view, s in views.items():
