@@ -326,8 +326,18 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
     client_mb = engine.embed.numel() * engine.embed.element_size() / MIB
     if engine.lm_head is not engine.embed:
         client_mb += engine.lm_head.numel() * engine.lm_head.element_size() / MIB
-    lines.append(f"  client (this process): tokenizer, embedding, final norm, LM head {client_mb:.1f} MiB, sampling")
+    lines.append(
+        f"  client (this process): tokenizer, embedding, final norm, LM head {client_mb:.1f} MiB, "
+        f"layer 0's q/k/v {_qkv0_bytes(engine) / MIB:.1f} MiB (it computes them for the ingress), sampling"
+    )
     return lines
+
+
+def _qkv0_bytes(engine: Any) -> int:
+    """The client's copy of layer 0's q/k/v weights and bias, every worker's rows (structural
+    client.layer0_qkv: the plan's boundary), in the bytes they take where they were placed."""
+    tensors = [t for pair in getattr(engine, "qkv0", ()) for t in pair if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def log_startup(engine: Any, stream: IO[str] = sys.stderr, topology: Any = None) -> None:
