@@ -200,8 +200,8 @@ def summarize(results: list[Exposure], plan: Plan) -> dict:
     for point in POINTS:
         for view in VIEWS:
             ks = [smallest_full_party(results, L, point, view) for L in layers]
-            reached = [k for k in ks if k is not None]
-            coalition[f"{point}/{view}"] = max(reached) if len(reached) == len(ks) else None  # None: a layer no coalition reaches
+            reached = [k for k in ks if k is not None]  # None: a layer no coalition reaches
+            coalition[f"{point}/{view}"] = max(reached) if len(reached) == len(ks) else None
     return {
         "hidden": plan.config.hidden,
         "workers": plan.n,
