@@ -248,7 +248,7 @@ class _Rollbacks:
     rollback at the same place (before the step's record), from the spans it sends, so the verifier
     can hold every worker's rollbacks to the client's."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held: dict[int, int] = {}  # slot -> positions its session holds
         self.count = 0
 

@@ -155,7 +155,7 @@ def acceptance_rate(history: Iterable[tuple[int, int]], prior: float = 0.5) -> f
 class JobAcceptance:
     """Every session's recent verifications on one job, pooled: the prior of a session's own rate."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.history: deque[tuple[int, int]] = deque(maxlen=POOL)
 
     def add(self, drafted: int, accepted: int) -> None:
