@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import overload
 
 from ..runtime.placement import DTYPES
 from ..runtime.progress import counted
@@ -22,6 +23,10 @@ class AuditCliError(Exception):
     pass
 
 
+@overload
+def _ints(text: str, what: str) -> list[int]: ...
+@overload
+def _ints(text: None, what: str) -> None: ...
 def _ints(text: str | None, what: str) -> list[int] | None:
     if text is None:
         return None

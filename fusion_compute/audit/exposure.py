@@ -211,7 +211,7 @@ def summarize(results: list[Exposure], plan: Plan) -> dict:
     """Per worker and view: at how many (layer, point) pairs it alone has full rank; per (point, view):
     the smallest coalition reaching full rank at every layer."""
     layers = sorted({e.layer for e in results})
-    per_worker = {}
+    per_worker: dict[int, dict[str, dict[str, int | None]]] = {}  # worker -> view -> counts
     for w in range(plan.n):
         per_worker[w] = {}
         for view in VIEWS:
@@ -226,7 +226,8 @@ def summarize(results: list[Exposure], plan: Plan) -> dict:
     for point in POINTS:
         for view in VIEWS:
             ks = [smallest_full_party(results, L, point, view) for L in layers]
-            coalition[f"{point}/{view}"] = None if any(k is None for k in ks) else max(ks)
+            reached = [k for k in ks if k is not None]  # None: a layer no coalition reaches
+            coalition[f"{point}/{view}"] = max(reached) if len(reached) == len(ks) else None
     return {
         "hidden": plan.config.hidden,
         "workers": plan.n,

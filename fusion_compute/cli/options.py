@@ -17,7 +17,7 @@ from ..executor.base import EXECUTORS
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from ..runtime.engine_options import EngineOptions, default_backend, default_threads, usable_cores
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
-from ..runtime.topology import GROUP_NAME, Topology, check_here, is_local_address, sharing_this_host
+from ..runtime.topology import GROUP_NAME, Participant, Topology, check_here, is_local_address, sharing_this_host
 from .logs import engine_notice
 from .parser import StoreFlag
 
@@ -549,11 +549,13 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
     if a.master is not None:
         host_port(a.master)
         common["master"] = a.master
+    opts: EngineOptions  # masked.options.MaskedOptions in masked mode
     if masked:
         from ..masked.options import masked_options
 
         opts = masked_options(a.workers, topo, {**common, "capacities": capacities(a.capacity)})
     else:
+        caps: tuple[float, ...] | None
         if topo is not None:
             if topo.masked:
                 raise UsageError(f"{topo.path} names masked groups A and B: add --mode masked")
@@ -693,6 +695,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         if a.master or a.client_key:
             raise UsageError("--topology names the client and its key: drop --master/--client-key")
         topo = Topology.load(a.topology)
+        me: Participant | None
         if a.insecure:
             if rank is None:
                 raise UsageError("an --insecure worker must give --rank (there is no key to find it by)")
@@ -713,9 +716,10 @@ def worker_options(a: argparse.Namespace) -> Any:
         group = group or me.group
         device = device or me.device
     else:
-        master = host_port(a.master)
-        if master is None:
+        given = host_port(a.master)
+        if given is None:
             raise UsageError("give --master HOST:PORT and --client-key (or --topology FILE)")
+        master = given
         if a.insecure:
             if rank is None:
                 raise UsageError("an --insecure worker must give --rank")

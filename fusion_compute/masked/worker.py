@@ -71,8 +71,9 @@ class MaskedWorker:
         self.src, self.sizes, self.rank, self.comm = src, tuple(sizes), rank, comm
         self.audit = audit  # masked.audit.AuditLog: taps what this worker received
         self.forwards = 0  # FORWARD steps served
-        self.plan: MaskedPlan | None = None
-        self.weights: MemberWeights | None = None
+        # set by hello() from the client's handshake; no step is served before it
+        self.plan: MaskedPlan
+        self.weights: MemberWeights
 
     def hello(self) -> int:
         """Handshake: check the plan fingerprint, load the weights, send the public metadata."""

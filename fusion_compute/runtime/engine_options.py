@@ -108,7 +108,7 @@ class EngineOptions:
                     f"--comm-backend {self.comm_backend} runs on one machine only (spawned workers); across hosts, "
                     "--comm-backend mpi runs with a --topology on workers that mpiexec started"
                 )
-            if self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
+            if self.topology is not None and self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
                 raise UsageError(
                     "--comm-backend mpi across hosts: the workers share one mpiexec world, whose size is "
                     f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}"

@@ -60,7 +60,7 @@ class WorkerReporter:
             raise ValueError(f"progress mode must be auto, lines, bar or off, got {mode!r}")
         self.mode = mode
         self.label = label
-        self._last = (None, -1)
+        self._last: tuple[str | None, int] = (None, -1)  # (phase, percent) last drawn
         self._t = 0.0
         self._open = False  # a bar is drawn on the current line (no newline after it yet)
 
@@ -228,7 +228,8 @@ def load_monitor(stream: IO[str] = sys.stderr) -> Callable[[Any, Any], Any] | No
 # ---- the start-up log ----
 
 
-def _ranges_text(a: int, b: int, total: int) -> str:
+def _ranges_text(span: tuple[int, int], total: int) -> str:
+    a, b = span
     return f"[{a}, {b}) {100 * (b - a) / total:.0f}%"
 
 
@@ -319,8 +320,8 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
         rss = f"{i['peak_rss_mb']:.0f} MiB" if "peak_rss_mb" in i else "?"
         load = f"{i['load_s']:.1f} s" if "load_s" in i else "?"
         lines.append(
-            f"  worker {s.rank} ({where}, capacity {s.capacity:g}): residual {_ranges_text(*s.residual, c.hidden)}, "
-            f"attention {attn} ({100 * kv_dims / kv_total:.0f}% of KV), MLP {_ranges_text(*s.mlp, c.intermediate)}; "
+            f"  worker {s.rank} ({where}, capacity {s.capacity:g}): residual {_ranges_text(s.residual, c.hidden)}, "
+            f"attention {attn} ({100 * kv_dims / kv_total:.0f}% of KV), MLP {_ranges_text(s.mlp, c.intermediate)}; "
             f"weights {weights:.1f} MiB, KV cache {kv:.1f} MiB, peak RSS {rss}, loaded in {load}"
         )
     client_mb = engine.embed.numel() * engine.embed.element_size() / MIB

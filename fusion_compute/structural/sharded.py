@@ -84,10 +84,10 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
 def post_gains(src: WeightSource, layer: int, rows: list[int]) -> torch.Tensor | None:
     """The post-norm gains (2, |rows|) after o and after down at the residual `rows` this worker's
     o / down outputs stand for (Gemma 3), or None for a family without post-norms."""
-    gains = [arch.read_post_norm(src, layer, name) for name in ("o", "down")]
-    if gains[0] is None or gains[1] is None:
+    o, down = (arch.read_post_norm(src, layer, name) for name in ("o", "down"))
+    if o is None or down is None:
         return None
-    return torch.stack(gains)[:, torch.tensor(rows)].contiguous()
+    return torch.stack([o, down])[:, torch.tensor(rows)].contiguous()
 
 
 def qk_gains(src: WeightSource, plan: Plan, w: int, layer: int) -> tuple[torch.Tensor, ...] | None:
