@@ -33,7 +33,9 @@ from ..comm import (
     Pulse,
     TaintedInputs,
     Witness,
+    backend_of,
     join_epoch,
+    open_fabric,
     open_pulse,
     reason_of,
     say_farewell,
@@ -155,27 +157,16 @@ class Worker:
                     o.audit_dir, int(welcome.get("epoch") or 0), rank, participant=int(welcome["pid"])
                 )
                 self.audit_logs.append(audit)
-            fabric = None
-            if welcome.get("fabric"):
-                f = welcome["fabric"]
-                if f["backend"] == "mpi":
-                    from ..comm.mpi_fabric import MpiFabric
-
-                    fabric = MpiFabric(rank - 1, n, f["store"], timeout_s=o.timeout_s, score_groups=plan.group_owners)
-                else:
-                    from ..comm.torch_fabric import TorchFabric
-
-                    fabric = TorchFabric(
-                        f["backend"],
-                        rank - 1,
-                        n,
-                        f["store"],
-                        timeout_s=o.timeout_s,
-                        score_groups=plan.group_owners,
-                        device=torch.device(o.device),
-                    )
-                self.fabric = fabric  # an abort word ends its waits
-            backend = fabric and welcome["fabric"]["backend"] or ("tls" if o.key else "tcp")
+            fabric = open_fabric(  # the client's word: MPI, torch.distributed, or none (the links)
+                welcome.get("fabric"),
+                rank - 1,
+                n,
+                timeout_s=o.timeout_s,
+                score_groups=plan.group_owners,
+                device=o.device,
+            )
+            self.fabric = fabric  # an abort word ends its waits
+            backend = backend_of(welcome.get("fabric"), secure=o.key is not None)
             comm = Comm(
                 rank,
                 n,
