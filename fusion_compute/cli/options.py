@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -677,6 +678,7 @@ def add_worker_args(g: dict[str, Any]) -> None:
 
 
 def worker_options(a: argparse.Namespace) -> Any:
+    from ..audit.recorder import AuditRecorder
     from ..bench.ops import WORKER_OPS
     from ..controls.worker import worker_controls
     from ..masked.member import run_member
@@ -756,6 +758,7 @@ def worker_options(a: argparse.Namespace) -> Any:
         device=device,
         progress=a.progress,
         audit_dir=a.audit_dir,
+        recorder=partial(AuditRecorder.for_epoch, a.audit_dir) if a.audit_dir else None,  # the audit's, handed in
         controls=worker_controls(a.inject_fault, a.inject_leak, a.variant),  # chosen once, here
         ops=WORKER_OPS,  # the bench's control ops (stats, a collective's latency, the KV probe)
         modes={"masked": run_member},  # the worker serves the mode the client names

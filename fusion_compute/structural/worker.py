@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,7 +69,10 @@ class WorkerOptions:
     join_timeout_s: float = 120.0
     device: str = "cpu"  # where this worker's weights, KV cache and steps live: cpu, cuda, cuda:K
     progress: str = "auto"
-    audit_dir: str | None = None
+    audit_dir: str | None = None  # --audit-dir: the masked mode's logs (masked/member.py) are written there
+    # the structural mode's audit log of (epoch, rank, participant), handed in at start-up (the command
+    # line's: audit.recorder.AuditRecorder.for_epoch over --audit-dir); None: no audit
+    recorder: Callable[[int, int, int], Any] | None = None
     controls: Controls = field(default_factory=Controls)  # faults, leaks, the baseline: chosen at start-up
     ops: Mapping[int, OpHandler] = field(default_factory=dict)  # control ops beyond protocol.Op (the bench's)
     modes: Mapping[str, Callable[..., None]] = field(default_factory=dict)  # other modes' runners (masked/member.py)
@@ -150,12 +154,8 @@ class Worker:
             if dtype not in DTYPES:
                 raise RuntimeError(f"the client asked for dtype {dtype!r}, not one of {', '.join(DTYPES)}")
             audit = None
-            if o.audit_dir:
-                from ..audit.recorder import AuditRecorder
-
-                audit = AuditRecorder.for_epoch(
-                    o.audit_dir, int(welcome.get("epoch") or 0), rank, participant=int(welcome["pid"])
-                )
+            if o.recorder is not None:
+                audit = o.recorder(int(welcome.get("epoch") or 0), rank, int(welcome["pid"]))
                 self.audit_logs.append(audit)
             fabric = open_fabric(  # the client's word: MPI, torch.distributed, or none (the links)
                 welcome.get("fabric"),
