@@ -92,6 +92,22 @@ def test_inproc_gives_the_local_tokens_and_leaves_no_thread(tiny_qwen2):
 
 
 @pytest.mark.slow
+def test_a_worker_thread_told_to_leave_ends_and_the_job_recovers(tiny_qwen2):
+    """`terminate` on one worker thread mid-job (what its client's link closing does to a thread:
+    shards wiped, links cut, `run` returns): its thread ends on its own, without os._exit (this
+    process is still here), and the job goes on over the other two by the usual replay, with the
+    same greedy tokens."""
+    with Engine(tiny_qwen2, inproc(n_workers=3)) as eng:
+        ref = greedy(eng)
+        gone = eng.executor.workers[1]
+        gone.terminate()
+        gone.wait(timeout=10)
+        assert gone.returncode == 0 and not gone.thread.is_alive()
+        assert greedy(eng) == ref
+        assert [r["lost"] for r in eng.recoveries] == [[2]], eng.recoveries
+
+
+@pytest.mark.slow
 def test_a_refused_control_is_the_workers_last_words(tiny_qwen2):
     """A fault would end the whole process from a thread: the thread worker refuses it, and the
     client's start-up error carries that worker's one line (its last words, as a process's)."""
