@@ -384,8 +384,9 @@ def test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed(tiny_qw
     runs 2 of 3 workers and says so (item 3); the next session's start fills the empty seat from
     the workers set aside, and its tokens are the same."""
     from test_faults import LIVENESS_S
-    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_hostile_blame import TIMEOUT_S, reference
     from test_slow_steps import run
+    from tiny_models import STEP_RS
 
     from fusion_compute.structural.client import Engine, EngineOptions
 
@@ -422,8 +423,9 @@ def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qw
     client's scale check would name the victim (honest) and remove it. The request completes with
     the tokens of the run without the fault."""
     from test_faults import LIVENESS_S
-    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_hostile_blame import TIMEOUT_S, reference
     from test_slow_steps import run
+    from tiny_models import STEP_RS
 
     from fusion_compute.structural.client import Engine, EngineOptions
 
