@@ -5,12 +5,14 @@ Quick (no processes): the dense twin, the one copy of the layer's math outside t
 against transformers in float64 on random-weight models built from transformers' own config classes
 (MistralConfig, Qwen3Config, Phi3Config, Qwen2Config with its sliding window): GQA and MHA, tied and
 untied heads, odd widths, sliding windows shorter than the prompt; greedy ids identical, logits within
-LOGIT_ATOL, incremental decode equal to the full forward. Slow: the structural mode at N = 1..4 (split
-KV groups at N = 3, 4; uneven capacities) and the masked mode at 1+1, through real workers.
+LOGIT_ATOL, incremental decode equal to the full forward. Slow: the sharded arithmetic at N = 1..4 (split
+KV groups at N = 3, 4; uneven capacities) in this process (tests/inproc.py), and through real workers
+the structural mode at N = 3, the masked mode at 1+1, the audit and the exchanges counted.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -272,26 +274,67 @@ def test_refusal_cases_are_each_accepted_without_their_feature():
         ModelConfig.from_hf({**hf(tf.MistralConfig, **small), "sliding_window": 0})
 
 
-# The sharded runtimes through real workers: N = 1..4 (whole KV groups at N <= 2, groups split by
-# RoPE pairs at N = 3, 4: each family's base shape has 2 KV heads), uneven capacities, the masked
-# mode at 1+1. Prefill logits, incremental decode == full forward, greedy ids identical.
+FAMILY_BASES = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
+
+
+@pytest.fixture(scope="module")
+def wanted(models):
+    """name -> transformers' float64 logits of PROMPT and its NEW_TOKENS greedy ids, each once."""
+
+    @functools.cache
+    def want(name: str) -> tuple[torch.Tensor, list[int]]:
+        _, ref = models[name]
+        return reference.logits(ref, PROMPT), reference.greedy(ref, PROMPT, NEW_TOKENS)
+
+    return want
+
+
+# The sharded arithmetic of every family in this process (tests/inproc.py: the workers' ShardedModel
+# as threads over the in-memory fabric, the client's arithmetic done by ShardedRun): N = 1..4 (whole KV
+# groups at N <= 2, groups split by RoPE pairs at N = 3, 4: each family's base shape has 2 KV heads),
+# uneven capacities, full and sliding layers mixed in one model. Prefill logits, incremental decode ==
+# full forward, greedy ids identical: the checks these cases had through real workers, which
+# test_sharded_runtimes_match_transformers keeps for what a process adds (below).
+INPROC_CASES = [
+    (name, n, caps)
+    for name in FAMILY_BASES
+    for n, caps in ((1, None), (2, None), (3, None), (4, None), (3, (2.0, 1.0, 1.0)))
+] + [
+    ("qwen3-sliding", 3, None),
+    ("qwen2-sliding", 4, (1.0, 2.0, 1.0, 1.0)),
+    ("gemma3-mha-untied-plain", 3, (1.0, 1.0, 2.0)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,n,caps", INPROC_CASES, ids=[f"{c[0]}-N{c[1]}{'-cap' if c[2] else ''}" for c in INPROC_CASES]
+)
+def test_sharded_model_matches_transformers(models, wanted, name, n, caps):
+    from inproc import ShardedRun
+
+    path, _ = models[name]
+    want, want_ids = wanted(name)
+    run = ShardedRun(path, n, caps, max_seq=128)
+    if name in FAMILY_BASES and n >= 3:  # what N = 3, 4 are for: partial scores summed among a group's owners
+        assert any(len(owners) > 1 for owners in run.plan.group_owners), run.plan.group_owners
+    full = run.forward(PROMPT)
+    assert torch.allclose(full, want, atol=LOGIT_ATOL, rtol=0), (full - want).abs().max()
+    run.reset()
+    inc = torch.cat([run.forward(PROMPT[:5])] + [run.forward([t]) for t in PROMPT[5:]])
+    assert torch.allclose(inc, full, atol=LOGIT_ATOL, rtol=0), (inc - full).abs().max()
+    run.reset()
+    assert run.greedy(PROMPT, NEW_TOKENS) == want_ids
+
+
+# Through real workers, what a process adds to the arithmetic above: the client's engine (the family's
+# embedding scale, ingress, egress, final norm and head), the wire and the links' score sums (and
+# Qwen3's q/k norm sums, Gemma's post-norm sums) at N = 3, where every base shape's KV groups split;
+# the masked mode at 1+1; Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch).
 RUNTIME_CASES = [
-    (name, mode, n, caps)
-    for name in ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
-    for mode, n, caps in (
-        ("structural", 1, None),
-        ("structural", 2, None),
-        ("structural", 3, None),
-        ("structural", 4, None),
-        ("structural", 3, (2.0, 1.0, 1.0)),
-        ("masked", (1, 1), None),
-    )
-] + [  # full and sliding layers mixed in one model: a mask per window in every step
-    ("qwen3-sliding", "structural", 3, None),
-    ("qwen2-sliding", "structural", 4, (1.0, 2.0, 1.0, 1.0)),
+    (name, mode, n, None) for name in FAMILY_BASES for mode, n in (("structural", 3), ("masked", (1, 1)))
+] + [
     ("qwen2-sliding", "masked", (1, 1), None),
-    ("gemma3-mha-untied-plain", "structural", 3, (1.0, 1.0, 2.0)),
-    # Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch), not the links
     ("gemma3-gqa-odd-tied", "gloo", 3, None),
 ]
 
@@ -313,13 +356,12 @@ def engine(mode: str, path, n, caps):
     RUNTIME_CASES,
     ids=[f"{c[0]}-{c[1]}-{c[2]}{'-cap' if c[3] else ''}" for c in RUNTIME_CASES],
 )
-def test_sharded_runtimes_match_transformers(models, name, mode, n, caps):
+def test_sharded_runtimes_match_transformers(models, wanted, name, mode, n, caps):
     from fusion_compute.generation.generate import generate
     from fusion_compute.generation.sampling_params import SamplingParams
 
-    path, ref = models[name]
-    want = reference.logits(ref, PROMPT)
-    want_ids = reference.greedy(ref, PROMPT, NEW_TOKENS)
+    path, _ = models[name]
+    want, want_ids = wanted(name)
     with engine(mode, path, n, caps) as eng:
         eng.reset()
         full = eng.forward(PROMPT, all_logits=True)
@@ -331,7 +373,7 @@ def test_sharded_runtimes_match_transformers(models, name, mode, n, caps):
         assert res.token_ids == want_ids
 
 
-AUDITED = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
+AUDITED = FAMILY_BASES
 
 
 @pytest.mark.slow
