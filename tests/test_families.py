@@ -20,7 +20,6 @@ import torch
 from test_cli import no_new_workers  # noqa: F401 (a fixture)
 from tiny_models import build
 
-from fusion_compute.bench.ops import stats
 from fusion_compute.model import reference
 from fusion_compute.model.config import FAMILIES, ModelConfig, ModelError, Unsupported
 from fusion_compute.model.dense import DenseModel
@@ -468,28 +467,30 @@ def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", AUDITED)
 def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
-    """The exchanges one decode step costs each worker, counted by its comm layer (bench/ops.stats),
-    equal the plan's collectives_per_forward (collectives_per_layer × layers, less the scatters the
-    boundary merges: layer 0's QKV, and the last layer's down but with post-norms) at N = 2 (whole KV
-    groups) and N = 3 (a split group): the figures of docs/performance.md's table of families, less
-    those."""
+    """The exchanges one decode step costs each worker, counted by its comm layer (Comm's counters,
+    which bench/ops.stats reads off worker processes), equal the plan's collectives_per_forward
+    (collectives_per_layer × layers, less the scatters the boundary merges: layer 0's QKV, and the
+    last layer's down but with post-norms) at N = 2 (whole KV groups) and N = 3 (a split group): the
+    figures of docs/performance.md's table of families, less those. In this process (tests/inproc.py:
+    the workers' ShardedModel and Comm, the collectives on the in-memory fabric); what worker
+    processes exchange over the links is the audit's to account for, step by step, above."""
+    from inproc import ShardedRun
+
     from fusion_compute.bench.rtt import rounds_per_token
-    from fusion_compute.structural.client import Engine, EngineOptions
 
     path, _ = models[name]
     for n in (2, 3):
-        with Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
-            eng.reset()
-            eng.forward(PROMPT)
-            before = [s["collectives"] for s in stats(eng)]
-            eng.forward([7])
-            counted = [s["collectives"] - b for s, b in zip(stats(eng), before, strict=True)]
-            layers = eng.config.n_layers
-            planned = [eng.plan.collectives_per_forward(w) for w in range(n)]
-            assert counted == planned, (n, counted, planned)
-            # the latency model's rounds per decode step: ingress, egress and the busiest worker's
-            assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)
-            print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
+        run = ShardedRun(path, n)
+        run.forward(PROMPT)
+        before = [s["collectives"] for s in run.stats()]
+        run.forward([7])
+        counted = [s["collectives"] - b for s, b in zip(run.stats(), before, strict=True)]
+        layers = run.config.n_layers
+        planned = [run.plan.collectives_per_forward(w) for w in range(n)]
+        assert counted == planned, (n, counted, planned)
+        # the latency model's rounds per decode step: ingress, egress and the busiest worker's
+        assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)
+        print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
 
 
 @pytest.mark.slow
@@ -498,24 +499,23 @@ def test_batched_decodes_keep_each_sessions_window(models, name):
     """Several sessions decoding in one step are attended together, padded to the longest (ops.py's
     Decodes): each must still see only its own last W keys (Mistral, W = 5), and each new key of a
     split group is normalized by its own head's norm once the score sum brings it (Qwen3). N = 3,
-    two sessions at different positions, against transformers run on each alone."""
-    from fusion_compute.structural.client import Engine, EngineOptions
+    two sessions at different positions, against transformers run on each alone. In this process
+    (tests/inproc.py): the engine's batching over worker processes is test_batching.py's."""
+    from inproc import ShardedRun
 
     path, ref = models[name]
     a, b = [5, 17, 33, 2, 99, 100, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46]
-    with Engine(path, EngineOptions(n_workers=3, timeout_s=60, context=64)) as eng:
-        eng.batch_slots = 2
-        eng.reset()
-        eng.forward_batch([(0, a), (1, b)])
-        step2 = eng.forward_batch([(0, [11]), (1, [11])])
-        step3 = eng.forward_batch([(1, [12]), (0, [12])])
+    run = ShardedRun(path, 3, slots=2)
+    run.forward_batch([(0, a), (1, b)])
+    step2 = [x[-1] for x in run.forward_batch([(0, [11]), (1, [11])])]
+    step3 = [x[-1] for x in run.forward_batch([(1, [12]), (0, [12])])]
     for got, want in (
         (step2[0], reference.logits(ref, a + [11])[-1]),
         (step2[1], reference.logits(ref, b + [11])[-1]),
         (step3[0], reference.logits(ref, b + [11, 12])[-1]),
         (step3[1], reference.logits(ref, a + [11, 12])[-1]),
     ):
-        assert torch.allclose(got.double(), want, atol=LOGIT_ATOL, rtol=0), (got.double() - want).abs().max()
+        assert torch.allclose(got, want, atol=LOGIT_ATOL, rtol=0), (got - want).abs().max()
 
 
 def test_the_plan_and_its_picture_show_the_familys_pieces(models):
