@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import ast
+import functools
 import json
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "fusion_compute"
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per test process: the rules below walk every file of the
+    package, most of them more than once (the file's tree is only read)."""
+    return ast.parse(path.read_text())
+
+
 def imports(path: Path) -> set[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -118,7 +126,7 @@ def module_graph() -> tuple[dict[str, set[str]], list[str]]:
     unresolved.clear()
     for m, p in mods.items():
         base = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(parsed(p)):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [(a.name, None) for a in node.names]
