@@ -400,7 +400,7 @@ MUTANTS += [
     (
         "short-job-never-refilled",
         R + "runtime/engine.py",
-        "self._refill()  # a session's start",
+        "self.members.refill()  # a session's start",
         "None  # a session's start",
         [P41 + "test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed"],
     ),

@@ -32,9 +32,9 @@ from fusion_compute.comm.links import Link, say_farewell
 from fusion_compute.comm.value_checks import PEER_VALUE_LIMIT, ROW_SUMSQ_LIMIT, block_fault, egress_fault
 from fusion_compute.errors import WorkerMisbehaved, WorkersSuspected
 from fusion_compute.runtime.blame import blame_link
-from fusion_compute.runtime.deadline import CLIENT, Verdict, judge
+from fusion_compute.runtime.deadline import CLIENT, StepClock, Verdict, judge
 from fusion_compute.runtime.faults import comm_fault, parse_fault
-from fusion_compute.runtime.membership import Membership
+from fusion_compute.runtime.membership import Membership, Seat
 
 # ---- the checks themselves ----
 
@@ -259,7 +259,8 @@ def test_one_liar_with_poisoned_values_never_gets_an_honest_worker_removed(n, ti
 
     config = open_weights(tiny_qwen2).config
     eng = Engine.__new__(Engine)  # the client's checks read the epoch's plan and order only
-    eng.plan, eng.order = make_plan(config, n, (1.0,) * n), list(range(1, n + 1))
+    eng.plan = make_plan(config, n, (1.0,) * n)
+    eng.members = Membership(eng, {p: Seat(p) for p in range(1, n + 1)}, StepClock())  # its epoch: 1..n
     egresses = {
         "clean": lambda rows: torch.randn(rows, 3),
         "nan": lambda rows: torch.full((rows, 3), math.nan),

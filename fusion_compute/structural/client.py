@@ -75,7 +75,7 @@ class Engine(EngineBase):
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
 
     def welcome(self) -> dict:
-        return {"capacities": [s.capacity for s in self.plan.workers]}  # (the dtype: engine._welcome)
+        return {"capacities": [s.capacity for s in self.plan.workers]}  # (the dtype: engine.welcome_for)
 
     # ---- protocol ----
 
