@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,6 +76,14 @@ WAIT_NOTE_S = (5.0, 15.0)  # separately started workers not all joined: the firs
 EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
 
 
+class EpochPlan(Protocol):
+    """What the engine itself reads of a mode's plan (structural.plan.Plan, masked.plan.MaskedPlan):
+    how many workers the epoch has. The mode reads the rest (its subclass names its plan's type)."""
+
+    @property
+    def n(self) -> int: ...
+
+
 class EngineBase:
     """Client side of one job: owns its executor and the workers it started (if any), the roster, the
     links of the current epoch, and the session's tokens (for replay)."""
@@ -101,7 +109,7 @@ class EngineBase:
         self.members = Membership(
             self, self.make_seats(), StepClock(opts.step_deadline_factor, opts.step_deadline_min_s)
         )
-        self.plan = self.plan_for(self.order)
+        self.plan: EpochPlan = self.plan_for(self.order)
         self.context = effective_context(c.max_positions, opts.context)
         # the user's side on --client-device, in the job's dtype, placed once (placement.py)
         self.client_device, self.dtype = torch.device(opts.placed_client_device), torch_dtype(opts.dtype)
@@ -229,7 +237,7 @@ class EngineBase:
 
     # ---- what a mode provides ----
 
-    def plan_for(self, order: list[int]) -> Any:
+    def plan_for(self, order: list[int]) -> EpochPlan:
         """The plan of an epoch whose workers are the seats `order` (rank = position + 1)."""
         raise NotImplementedError
 
@@ -486,7 +494,7 @@ class EngineBase:
         """One local standby per entry, for each --standby (masked mode: one per group)."""
         return [None]
 
-    def welcome_for(self, member: Member) -> dict:
+    def welcome_for(self, member: Member) -> dict[str, Any]:
         out = {
             "mode": self.mode,
             "n_workers": self.n_workers,

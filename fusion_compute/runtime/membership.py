@@ -302,9 +302,8 @@ class Membership:
         if not failed:
             raise err or CommError("a worker failed")
         reason = accounts or self._loss_reason(failed, err)
-        if (
-            self.host.procs is not None
-        ):  # a local spare still starting up (a failure early in the job) is worth the wait
+        # a local spare still starting up (a failure early in the job) is worth the wait
+        if self.host.procs is not None:
             for p in sorted(failed):
                 self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
         lost = f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason})"
@@ -332,7 +331,7 @@ class Membership:
         def by_pid(waits: object) -> dict[int, float]:
             return waits_by_pid(waits, ranks)
 
-        def ask() -> dict[int, dict]:
+        def ask() -> dict[int, dict[str, Any]]:
             return {
                 q: {
                     "lost": pid(a.get("lost")),
@@ -345,7 +344,7 @@ class Membership:
                 if a.get("epoch") == self.epoch
             }
 
-        def departures() -> dict[int, tuple[str, dict | None]]:
+        def departures() -> dict[int, tuple[str, dict[str, Any] | None]]:
             return {
                 ranks[r]: (
                     state,
@@ -359,7 +358,7 @@ class Membership:
         owed = {ranks[r] for r in comm.awaiting if r in ranks}
         answered: set[int] = set()  # delivered its step's output after all (it came since)
 
-        def look() -> dict[int, tuple[str, dict | None]]:
+        def look() -> dict[int, tuple[str, dict[str, Any] | None]]:
             seen = departures()
             answered.update(p for p, (state, _) in seen.items() if state == "sent")
             return seen
@@ -529,7 +528,7 @@ class Membership:
 
     # ---- membership, by the user ----
 
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[dict[str, Any]]:
         """Every participant: id, rank in the current epoch (None for a spare), group, capacity, and
         state: active, standby, failed (its pulse stopped) or removed (revoked or replaced)."""
         failed, watched = self.host.watch.failed(), set(self.host.watch.ranks)
@@ -790,7 +789,7 @@ class Membership:
 
     def _record(
         self, lost: set[int], order: list[int], reason: str, noticed: float, t0: float, replayed_tokens: int
-    ) -> dict:
+    ) -> dict[str, Any]:
         """The record of an epoch change just made (engine.recoveries, the JSON's `recoveries`)."""
         return {
             "epoch": self.epoch,
@@ -802,7 +801,7 @@ class Membership:
             "replayed_tokens": replayed_tokens,
         }
 
-    def open_epoch(self, order: list[int], deadline: float) -> list[dict]:
+    def open_epoch(self, order: list[int], deadline: float) -> list[dict[str, Any]]:
         """Admit, link and greet the epoch's workers; returns their HELLO info."""
         adm = self.host.admission
         adm.expect(self.epoch, order)

@@ -70,6 +70,7 @@ class Engine(EngineBase):
 
     mode = "structural"
     verifies_trees = True  # the workers' attention takes a tree's mask and depths (ops.make_step)
+    plan: Plan  # the current epoch's (plan_for)
 
     def plan_for(self, order: list[int]) -> Plan:
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
