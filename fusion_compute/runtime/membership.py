@@ -181,11 +181,13 @@ class Membership:
 
     @property
     def opts(self) -> EngineOptions:
+        """The job's options (the engine's)."""
         return self.host.opts
 
     def with_recovery(self, step: Callable[[], T], replay: Callable[[], T] | None = None) -> T:
         """Run `step` on the open epoch; on a lost worker, a caught liar or suspects, change the epoch
-        and run `replay` (or `step` again) there, at most once per worker of the roster."""
+        and run `replay` (or `step` again) there: as many retries as the roster has seats, then a
+        CommError. A caught liar's request fails (WorkerMisbehaved) after its removal."""
         if self.host.comm is None:  # the last epoch change failed: open one over who is left before any work
             self._reopen()
             if replay is not None:
