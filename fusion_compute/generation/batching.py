@@ -250,10 +250,10 @@ class BatchRunner:
             t, freqs = drafts[s.slot], self._freqs.get(s.slot)
             # a column's chance given its parent's: the session's acceptance rate times the drafter's
             # frequency of that branch (siblings share the rate, the frequency ranks them)
-            ok = t is not None and freqs is not None and len(freqs) == len(t) - 1
-            gains.append(
-                path_gains([p - 1 for p in t.parents_T[1:]], [rate * f for f in freqs]) if ok else None  # type: ignore[union-attr,misc]
-            )
+            if t is not None and freqs is not None and len(freqs) == len(t) - 1:
+                gains.append(path_gains([p - 1 for p in t.parents_T[1:]], [rate * f for f in freqs]))
+            else:
+                gains.append(None)
         ks = self._cost.allocate(sizes, rates, [not s.sampling.greedy for s in decoding], gains)
         out = dict(drafts)
         for s, k in zip(decoding, ks, strict=True):

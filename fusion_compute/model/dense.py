@@ -102,7 +102,7 @@ class DenseSpan:
         column's mask its ancestors' within each window."""
         positions = pos + torch.tensor(tree_depths(parents))
         cos, sin = rotary.tables(positions)
-        masks = {w: tree_mask(pos, parents, w) for w in config.windows}
+        masks: dict[int | None, torch.Tensor | None] = {w: tree_mask(pos, parents, w) for w in config.windows}
         return DenseSpan(cos, sin, masks, kv, None if local is None else local.tables(positions))
 
 

@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import torch
 
@@ -634,7 +634,7 @@ class EngineBase:
             self._admission.close()
         self.watch.close()
 
-    def __enter__(self) -> EngineBase:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -30,7 +30,7 @@ class Op(IntEnum):
 
 
 class Fingerprinted(Protocol):
-    """A plan of either mode (structural.plan.Plan, masked.plan.MaskedPlan): its hex fingerprint."""
+    """A plan that names itself by a hex fingerprint (structural.plan.Plan, masked.plan.MaskedPlan)."""
 
     def fingerprint(self) -> str: ...
 
