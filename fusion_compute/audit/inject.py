@@ -191,4 +191,4 @@ def keep_revoked(engine) -> None:
         engine.opts.log(f"audit negative control keep-revoked: worker {pid} stays in epoch {engine.epoch + 1}")
         return list(engine.order), set()
 
-    engine._revocation = revocation
+    engine.members._revocation = revocation

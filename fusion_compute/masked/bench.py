@@ -164,11 +164,13 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
     and of transformers fp32, against transformers float64."""
     from ..model.reference import load_reference
     from ..structural.client import Engine, EngineOptions
+    from ..weights.loader import resolve_model_path
     from .client import MaskedEngine, MaskedOptions
     from .ring import RingMatrix, decode, encode, inverse_scales, quantize_rows, weight_bits
 
-    ref32 = load_reference(model, torch.float32)
-    ref64 = load_reference(model)
+    path = resolve_model_path(model)
+    ref32 = load_reference(path, torch.float32)
+    ref64 = load_reference(path)
     inputs: dict[tuple[int, str], torch.Tensor] = {}  # (layer, linear) -> its input (T, K), row 0 of the batch
     hooks = []
     for i, layer in enumerate(ref64.model.layers):

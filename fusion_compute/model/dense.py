@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
 from .kernels import Rotary, attend, causal_mask, gated, rms_norm, rotate, tree_depths, tree_mask
 from .layer import LayerOps, decoder_layer
+from .source import WeightSource
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
 # (layer, name, x (B, T, K)) -> W_name x (B, T, N), without bias
