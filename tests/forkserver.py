@@ -207,8 +207,8 @@ def capped_threads(args: list[str], env: dict[str, str]) -> list[str]:
     The client gives a worker cores // N threads (runtime/engine_options.py's default_threads), so a
     job of one worker takes every core, though the suite runs two pytest processes, and their
     workers, on them: its OpenMP threads then wait on each other at every operator (a thread
-    descheduled holds the step). SmolLM2's 20 greedy tokens at N = 1, on the loaded 2-core machine:
-    9.6-27.7 s with 2 threads, 1.7 s with 1. What the worker computes does not depend on it."""
+    descheduled holds the step). SmolLM2's 20 greedy tokens at N = 1, on the 2-core machine at load
+    average 3-13: 9.6-27.7 s with 2 threads, 1.7 s with 1. What the worker computes does not depend on it."""
     share = env.get("OMP_NUM_THREADS", "")
     if "--threads" not in args or not share.isdigit():
         return args
