@@ -208,7 +208,8 @@ def capped_threads(args: list[str], env: dict[str, str]) -> list[str]:
     job of one worker takes every core, though the suite runs two pytest processes, and their
     workers, on them: its OpenMP threads then wait on each other at every operator (a thread
     descheduled holds the step). SmolLM2's 20 greedy tokens at N = 1, on the 2-core machine at load
-    average 3-13: 9.6-27.7 s with 2 threads, 1.7 s with 1. What the worker computes does not depend on it."""
+    average 3-13: 9.6-27.7 s with 2 threads, 1.7 s with 1. Only the thread count changes, not the
+    worker's code or options; in one pytest process (-n 0) nothing is capped."""
     share = env.get("OMP_NUM_THREADS", "")
     if "--threads" not in args or not share.isdigit():
         return args
