@@ -392,15 +392,15 @@ MUTANTS += [
     ),
     (
         "send-check-off-egress",
-        R + "structural/worker.py",
-        "fault = egress_fault(e_HT, plan.n)",
+        R + "structural/runner.py",
+        "fault = egress_fault(e_HT, self.plan.n)",
         "fault = None",
         [P41 + "test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody"],
     ),
     (
         "short-job-never-refilled",
         R + "runtime/engine.py",
-        "self._refill()  # a session's start",
+        "self.members.refill()  # a session's start",
         "None  # a session's start",
         [P41 + "test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed"],
     ),
@@ -682,8 +682,8 @@ MUTANTS += [
     (
         "b47-http-per-peer-counts-the-other-peers",
         R + "serving/http_limits.py",
-        "c.client[0] == self.client[0]",
-        "c.client[0] != self.client[0]",
+        "_peer(c) == self.client[0]",
+        "_peer(c) != self.client[0]",
         [H + "::test_the_peers_share_is_served_to_its_last_connection_and_refused_after"],
     ),
     (

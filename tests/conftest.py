@@ -11,8 +11,9 @@ from pathlib import Path
 # Several pytest processes (xdist) share the machine's cores with the workers they start. torch's
 # default, an OpenMP thread per core in every process, then oversubscribes the cores, and OpenMP's
 # waiting threads spin on them. Set before anything imports torch: it reaches this process, the fork
-# server (tests/forkserver.py) and every process a test starts. The workers keep the thread count the
-# client gives them (--threads, runtime/engine_options.py's default_threads). Measured on the 2-core
+# server (tests/forkserver.py) and every process a test starts. The workers set the thread count the
+# client gives them (--threads, runtime/engine_options.py's default_threads), which a forked worker
+# takes at most this share of (forkserver.capped_threads says why). Measured on the 2-core
 # machine, the SmolLM2 tests (-n 2, interleaved): 126-137 s and 227-248 busy core-s without it,
 # 103-105 s and 179-181 core-s with it.
 _processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

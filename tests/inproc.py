@@ -190,7 +190,7 @@ class ShardedRun:
         embed = self.src.read(arch.EMBED)
         self.embed = embed.to(dtype)
         self.lm_head = arch.read_lm_head(self.src, embed).to(dtype)
-        self.final_norm = self.src.read(arch.FINAL_NORM).to(dtype)
+        self.final_norm = arch.read_final_norm(self.src).to(dtype)  # Gemma's 1 + w, as the engine reads it
         self.qkv0 = layer0_qkv(self.src, self.plan, torch.device("cpu"), dtype)  # the client's layer-0 q/k/v
         self.reset(max_seq, slots)
 

@@ -63,9 +63,12 @@ def test_summary_and_report(good_summary):
     pic = s["runs"][0]["picture"]
     assert f"]({pic})" in report and (s["out"] / pic).read_text().startswith("<svg")
     # holding is not knowing: tiny Qwen2 at N = 3, every worker alone can reconstruct the residual
-    # at the MLP input (72/3 own + 200/3 gate/up rows >= 72), and the layer-0 attack recovers the prompt
+    # at the MLP input (72/3 own + 200/3 gate/up rows >= 72), and with its peers' partials at every
+    # QKV input but layer 0's, where the client sends the summed q/k/v (24 own + 40 rows < 72); the
+    # layer-0 attack recovers the prompt
     exp = s["exposure"]
-    assert all(v["wire"]["full_rank_points"] == v["wire"]["points"] for v in exp["ranks"]["per_worker"].values())
+    assert all(v["wire"]["full_rank_points"] == v["wire"]["points"] - 1 for v in exp["ranks"]["per_worker"].values())
+    assert exp["ranks"]["no_peer_partials"] == ["L0.attn"] and "No peer partials are sent at L0.attn" in report
     assert [a["recovered"] for a in exp["attack"]] == [len(PROMPT)] * 3
     assert f"recovered {len(PROMPT)}/{len(PROMPT)} prompt tokens" in report
     # it says what it does while the analysis runs (minutes under load: issue 45), and how to skip it

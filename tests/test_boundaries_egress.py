@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from fusion_compute.errors import WorkerMisbehaved
+from fusion_compute.runtime.deadline import StepClock
+from fusion_compute.runtime.membership import Membership, Seat
 from fusion_compute.structural import client
 from fusion_compute.structural.client import EGRESS_SCALE_LIMIT, Engine
 
@@ -27,7 +29,7 @@ def engine(order: list[int]) -> Engine:
     participant ids (`order`)."""
     eng = Engine.__new__(Engine)
     eng.plan = types.SimpleNamespace(workers=[types.SimpleNamespace(rank=r + 1) for r in range(len(order))])
-    eng.order = order
+    eng.members = Membership(eng, {p: Seat(p) for p in order}, StepClock())  # its epoch: `order`
     return eng
 
 

@@ -12,7 +12,8 @@ import os
 
 import pytest
 from procs import children
-from test_hostile_blame import LINK_TIMEOUT_S, STEP_RS, attacked, reference
+from test_hostile_blame import LINK_TIMEOUT_S, attacked, reference
+from tiny_models import STEP_RS
 
 
 @pytest.mark.slow

@@ -55,12 +55,15 @@ def test_a_constant_or_non_finite_row_of_logits_suspects_every_contributor(tiny_
     import torch
 
     from fusion_compute.errors import WorkersSuspected
+    from fusion_compute.runtime.deadline import StepClock
+    from fusion_compute.runtime.membership import Membership, Seat
     from fusion_compute.structural.client import Engine
     from fusion_compute.structural.plan import make_plan
     from fusion_compute.weights.loader import open_weights
 
     eng = Engine.__new__(Engine)  # the check reads the epoch's plan and order only: no workers needed
-    eng.plan, eng.order = make_plan(open_weights(tiny_qwen2).config, 2, (1.0, 1.0)), [4, 7]
+    eng.plan = make_plan(open_weights(tiny_qwen2).config, 2, (1.0, 1.0))
+    eng.members = Membership(eng, {4: Seat(4), 7: Seat(7)}, StepClock())  # its epoch: participants 4, 7
     a, b = (torch.randn(s.n_residual, 3) for s in eng.plan.workers)
     fine = torch.randn(3, 256)
     eng._check_logits(fine, [a, b], [0, 1, 2])  # an honest row passes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inproc import ShardedRun
 
 from fusion_compute.audit.attack import vocab_match
 from fusion_compute.audit.exposure import analyse, fused_weight, observation_matrix, rank_of, reconstruct, summarize
@@ -70,7 +71,7 @@ def _observed(plan, w: int, hf, view: str) -> torch.Tensor:
 def test_rank_predicts_least_squares_recovery(tiny_qwen2, hf, n, view, full):
     src = open_weights(tiny_qwen2)
     plan = make_plan(src.config, n)
-    a = observation_matrix(plan, fused_weight(src, LAYER, "mlp"), (0,), view, "mlp")
+    a = observation_matrix(plan, fused_weight(src, LAYER, "mlp"), (0,), view, "mlp", LAYER)
     rank, _ = rank_of(plan, a, (0,))
     assert (rank == src.config.hidden) == full, rank
     if not full:
@@ -92,9 +93,58 @@ def test_analyse_reports_workers_and_coalitions(tiny_qwen2):
     # N = 4: no single worker's shard view is full rank at the MLP input, a coalition of 2 is
     assert summary["smallest_full_coalition"]["mlp/shard"] == 2
     assert summary["smallest_full_coalition"]["mlp/wire"] == 1
-    assert summary["smallest_full_coalition"]["attn/wire"] == 1
+    # layer 0's q/k/v come from the client (the plan's boundary): no peer partials there, so its wire
+    # view is the shard view, own 18 + q/k/v rows 120 / 4 = 48 < 72, and two workers are needed
+    assert summary["no_peer_partials"] == ["L0.attn"] and "L0.qkv" in summary["boundary"][0]
+    assert summary["smallest_full_coalition"]["attn/wire"] == 2
     for w in range(4):
-        assert summary["per_worker"][w]["wire"]["full_rank_points"] == 4  # 2 layers x 2 points
+        assert summary["per_worker"][w]["wire"]["full_rank_points"] == 3  # 2 layers x 2 points, less L0.attn
+        mine = {(e.layer, e.point, e.view): e for e in res if e.party == (w,)}
+        assert mine[0, "attn", "wire"].rank == mine[0, "attn", "shard"].rank == 72 // 4 + 120 // 4
+        assert mine[0, "attn", "wire"].rows == mine[0, "attn", "shard"].rows
+        assert mine[2, "attn", "wire"].full and mine[2, "attn", "wire"].rows > mine[2, "attn", "shard"].rows
+
+
+class Events:
+    """A comm recorder (comm.events.Recorder) that keeps every event: the traffic a step sent."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def record(self, event) -> None:
+        self.events.append(event)
+
+
+POINT_OF = {"qkv": "attn", "gate_up": "mlp"}  # the fused linear read at each exposure point
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_wire_view_counts_the_recorded_partials(tiny_qwen2, n):
+    """The wire view's rows beyond the shard view's are, per worker, layer and point, the peer-partial
+    rows that worker received in a recorded step (in-process workers, tests/inproc.py): none at layer
+    0's QKV input (the client sends the summed q/k/v), the others' partials of its rows elsewhere.
+    Each reduce-scatter chunk carries one Σx² element per token besides its rows (plan.py)."""
+    run = ShardedRun(tiny_qwen2, n)
+    recorders = [Events() for _ in range(n)]
+    for comm, rec in zip(run.comms, recorders, strict=True):
+        comm.recorder = rec
+    run.forward(PROMPT)
+    t, c = len(PROMPT), run.config
+    res = analyse(run.src, run.plan, coalitions=False)
+    for w, rec in enumerate(recorders):
+        received = {}
+        for e in rec.events:
+            layer, _, name = e.op[1:].partition(".")
+            if e.kind == "reduce_scatter" and name in POINT_OF:
+                received[int(layer), POINT_OF[name]] = sum(e.received[1:]) // t - (n - 1)
+        assert (0, "attn") not in received and len(received) == 2 * c.n_layers - 1
+        mine = {(e.layer, e.point, e.view): e.rows for e in res if e.party == (w,)}
+        analysed = {
+            (layer, point): mine[layer, point, "wire"] - mine[layer, point, "shard"]
+            for layer in range(c.n_layers)
+            for point in POINT_OF.values()
+        }
+        assert analysed == received | {(0, "attn"): 0}
 
 
 def test_exposure_cli(tiny_qwen2, capsys):

@@ -5,12 +5,14 @@ Quick (no processes): the dense twin, the one copy of the layer's math outside t
 against transformers in float64 on random-weight models built from transformers' own config classes
 (MistralConfig, Qwen3Config, Phi3Config, Qwen2Config with its sliding window): GQA and MHA, tied and
 untied heads, odd widths, sliding windows shorter than the prompt; greedy ids identical, logits within
-LOGIT_ATOL, incremental decode equal to the full forward. Slow: the structural mode at N = 1..4 (split
-KV groups at N = 3, 4; uneven capacities) and the masked mode at 1+1, through real workers.
+LOGIT_ATOL, incremental decode equal to the full forward. Slow: the sharded arithmetic at N = 1..4 (split
+KV groups at N = 3, 4; uneven capacities) in this process (tests/inproc.py), and through real workers
+the structural mode at N = 3, the masked mode at 1+1, the audit and the exchanges counted.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -18,7 +20,6 @@ import torch
 from test_cli import no_new_workers  # noqa: F401 (a fixture)
 from tiny_models import build
 
-from fusion_compute.bench.ops import stats
 from fusion_compute.model import reference
 from fusion_compute.model.config import FAMILIES, ModelConfig, ModelError, Unsupported
 from fusion_compute.model.dense import DenseModel
@@ -272,26 +273,67 @@ def test_refusal_cases_are_each_accepted_without_their_feature():
         ModelConfig.from_hf({**hf(tf.MistralConfig, **small), "sliding_window": 0})
 
 
-# The sharded runtimes through real workers: N = 1..4 (whole KV groups at N <= 2, groups split by
-# RoPE pairs at N = 3, 4: each family's base shape has 2 KV heads), uneven capacities, the masked
-# mode at 1+1. Prefill logits, incremental decode == full forward, greedy ids identical.
+FAMILY_BASES = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
+
+
+@pytest.fixture(scope="module")
+def wanted(models):
+    """name -> transformers' float64 logits of PROMPT and its NEW_TOKENS greedy ids, each once."""
+
+    @functools.cache
+    def want(name: str) -> tuple[torch.Tensor, list[int]]:
+        _, ref = models[name]
+        return reference.logits(ref, PROMPT), reference.greedy(ref, PROMPT, NEW_TOKENS)
+
+    return want
+
+
+# The sharded arithmetic of every family in this process (tests/inproc.py: the workers' ShardedModel
+# as threads over the in-memory fabric, the client's arithmetic done by ShardedRun): N = 1..4 (whole KV
+# groups at N <= 2, groups split by RoPE pairs at N = 3, 4: each family's base shape has 2 KV heads),
+# uneven capacities, full and sliding layers mixed in one model. Prefill logits, incremental decode ==
+# full forward, greedy ids identical: the checks these cases had through real workers, which
+# test_sharded_runtimes_match_transformers keeps for what a process adds (below).
+INPROC_CASES = [
+    (name, n, caps)
+    for name in FAMILY_BASES
+    for n, caps in ((1, None), (2, None), (3, None), (4, None), (3, (2.0, 1.0, 1.0)))
+] + [
+    ("qwen3-sliding", 3, None),
+    ("qwen2-sliding", 4, (1.0, 2.0, 1.0, 1.0)),
+    ("gemma3-mha-untied-plain", 3, (1.0, 1.0, 2.0)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,n,caps", INPROC_CASES, ids=[f"{c[0]}-N{c[1]}{'-cap' if c[2] else ''}" for c in INPROC_CASES]
+)
+def test_sharded_model_matches_transformers(models, wanted, name, n, caps):
+    from inproc import ShardedRun
+
+    path, _ = models[name]
+    want, want_ids = wanted(name)
+    run = ShardedRun(path, n, caps, max_seq=128)
+    if name in FAMILY_BASES and n >= 3:  # what N = 3, 4 are for: partial scores summed among a group's owners
+        assert any(len(owners) > 1 for owners in run.plan.group_owners), run.plan.group_owners
+    full = run.forward(PROMPT)
+    assert torch.allclose(full, want, atol=LOGIT_ATOL, rtol=0), (full - want).abs().max()
+    run.reset()
+    inc = torch.cat([run.forward(PROMPT[:5])] + [run.forward([t]) for t in PROMPT[5:]])
+    assert torch.allclose(inc, full, atol=LOGIT_ATOL, rtol=0), (inc - full).abs().max()
+    run.reset()
+    assert run.greedy(PROMPT, NEW_TOKENS) == want_ids
+
+
+# Through real workers, what a process adds to the arithmetic above: the client's engine (the family's
+# embedding scale, ingress, egress, final norm and head), the wire and the links' score sums (and
+# Qwen3's q/k norm sums, Gemma's post-norm sums) at N = 3, where every base shape's KV groups split;
+# the masked mode at 1+1; Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch).
 RUNTIME_CASES = [
-    (name, mode, n, caps)
-    for name in ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
-    for mode, n, caps in (
-        ("structural", 1, None),
-        ("structural", 2, None),
-        ("structural", 3, None),
-        ("structural", 4, None),
-        ("structural", 3, (2.0, 1.0, 1.0)),
-        ("masked", (1, 1), None),
-    )
-] + [  # full and sliding layers mixed in one model: a mask per window in every step
-    ("qwen3-sliding", "structural", 3, None),
-    ("qwen2-sliding", "structural", 4, (1.0, 2.0, 1.0, 1.0)),
+    (name, mode, n, None) for name in FAMILY_BASES for mode, n in (("structural", 3), ("masked", (1, 1)))
+] + [
     ("qwen2-sliding", "masked", (1, 1), None),
-    ("gemma3-mha-untied-plain", "structural", 3, (1.0, 1.0, 2.0)),
-    # Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch), not the links
     ("gemma3-gqa-odd-tied", "gloo", 3, None),
 ]
 
@@ -313,13 +355,12 @@ def engine(mode: str, path, n, caps):
     RUNTIME_CASES,
     ids=[f"{c[0]}-{c[1]}-{c[2]}{'-cap' if c[3] else ''}" for c in RUNTIME_CASES],
 )
-def test_sharded_runtimes_match_transformers(models, name, mode, n, caps):
+def test_sharded_runtimes_match_transformers(models, wanted, name, mode, n, caps):
     from fusion_compute.generation.generate import generate
     from fusion_compute.generation.sampling_params import SamplingParams
 
-    path, ref = models[name]
-    want = reference.logits(ref, PROMPT)
-    want_ids = reference.greedy(ref, PROMPT, NEW_TOKENS)
+    path, _ = models[name]
+    want, want_ids = wanted(name)
     with engine(mode, path, n, caps) as eng:
         eng.reset()
         full = eng.forward(PROMPT, all_logits=True)
@@ -331,7 +372,7 @@ def test_sharded_runtimes_match_transformers(models, name, mode, n, caps):
         assert res.token_ids == want_ids
 
 
-AUDITED = ("mistral-gqa-w5", "qwen3-gqa-odd-tied", "phi3-gqa-longrope", "gemma3-gqa-odd-tied")
+AUDITED = FAMILY_BASES
 
 
 @pytest.mark.slow
@@ -426,28 +467,30 @@ def test_the_command_refuses_before_any_worker_starts(i, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", AUDITED)
 def test_rounds_per_layer_are_counted_as_the_plan_says(models, name):
-    """The exchanges one decode step costs each worker, counted by its comm layer (bench/ops.stats),
-    equal the plan's collectives_per_forward (collectives_per_layer × layers, less the scatters the
-    boundary merges: layer 0's QKV, and the last layer's down but with post-norms) at N = 2 (whole KV
-    groups) and N = 3 (a split group): the figures of docs/performance.md's table of families, less
-    those."""
+    """The exchanges one decode step costs each worker, counted by its comm layer (Comm's counters,
+    which bench/ops.stats reads off worker processes), equal the plan's collectives_per_forward
+    (collectives_per_layer × layers, less the scatters the boundary merges: layer 0's QKV, and the
+    last layer's down but with post-norms) at N = 2 (whole KV groups) and N = 3 (a split group): the
+    figures of docs/performance.md's table of families, less those. In this process (tests/inproc.py:
+    the workers' ShardedModel and Comm, the collectives on the in-memory fabric); what worker
+    processes exchange over the links is the audit's to account for, step by step, above."""
+    from inproc import ShardedRun
+
     from fusion_compute.bench.rtt import rounds_per_token
-    from fusion_compute.structural.client import Engine, EngineOptions
 
     path, _ = models[name]
     for n in (2, 3):
-        with Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=64)) as eng:
-            eng.reset()
-            eng.forward(PROMPT)
-            before = [s["collectives"] for s in stats(eng)]
-            eng.forward([7])
-            counted = [s["collectives"] - b for s, b in zip(stats(eng), before, strict=True)]
-            layers = eng.config.n_layers
-            planned = [eng.plan.collectives_per_forward(w) for w in range(n)]
-            assert counted == planned, (n, counted, planned)
-            # the latency model's rounds per decode step: ingress, egress and the busiest worker's
-            assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)
-            print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
+        run = ShardedRun(path, n)
+        run.forward(PROMPT)
+        before = [s["collectives"] for s in run.stats()]
+        run.forward([7])
+        counted = [s["collectives"] - b for s, b in zip(run.stats(), before, strict=True)]
+        layers = run.config.n_layers
+        planned = [run.plan.collectives_per_forward(w) for w in range(n)]
+        assert counted == planned, (n, counted, planned)
+        # the latency model's rounds per decode step: ingress, egress and the busiest worker's
+        assert rounds_per_token(str(path), n, "sharded") == 2 + max(counted)
+        print(f"{name} N={n}: exchanges per decode step per worker {counted} ({layers} layers)")
 
 
 @pytest.mark.slow
@@ -456,24 +499,23 @@ def test_batched_decodes_keep_each_sessions_window(models, name):
     """Several sessions decoding in one step are attended together, padded to the longest (ops.py's
     Decodes): each must still see only its own last W keys (Mistral, W = 5), and each new key of a
     split group is normalized by its own head's norm once the score sum brings it (Qwen3). N = 3,
-    two sessions at different positions, against transformers run on each alone."""
-    from fusion_compute.structural.client import Engine, EngineOptions
+    two sessions at different positions, against transformers run on each alone. In this process
+    (tests/inproc.py): the engine's batching over worker processes is test_batching.py's."""
+    from inproc import ShardedRun
 
     path, ref = models[name]
     a, b = [5, 17, 33, 2, 99, 100, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46]
-    with Engine(path, EngineOptions(n_workers=3, timeout_s=60, context=64)) as eng:
-        eng.batch_slots = 2
-        eng.reset()
-        eng.forward_batch([(0, a), (1, b)])
-        step2 = eng.forward_batch([(0, [11]), (1, [11])])
-        step3 = eng.forward_batch([(1, [12]), (0, [12])])
+    run = ShardedRun(path, 3, slots=2)
+    run.forward_batch([(0, a), (1, b)])
+    step2 = [x[-1] for x in run.forward_batch([(0, [11]), (1, [11])])]
+    step3 = [x[-1] for x in run.forward_batch([(1, [12]), (0, [12])])]
     for got, want in (
         (step2[0], reference.logits(ref, a + [11])[-1]),
         (step2[1], reference.logits(ref, b + [11])[-1]),
         (step3[0], reference.logits(ref, b + [11, 12])[-1]),
         (step3[1], reference.logits(ref, a + [11, 12])[-1]),
     ):
-        assert torch.allclose(got.double(), want, atol=LOGIT_ATOL, rtol=0), (got.double() - want).abs().max()
+        assert torch.allclose(got, want, atol=LOGIT_ATOL, rtol=0), (got - want).abs().max()
 
 
 def test_the_plan_and_its_picture_show_the_familys_pieces(models):

@@ -183,8 +183,9 @@ def test_a_worker_sending_a_stale_frame_is_named_and_the_job_recovers(tiny_qwen2
     with the previous step at the 6th step. The victim refuses it (PeerOutOfStep) and leaves naming
     worker 3; the request completes with the tokens of the run without the fault, nobody removed."""
     from test_faults import LIVENESS_S
-    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_hostile_blame import TIMEOUT_S, reference
     from test_slow_steps import run
+    from tiny_models import STEP_RS
 
     from fusion_compute.structural.client import Engine, EngineOptions
 

@@ -28,12 +28,10 @@ import pytest
 from procs import children
 from test_faults import LIVENESS_S
 from test_slow_steps import run
+from tiny_models import STEP_RS
 
 from fusion_compute.structural.client import Engine, EngineOptions
 
-# reduce-scatter calls per step on the tiny Qwen2: 3 layers x (QKV, O, gate/up, down), less layer 0's
-# QKV and the last down, which the client does (plan.boundary)
-STEP_RS = 10
 SLOW_FROM = 11  # the dragging starts at this step (the ten before set the healthy median)
 # Per message: the sub-tick dragger's 0.2 s and 2.4 s per step, and the lying dragger's 0.4 s and
 # 4.8 s per step, stay under it; the link liar's stall is noticed by its victim at once (EOF).

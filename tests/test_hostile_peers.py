@@ -18,11 +18,11 @@ import os
 import pytest
 from procs import children
 from test_faults import LIVENESS_S, run
+from tiny_models import STEP_RS
 
 from fusion_compute.structural.client import Engine, EngineOptions
 
 TIMEOUT_S = 5.0  # the per-message timeout: the slow liar's 2 s stays under it, its step does not
-STEP_RS = 6  # reduce-scatters per step on the tiny Qwen2 (3 layers: attention out, MLP down)
 
 
 @pytest.fixture(scope="module")

@@ -43,11 +43,25 @@ def _audited_run(path, tmp_path, sizes=(2, 1), **kw):
     return d, ids
 
 
+@pytest.fixture(scope="module")
+def k2_run(tiny_qwen2, tmp_path_factory):
+    """One audited run of 1+1+1 (k = 2) for the tests that read it, each as its own run was (a test
+    that alters the logs alters a copy), and the session keys its client drew, in order."""
+    from fusion_compute.masked import client as masked_client
+
+    keys: list[bytes] = []
+    real = masked_client.new_key
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(masked_client, "new_key", lambda: keys.append(real()) or keys[-1])
+        d, ids = _audited_run(tiny_qwen2, tmp_path_factory.mktemp("masked-k2"), (1, 1, 1))
+    return d, ids, keys
+
+
 @pytest.mark.parametrize("sizes", [(2, 1), (1, 1, 1), (1, 1, 1, 1)], ids=["k=1", "k=2", "k=3"])
-def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path, sizes):
+def test_audit_passes_and_the_view_reveals_nothing(tiny_qwen2, tmp_path, sizes, request):
     """k mask groups: A's view is uniform and fresh, every mask group sees keys only, the attack
     recovers no more than chance; every product was checked."""
-    d, ids = _audited_run(tiny_qwen2, tmp_path, sizes)
+    d, ids = request.getfixturevalue("k2_run")[:2] if sizes == (1, 1, 1) else _audited_run(tiny_qwen2, tmp_path, sizes)
     report = audit.verify(d)
     assert report["ok"], report["violations"]
     a1 = report["parties"]["rank1"]
@@ -89,12 +103,14 @@ def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
     assert attack.recovered(guesses, ids) == len(ids)
 
 
-def test_audit_negative_control_unchecked_products(tiny_qwen2, tmp_path):
+def test_audit_negative_control_unchecked_products(k2_run, tmp_path):
     """The client's check records are the evidence that every product was verified: drop some and
     the audit fails (rule 6); the CLI verifier says so with exit 1."""
+    import shutil
+
     from fusion_compute.cli.main import main
 
-    d, _ = _audited_run(tiny_qwen2, tmp_path, (1, 1, 1))
+    d = shutil.copytree(k2_run[0], tmp_path / "audit")  # altered below: the shared run stays as it was
     assert main(["audit", "verify", str(d)]) == 0
     log = audit.log_path(d, 0)
     lines = log.read_text().splitlines()
@@ -242,17 +258,13 @@ def test_cli_flags(tiny_qwen2, capsys):
         assert len(err.strip().splitlines()) == 1, err
 
 
-def test_a_coalition_short_of_one_mask_group_learns_nothing(tiny_qwen2, tmp_path, monkeypatch):
+def test_a_coalition_short_of_one_mask_group_learns_nothing(tiny_qwen2, k2_run):
     """k = 2 (1+1+1): A colluding with B1 (its key) removes r_1 from what A received and still faces
     x + r_2, uniform: the vocabulary attack recovers no more than chance. With B2's key as well, the
     same attack reads every prompt token (the control that the attack and the keys are right)."""
-    from fusion_compute.masked import client as masked_client
     from fusion_compute.masked.masks import MaskStream
 
-    keys: list[bytes] = []
-    real = masked_client.new_key
-    monkeypatch.setattr(masked_client, "new_key", lambda: keys.append(real()) or keys[-1])
-    d, ids = _audited_run(tiny_qwen2, tmp_path, (1, 1, 1))
+    d, ids, keys = k2_run
     op, first = audit.read_tap(d, 1)[0]  # session 1's prefill, layer 0's qkv input: x_fx + r_1 + r_2
     assert op == "L0.qkv"
     m = torch.from_numpy(first.copy())  # (K, T) int64: the ring's wrap-around is int64's

@@ -150,6 +150,11 @@ def _serve(model, log, *extra: str) -> tuple[subprocess.Popen, str]:
     return proc, log.read_text().split("listening on ", 1)[1].split()[0].removesuffix("/v1")
 
 
+def _states(url: str, key: str) -> dict[int, str]:
+    """Each worker's state, as GET /admin/workers lists it."""
+    return {w["id"]: w["state"] for w in _admin(url, "GET", "/admin/workers", key)[1]["workers"]}
+
+
 @pytest.mark.slow
 def test_serve_admin_endpoints(tmp_path):
     from test_serve import build_chat_model
@@ -167,7 +172,10 @@ def test_serve_admin_endpoints(tmp_path):
         assert status == 400 and body["error"]["param"] == "key"
         status, body = _admin(url, "POST", "/admin/workers", "k", {})
         assert status == 201 and body["id"] == 3
-        time.sleep(3)  # the spare joins
+        deadline = time.monotonic() + 60  # the spare joins: then it is listed as a standby
+        while (states := _states(url, "k")).get(3) != "standby":
+            assert time.monotonic() < deadline, states
+            time.sleep(0.1)
         status, body = _admin(url, "POST", "/admin/workers/1/revoke", "k")
         assert status == 200 and body["epoch"] == 1
         assert {w["id"]: w["state"] for w in body["workers"]} == {1: "removed", 2: "active", 3: "active"}

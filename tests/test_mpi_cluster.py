@@ -228,14 +228,17 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
 
 def test_membership_changes_are_refused(tmp_path):
     """Revoking or adding a worker would need a new MPI world: refused in one line, nothing changed."""
-    from fusion_compute.runtime.membership import Membership, UnknownWorker
+    from types import SimpleNamespace
+
+    from fusion_compute.runtime.deadline import StepClock
+    from fusion_compute.runtime.membership import Membership, Seat, UnknownWorker
     from fusion_compute.runtime.topology import Topology
     from fusion_compute.structural.client import EngineOptions
 
     topo, _ = topology(tmp_path)
-    m = Membership.__new__(Membership)  # the refusal comes before any worker is touched
-    m.opts = EngineOptions(n_workers=2, topology=Topology.load(str(topo)), comm_backend="mpi", recover=False)
-    m.seats, m.removed = {1: None, 2: None}, set()
+    opts = EngineOptions(n_workers=2, topology=Topology.load(str(topo)), comm_backend="mpi", recover=False)
+    # the refusal comes before any worker is touched: an engine with nothing but its options
+    m = Membership(SimpleNamespace(opts=opts), {1: Seat(1), 2: Seat(2)}, StepClock())
     with pytest.raises(UnknownWorker, match="cannot revoke a worker: the workers share one mpiexec world"):
         m.revoke(1)
     with pytest.raises(UnknownWorker, match="cannot add a standby"):

@@ -26,15 +26,16 @@ import threading
 
 import pytest
 import torch
+from test_redteam_41 import Bookkeeping
 
 from fusion_compute.comm import Comm, PeerLeft, PeerPoisoned, TaintedInputs
 from fusion_compute.comm.links import Link, say_farewell
 from fusion_compute.comm.value_checks import PEER_VALUE_LIMIT, ROW_SUMSQ_LIMIT, block_fault, egress_fault
 from fusion_compute.errors import WorkerMisbehaved, WorkersSuspected
 from fusion_compute.runtime.blame import blame_link
-from fusion_compute.runtime.deadline import CLIENT, Verdict, judge
+from fusion_compute.runtime.deadline import CLIENT, StepClock, Verdict, judge
 from fusion_compute.runtime.faults import comm_fault, parse_fault
-from fusion_compute.runtime.membership import Membership
+from fusion_compute.runtime.membership import Membership, Seat
 
 # ---- the checks themselves ----
 
@@ -259,7 +260,8 @@ def test_one_liar_with_poisoned_values_never_gets_an_honest_worker_removed(n, ti
 
     config = open_weights(tiny_qwen2).config
     eng = Engine.__new__(Engine)  # the client's checks read the epoch's plan and order only
-    eng.plan, eng.order = make_plan(config, n, (1.0,) * n), list(range(1, n + 1))
+    eng.plan = make_plan(config, n, (1.0,) * n)
+    eng.members = Membership(eng, {p: Seat(p) for p in range(1, n + 1)}, StepClock())  # its epoch: 1..n
     egresses = {
         "clean": lambda rows: torch.randn(rows, 3),
         "nan": lambda rows: torch.full((rows, 3), math.nan),
@@ -310,7 +312,7 @@ def test_one_liar_with_poisoned_values_never_gets_an_honest_worker_removed(n, ti
     for liar, found in sets.items():
         assert found, liar  # the liar can always make some ambiguity
         for _ in range(300):
-            job = _Bookkeeping(order=workers, suspicions=[], liar_sets=[], aside=[], opts=_Quiet())
+            job = Bookkeeping(workers)
             run = rng.sample(found, min(len(found), 4)) + rng.sample(slow, min(len(slow), 3))
             rng.shuffle(run)
             for v in run:
@@ -320,47 +322,13 @@ def test_one_liar_with_poisoned_values_never_gets_an_honest_worker_removed(n, ti
                     break
 
 
-class _Quiet:
-    def log(self, line: str) -> None:
-        pass
-
-
-class _Bookkeeping:
-    """The client's ambiguity bookkeeping (Membership._ambiguous, the real method) on a job whose
-    epoch change only records whom it set aside."""
-
-    _ambiguous = Membership._ambiguous
-
-    def __init__(self, **state):
-        self.__dict__.update(state)
-
-    def _set_aside(self, causes, why, noticed, t0):
-        self.aside.append(causes)
-        return True
-
-
 def test_a_failed_logits_check_sets_the_suspects_aside_and_convicts_only_whom_ambiguity_follows():
     """The client's logits check suspects every worker (WorkersSuspected): the engine sets them aside
     (Membership._suspected, then _ambiguous: the same path as an ambiguous verdict of the link
     evidence), convicting nobody the first time; a suspect that an earlier ambiguous set shares with
     this one alone is removed as a liar (WorkerMisbehaved, the request fails)."""
-    from types import SimpleNamespace
-
-    class Job(SimpleNamespace):
-        _ambiguous = Membership._ambiguous
-        _suspected = Membership._suspected
-
-        def _set_aside(self, causes, why, noticed, t0):
-            self.aside.append(causes)
-            return True
-
-        def _expel(self, err):
-            self.expelled.append(err.pids)
-
     logged: list[str] = []
-    eng = Job(
-        order=[1, 2, 3], suspicions=[], liar_sets=[], aside=[], expelled=[], opts=SimpleNamespace(log=logged.append)
-    )
+    eng = Bookkeeping([1, 2, 3], log=logged.append)
     eng._suspected(WorkersSuspected("a row of logits is constant: suspects [3, 1, 2]", [3, 1, 2]))
     assert eng.aside == [(3, 1, 2)] and eng.expelled == [] and eng.suspicions == [frozenset({1, 2, 3})]
     eng.order = [3, 4, 5]  # the suspects set aside, standbys in their seats; worker 3 came back
@@ -384,8 +352,9 @@ def test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed(tiny_qw
     runs 2 of 3 workers and says so (item 3); the next session's start fills the empty seat from
     the workers set aside, and its tokens are the same."""
     from test_faults import LIVENESS_S
-    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_hostile_blame import TIMEOUT_S, reference
     from test_slow_steps import run
+    from tiny_models import STEP_RS
 
     from fusion_compute.structural.client import Engine, EngineOptions
 
@@ -422,8 +391,9 @@ def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qw
     client's scale check would name the victim (honest) and remove it. The request completes with
     the tokens of the run without the fault."""
     from test_faults import LIVENESS_S
-    from test_hostile_blame import STEP_RS, TIMEOUT_S, reference
+    from test_hostile_blame import TIMEOUT_S, reference
     from test_slow_steps import run
+    from tiny_models import STEP_RS
 
     from fusion_compute.structural.client import Engine, EngineOptions
 

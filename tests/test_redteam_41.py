@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ from fusion_compute.comm import Comm, PeerPoisoned, TaintedInputs
 from fusion_compute.comm.links import MAX_FAREWELL, MAX_WHY, farewell_reason
 from fusion_compute.comm.peer_text import printable
 from fusion_compute.runtime.blame import CLIENT, blame_link, follows
-from fusion_compute.runtime.deadline import Verdict, judge
+from fusion_compute.runtime.deadline import StepClock, Verdict, judge
 from fusion_compute.runtime.faults import lie_to
-from fusion_compute.runtime.membership import waiting_pids, waits_by_pid
+from fusion_compute.runtime.membership import Membership, Seat, waiting_pids, waits_by_pid
 
 OPEN = ("open", None)
 
@@ -239,22 +240,27 @@ def test_a_megatron_worker_refuses_to_pass_on_a_block_that_fails():
 # ---- ambiguity that does not come from the liar: set aside, never followed ----
 
 
+class Bookkeeping(Membership):
+    """The client's ambiguity bookkeeping as the engine runs it: a real Membership (`_ambiguous`:
+    follows over the job's liar-only sets, every set counted; `_suspected`) over the seats `order`,
+    held by a job with nothing but a log, whose epoch change (`_set_aside`) only records whom it set
+    aside and whose removal of a liar (`_expel`) only whom it removed."""
+
+    def __init__(self, order, log=lambda line: None):
+        super().__init__(SimpleNamespace(opts=SimpleNamespace(log=log)), {p: Seat(p) for p in order}, StepClock())
+        self.aside: list[tuple[int, ...]] = []
+        self.expelled: list[list[int]] = []
+
+    def _set_aside(self, causes, why, noticed, t0):
+        self.aside.append(causes)
+        return True
+
+    def _expel(self, err):
+        self.expelled.append(err.pids)
+
+
 def _bookkeeper(order):
-    """The client's ambiguity bookkeeping as the engine runs it (Membership._ambiguous, the real
-    method: follows over the job's liar-only sets, every set counted), on a job whose epoch change
-    (_set_aside) only records whom it set aside."""
-    from types import SimpleNamespace
-
-    from fusion_compute.runtime.membership import Membership
-
-    class Job(SimpleNamespace):
-        _ambiguous = Membership._ambiguous
-
-        def _set_aside(self, causes, why, noticed, t0):
-            self.aside.append(causes)
-            return True
-
-    return Job(order=list(order), suspicions=[], liar_sets=[], aside=[], opts=SimpleNamespace(log=lambda line: None))
+    return Bookkeeping(list(order))
 
 
 def _weigh(job, verdict):

@@ -9,13 +9,18 @@ import os
 import pty
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from procs import FUSION
 
 from fusion_compute.comm.readiness import readable
-from fusion_compute.runtime.progress import PREFIX, CountingSource, WorkerReporter, parse_progress
+from fusion_compute.model import architecture as arch
+from fusion_compute.runtime.progress import MIB, PREFIX, CountingSource, WorkerReporter, parse_progress, startup_lines
+from fusion_compute.structural.client import layer0_qkv
+from fusion_compute.structural.plan import make_plan
+from fusion_compute.weights.loader import open_weights
 
 
 def test_worker_reporter_modes():
@@ -52,6 +57,34 @@ def test_counting_source_clamps():
     src.read("big")
     src.read("big")
     assert seen == [(2, 10), (8, 10), (10, 10)]
+
+
+def test_startup_log_counts_what_each_side_holds(smollm_path):
+    """The start-up log's weights, from what each side reads: a worker's (plan.loaded_elements, without
+    layer 0's q/k/v, which it never reads) and the client's (its LM head and embedding, and its copy of
+    layer 0's q/k/v, every worker's rows: structural.client.layer0_qkv, as the engine holds it). The
+    engine here is its attributes that startup_lines reads, each the real thing for SmolLM2 at N = 2."""
+    src = open_weights(smollm_path)
+    c = src.config
+    plan = make_plan(c, 2)
+    embed = src.read(arch.EMBED)
+    engine = SimpleNamespace(
+        plan=plan,
+        config=c,
+        model_path=smollm_path,
+        context=64,
+        embed=embed,
+        lm_head=arch.read_lm_head(src, embed),
+        qkv0=layer0_qkv(src, plan, torch.device("cpu"), torch.float32),
+    )
+    lines = startup_lines(engine)
+    qkv0 = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.hidden * 4  # all of layer 0's W_qkv, float32
+    assert f"layer 0's q/k/v {qkv0 / MIB:.1f} MiB" in lines[-1], lines[-1]
+    for s, line in zip(plan.workers, lines[2:4], strict=True):
+        read = (plan.weight_elements(s.worker) * c.n_layers - plan.linear_elements(s.worker)["qkv"]) * 4
+        assert f"weights {read / MIB:.1f} MiB" in line, line
+    # negative control: an engine without the copy (the log before it counted it) says 0.0
+    assert "layer 0's q/k/v 0.0 MiB" in startup_lines(SimpleNamespace(**{**vars(engine), "qkv0": []}))[-1]
 
 
 def _run_with_stderr_pty(args: list[str], timeout_s: float = 120) -> tuple[subprocess.CompletedProcess, str]:
@@ -101,5 +134,6 @@ def test_generate_progress_on_a_terminal_only(tiny_qwen2):
     assert "worker 1" in err and "worker 2" in err and "100%" in err and "ready" in err
     assert "residual [0, 48) 67%" in err and "residual [48, 72) 33%" in err  # who holds what share
     assert "peak RSS" in err and "KV cache" in err and "weights" in err  # memory per worker
+    assert "layer 0's q/k/v" in err  # the client's copy, which the workers no longer read
     assert PREFIX not in err  # the workers' progress lines stay in their logs
     # Not a terminal: quiet (test_topology's generate run checks its client's stderr is empty).

@@ -16,6 +16,7 @@ import time
 import pytest
 from procs import children
 from test_faults import LIVENESS_S, NEW, PROMPT
+from tiny_models import STEP_RS
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
@@ -23,9 +24,7 @@ from fusion_compute.runtime.deadline import DEFAULT_MIN_S, StepDeadline
 from fusion_compute.structural.client import Engine, EngineOptions
 
 TIMEOUT_S = 10.0  # per message: the dragging worker's 0.4 s per message and 4 s per step stay under it
-# reduce-scatter calls per step on the tiny Qwen2: 3 layers x (QKV, O, gate/up, down), less layer 0's QKV
-# and the last down, which the client does (plan.boundary); a dragged step takes 10 x 0.4 s
-STEP_RS = 10
+# a dragged step takes STEP_RS (10, tiny_models.py) x 0.4 s
 SLOW_FROM = 11  # the step the worker starts dragging at (the 10 before set the healthy median)
 # The step bound's floor (--step-deadline-min, 2 s by default). At 1.2 s a dragged step (4 s) is cut
 # at STRIKES x 1.2 = 3.6 s and judged in that one step (the honest run below is held to the same floor;

@@ -258,8 +258,8 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
 def test_workers_read_tree_words_and_refuse_malformed_ones():
     """The FORWARD exchange's tree words (structural/protocol.py): per span [n_parents, n_keep,
     parents, kept columns]; a worker refuses words that do not describe a tree or a path."""
+    from fusion_compute.structural.op_loop import with_trees
     from fusion_compute.structural.ops import Span
-    from fusion_compute.structural.worker import with_trees
 
     spans = [Span(0, 10, 3), Span(1, 4, 1)]
     got = with_trees(spans, [3, 0, -1, 0, 0, 0, 2, 0, 2])

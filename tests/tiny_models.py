@@ -101,6 +101,10 @@ TINY = {
     "gemma3_text": GEMMA3_TINY,
 }
 SEEDS = {"qwen2": 3, "llama": 3}  # the fixtures' models (conftest.py); chosen by the sweep above
+# Reduce-scatter calls per step of the tiny Qwen2 on its workers, at any N (the faults aimed at a step
+# count them: `drag-rs@K`, `close-link@K`, ...): 4 per layer (QKV, O, gate/up, down) less layer 0's QKV
+# and the last layer's down, which the client does (structural/plan.py's boundary).
+STEP_RS = 4 * QWEN2_TINY["num_hidden_layers"] - 2
 
 # Every prompt the suite's tests give the tiny models (each test file keeps its own copy, by name):
 # check_varied asserts each one's reference continuation is varied. A new test prompt belongs here.

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import overload
 
 from ..runtime.placement import DTYPES
 from ..runtime.progress import counted
@@ -22,6 +23,10 @@ class AuditCliError(Exception):
     pass
 
 
+@overload
+def _ints(text: str, what: str) -> list[int]: ...
+@overload
+def _ints(text: None, what: str) -> None: ...
 def _ints(text: str | None, what: str) -> list[int] | None:
     if text is None:
         return None
@@ -307,6 +312,11 @@ def cmd_exposure(a: argparse.Namespace) -> int:
         f"(rank of the linear map from the residual to what a party observes; {h} = can reconstruct it)"
     )
     print("  views: shard = own residual coords + own q/k/v or gate/up shard; wire = shard + each peer's partial")
+    if summary["no_peer_partials"]:
+        print(
+            f"  no peer partials at {', '.join(summary['no_peer_partials'])} (wire = shard there): the plan's "
+            f"boundary merges {'; '.join(summary['boundary'])}"
+        )
     for w, views in summary["per_worker"].items():
         parts = []
         for view, s in views.items():

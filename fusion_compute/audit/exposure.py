@@ -8,12 +8,19 @@ With public weights, most of what a worker observes is a *linear function of the
     wire    (W_qkv diag(g))[QKV_w, R_r] x[R_r], r != w   each peer's partial, received separately
   point "mlp" (x': the residual after attention, input of gate/up): the same with W_gate|up
 
+The wire rows exist only where the plan scatters that linear (`Plan.scattered`, the boundary as data:
+`Plan.boundary`): layer 0's q/k/v are computed by the client and arrive with the ingress, already
+summed and normalised, so at layer 0's "attn" point a worker receives no peer partials and its wire
+view is its shard view (`peer_partials`). (The last layer's down partials go to the client, not to
+peers; like every o/down partial they are not counted here, see below.)
+
 s = sqrt(Σx²/H + ε) is known to the worker (the fused norm delivers Σx² to every owner), so the
-shard rows are linear in x. The rank of the stacked map (per layer, point, party, view) says how
-many directions of the residual the party can pin down; rank H means the party can reconstruct
-the whole residual by least squares. (Attention outputs, o/down partials, Σx² per worker and Gemma 3's
-post-norm Σy² sums are nonlinear in x and not counted: the ranks here are lower bounds on what a
-party learns.)
+shard rows are linear in x. (Layer 0's q/k/v come without Σx²: they are linear in x / s, and the
+worker's own coordinates x[R_w] fix the scale, so the rank counts the same directions.) The rank of
+the stacked map (per layer, point, party, view) says how many directions of the residual the party
+can pin down; rank H means the party can reconstruct the whole residual by least squares.
+(Attention outputs, o/down partials, Σx² per worker and Gemma 3's post-norm Σy² sums are nonlinear
+in x and not counted: the ranks here are lower bounds on what a party learns.)
 """
 
 from __future__ import annotations
@@ -57,8 +64,24 @@ def fused_weight(src: WeightSource, layer: int, point: str) -> torch.Tensor:
     return arch.read_weight(src, layer, name).double() * arch.read_norm(src, layer, name).double()
 
 
-def observation_matrix(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: str, point: str) -> torch.Tensor:
-    """(rows, H): every linear function of the residual the party observes at this point."""
+def peer_partials(plan: Plan, layer: int, point: str) -> bool:
+    """Whether a worker receives its peers' partials at this layer and point: the plan scatters the
+    point's linear there (`Plan.scattered`; not layer 0's q/k/v, which the client sends summed)."""
+    return plan.scattered(layer, POINTS[point][0])
+
+
+def partial_rows(plan: Plan, w: int, layer: int, point: str) -> int:
+    """Per token, the peer-partial rows worker w receives at this layer and point (wire view): its
+    shard's rows from each of the N - 1 others, or none where `peer_partials` says none are sent."""
+    if not peer_partials(plan, layer, point):
+        return 0
+    return len(getattr(plan, POINTS[point][1])(w)) * (plan.n - 1)
+
+
+def observation_matrix(
+    plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: str, point: str, layer: int
+) -> torch.Tensor:
+    """(rows, H): every linear function of the residual the party observes at this layer and point."""
     h = plan.config.hidden
     blocks = []
     for w in party:
@@ -68,7 +91,7 @@ def observation_matrix(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...],
         rows = torch.tensor(getattr(plan, POINTS[point][1])(w))
         shard = w_full[rows]
         blocks += [own, shard]
-        if view == "wire":
+        if view == "wire" and peer_partials(plan, layer, point):
             for r, s in enumerate(plan.workers):
                 if r == w:
                     continue
@@ -112,14 +135,17 @@ def rank_of(plan: Plan, a: torch.Tensor, party: tuple[int, ...]) -> tuple[int, f
     return int(own.sum()) + r, ratio
 
 
-def party_rank(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: str, point: str) -> tuple[int, float]:
+def party_rank(
+    plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: str, point: str, layer: int
+) -> tuple[int, float]:
     """Same number as rank_of(observation_matrix(...)), computed on the structure: the wire view's
     partials from a non-member r act on x[R_r] alone, so the map is block-diagonal over r and its
-    rank is |own| + Σ_r rank(stacked partial blocks); the shard rows are implied by the partials."""
+    rank is |own| + Σ_r rank(stacked partial blocks); the shard rows are implied by the partials.
+    Where no partials are sent (`peer_partials`), the wire view is the shard view."""
     own = _own_mask(plan, party)
     rows = torch.tensor([i for w in party for i in getattr(plan, POINTS[point][1])(w)])
     shard = w_full[rows]
-    if view == "shard":
+    if view == "shard" or not peer_partials(plan, layer, point):
         r, ratio = _rank(shard[:, ~own])
         return int(own.sum()) + r, ratio
     total, ratio = int(own.sum()), 1.0
@@ -132,12 +158,12 @@ def party_rank(plan: Plan, w_full: torch.Tensor, party: tuple[int, ...], view: s
     return total, ratio
 
 
-def _n_rows(plan: Plan, party: tuple[int, ...], view: str, point: str) -> int:
+def _n_rows(plan: Plan, party: tuple[int, ...], view: str, point: str, layer: int) -> int:
     """How many linear functions the party observes (own coords + shard rows [+ partials])."""
     n = 0
     for w in party:
-        shard = len(getattr(plan, POINTS[point][1])(w))
-        n += plan.workers[w].n_residual + shard * (plan.n if view == "wire" else 1)
+        n += plan.workers[w].n_residual + len(getattr(plan, POINTS[point][1])(w))
+        n += partial_rows(plan, w, layer, point) if view == "wire" else 0
     return n
 
 
@@ -152,8 +178,8 @@ def analyse(src: WeightSource, plan: Plan, layers: list[int] | None = None, coal
             for view in VIEWS:
                 singles = []
                 for w in range(plan.n):
-                    r, ratio = party_rank(plan, w_full, (w,), view, point)
-                    rows = _n_rows(plan, (w,), view, point)
+                    r, ratio = party_rank(plan, w_full, (w,), view, point, layer)
+                    rows = _n_rows(plan, (w,), view, point, layer)
                     singles.append(Exposure(layer, point, (w,), view, r, c.hidden, rows, ratio))
                 out += singles
                 if not coalitions or any(e.full for e in singles):
@@ -161,8 +187,8 @@ def analyse(src: WeightSource, plan: Plan, layers: list[int] | None = None, coal
                 for k in range(2, plan.n + 1):
                     found = False
                     for party in itertools.combinations(range(plan.n), k):
-                        r, ratio = party_rank(plan, w_full, party, view, point)
-                        rows = _n_rows(plan, party, view, point)
+                        r, ratio = party_rank(plan, w_full, party, view, point, layer)
+                        rows = _n_rows(plan, party, view, point, layer)
                         e = Exposure(layer, point, party, view, r, c.hidden, rows, ratio)
                         out.append(e)
                         found |= e.full
@@ -185,7 +211,7 @@ def summarize(results: list[Exposure], plan: Plan) -> dict:
     """Per worker and view: at how many (layer, point) pairs it alone has full rank; per (point, view):
     the smallest coalition reaching full rank at every layer."""
     layers = sorted({e.layer for e in results})
-    per_worker = {}
+    per_worker: dict[int, dict[str, dict[str, int | None]]] = {}  # worker -> view -> counts
     for w in range(plan.n):
         per_worker[w] = {}
         for view in VIEWS:
@@ -200,13 +226,20 @@ def summarize(results: list[Exposure], plan: Plan) -> dict:
     for point in POINTS:
         for view in VIEWS:
             ks = [smallest_full_party(results, L, point, view) for L in layers]
-            coalition[f"{point}/{view}"] = None if any(k is None for k in ks) else max(ks)
+            reached = [k for k in ks if k is not None]  # None: a layer no coalition reaches
+            coalition[f"{point}/{view}"] = max(reached) if len(reached) == len(ks) else None
     return {
         "hidden": plan.config.hidden,
         "workers": plan.n,
         "layers": layers,
         "per_worker": per_worker,
         "smallest_full_coalition": coalition,
+        # the analysed (layer, point) pairs where the wire view adds nothing (no peer partials are
+        # sent: `peer_partials`), and the scatters the plan's boundary merged into ingress / egress
+        "no_peer_partials": [
+            f"L{layer}.{point}" for layer in layers for point in POINTS if not peer_partials(plan, layer, point)
+        ],
+        "boundary": plan.boundary["merged"],
     }
 
 

@@ -189,11 +189,11 @@ class AuditRecorder:
 
     def end_step(self) -> None:
         t0 = time.perf_counter()
-        holds = self._holds
-        if holds == self._last_holds and not self._new_sets:
+        holds: list[list] | str = self._holds
+        if self._holds == self._last_holds and not self._new_sets:
             holds = "same"  # identical to the previous step's list (schema: the verifier expands it)
         else:
-            self._last_holds = holds
+            self._last_holds = self._holds
         rec = {
             "type": "step",
             **self._step_meta,

@@ -194,6 +194,12 @@ def render(summary: dict) -> str:
                 f"| {w} | {sv['full_rank_points']}/{sv['points']} | {sv['min_rank']}..{sv['max_rank']}/{h} | "
                 f"{wv['full_rank_points']}/{wv['points']} |"
             )
+        if exp["ranks"].get("no_peer_partials"):
+            lines += [
+                "",
+                f"No peer partials are sent at {', '.join(exp['ranks']['no_peer_partials'])}: the wire view is the "
+                f"shard view there (the plan's boundary merges {'; '.join(exp['ranks']['boundary'])}).",
+            ]
         lines += ["", "Vocabulary-matching attack on each worker's layer-0 residual shard, this run's prompt:", ""]
         for a in exp["attack"]:
             lines.append(

@@ -27,12 +27,19 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..structural.protocol import MAX_SLOTS
 from . import netcount
 from . import schema as S
 from .recorder import AuditRecorder, model_dims
-from .verify import verify_dir
+from .verify import RunResult, verify_dir
+
+if TYPE_CHECKING:  # types only: the run imports these lazily, after its arguments are checked
+    from ..generation.speculative_config import SpeculativeConfig
+    from ..model.config import ModelConfig
+    from ..structural.plan import Plan
+    from ..weights.source import WeightSource
 
 DEFAULT_PROMPT = "The history of the printing press begins in"
 FALLBACK_PROMPT_IDS = (5, 17, 33, 2, 99, 100, 7, 8)
@@ -82,7 +89,7 @@ class RunConfig:
     standby: int | None = None  # local spares (default: 1 with revoke_at, else 0)
     negative_control: str | None = None  # "keep-revoked" (tests only): the client keeps the revoked worker
     batch: int = 1  # > 1: batch + 1 sessions share the workers' steps, `batch` KV slots (_run_batched)
-    speculative: object | None = None  # a generation.speculative_config.SpeculativeConfig: speculative decoding
+    speculative: SpeculativeConfig | None = None  # speculative decoding
 
     @property
     def sessions(self) -> int:
@@ -112,8 +119,8 @@ def resolve_prompt(cfg: RunConfig, model_path: Path, vocab: int) -> tuple[list[i
     except Exception:
         if cfg.prompt:
             raise AuditRunError(f"cannot tokenize --prompt for {model_path}: use --prompt-ids") from None
-    ids = FALLBACK_SPECULATIVE_IDS if cfg.speculative is not None else FALLBACK_PROMPT_IDS
-    return [i % vocab for i in ids], "fixed ids (model has no tokenizer)"
+    fixed = FALLBACK_SPECULATIVE_IDS if cfg.speculative is not None else FALLBACK_PROMPT_IDS
+    return [i % vocab for i in fixed], "fixed ids (model has no tokenizer)"
 
 
 def _package_version() -> str:
@@ -162,8 +169,8 @@ def _end_record(path: Path) -> dict:
 @dataclass(frozen=True)
 class Prepared:
     model_path: Path
-    config: object  # ModelConfig
-    src: object  # the client's WeightSource, opened once and reused by every cold start's Engine
+    config: ModelConfig
+    src: WeightSource  # the client's WeightSource, opened once and reused by every cold start's Engine
     prompt: list[int]
     prompt_src: str
     draft_model: object = None  # speculation's draft model (generation.speculative), loaded once per run
@@ -229,6 +236,8 @@ def speculator(cfg: RunConfig, config, prompt: list[int], draft_model=None):
     loaded and its vocabulary checked once, in prepare(), before any worker starts."""
     from ..generation.speculative import Speculator
 
+    if cfg.speculative is None:  # the callers ask only when the run speculates
+        raise AuditRunError("a speculator was asked for a run without --speculative")
     return Speculator(cfg.speculative, config.vocab, len(prompt) + cfg.steps + 1, draft_model=draft_model)
 
 
@@ -239,7 +248,7 @@ class _Rollbacks:
     rollback at the same place (before the step's record), from the spans it sends, so the verifier
     can hold every worker's rollbacks to the client's."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held: dict[int, int] = {}  # slot -> positions its session holds
         self.count = 0
 
@@ -297,7 +306,7 @@ class _Epoch:
     index: int
     rec: AuditRecorder  # the client's log of the epoch
     order: list[int]  # participants in rank order
-    plan: object
+    plan: Plan
     before: int | None = None  # sample indices (_Sockets)
     after: int | None = None
     left: list[dict] | None = None  # who left before it, and why
@@ -317,20 +326,21 @@ def _revoke(cfg: RunConfig, engine, d: Path, ep: _Epoch, sockets: _Sockets) -> _
     """Revoke `cfg.revoke_worker` as a user would, between two steps; the next epoch is opened (a
     standby in its seat) and its client log started. The caller replays the session inside a
     recorded step."""
-    nxt = _Epoch(ep.index + 1, AuditRecorder.for_epoch(d, ep.index + 1, 0, role="client"), [], None)
-    engine.recorder = nxt.rec  # _open_epoch hands it to the new epoch's links
+    index = ep.index + 1
+    rec = AuditRecorder.for_epoch(d, index, 0, role="client")
+    engine.recorder = rec  # _open_epoch hands it to the new epoch's links
     n_recoveries = len(engine.recoveries)
     try:
         engine.revoke(cfg.revoke_worker, replay=False)
     except BaseException:
-        nxt.rec.close()
+        rec.close()
         raise
     ep.rec.close()
-    if engine.epoch != nxt.index or len(engine.recoveries) != n_recoveries + 1:
-        raise AuditRunError(f"revoking worker {cfg.revoke_worker} did not open epoch {nxt.index}")
+    if engine.epoch != index or len(engine.recoveries) != n_recoveries + 1:
+        raise AuditRunError(f"revoking worker {cfg.revoke_worker} did not open epoch {index}")
     change = engine.recoveries[-1]
     why = S.REVOKED if change.get("revoked") else S.LOST
-    nxt.order, nxt.plan = list(engine.order), engine.plan
+    nxt = _Epoch(index, rec, list(engine.order), engine.plan)
     nxt.left = [{"participant": p, "why": why, "reason": change.get("reason")} for p in change["lost"]]
     nxt.replayed_tokens = len(engine.history)
     _open_client_log(cfg, engine, nxt)
@@ -562,12 +572,12 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
     (d / S.MEMBERSHIP).write_text(json.dumps(membership, indent=2))
     run_net = None
     if sockets.on and len(epochs) > 1:
-        departed = {}
+        departed: dict[str, dict[str, int]] = {}  # participant -> its pid and bytes moved
         for e in epochs[1:]:
             for x in e.left or []:
                 pid = pid_of[x["participant"]]
-                moved = sockets.moved(epochs[e.index - 1].after, epochs[-1].after).get(pid, {})
-                departed[str(x["participant"])] = {"os_pid": pid, **moved}
+                its_bytes = sockets.moved(epochs[e.index - 1].after, epochs[-1].after).get(pid, {})
+                departed[str(x["participant"])] = {"os_pid": pid, **its_bytes}
         run_net = {
             "tool": "ss -tinpH (kernel tcp_info bytes_sent / bytes_received per socket)",
             "interval": "from the sample just before the worker left (revocation) to the last step, summed over "
@@ -607,6 +617,8 @@ def run_cold_start(cfg: RunConfig, index: int, prep: Prepared | None = None) -> 
     }
     (d / S.MANIFEST).write_text(json.dumps(manifest, indent=2))
     result = verify_dir(d)
+    if not isinstance(result, RunResult):  # the manifest written above lists the epochs: a cold start
+        raise AuditRunError(f"{d}: verified as one epoch, not as the cold start this run wrote")
     picture = _picture(d, result)
     busy = {}
     for e in epochs:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .netns import DELAYS, Hosts, available
+from .netns import DELAYS, Hosts, available, pipe
 from .rtt import tcp_rtt_ms
 
 A, B = "10.78.0.1", "10.78.0.2"  # the namespaces' own /24: never the machine's network
@@ -104,8 +104,8 @@ def run(
             measured = tcp_rtt_ms(hosts, A, B)
             me = [sys.executable, "-m", "fusion_compute.bench.exchange", "peer"]
             pa = hosts.popen(A, [*me, "a", *args])
-            if pa.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"side a did not start: {pa.stderr.read().strip()}")
+            if pipe(pa.stdout).readline().strip() != "ready":
+                raise RuntimeError(f"side a did not start: {pipe(pa.stderr).read().strip()}")
             pb = hosts.popen(B, [*me, "b", *args])
             outs = []
             for p in (pa, pb):

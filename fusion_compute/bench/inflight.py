@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .netns import Hosts, available
+from .netns import Hosts, available, pipe
 from .rtt import BASE, keys, tcp_rtt_ms, topology, topology_job, worker_argv
 
 PROMPT_LEN = 16
@@ -133,12 +133,13 @@ def point(model: str, n: int, rtt_ms: float, jobs: int, sessions: int, tokens: i
                 )
             )
         for c in clients:  # the barrier: every job open and warm before any decodes
-            line = c.stdout.readline().strip()
+            line = pipe(c.stdout).readline().strip()
             if line != "ready":
-                raise RuntimeError(f"a job did not start: {c.stderr.read().strip().splitlines()[-1:]}")
+                raise RuntimeError(f"a job did not start: {pipe(c.stderr).read().strip().splitlines()[-1:]}")
         for c in clients:
-            c.stdin.write("go\n")
-            c.stdin.flush()
+            go = pipe(c.stdin)
+            go.write("go\n")
+            go.flush()
         outs = []
         for c in clients:
             out, err = c.communicate(timeout=1800)

@@ -74,7 +74,9 @@ def build_random(path: Path, cfg: dict, seed: int = 0, shards: int = 4) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     n = cfg["num_hidden_layers"]
-    groups: list[list[int | None]] = [[None]] + [list(range(n))[k::shards] for k in range(shards)]
+    # shard 0: what no layer owns (layer None: embedding, final norm, head); then the layers, round robin
+    groups: list[list[int | None]] = [[None]]
+    groups += ([i for i in range(k, n, shards)] for k in range(shards))
     weight_map: dict[str, str] = {}
     for k, layers in enumerate(groups):
         name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from typing import IO
 
 from ..comm.readiness import readable
 from ..runtime.launch import terminate_all
@@ -97,6 +98,14 @@ def _run(cmd: list[str]) -> None:
 
 def ip(*args: str, ns: str | None = None) -> None:
     _run(["ip", "-n", ns, *args] if ns else ["ip", *args])
+
+
+def pipe(stream: IO[str] | None) -> IO[str]:
+    """A pipe of a process started here (Hosts.popen opens stdout and stderr, stdin when asked):
+    subprocess types each as optional, None when the process was started without it."""
+    if stream is None:
+        raise RuntimeError("a bench process was started without the pipe it is read or written through")
+    return stream
 
 
 class Hosts:
@@ -185,11 +194,12 @@ class Hosts:
             text=True,
         )
         self.delayers.append(p)
-        ready = readable([p.stdout], 30) and p.stdout.readline().strip() == "ready"
+        out = pipe(p.stdout)
+        ready = readable([out], 30) and out.readline().strip() == "ready"
         if not ready:
             p.kill()
             p.wait()
-            raise RuntimeError(f"nfq_delay in {ns}: {p.stderr.read().strip() or 'not ready within 30 s'}")
+            raise RuntimeError(f"nfq_delay in {ns}: {pipe(p.stderr).read().strip() or 'not ready within 30 s'}")
         _run(["ip", "netns", "exec", ns, *NFQ_RULE])
 
     def popen(self, addr: str, argv: list[str], **kw) -> subprocess.Popen:

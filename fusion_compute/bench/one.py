@@ -34,11 +34,12 @@ def _sync(device: torch.device) -> None:
 def measure_transformers(model: str, a: argparse.Namespace) -> dict:
     from ..model.reference import load_reference
     from ..runtime.placement import torch_dtype
+    from ..weights.loader import resolve_model_path
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     # the speed comparison runs transformers as users do (eager PyTorch), in the same dtype and on the same device
-    ref = load_reference(model, torch_dtype(a.dtype)).to(device)
+    ref = load_reference(resolve_model_path(model), torch_dtype(a.dtype)).to(device)
     vocab = ref.config.vocab_size
     out: dict = {"system": "transformers", "workers": 1}
 

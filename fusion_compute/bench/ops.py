@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from ..runtime.resources import rss_kb
 from ..structural.controls import OpHandler
 from ..structural.plan import Plan
 from ..structural.sharded import ShardedModel
-from ..structural.worker import rss_kb
 
 
 class BenchOp(IntEnum):  # numbers the production protocol leaves free (protocol.Op)

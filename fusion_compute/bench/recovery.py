@@ -31,15 +31,18 @@ def trial(model: str, n: int, prompt: list[int], fault: str, new_tokens: int, li
         n_workers=n, standby=1, context=len(prompt) + new_tokens + 8, liveness_s=liveness_s, log=lambda line: None
     )
     with Engine(model, opts) as eng:
-        victim, when = eng.procs.pids[0], []
+        if eng.procs is None:
+            raise RuntimeError("the recovery bench kills a worker it spawned: this engine spawned none")
+        victim, when = eng.procs.pids[0], list[float]()
+        tokens_seen = 0
 
         def on_token(_tok: int) -> None:
-            if len(when) == 0 and on_token.n == 4:
+            nonlocal tokens_seen
+            if len(when) == 0 and tokens_seen == 4:
                 when.append(time.time())
                 os.kill(victim, getattr(signal, fault))
-            on_token.n += 1
+            tokens_seen += 1
 
-        on_token.n = 0
         t0 = time.perf_counter()
         res = generate(eng, prompt, max_new_tokens=new_tokens, sampling=SamplingParams(), on_token=on_token)
         wall = time.perf_counter() - t0

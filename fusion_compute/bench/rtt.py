@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .netns import DELAYS, Hosts, available
+from .netns import DELAYS, Hosts, available, pipe
 
 BASE = "10.77.0"  # the namespaces' own /24, on their own bridge: never the machine's network
 
@@ -192,8 +192,8 @@ def tcp_rtt_ms(hosts: Hosts, a: str, b: str, count: int = 105) -> float:
     """The round trip host a really sees to host b: median of 1-byte TCP ping-pongs (after 5)."""
     echo = hosts.popen(b, [sys.executable, "-c", ECHO])
     try:
-        if echo.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"echo server on {b} did not start: {echo.stderr.read().strip()}")
+        if pipe(echo.stdout).readline().strip() != "ready":
+            raise RuntimeError(f"echo server on {b} did not start: {pipe(echo.stderr).read().strip()}")
         r = subprocess.run(
             ["ip", "netns", "exec", hosts.ns[a], sys.executable, "-c", PING, b, str(count)],
             capture_output=True,

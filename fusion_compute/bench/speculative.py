@@ -176,7 +176,7 @@ def measure_acceptance(
             from ..model.dense import DenseModel
 
             draft = DenseModel(eng.src, n_layers=draft_layers, max_seq=1)
-        variants: list[tuple[str, object]] = [(f"ngram_k{k}", _spec(k)) for k in ks]
+        variants: list[tuple[str, SpeculativeConfig]] = [(f"ngram_k{k}", _spec(k)) for k in ks]
         if draft is not None:
             cfg = SpeculativeConfig(method="draft_model", num_speculative_tokens=ks[-1], draft_model=str(model))
             variants.append((f"early_exit_{draft_layers}_layers_k{ks[-1]}", cfg))
@@ -199,7 +199,7 @@ def measure_acceptance(
                 steps = tokens = 0
                 same = True
                 for i, p in enumerate(w.prompts):
-                    sp = Speculator(cfg, eng.config.vocab, eng.context, draft_model=draft)  # type: ignore[arg-type]
+                    sp = Speculator(cfg, eng.config.vocab, eng.context, draft_model=draft)
                     r = generate(
                         eng, list(p), max_new_tokens=max_new, sampling=greedy, stop_ids=tok.eos_ids, speculator=sp
                     )

@@ -66,7 +66,7 @@ class StderrHandler(logging.StreamHandler):
     """Writes each record to sys.stderr as it is then (a redirection made later, a test's capture), not
     to the stream it was when the handler was made."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> IO[str]:
         return sys.stderr
 

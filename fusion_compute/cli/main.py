@@ -52,7 +52,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     O.writable_dir(a.audit_dir, "--audit-dir")
     opts = O.engine_options(a, masked=masked)
     if masked:
+        from ..masked.options import MaskedOptions
+
+        if not isinstance(opts, MaskedOptions):  # engine_options(masked=True) builds them
+            raise TypeError(f"--mode masked: engine options of type {type(opts).__name__}, not MaskedOptions")
         opts.audit_dir = a.audit_dir
+        workers = f"{'+'.join(map(str, opts.sizes))} workers"
+    else:
+        workers = counted(opts.n_workers, "worker")
     if not a.quiet:
         opts.progress = load_monitor(sys.stderr)  # bars on a terminal only; stdout stays clean
     max_flag = flag_name(a, "max_tokens", "--max-tokens")
@@ -70,7 +77,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     src = open_weights(path)
     tok = O.tokenizer_for(path, src, needed=a.prompt is not None)
-    ids, chat = given_ids, False
+    ids, chat = given_ids or [], False  # (--prompt-ids or --prompt: one of them, checked above)
     if a.prompt is not None:
         # The chat template unless --raw, as llama.cpp's CLI and Ollama do: an instruct model given bare
         # text often ends its turn at once (an empty answer).
@@ -85,16 +92,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
     max_tokens = new_tokens_limit(a.max_tokens, max_flag, len(ids), context, src.config.max_positions, log)
     eos = tok.eos_ids if tok else src.config.eos_ids
     stream = tok.stream() if tok else None
+    engine_class: type[Engine] | type[MaskedEngine]  # the same start-up (EngineBase) and calls used here
     if masked:
-        from ..masked.client import MaskedEngine as Engine  # same interface as the structural Engine
+        from ..masked.client import MaskedEngine
+
+        engine_class = MaskedEngine
     else:
         from ..structural.client import Engine
-    workers = f"{'+'.join(map(str, opts.sizes))} workers" if masked else counted(opts.n_workers, "worker")
+
+        engine_class = Engine
     log.info(
         f"starting: {path.name}, {workers} ({a.mode}), prompt {counted(len(ids), 'token')}, up to "
         f"{max_tokens} new, context {context}"
     )
-    with Engine(path, opts, source=src) as engine:
+    engine = engine_class(path, opts, source=src)
+    with engine:  # (EngineBase.__enter__ gives it back as EngineBase: keep the subclass's type)
         load_s = time.perf_counter() - t_start  # file parsing, weights and worker start-up
         if tty and not a.quiet:
             log_startup(engine, sys.stderr, opts.topology)
@@ -162,7 +174,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             }
             if res.speculative is not None:
                 out["speculative"] = res.speculative
-            if masked:
+            if masked and isinstance(engine, MaskedEngine):  # (always both: the isinstance tells the type checker)
                 v = engine.verifier
                 out |= {
                     "mode": "masked",
@@ -261,24 +273,24 @@ def cmd_plan(a: argparse.Namespace) -> int:
         from ..masked.ring import DEFAULT_LIMB_BITS
         from ..structural.picture import masked_picture
 
-        plan = make_masked_plan(config, a.workers[0], a.workers[1:], DEFAULT_LIMB_BITS)
-        picture = masked_picture
+        masked_plan = make_masked_plan(config, a.workers[0], a.workers[1:], DEFAULT_LIMB_BITS)
+        plan_json, draw = masked_plan.to_json(), lambda: masked_picture(masked_plan)
     else:
         from ..structural.picture import plan_picture
         from ..structural.plan import make_plan
 
         plan = make_plan(config, a.workers, O.capacities(a.capacity))
-        picture = plan_picture
+        plan_json, draw = plan.to_json(), lambda: plan_picture(plan)
     if a.picture:
         from ..structural.picture import write_svg
 
         try:
-            write_svg(picture(plan), a.picture)
+            write_svg(draw(), a.picture)
         except OSError as e:
             raise InputError(f"--picture {a.picture}: {e.strerror or e}") from None
         what = "what group A and each mask group receive" if masked else "which worker owns which coordinates"
         print(f"fusion plan: wrote {a.picture}: {what} (SVG)", file=sys.stderr)
-    print(plan.to_json())
+    print(plan_json)
     return 0
 
 

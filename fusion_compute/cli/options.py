@@ -8,6 +8,8 @@ import logging
 import math
 import re
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from ..executor.base import EXECUTORS
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from ..runtime.engine_options import EngineOptions, default_backend, default_threads, usable_cores
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
-from ..runtime.topology import GROUP_NAME, Topology, check_here, is_local_address, sharing_this_host
+from ..runtime.topology import GROUP_NAME, Participant, Topology, check_here, is_local_address, sharing_this_host
 from .logs import engine_notice
 from .parser import StoreFlag
 
@@ -216,14 +218,16 @@ def positive(value: float | int | None, flag: str, minimum: float = 0, strict: b
 # ---- keys ----
 
 
-def load_key(path: str | None) -> Identity | None:
-    """--key FILE (or - for stdin, how a local client hands a spawned worker its key)."""
+def load_key(path: str | None, stdin: bytes | None = None) -> Identity | None:
+    """--key FILE (or - for stdin, how a local client hands a spawned worker its key; `stdin`: those
+    bytes, for a worker run as a thread)."""
     if path is None:
         return None
     if path == "-":
         from ..comm.identity import MAX_KEY_FILE, IdentityError
 
-        data = sys.stdin.buffer.read(MAX_KEY_FILE + 1)  # bounded: stdin may be /dev/zero
+        # bounded: stdin may be /dev/zero
+        data = stdin[: MAX_KEY_FILE + 1] if stdin is not None else sys.stdin.buffer.read(MAX_KEY_FILE + 1)
         if len(data) > MAX_KEY_FILE:
             raise IdentityError(f"key on stdin: more than the {MAX_KEY_FILE} bytes a key file can be: refused")
         return Identity.from_pem(data, "key on stdin")
@@ -327,8 +331,8 @@ def add_engine_args(g: dict[str, Any]) -> None:
         "--executor",
         choices=EXECUTORS,
         default="local",
-        help="who starts the workers (without --topology): local processes (default) or ray actors "
-        "(the [ray] extra; docs/executors.md)",
+        help="who starts the workers (without --topology): local processes (default), ray actors "
+        "(the [ray] extra), or inproc: threads of this process, for tests (docs/executors.md)",
     )
     net.add_argument(
         "--ray-address",
@@ -553,15 +557,18 @@ def engine_options(a: argparse.Namespace, masked: bool = False) -> EngineOptions
         executor=a.executor,
         ray_address=a.ray_address,
         ray_cpus=a.ray_cpus,
+        run_worker=run_worker_in_thread if a.executor == "inproc" else None,  # workers as threads (tests)
     )
     if a.master is not None:
         host_port(a.master)
         common["master"] = a.master
+    opts: EngineOptions  # masked.options.MaskedOptions in masked mode
     if masked:
         from ..masked.options import masked_options
 
         opts = masked_options(a.workers, topo, {**common, "capacities": capacities(a.capacity)})
     else:
+        caps: tuple[float, ...] | None
         if topo is not None:
             if topo.masked:
                 raise UsageError(f"{topo.path} names masked groups A and B: add --mode masked")
@@ -684,7 +691,10 @@ def add_worker_args(g: dict[str, Any]) -> None:
     )
 
 
-def worker_options(a: argparse.Namespace) -> Any:
+def worker_options(a: argparse.Namespace, stdin: bytes | None = None) -> Any:
+    """`fusion worker`'s options from its flags (`stdin`: its key bundle, when --key - and the worker
+    is a thread that has no standard input of its own)."""
+    from ..audit.recorder import AuditRecorder
     from ..bench.ops import WORKER_OPS
     from ..controls.worker import worker_controls
     from ..masked.member import run_member
@@ -695,12 +705,13 @@ def worker_options(a: argparse.Namespace) -> Any:
     positive(a.timeout, "--timeout")
     positive(a.join_timeout, "--join-timeout")
     writable_dir(a.audit_dir, "--audit-dir")
-    key = None if a.insecure else load_key(a.key)
+    key = None if a.insecure else load_key(a.key, stdin)
     listen_host, rank, group, model, device = None, a.rank, a.group, a.model, a.device
     if a.topology:
         if a.master or a.client_key:
             raise UsageError("--topology names the client and its key: drop --master/--client-key")
         topo = Topology.load(a.topology)
+        me: Participant | None
         if a.insecure:
             if rank is None:
                 raise UsageError("an --insecure worker must give --rank (there is no key to find it by)")
@@ -721,9 +732,10 @@ def worker_options(a: argparse.Namespace) -> Any:
         group = group or me.group
         device = device or me.device
     else:
-        master = host_port(a.master)
-        if master is None:
+        given = host_port(a.master)
+        if given is None:
             raise UsageError("give --master HOST:PORT and --client-key (or --topology FILE)")
+        master = given
         if a.insecure:
             if rank is None:
                 raise UsageError("an --insecure worker must give --rank")
@@ -764,7 +776,27 @@ def worker_options(a: argparse.Namespace) -> Any:
         device=device,
         progress=a.progress,
         audit_dir=a.audit_dir,
+        recorder=partial(AuditRecorder.for_epoch, a.audit_dir) if a.audit_dir else None,  # the audit's, handed in
         controls=worker_controls(a.inject_fault, a.inject_leak, a.variant),  # chosen once, here
         ops=WORKER_OPS,  # the bench's control ops (stats, a collective's latency, the KV probe)
         modes={"masked": run_member},  # the worker serves the mode the client names
     )
+
+
+def run_worker_in_thread(args: list[str], secret: bytes | None, on_leave: Callable[[Callable[[], None]], None]) -> None:
+    """`fusion worker ARGS` in the calling thread (executor/inproc.py's entry, EngineOptions.run_worker):
+    the same flags and options as a process's, its key bundle `secret` given as bytes, and a shell
+    that leaves by returning (`own_process=False`: no os._exit, torch's thread count left to the
+    process). No logging set-up (the process's own) and no progress lines. The controls that end or
+    patch a process are refused: a thread shares both."""
+    from dataclasses import replace
+
+    from ..structural.worker import run
+    from .parser import FusionParser, help_groups
+
+    p = FusionParser(prog="fusion worker")
+    add_worker_args(help_groups(p, "workers", "network", "audit", "logging", "testing"))
+    a = p.parse_args(args)
+    if a.inject_fault or a.inject_leak:
+        raise UsageError("--inject-fault / --inject-leak end or patch a process: they need worker processes")
+    run(replace(worker_options(a, secret), own_process=False, progress="off", on_leave=on_leave))

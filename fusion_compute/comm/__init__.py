@@ -21,6 +21,7 @@ schedules and runs steps (runtime/engine.py's `Engine`, as vLLM's LLMEngine).
   buffers.py       tensors of any dtype and device as the bytes a backend moves; the fp32 sum of partials
   torch_fabric.py  torch.distributed among workers: NCCL on GPUs, gloo for comparison
   mpi_fabric.py    MPI among workers: shared memory on one machine, or an mpiexec world
+  fabrics.py       `open_fabric`: the fabric the client's WELCOME names (or none: the links)
   errors.py        `CommError` and the per-peer errors that name who failed
 """
 
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from .errors import CommError, PeerError, PeerLeft, PeerLost, PeerOutOfStep, PeerPoisoned, PeerTimeout, TaintedInputs
 from .events import WORKER_COLLECTIVES, Counters, Event, NullRecorder, Recorder
+from .fabrics import backend_of, open_fabric
 from .identity import Identity, IdentityError, PublicId
 from .links import farewell_all, farewell_on_failure, reason_of, say_farewell, wire_bytes
 from .liveness import Pulse, Watch, Witness
@@ -67,10 +69,12 @@ __all__ = [
     "WORKER_COLLECTIVES",
     "Watch",
     "Witness",
+    "backend_of",
     "farewell_all",
     "farewell_on_failure",
     "free_port",
     "join_epoch",
+    "open_fabric",
     "open_pulse",
     "reason_of",
     "say_farewell",

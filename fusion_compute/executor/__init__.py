@@ -1,6 +1,7 @@
 """Who starts a job's workers, where, and who watches them: the executor seam (docs/executors.md).
 
-`executor_for(opts)` is the one place a job's executor is chosen; the engine (runtime/engine.py)
+`executor_for(opts)` is the one place a job's executor is chosen (local processes, listed workers,
+Ray actors, or threads of this process: inproc.py, for tests); the engine (runtime/engine.py)
 asks it for the roster, the address to listen at, and to launch and stop the workers. The TLS links
 (comm/) stay the data path whatever the executor: an executor only places and supervises.
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 from ..comm import Identity, Member
 from ..runtime.launch import WorkerProcs
 
-EXECUTORS = ("local", "ray")  # what `--executor` names; listed workers follow from --topology / --master
+EXECUTORS = ("local", "ray", "inproc")  # what `--executor` names; listed workers follow from --topology / --master
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class WorkerJob:
 class Executor:
     """One job's executor. Subclasses: local.LocalExecutor (processes on this machine), listed.
     ListedExecutor (workers started by the user or by mpiexec: the engine only waits), ray.RayExecutor
-    (one Ray actor per worker)."""
+    (one Ray actor per worker), inproc.InprocExecutor (threads of the client's process, for tests)."""
 
     name: ClassVar[str]
     starts_workers: ClassVar[bool] = True  # False: the workers start on their own (listed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .base import Executor
+from .inproc import InprocExecutor
 from .listed import ListedExecutor
 from .local import LocalExecutor
 
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
 
 def executor_for(opts: EngineOptions) -> Executor:
     """Listed workers when the options name them (--topology, --master), else `--executor`'s: local
-    processes (default) or Ray actors. `opts.check()` has refused the combinations that cannot work."""
+    processes (default), Ray actors, or threads of this process. `opts.check()` has refused the
+    combinations that cannot work."""
     secure = not opts.insecure
     if opts.topology is not None or opts.master is not None:
         return ListedExecutor(secure, opts.topology, opts.key, opts.master, mpi=opts.mpi_world)
@@ -23,4 +25,7 @@ def executor_for(opts: EngineOptions) -> Executor:
         from .ray import RayExecutor  # Ray is an optional extra: imported only when asked for
 
         return RayExecutor(secure, opts.ray_address, opts.ray_cpus, opts.join_timeout_s)
+    if opts.executor == "inproc":
+        assert opts.run_worker is not None  # (check_inproc)
+        return InprocExecutor(secure, opts.run_worker)
     return LocalExecutor(secure, opts.spawn)

@@ -215,7 +215,7 @@ def chain_gains(q: list[float], n: int) -> list[float]:
 class JobAcceptance:
     """Every session's recent verifications on one job, pooled: the prior of a session's own rate."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.history: deque[tuple[int, int]] = deque(maxlen=POOL)
 
     def add(self, drafted: int, accepted: int, depth: int | None = None) -> None:
@@ -329,12 +329,10 @@ class StepCost:
             return list(caps)
         base, per_column, per_span = fit
         fixed = fixed or [False] * len(caps)
-        g = [
-            list(gains[i][: caps[i]])
-            if gains and gains[i] is not None
-            else [rates[i] ** j for j in range(1, caps[i] + 1)]
-            for i in range(len(caps))
-        ]
+        g: list[list[float]] = []
+        for i in range(len(caps)):
+            given = gains[i] if gains else None
+            g.append(list(given[: caps[i]]) if given is not None else [rates[i] ** j for j in range(1, caps[i] + 1)])
         ks = [cap if f else 0 for cap, f in zip(caps, fixed, strict=True)]
         tokens = len(caps) + sum(sum(g[i][: ks[i]]) for i in range(len(caps)))
         seconds = max(base + per_column * (len(caps) + sum(ks)) + per_span * sum(k > 0 for k in ks), 1e-6)

@@ -216,7 +216,7 @@ def freshness(tapped: list[tuple[str, np.ndarray]]) -> dict:
             across_a.append(prev[:k, :t].ravel())
             across_b.append(m[:k, :t].ravel())
         last[op] = m
-    out = {}
+    out: dict[str, dict[str, float | bool | None]] = {}
     for name, xa, xb in (("within", within_a, within_b), ("across_steps", across_a, across_b)):
         if not xa:
             out[name] = {"pairs": 0, "close_fraction": None, "limit": None, "ok": True}

@@ -53,11 +53,13 @@ def _proc_cpu_s(pids: list[int]) -> float:
 def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, verify: bool = True) -> dict:
     from ..generation.generate import generate
     from ..generation.sampling_params import SamplingParams
+    from ..runtime.engine import EngineBase
     from ..structural.client import Engine, EngineOptions
     from .client import MaskedEngine, MaskedOptions
 
     rec = _Bytes()
     t_load = time.perf_counter()
+    eng: EngineBase
     if mode == "masked":
         opts = MaskedOptions(n_a=groups[0], n_b=tuple(groups[1:]), context=512, verify=verify)
         eng = MaskedEngine(model, opts, recorder=rec)
@@ -162,12 +164,14 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
     and of transformers fp32, against transformers float64."""
     from ..model.reference import load_reference
     from ..structural.client import Engine, EngineOptions
+    from ..weights.loader import resolve_model_path
     from .client import MaskedEngine, MaskedOptions
     from .ring import RingMatrix, decode, encode, inverse_scales, quantize_rows, weight_bits
 
-    ref32 = load_reference(model, torch.float32)
-    ref64 = load_reference(model)
-    inputs: dict[str, list[torch.Tensor]] = {}
+    path = resolve_model_path(model)
+    ref32 = load_reference(path, torch.float32)
+    ref64 = load_reference(path)
+    inputs: dict[tuple[int, str], torch.Tensor] = {}  # (layer, linear) -> its input (T, K), row 0 of the batch
     hooks = []
     for i, layer in enumerate(ref64.model.layers):
         for name, mod in (
@@ -188,7 +192,7 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
         "down": lambda L: L.mlp.down_proj.weight,
         "gate_up": lambda L: torch.cat([L.mlp.gate_proj.weight, L.mlp.up_proj.weight]),
     }
-    per_linear = {f"ring_b{b}": 0.0 for b in limb_bits} | {"fp32": 0.0}
+    per_linear: dict[str, float] = {f"ring_b{b}": 0.0 for b in limb_bits} | {"fp32": 0.0}
     for (i, name), x64 in inputs.items():
         w64 = weights[name](ref64.model.layers[i]).detach()  # float64 copies of the fp32 weights: exact
         exact = x64 @ w64.T  # (T, N)
@@ -201,8 +205,11 @@ def exactness(model, ids: list[int], limb_bits: tuple[int, ...] = (13, 16, 22), 
             y = decode(RingMatrix(w_fx, b).matmul(x_fx), inverse_scales(e), s).T
             ref = x64.float().double() @ w64.T  # same fp32 input, exact product: isolates the ring's error
             per_linear[f"ring_b{b}"] = max(per_linear[f"ring_b{b}"], float((y - ref).abs().max()) / rms)
-    out = {"per_linear_max_err_over_rms": per_linear, "logits_max_abs_err_vs_float64": {}}
-    errs = out["logits_max_abs_err_vs_float64"]
+    errs: dict[str, float] = {}
+    out: dict[str, dict[str, float] | float] = {
+        "per_linear_max_err_over_rms": per_linear,
+        "logits_max_abs_err_vs_float64": errs,
+    }
     errs["transformers_fp32"] = float((logits32 - logits64).abs().max())
     with Engine(model, EngineOptions(n_workers=2, context=512)) as eng:
         eng.reset()

@@ -77,6 +77,7 @@ class MaskedEngine(EngineBase):
     mode = "masked"
     verifies_trees = True  # the client attends in the clear: a tree's mask and depths are its own (_masked_step)
     opts: MaskedOptions
+    plan: MaskedPlan  # the current epoch's (plan_for)
 
     def group_names(self) -> tuple[str, ...]:
         """A, then the job's mask groups (B, or B1..Bk)."""

@@ -38,7 +38,8 @@ def run_member(
     fault = parse_fault(o.controls.fault) if o.controls.fault else None
     if fault is not None and not fault.lie:
         raise UsageError(f"--inject-fault {o.controls.fault}: a masked worker knows only the lie-* faults")
-    limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
+    if o.own_process:  # process-wide: a worker run as a thread (executor/inproc.py) leaves it to its process
+        limit_blas_threads(o.threads or torch.get_num_threads())  # the ring product's BLAS (numpy's OpenBLAS) too
     plan = make_masked_plan(src.config, sizes[0], sizes[1:], 8)  # the limb width changes no row counts
     group = plan.group_of(rank)[0] if rank <= sum(sizes) else None
     if group is not None:

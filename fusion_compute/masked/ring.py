@@ -85,7 +85,8 @@ class RingMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.w.shape)
+        n, k = self.w.shape  # (n, K)
+        return n, k
 
     def limbs(self, m_KT: torch.Tensor) -> torch.Tensor:
         """m (K, T) int64 -> (L·T, K) float64: limb j of token t in row j·T + t."""

@@ -17,7 +17,7 @@ u · e = 0: fix every entry of u but one where e_i ≠ 0; at most one of its 2^1
 equation, so the row passes with probability ≤ 2^-16 (Schwartz–Zippel), and all D = 4 independent
 rows with probability ≤ 2^-64, per linear and token column, whatever the lie. The workers never see
 U or anything computed from it; the only thing a liar learns is whether it was caught, and the
-first detection removes it from the job (engine._expel). U is drawn once per job rather than per
+first detection removes it from the job (Membership._expel). U is drawn once per job rather than per
 session: a fresh U needs a fresh pass over every weight (measured in docs/masked.md), and a per-job
 U already bounds every wrong product's chance of passing by 2^-64.
 

@@ -23,6 +23,7 @@ import torch
 
 from ..comm import Comm
 from ..model import architecture as arch
+from ..runtime.resources import rss_kb
 from ..weights.loader import WeightSource
 from . import protocol as P
 from .masks import make_stream
@@ -71,8 +72,9 @@ class MaskedWorker:
         self.src, self.sizes, self.rank, self.comm = src, tuple(sizes), rank, comm
         self.audit = audit  # masked.audit.AuditLog: taps what this worker received
         self.forwards = 0  # FORWARD steps served
-        self.plan: MaskedPlan | None = None
-        self.weights: MemberWeights | None = None
+        # set by hello() from the client's handshake; no step is served before it
+        self.plan: MaskedPlan
+        self.weights: MemberWeights
 
     def hello(self) -> int:
         """Handshake: check the plan fingerprint, load the weights, send the public metadata."""
@@ -90,11 +92,11 @@ class MaskedWorker:
         t0 = time.perf_counter()
         self.weights = load_member(self.src, self.plan, self.group, self.member)
         load_ms = int((time.perf_counter() - t0) * 1000)
-        c.send(torch.tensor([1, mine, load_ms, _rss_kb()]), 0, P.KIND_CONTROL, "hello")
+        c.send(torch.tensor([1, mine, load_ms, rss_kb()]), 0, P.KIND_CONTROL, "hello")
         c.send(self.weights.meta.contiguous(), 0, P.KIND_META, "meta")
         logging.getLogger(__name__).info(
             f"ready: group {self.group} member {self.member} of plan {self.plan.fingerprint()}, its rows loaded in "
-            f"{load_ms / 1000:.1f} s, RSS {_rss_kb() / 1024:.0f} MiB"
+            f"{load_ms / 1000:.1f} s, RSS {rss_kb() / 1024:.0f} MiB"
         )
         return mask_kind
 
@@ -202,16 +204,10 @@ class MaskedWorker:
     def _common(self, op: int) -> bool:
         """PING / SHUTDOWN; True when the loop must end."""
         if op == P.Op.PING:
-            self.comm.send(torch.tensor([1, self.rank, 0, _rss_kb()]), 0, P.KIND_CONTROL, "pong")
+            self.comm.send(torch.tensor([1, self.rank, 0, rss_kb()]), 0, P.KIND_CONTROL, "pong")
             return False
         if op == P.Op.SHUTDOWN:
             if self.audit is not None:
                 self.audit.close()
             return True
         raise RuntimeError(f"unknown control op {op} for a group {self.group} worker")
-
-
-def _rss_kb() -> int:
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

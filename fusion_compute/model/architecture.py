@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.source import Ranges, WeightSource
 from .config import ModelConfig
+from .source import Ranges, WeightSource
 
 EMBED = "model.embed_tokens.weight"  # (V, H)
 FINAL_NORM = "model.norm.weight"  # (H,)

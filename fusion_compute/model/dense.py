@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.loader import WeightSource
 from . import architecture as arch
 from .config import ModelConfig
 from .kernels import Rotary, attend, causal_mask, gated, rms_norm, rotate, tree_depths, tree_mask
 from .layer import LayerOps, decoder_layer
+from .source import WeightSource
 
 LINEARS = arch.LINEAR_NAMES  # in the order a layer uses them
 # (layer, name, x (B, T, K)) -> W_name x (B, T, N), without bias
@@ -102,7 +102,7 @@ class DenseSpan:
         column's mask its ancestors' within each window."""
         positions = pos + torch.tensor(tree_depths(parents))
         cos, sin = rotary.tables(positions)
-        masks = {w: tree_mask(pos, parents, w) for w in config.windows}
+        masks: dict[int | None, torch.Tensor | None] = {w: tree_mask(pos, parents, w) for w in config.windows}
         return DenseSpan(cos, sin, masks, kv, None if local is None else local.tables(positions))
 
 

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..weights.loader import resolve_model_path
 
-
-def load_reference(model: str | Path | None, dtype: torch.dtype = torch.float64):
-    """transformers' model for an HF directory or a GGUF file (dequantized), eval mode."""
+def load_reference(path: str | Path, dtype: torch.dtype = torch.float64):
+    """transformers' model for an HF directory or a GGUF file (dequantized), eval mode. `path` is
+    resolved by the caller (weights.source.resolve_model_path: the model knows no model paths)."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(model)
+    path = Path(path)
     if path.is_file():  # GGUF: transformers dequantizes and un-permutes Q/K itself
         m = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     else:

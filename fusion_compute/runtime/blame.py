@@ -115,12 +115,12 @@ def blame_link(
         words.append(f"worker {q} left on its own error ({(seen[q][1] or {}).get('why') or 'no reason given'})")
     named = set(own)
     for q, reason in sorted(left.items()):  # its farewell against its own account
-        said = ((accounts.get(q) or {}).get("lost"), (accounts.get(q) or {}).get("after"))
-        if said != (None, None) and said != (reason.get("cause"), reason.get("after")):
+        claim = ((accounts.get(q) or {}).get("lost"), (accounts.get(q) or {}).get("after"))
+        if claim != (None, None) and claim != (reason.get("cause"), reason.get("after")):
             named.add(q)
             words.append(
                 f"worker {q}'s farewell (cause {reason.get('cause')}, after {reason.get('after')}) contradicts "
-                f"its own account (lost {said[0]}, after {said[1]})"
+                f"its own account (lost {claim[0]}, after {claim[1]})"
             )
     mutual = sorted(
         (q, x)
@@ -168,10 +168,14 @@ def _after_rings(left: dict[int, dict]) -> list[list[int]]:
     team: a liar in a ring with two honest workers otherwise made no suspect at all)."""
     rings = []
     for start in sorted(left):
-        path, q = [], start
+        path: list[int] = []
+        q = start
         while q in left and q not in path:
             path.append(q)
-            q = left[q].get("after")
+            after = left[q].get("after")
+            if not isinstance(after, int):  # no `after` (None): the chain ends here, no ring
+                break
+            q = after
         if q == start and len(path) >= 3 and start == min(path):
             rings.append(path)
     return rings

@@ -26,8 +26,13 @@ fewer than `--min-workers` (default 2: one worker would hold everything). It the
 session's tokens as a prefill: every worker's state is a function of those tokens and the plan, so
 nothing has to leave a worker and nothing is gathered. Greedy output continues as if nothing happened.
 
-Epoch changes (recovery, revocation, standbys, expelling a liar) are membership.py's `Membership`,
-which `EngineBase` inherits. A mode subclasses `EngineBase` with its plan (`plan_for`), its handshake (`hello`), `_forward_batch`,
+Epoch changes (recovery, revocation, standbys, expelling a liar) are membership.py's `Membership`: a
+component the engine holds (`self.members`), the owner of the seats, the epoch and its order, and the
+job's record of removals and suspicions. What it needs of the engine is declared (`EpochHost`: the
+options, the links, the watch, the started workers, the sessions, the mode's hooks for an epoch
+being opened); the engine reads the membership's state through properties (`order`, `epoch`,
+`seats`, `recoveries`, ...) and hands the user's changes to it (`revoke`, `add_standby`, `workers`,
+`shortfall`). A mode subclasses `EngineBase` with its plan (`plan_for`), its handshake (`hello`), `_forward_batch`,
 `_release`, `_reset`, `_wipe`, `ping` and `shutdown`: client.Engine (structural) and masked.client.MaskedEngine.
 """
 
@@ -39,7 +44,7 @@ import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Self
 
 import torch
 
@@ -51,9 +56,9 @@ from ..comm import (
     Member,
     PeerError,
     PeerLost,
+    PublicId,
     Recorder,
     Watch,
-    Witness,
     free_port,
 )
 from ..comm.mpi_fabric import WORLD as MPI_WORLD
@@ -71,7 +76,15 @@ WAIT_NOTE_S = (5.0, 15.0)  # separately started workers not all joined: the firs
 EXIT_WAIT_S = 5.0  # start-up failed on a closed link: how long to wait for that worker's process to end
 
 
-class EngineBase(Membership):
+class EpochPlan(Protocol):
+    """What the engine itself reads of a mode's plan (structural.plan.Plan, masked.plan.MaskedPlan):
+    how many workers the epoch has. The mode reads the rest (its subclass names its plan's type)."""
+
+    @property
+    def n(self) -> int: ...
+
+
+class EngineBase:
     """Client side of one job: owns its executor and the workers it started (if any), the roster, the
     links of the current epoch, and the session's tokens (for replay)."""
 
@@ -92,11 +105,11 @@ class EngineBase(Membership):
         self.model_path = resolve_model_path(model)
         self.src: WeightSource = source or open_weights(self.model_path)
         self.config = c = self.src.config
-        self.seats = self.make_seats()
-        self.order = [s.pid for s in self.seats.values() if not s.standby]  # the current epoch
-        self.wanted = len(self.order)  # the workers the user asked for: a smaller job says so (shortfall)
-        self.epoch = 0
-        self.plan = self.plan_for(self.order)
+        # who is in which epoch: the seats, the epoch's order, recoveries, removals, suspicions
+        self.members = Membership(
+            self, self.make_seats(), StepClock(opts.step_deadline_factor, opts.step_deadline_min_s)
+        )
+        self.plan: EpochPlan = self.plan_for(self.order)
         self.context = effective_context(c.max_positions, opts.context)
         # the user's side on --client-device, in the job's dtype, placed once (placement.py)
         self.client_device, self.dtype = torch.device(opts.placed_client_device), torch_dtype(opts.dtype)
@@ -114,24 +127,18 @@ class EngineBase(Membership):
         ] = {}  # each open session's tokens, per KV slot: what a replay runs again
         self._trees: dict[int, tuple[int, ...]] = {}  # the step being run's token trees, by slot (forward_batch)
         self._widths: dict[int, int] = {}  # per slot: its last step's columns when that step was a tree
-        self.recoveries: list[dict] = []  # one record per epoch change after start-up
-        self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
-        self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
-        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (counted per worker)
-        self.liar_sets: list[frozenset[int]] = []  # those only a liar makes (Verdict.liar_only): blame.follows' history
-        self._keys: dict[int, Identity] = {}  # started workers' keys (handed to them on stdin)
+        self.worker_keys: dict[int, Identity] = {}  # started workers' keys (handed to them on stdin)
         self.executor: Executor = executor_for(opts)  # who starts the workers, and where (executor/)
         self.procs: WorkerProcs | None = None  # the started workers' supervisor (None: listed workers)
         self._wait_t0: float | None = None  # when the wait for separately started workers began
-        self._wait_next = 0.0  # when to say again that it goes on (_spawn_failure)
+        self._wait_next = 0.0  # when to say again that it goes on (spawn_failure)
         self.comm: Comm | None = None
         self._admission: Admission | None = None
         self.watch = Watch(opts.liveness_s)
-        self.clock = StepClock(opts.step_deadline_factor, opts.step_deadline_min_s)  # each step's deadline
-        self.waits = Witness()  # the client's own account: which worker's message it waited for
+        self.worker_info: list[dict[str, Any]] = []  # the open epoch's HELLO replies
         monitor = None
         try:
-            roster, me, worker_keys = self.executor.roster((s.pid, s.group, s.standby) for s in self.seats.values())
+            roster, me, keys = self.executor.roster((s.pid, s.group, s.standby) for s in self.seats.values())
             host, port = self.executor.listen_address()
             self._admission = Admission(
                 me,
@@ -143,11 +150,11 @@ class EngineBase(Membership):
                 on_pulse=lambda m, link: self.watch.add(m.pid, link),
             )
             if self.executor.starts_workers:
-                self.procs = self.executor.launch(self._worker_job(me, worker_keys))
+                self.procs = self.executor.launch(self._worker_job(me, keys))
                 if (where := self.executor.where()) is not None:
                     opts.log(f"note: {where}")
             monitor = opts.progress(self.procs, self.plan, self._admission.address) if opts.progress else None
-            self.worker_info = self._open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
+            self.worker_info = self.members.open_epoch(self.order, time.monotonic() + opts.join_timeout_s)
             if self.procs is not None:
                 self.procs.quiet = False
         except BaseException as e:
@@ -167,9 +174,70 @@ class EngineBase(Membership):
                 monitor.close(ok=True)
         self.load_s = time.perf_counter() - t0
 
+    # ---- membership (membership.py): its state, read here; the user's changes, handed to it ----
+
+    @property
+    def seats(self) -> dict[int, Seat]:
+        """Every worker of the roster, by participant id."""
+        return self.members.seats
+
+    @property
+    def order(self) -> list[int]:
+        """The current epoch's participants in rank order (rank = position + 1)."""
+        return self.members.order
+
+    @property
+    def epoch(self) -> int:
+        return self.members.epoch
+
+    @property
+    def wanted(self) -> int:
+        """The workers the user asked for (--workers): a smaller job says so (`shortfall`)."""
+        return self.members.wanted
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One record per epoch change after start-up (the run's JSON `recoveries`)."""
+        return self.members.recoveries
+
+    @property
+    def removed(self) -> set[int]:
+        """Revoked, or lost and replaced: never admitted again."""
+        return self.members.removed
+
+    @property
+    def clock(self) -> StepClock:
+        """Each step's deadline (deadline.py)."""
+        return self.members.clock
+
+    def workers(self) -> list[dict[str, Any]]:
+        return self.members.workers()
+
+    def shortfall(self) -> str | None:
+        return self.members.shortfall()
+
+    def revoke(self, pid: int, replay: bool = True) -> None:
+        self.members.revoke(pid, replay)
+
+    def add_standby(self, key: PublicId | None = None, host: str | None = None, group: str | None = None) -> int:
+        return self.members.add_standby(key, host, group)
+
+    # ---- what the membership needs of the engine (membership.EpochHost) ----
+
+    @property
+    def admission(self) -> Admission:
+        """The job's rendezvous: who may join which epoch (made at start-up, before any epoch)."""
+        if self._admission is None:
+            raise CommError("the job's rendezvous is not open")
+        return self._admission
+
+    def plan_epoch(self, order: list[int]) -> None:
+        """The plan of the epoch being opened over `order` becomes the engine's (`hello` sends it)."""
+        self.plan = self.plan_for(order)
+
     # ---- what a mode provides ----
 
-    def plan_for(self, order: list[int]) -> Any:
+    def plan_for(self, order: list[int]) -> EpochPlan:
         """The plan of an epoch whose workers are the seats `order` (rank = position + 1)."""
         raise NotImplementedError
 
@@ -242,8 +310,8 @@ class EngineBase(Membership):
     def reset(self) -> None:
         """Start afresh: workers zero their KV shards, every slot of them."""
         self.slot_history = {}
-        self._refill()  # a session's start, nothing to replay: empty seats are filled from standbys
-        self._with_recovery(self._reset)
+        self.members.refill()  # a session's start, nothing to replay: empty seats are filled from standbys
+        self.members.with_recovery(self._reset)
 
     def forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """One session's step: `forward_batch` with slot 0 alone. Logits (V,) of the last token, or
@@ -276,15 +344,15 @@ class EngineBase(Membership):
         def replay() -> list[torch.Tensor]:
             t0 = time.perf_counter()
             logits: dict[int, torch.Tensor] = {}
-            replayed = self._replay_slots(dict(items), logits, full)
+            replayed = self.replay_slots(dict(items), logits, full)
             if self.recoveries:
                 self.recoveries[-1].update(replay_s=round(time.perf_counter() - t0, 3), replayed_tokens=replayed)
             return [logits[slot] for slot, _ in items]
 
         tokens = sum(len(ids) for _, ids in items)
         try:
-            out = self._with_recovery(
-                lambda: self._timed_step(lambda: self._forward_batch(items, full), tokens), replay
+            out = self.members.with_recovery(
+                lambda: self.members.timed_step(lambda: self._forward_batch(items, full), tokens), replay
             )
         finally:
             self._trees = {}
@@ -293,7 +361,7 @@ class EngineBase(Membership):
             self._widths[slot] = len(ids) if slot in trees else 0  # keep_path's: the tree step's columns
         return out
 
-    def _replay_slots(
+    def replay_slots(
         self,
         new: dict[int, list[int]],
         logits: dict[int, torch.Tensor] | None = None,
@@ -426,7 +494,7 @@ class EngineBase(Membership):
         """One local standby per entry, for each --standby (masked mode: one per group)."""
         return [None]
 
-    def _welcome(self, member: Member) -> dict:
+    def welcome_for(self, member: Member) -> dict[str, Any]:
         out = {
             "mode": self.mode,
             "n_workers": self.n_workers,
@@ -453,7 +521,7 @@ class EngineBase(Membership):
             self._store = f"127.0.0.1:{free_port()}"
         args = [
             "--master",
-            self._admission.address,
+            self.admission.address,
             "--model",
             str(self.model_path),
             "--threads",
@@ -479,8 +547,8 @@ class EngineBase(Membership):
                 + ([] if me is not None else ["--rank", str(rank)])
             )
 
-        self._keys = dict(keys)
-        secret = (lambda rank: self._keys[rank].pem_bundle()) if me is not None else None
+        self.worker_keys = dict(keys)
+        secret = (lambda rank: self.worker_keys[rank].pem_bundle()) if me is not None else None
         return WorkerJob(argv, len(self.seats), env, secret)
 
     def _exit_words(self, err: PeerLost) -> str | None:
@@ -500,7 +568,7 @@ class EngineBase(Membership):
             time.sleep(0.05)
         return None
 
-    def _spawn_failure(self) -> str | None:
+    def spawn_failure(self) -> str | None:
         """Polled while the first epoch's workers join: why to stop waiting (a local worker died), else
         None. Workers started elsewhere may never come, and off a terminal nothing else shows the wait:
         a note after WAIT_NOTE_S[0] seconds, then every WAIT_NOTE_S[1]."""
@@ -566,7 +634,7 @@ class EngineBase(Membership):
             self._admission.close()
         self.watch.close()
 
-    def __enter__(self) -> EngineBase:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..comm import COMM_BACKENDS, Identity
 from ..comm.liveness import DEADLINE_S
@@ -18,6 +18,9 @@ from .deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
 from .launch import Launcher
 from .placement import DEFAULT_DTYPE, check_dtype, check_gpus, gpu_count, is_cuda, parse_device
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from ..executor.inproc import WorkerMain
 
 MIN_WORKERS = 2  # an epoch's default floor: one worker would hold everything
 DEFAULT_CONTEXT = 4096  # KV positions preallocated per session (capped by the model's own window)
@@ -63,11 +66,13 @@ class EngineOptions:
     extra_worker_args: tuple[str, ...] = ()
     args_for_worker: dict[int, tuple[str, ...]] = field(default_factory=dict)  # more, for one local worker
     # Who starts the workers of a run without --topology/--master (executor/): "local" processes,
-    # or "ray" actors (on the cluster at ray_address, else on a Ray instance of this machine's own)
+    # "ray" actors (on the cluster at ray_address, else on a Ray instance of this machine's own), or
+    # "inproc" threads of this process (for tests), each running `fusion worker ARGS` with run_worker
     executor: str = "local"
     ray_address: str | None = None  # HOST:PORT of an existing Ray cluster's GCS
     ray_cpus: float = 1.0  # CPUs Ray reserves for each worker actor
     spawn: Launcher | None = None  # how a local worker process starts; None: runtime.launch.popen_worker
+    run_worker: WorkerMain | None = None  # "inproc": a worker in a thread (cli.worker_thread.run_worker)
     # Start-up display (progress.load_monitor): called as progress(procs, plan, master) before the
     # rendezvous, closed after the handshake. None = quiet.
     progress: Callable[..., Any] | None = None
@@ -108,7 +113,7 @@ class EngineOptions:
                     f"--comm-backend {self.comm_backend} runs on one machine only (spawned workers); across hosts, "
                     "--comm-backend mpi runs with a --topology on workers that mpiexec started"
                 )
-            if self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
+            if self.topology is not None and self.topology.standbys:  # an mpiexec world: comm/mpi_fabric.py
                 raise UsageError(
                     "--comm-backend mpi across hosts: the workers share one mpiexec world, whose size is "
                     f"fixed, and it cannot take in a standby: drop the standbys of {self.topology.path}"
@@ -162,9 +167,11 @@ class EngineOptions:
 
         if self.executor not in EXECUTORS:
             raise UsageError(f"unknown executor {self.executor!r} (choose from {', '.join(EXECUTORS)})")
+        if self.executor != "ray" and self.ray_address is not None:
+            raise UsageError("--ray-address names the Ray cluster of --executor ray: add --executor ray")
+        if self.executor == "inproc":
+            self.check_inproc()
         if self.executor != "ray":
-            if self.ray_address is not None:
-                raise UsageError("--ray-address names the Ray cluster of --executor ray: add --executor ray")
             return
         if not self.is_local:
             raise UsageError(
@@ -179,6 +186,21 @@ class EngineOptions:
         from ..executor.ray import check_ray
 
         check_ray(self.ray_address, self.ray_cpus)
+
+    def check_inproc(self) -> None:
+        """`--executor inproc` runs its workers as threads of this process (executor/inproc.py): on
+        this machine, over the links, on the CPU, with the entry the command line (or a test) gives."""
+        if not self.is_local:
+            raise UsageError("--executor inproc starts the workers itself: drop --topology / --master")
+        if self.comm_backend not in ("tls", "tcp"):
+            raise UsageError(
+                f"--executor inproc runs over the links (tls, or tcp with --insecure), not --comm-backend "
+                f"{self.comm_backend} (a fabric's group is one per process)"
+            )
+        if self.device != "cpu":
+            raise UsageError("--executor inproc runs CPU workers (--device cpu)")
+        if self.run_worker is None:
+            raise UsageError("--executor inproc needs the worker's entry (EngineOptions.run_worker)")
 
     def check_gpus(self) -> None:
         """Refuse a CUDA device this machine lacks, and NCCL with fewer GPUs than local workers, before

@@ -1,16 +1,23 @@
 """Who takes part in which epoch: recovery from a lost worker, revocation, standbys, and the
 removal of a worker caught lying (docs/resilience.md).
 
-`Membership` is the part of the client's engine (`engine.EngineBase`, which inherits it) that changes
-the epoch's participants. It relies on the engine's state: `opts`, `seats` (every participant of the
-roster: `Seat`), `order` (the current epoch's participants in rank order), `epoch`, `plan`,
-`worker_info`, `comm`, `recorder`, `watch` (liveness), `procs` (the workers its executor started),
-`executor` (executor/), `_admission`, `_keys` (started workers' keys), `history` (the session's tokens, for replay; a batch's sessions:
-`slot_history`, replayed by `_replay_slots`), `recoveries`, `removed`,
-`convicted`, `wanted` (how many workers the user asked for), `suspicions` (the job's ambiguous sets, counted per worker), `liar_sets` (those of them only a liar
-makes: blame.follows' history), `clock` (each step's deadline:
-deadline.py) and `waits` (the client's own account of whose link it waited on); and on the engine's hooks `plan_for`, `group_names`, `hello`, `_forward`,
-`_reset`, `_welcome` and `_spawn_failure`.
+`Membership` is a component of the client's engine (`engine.EngineBase` holds one: `engine.members`)
+and the one owner of the job's membership state: the roster's `seats` (`Seat`), the current epoch's
+participants in rank order (`order`) and its number (`epoch`), how many workers the user asked for
+(`wanted`), the epoch changes made (`recoveries`), who may never come back (`removed`), who was caught
+lying (`convicted`), the job's ambiguous sets (`suspicions`, counted per worker) and those of them only
+a liar makes (`liar_sets`: blame.follows' history), each step's deadline (`clock`: deadline.py) and
+the client's own account of whose link it waited on (`waits`).
+
+What it needs of the engine is declared, as `EpochHost` (a Protocol that EngineBase satisfies; mypy
+checks it): the job's options, the open epoch's links (`comm`; `wire` raises when none is open), the
+liveness watch, the rendezvous (`admission`), the started workers (`procs`, `executor`,
+`worker_keys`), the sessions' tokens (`slot_history`, `history`; replayed by `replay_slots`), and the
+mode's hooks for an epoch being opened: `plan_epoch` (its plan), `welcome_for`, `hello`,
+`spawn_failure`, `group_names`. The engine runs each step through `with_recovery` and `timed_step`,
+and refills a short job at a session's start (`refill`); the user's changes (`revoke`,
+`add_standby`) and the listing (`workers`, `shortfall`) are reached through the engine's methods of
+the same names.
 
 Every change is a new epoch: the survivors (plus a standby in each departed seat, of its group in
 masked mode), never fewer than `--min-workers` (TooFewWorkers otherwise: the invariant is not traded
@@ -28,12 +35,40 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from ..comm import Comm, CommError, Identity, Member, PeerError, PeerLost, PeerTimeout, PublicId
+from ..comm import (
+    Admission,
+    Comm,
+    CommError,
+    Identity,
+    Member,
+    PeerError,
+    PeerLost,
+    PeerTimeout,
+    PublicId,
+    Recorder,
+    Watch,
+    Witness,
+)
 from ..errors import UsageError, WorkerMisbehaved, WorkersSuspected
+from ..executor import Executor
 from .blame import blame_link, follows
-from .deadline import ACCUSE_MIN_S, ACCUSE_SHARE, CLIENT, SlowWorker, StepDeadline, StepOverrun, Verdict, judge
+from .deadline import (
+    ACCUSE_MIN_S,
+    ACCUSE_SHARE,
+    CLIENT,
+    SlowWorker,
+    StepClock,
+    StepDeadline,
+    StepOverrun,
+    Verdict,
+    judge,
+)
+from .engine_options import EngineOptions
+from .launch import WorkerProcs
+
+T = TypeVar("T")
 
 
 def _first_line(e: BaseException) -> str:
@@ -90,20 +125,79 @@ class Seat:
     standby: bool = False
 
 
-class Membership:
-    """Epoch changes of a job (see the module docstring for the state it relies on)."""
+class EpochHost(Protocol):
+    """What `Membership` needs of the engine that holds it (engine.EngineBase). The engine owns the
+    links, the workers it started and the sessions; membership decides who is in each epoch."""
 
-    def _with_recovery(self, step: Callable[[], Any], replay: Callable[[], Any] | None = None) -> Any:
-        if self.comm is None:  # the last epoch change failed: open one over who is left before any work
+    opts: EngineOptions
+    comm: Comm | None  # the open epoch's links; None while no epoch is open (a change failed)
+    recorder: Recorder | None  # the audit's recorder, handed to each epoch's links
+    worker_info: list[dict[str, Any]]  # the epoch's HELLO replies (JSON)
+    watch: Watch  # liveness: every worker's pulse link, the standbys' too
+    procs: WorkerProcs | None  # the workers the executor started (None: listed workers)
+    executor: Executor
+    worker_keys: dict[int, Identity]  # started workers' keys (a spawned standby's is added here)
+    slot_history: dict[int, list[int]]  # each open session's tokens, per KV slot
+
+    @property
+    def admission(self) -> Admission: ...  # the job's rendezvous: who may join which epoch
+
+    @property
+    def history(self) -> list[int]: ...
+
+    @property
+    def wire(self) -> Comm: ...
+
+    def group_names(self) -> tuple[str, ...] | None: ...
+
+    def plan_epoch(self, order: list[int]) -> None: ...
+
+    def hello(self, deadline: float, order: list[int]) -> list[dict[str, Any]]: ...
+
+    def welcome_for(self, member: Member) -> dict[str, Any]: ...
+
+    def spawn_failure(self) -> str | None: ...
+
+    def replay_slots(self, new: dict[int, list[int]]) -> int: ...
+
+
+class Membership:
+    """Epoch changes of a job, and the membership state they change (the module docstring)."""
+
+    def __init__(self, host: EpochHost, seats: dict[int, Seat], clock: StepClock):
+        """`seats`: every worker of the roster; the first epoch is those that are not standbys."""
+        self.host = host
+        self.seats = seats
+        self.order = [s.pid for s in seats.values() if not s.standby]  # the current epoch
+        self.wanted = len(self.order)  # the workers the user asked for: a smaller job says so (shortfall)
+        self.epoch = 0
+        self.clock = clock  # each step's deadline
+        self.waits = Witness()  # the client's own account: which worker's message it waited for
+        self.recoveries: list[dict[str, Any]] = []  # one record per epoch change after start-up (JSON)
+        self.removed: set[int] = set()  # revoked, or lost and replaced: never admitted again
+        self.convicted: set[int] = set()  # caught returning wrong results: out at the first chance
+        self.suspicions: list[frozenset[int]] = []  # the job's ambiguous verdicts (counted per worker)
+        self.liar_sets: list[frozenset[int]] = []  # those only a liar makes (Verdict.liar_only): blame.follows' history
+
+    @property
+    def opts(self) -> EngineOptions:
+        """The job's options (the engine's)."""
+        return self.host.opts
+
+    def with_recovery(self, step: Callable[[], T], replay: Callable[[], T] | None = None) -> T:
+        """Run `step` on the open epoch; on a lost worker, a caught liar or suspects, change the epoch
+        and run `replay` (or `step` again) there: as many retries as the roster has seats, then a
+        CommError. A caught liar's request fails (WorkerMisbehaved) after its removal."""
+        if self.host.comm is None:  # the last epoch change failed: open one over who is left before any work
             self._reopen()
             if replay is not None:
-                return self._with_recovery(replay)
+                return self.with_recovery(replay)
         if self.convicted & set(self.order):
             self._replace_convicted()  # a liar that could not be replaced before: no work until it is
-        if self.watch.failure() is not None and set(self.watch.failed()) & set(self.order):
+        if self.host.watch.failure() is not None and set(self.host.watch.failed()) & set(self.order):
             self.recover(None)  # noticed while idle
             if replay is not None:
-                return self._with_recovery(replay)
+                return self.with_recovery(replay)
         for attempt in range(len(self.seats) + 1):
             try:
                 return step() if attempt == 0 else (replay or step)()
@@ -140,7 +234,7 @@ class Membership:
     def _expel(self, err: WorkerMisbehaved) -> None:
         """Workers caught lying: the session is over (its request fails, nothing of it is replayed)
         and they leave the job now, replaced by standbys where there are any."""
-        self.slot_history = {}
+        self.host.slot_history = {}
         self.opts.log(f"{err}: removing {'them' if len(err.pids) > 1 else 'it'} from the job")
         self.convicted |= set(err.pids) & set(self.order)
         try:
@@ -153,7 +247,7 @@ class Membership:
         the job waiting for a replacement, when that would leave too few)."""
         gone = self.convicted & set(self.order)
         t0, noticed = time.perf_counter(), time.time()
-        if self.comm is not None:  # the abandoned step's epoch is over, whatever comes next
+        if self.host.comm is not None:  # the abandoned step's epoch is over, whatever comes next
             self._retire(gone)
         for pid in gone:
             self._await_spare(self.seats[pid].group, time.monotonic() + self.opts.join_timeout_s)
@@ -173,12 +267,12 @@ class Membership:
         # pulse explains by then is judged by the workers' own accounts (_blame), not by the link alone.
         deadline = time.monotonic() + self.opts.liveness_s + 1.0
         accounts = None  # the workers' accounts, when they named whom to remove (_blame)
-        failed = {p for p in self.watch.failed() if p in self.order}
+        failed = {p for p in self.host.watch.failed() if p in self.order}
         while not failed and time.monotonic() < deadline and not (err is not None and err.watched):
             time.sleep(0.05)
-            failed = {p for p in self.watch.failed() if p in self.order}
+            failed = {p for p in self.host.watch.failed() if p in self.order}
         time.sleep(0.2)  # a second process that went down with the first one shows up now
-        failed |= {p for p in self.watch.failed() if p in self.order}
+        failed |= {p for p in self.host.watch.failed() if p in self.order}
         if err is not None and err.watched:
             failed.add(err.rank)
         elif not failed and err is not None and 1 <= err.rank <= len(self.order) and not isinstance(err, _CLOSED):
@@ -210,7 +304,8 @@ class Membership:
         if not failed:
             raise err or CommError("a worker failed")
         reason = accounts or self._loss_reason(failed, err)
-        if self.procs is not None:  # a local spare still starting up (a failure early in the job) is worth the wait
+        # a local spare still starting up (a failure early in the job) is worth the wait
+        if self.host.procs is not None:
             for p in sorted(failed):
                 self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
         lost = f"worker{'s' if len(failed) > 1 else ''} {sorted(failed)} lost ({reason})"
@@ -221,7 +316,7 @@ class Membership:
         self.opts.log(f"{lost}; epoch {self.epoch + 1} over {order}")
         self._retire(failed)
         self._switch_epoch(order)
-        self.recoveries.append(self._record(failed, order, reason, noticed, t0, replayed_tokens=len(self.history)))
+        self.recoveries.append(self._record(failed, order, reason, noticed, t0, replayed_tokens=len(self.host.history)))
 
     def _blame(self, suspect: int) -> tuple[set[int], Verdict]:
         """Who to remove when a data link failed (`suspect`: the worker whose link the client was
@@ -238,7 +333,7 @@ class Membership:
         def by_pid(waits: object) -> dict[int, float]:
             return waits_by_pid(waits, ranks)
 
-        def ask() -> dict[int, dict]:
+        def ask() -> dict[int, dict[str, Any]]:
             return {
                 q: {
                     "lost": pid(a.get("lost")),
@@ -247,11 +342,11 @@ class Membership:
                     "waiting": waiting_pids(a.get("waiting"), pid),
                     "working": a.get("working") is True,
                 }
-                for q, a in self.watch.ask(order, self.epoch, window).items()
+                for q, a in self.host.watch.ask(order, self.epoch, window).items()
                 if a.get("epoch") == self.epoch
             }
 
-        def departures() -> dict[int, tuple[str, dict | None]]:
+        def departures() -> dict[int, tuple[str, dict[str, Any] | None]]:
             return {
                 ranks[r]: (
                     state,
@@ -261,11 +356,11 @@ class Membership:
                 if r in ranks
             }
 
-        comm = self.wire
+        comm = self.host.wire
         owed = {ranks[r] for r in comm.awaiting if r in ranks}
         answered: set[int] = set()  # delivered its step's output after all (it came since)
 
-        def look() -> dict[int, tuple[str, dict | None]]:
+        def look() -> dict[int, tuple[str, dict[str, Any] | None]]:
             seen = departures()
             answered.update(p for p, (state, _) in seen.items() if state == "sent")
             return seen
@@ -311,7 +406,7 @@ class Membership:
         """Open the next epoch without as many of `causes` as standbys (or the floor) allow, the first
         ones first: they become standbys themselves (told to wipe; none barred). False when not even
         one can be spared."""
-        if self.procs is not None:  # a local spare still starting up is worth the wait
+        if self.host.procs is not None:  # a local spare still starting up is worth the wait
             for p in causes:
                 self._await_spare(self.seats[p].group, time.monotonic() + self.opts.join_timeout_s)
         for k in range(len(causes), 0, -1):
@@ -328,17 +423,17 @@ class Membership:
         )
         self._retire(set())
         for p in aside:
-            self.watch.tell(p, {"abort": self.epoch, "bench": True})
+            self.host.watch.tell(p, {"abort": self.epoch, "bench": True})
             self.seats[p] = replace(self.seats[p], standby=True)
         self._switch_epoch(order)
-        record = self._record(set(), order, why, noticed, t0, replayed_tokens=len(self.history))
+        record = self._record(set(), order, why, noticed, t0, replayed_tokens=len(self.host.history))
         record["set_aside"] = sorted(aside)
         self.recoveries.append(record)
         return True
 
     # ---- slow steps (deadline.py) ----
 
-    def _timed_step(self, step: Callable[[], Any], tokens: int) -> Any:
+    def timed_step(self, step: Callable[[], T], tokens: int) -> T:
         """Run one step (`tokens`: its ΣT) against its deadline: a step over it earns strikes, and
         once they are due (or the step is cut at its limit) the slowness is judged (`_judge_slow`)."""
         self.clock.start(tokens)
@@ -358,7 +453,7 @@ class Membership:
 
     def _judge_slow(self, cut: bool) -> None:
         """Steps over their deadline: ask the workers' accounts and weigh them with the client's own
-        (deadline.judge). One consistent cause: SlowWorker, which `_with_recovery` treats as a lost
+        (deadline.judge). One consistent cause: SlowWorker, which `with_recovery` treats as a lost
         worker (a new epoch without it, then the replay). Otherwise StepDeadline: the request fails
         with the accounts in one line, and nobody is removed on one side's word. Always raises."""
         clock = self.clock
@@ -371,7 +466,7 @@ class Membership:
             return waits_by_pid(waits, ranks)
 
         blocked = {CLIENT: by_pid(self.waits.answer(self.epoch, window)["waits"])}
-        for pid, answer in self.watch.ask(self.order, self.epoch, window).items():
+        for pid, answer in self.host.watch.ask(self.order, self.epoch, window).items():
             if answer.get("epoch") == self.epoch:
                 blocked[pid] = by_pid(answer.get("waits"))
         verdict = judge(blocked, self.order, max(ACCUSE_MIN_S, ACCUSE_SHARE * slow_s))
@@ -408,13 +503,13 @@ class Membership:
         bits = [f"{len(self.removed)} removed in this job"] + ([f"{len(aside)} set aside"] if aside else [])
         return f"running {running} of {wanted} workers ({', '.join(bits)}; add a standby to refill)"
 
-    def _refill(self) -> None:
+    def refill(self) -> None:
         """Seats left empty (set aside, removed or lost with no standby to take them) are filled again
         as soon as a standby is there (one added since, or a worker set aside, which bars nobody): at a
         session's start, with nothing to replay, the job grows back toward the workers the user
-        asked for. A failed opening leaves no epoch (the step's `_with_recovery` opens one)."""
+        asked for. A failed opening leaves no epoch (the step's `with_recovery` opens one)."""
         wanted = self.wanted
-        if self.comm is None or len(self.order) >= wanted or self.group_names() is not None:
+        if self.host.comm is None or len(self.order) >= wanted or self.host.group_names() is not None:
             return  # (masked jobs keep their groups' own standbys: `_next_order`)
         spares = self._alive_spares()
         if not spares:
@@ -435,10 +530,10 @@ class Membership:
 
     # ---- membership, by the user ----
 
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[dict[str, Any]]:
         """Every participant: id, rank in the current epoch (None for a spare), group, capacity, and
         state: active, standby, failed (its pulse stopped) or removed (revoked or replaced)."""
-        failed, watched = self.watch.failed(), set(self.watch.ranks)
+        failed, watched = self.host.watch.failed(), set(self.host.watch.ranks)
         out = []
         for pid, seat in sorted(self.seats.items()):
             rank = self.order.index(pid) + 1 if pid in self.order and pid not in self.removed else None
@@ -450,7 +545,7 @@ class Membership:
                 state = "active"
             else:
                 state = "standby" if pid in watched else "standby (not joined)"
-            member = self._admission.roster.get(pid)
+            member = self.host.admission.roster.get(pid)
             out.append(
                 {
                     "id": pid,
@@ -491,12 +586,12 @@ class Membership:
         self._switch_epoch(order)
         record = self._record({pid}, order, f"worker {pid} revoked by the user", noticed, t0, replayed_tokens=0)
         record["revoked"] = [pid]
-        if self.slot_history and replay:  # the open sessions move to the new epoch now, each in its slot
+        if self.host.slot_history and replay:  # the open sessions move to the new epoch now, each in its slot
             t1 = time.perf_counter()
-            record["replayed_tokens"] = self._replay_slots({})
+            record["replayed_tokens"] = self.host.replay_slots({})
             record["replay_s"] = round(time.perf_counter() - t1, 3)
         else:
-            record["replayed_tokens"] = sum(len(h) for h in self.slot_history.values())
+            record["replayed_tokens"] = sum(len(h) for h in self.host.slot_history.values())
         self.recoveries.append(record)
 
     def _revocation(self, pid: int) -> tuple[list[int], set[int]]:
@@ -512,7 +607,7 @@ class Membership:
         self._fixed_world("add a standby")
         pid = max(self.seats) + 1
         capacity = min(s.capacity for s in self.seats.values())
-        names = self.group_names()
+        names = self.host.group_names()
         if names is not None and group not in names:
             raise UnknownWorker(f"a masked job's standby needs its group: {' or '.join(names)}")
         if names is None and group is not None:
@@ -521,17 +616,17 @@ class Membership:
             if key is not None:
                 raise UnknownWorker("a local run spawns its own workers: add takes no key")
             ident = Identity.new() if not self.opts.insecure else None
-            member = Member(pid, self.executor.member_host, ident.public if ident else None, group, None, True)
+            member = Member(pid, self.host.executor.member_host, ident.public if ident else None, group, None, True)
             if ident is not None:
-                self._keys[pid] = ident
+                self.host.worker_keys[pid] = ident
         else:
             if key is None and not self.opts.insecure:
                 raise UnknownWorker("name the new worker's public key (fc1....): the user decides who takes part")
             member = Member(pid, host or "", key if not self.opts.insecure else None, group, None, True)
-        self._admission.enroll(member)
+        self.host.admission.enroll(member)
         self.seats[pid] = Seat(pid, capacity, group, standby=True)
-        if self.opts.is_local:
-            self.procs.spawn(pid)
+        if self.opts.is_local and (procs := self.host.procs) is not None:  # (a local job's always is)
+            procs.spawn(pid)
         return pid
 
     def _await_spare(self, group: str | None, deadline: float) -> None:
@@ -545,8 +640,8 @@ class Membership:
                 and s.group == group
                 and p not in self.order
                 and p not in self.removed
-                and p not in self.watch.ranks
-                and p not in self.watch.failed()
+                and p not in self.host.watch.ranks
+                and p not in self.host.watch.failed()
             }
 
         def ready() -> bool:
@@ -554,23 +649,23 @@ class Membership:
                 s.standby
                 and s.group == group
                 and p not in self.order
-                and p in self.watch.ranks
-                and p not in self.watch.failed()
+                and p in self.host.watch.ranks
+                and p not in self.host.watch.failed()
                 for p, s in self.seats.items()
             )
 
         while (waiting := pending()) and not ready() and time.monotonic() < deadline:
-            if self.procs is not None and waiting <= {rank for rank, _ in self.procs.failures}:
+            if self.host.procs is not None and waiting <= {rank for rank, _ in self.host.procs.failures}:
                 break  # the local spares that have not joined died before joining: they will not come
             time.sleep(0.1)
 
     def _loss_reason(self, failed: set[int], err: PeerError | None) -> str:
         """Why each failed worker was lost: a local process's own last error where it exited (what
         went wrong), else what the watch saw (its connection closed, its heartbeat stopped)."""
-        seen = self.watch.failed()
+        seen = self.host.watch.failed()
         why = []
         for p in sorted(failed):
-            exited = self.procs.exit_reason(p) if self.procs is not None else None
+            exited = self.host.procs.exit_reason(p) if self.host.procs is not None else None
             if exited is not None:
                 why.append(exited)
             elif p in seen:
@@ -584,8 +679,8 @@ class Membership:
             for p, s in self.seats.items()
             if s.standby
             and p not in self.order
-            and p in self.watch.ranks
-            and p not in self.watch.failed()
+            and p in self.host.watch.ranks
+            and p not in self.host.watch.failed()
             and p not in self.removed
         ]
 
@@ -607,7 +702,7 @@ class Membership:
                 f"--min-workers {self.opts.floor} (no standby left to take its place; one worker "
                 "alone would hold the whole state)"
             )
-        missing = [g for g in self.group_names() or () if g not in {self.seats[p].group for p in order}]
+        missing = [g for g in self.host.group_names() or () if g not in {self.seats[p].group for p in order}]
         if missing:
             raise TooFewWorkers(f"{why} no worker in group {missing[0]}: a masked epoch needs every group")
         return order
@@ -616,20 +711,20 @@ class Membership:
         """The `gone` workers may never come back (told to wipe and leave); when the epoch is over,
         the others drop its links."""
         for p in gone:
-            self._admission.remove(p)
+            self.host.admission.remove(p)
             self.removed.add(p)
-            if self.procs is not None:
-                self.procs.retired.add(p)
-            self.watch.tell(p, {"revoke": self.epoch})
-            self.watch.forget(p)
+            if self.host.procs is not None:
+                self.host.procs.retired.add(p)
+            self.host.watch.tell(p, {"revoke": self.epoch})
+            self.host.watch.forget(p)
         if not epoch_over:
             return
         for p in self.order:
             if p not in gone:
-                self.watch.tell(p, {"abort": self.epoch})
-        if self.comm is not None:
-            self.comm.close(grace_s=0)
-            self.comm = None
+                self.host.watch.tell(p, {"abort": self.epoch})
+        if self.host.comm is not None:
+            self.host.comm.close(grace_s=0)
+            self.host.comm = None
 
     def _switch_epoch(self, order: list[int]) -> None:
         """Open the next epoch over `order` (the previous one already retired): membership, order,
@@ -645,8 +740,8 @@ class Membership:
         self.epoch += 1
         self.clock.forgive()  # the last epoch's slow steps are not this one's
         try:
-            self.plan = self.plan_for(order)
-            self.worker_info = self._open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
+            self.host.plan_epoch(order)
+            self.host.worker_info = self.open_epoch(order, time.monotonic() + self.opts.join_timeout_s)
         except BaseException as e:
             self._abandon(order, e)
             raise
@@ -654,14 +749,14 @@ class Membership:
 
     def _abandon(self, order: list[int], err: BaseException) -> None:
         """The epoch being opened over `order` failed (`err`): leave no half-open epoch behind."""
-        if self.comm is not None:
-            self.comm.close(grace_s=0)
-            self.comm = None
+        if self.host.comm is not None:
+            self.host.comm.close(grace_s=0)
+            self.host.comm = None
         stuck = {p for p in getattr(err, "missing", ()) if p in order}
         self.order = order
         for p in order:
             if p not in stuck:
-                self.watch.tell(p, {"abort": self.epoch})
+                self.host.watch.tell(p, {"abort": self.epoch})
         if stuck:
             self._retire(stuck, epoch_over=False)
         why = (
@@ -679,7 +774,7 @@ class Membership:
     def _reopen(self) -> None:
         """No epoch is open (the last change failed): open one over the workers still alive, each
         departed seat taken by a standby where there is one (one added since, too)."""
-        failed = self.watch.failed()
+        failed = self.host.watch.failed()
         gone = {p for p in self.order if p in self.removed or p in failed or p in self.convicted}
         t0, noticed = time.perf_counter(), time.time()
         for p in sorted(gone):
@@ -690,13 +785,13 @@ class Membership:
         self._switch_epoch(order)
         self.recoveries.append(
             self._record(
-                gone, order, "the previous epoch change failed", noticed, t0, replayed_tokens=len(self.history)
+                gone, order, "the previous epoch change failed", noticed, t0, replayed_tokens=len(self.host.history)
             )
         )
 
     def _record(
         self, lost: set[int], order: list[int], reason: str, noticed: float, t0: float, replayed_tokens: int
-    ) -> dict:
+    ) -> dict[str, Any]:
         """The record of an epoch change just made (engine.recoveries, the JSON's `recoveries`)."""
         return {
             "epoch": self.epoch,
@@ -708,22 +803,22 @@ class Membership:
             "replayed_tokens": replayed_tokens,
         }
 
-    def _open_epoch(self, order: list[int], deadline: float) -> list[dict]:
+    def open_epoch(self, order: list[int], deadline: float) -> list[dict[str, Any]]:
         """Admit, link and greet the epoch's workers; returns their HELLO info."""
-        adm = self._admission
+        adm = self.host.admission
         adm.expect(self.epoch, order)
         if self.epoch > 0:
             for p in order:
-                self.watch.tell(p, {"join": self.epoch})
-        joined = adm.collect(order, deadline, abort=self._spawn_failure if self.epoch == 0 else lambda: None)
-        links = adm.welcome(self.epoch, order, joined, deadline, self._welcome)
+                self.host.watch.tell(p, {"join": self.epoch})
+        joined = adm.collect(order, deadline, abort=self.host.spawn_failure if self.epoch == 0 else lambda: None)
+        links = adm.welcome(self.epoch, order, joined, deadline, self.host.welcome_for)
         self.waits.start(self.epoch)  # the client's own account: which worker alone it waited for (comm.Comm)
-        self.comm = Comm(
+        self.host.comm = Comm(
             0,
             len(order),
             links,
             timeout_s=self.opts.timeout_s,
-            recorder=self.recorder,
+            recorder=self.host.recorder,
             backend=self.opts.comm_backend,
             witness=self.waits,
             epoch=self.epoch,
@@ -731,9 +826,9 @@ class Membership:
         active = set(order)
 
         def check() -> None:  # at every receive tick: a lost worker ends any wait, so does a step's limit
-            self.watch.check(only=active)
+            self.host.watch.check(only=active)
             self.clock.check()
 
         for link in links.values():
             link.check = check
-        return self.hello(deadline, order)
+        return self.host.hello(deadline, order)

@@ -60,7 +60,7 @@ class WorkerReporter:
             raise ValueError(f"progress mode must be auto, lines, bar or off, got {mode!r}")
         self.mode = mode
         self.label = label
-        self._last = (None, -1)
+        self._last: tuple[str | None, int] = (None, -1)  # (phase, percent) last drawn
         self._t = 0.0
         self._open = False  # a bar is drawn on the current line (no newline after it yet)
 
@@ -117,10 +117,11 @@ class CountingSource:
 
 def worker_elements(plan: Any, w: int) -> int:
     """fp32 weight elements worker w (0-based; rank w + 1) reads, all layers: a structural plan's
-    per-layer count times layers, or a masked plan's member's rows (masked/plan.py)."""
+    (plan.loaded_elements: every layer's slices less layer 0's q/k/v, which the client computes), or
+    a masked plan's member's rows (masked/plan.py)."""
     if hasattr(plan, "group_of"):  # masked.plan.MaskedPlan
         return plan.weight_elements(*plan.group_of(w + 1))
-    return plan.weight_elements(w) * plan.config.n_layers
+    return plan.loaded_elements(w)
 
 
 # ---- client side ----
@@ -227,7 +228,8 @@ def load_monitor(stream: IO[str] = sys.stderr) -> Callable[[Any, Any], Any] | No
 # ---- the start-up log ----
 
 
-def _ranges_text(a: int, b: int, total: int) -> str:
+def _ranges_text(span: tuple[int, int], total: int) -> str:
+    a, b = span
     return f"[{a}, {b}) {100 * (b - a) / total:.0f}%"
 
 
@@ -318,15 +320,25 @@ def startup_lines(engine: Any, topology: Any = None) -> list[str]:
         rss = f"{i['peak_rss_mb']:.0f} MiB" if "peak_rss_mb" in i else "?"
         load = f"{i['load_s']:.1f} s" if "load_s" in i else "?"
         lines.append(
-            f"  worker {s.rank} ({where}, capacity {s.capacity:g}): residual {_ranges_text(*s.residual, c.hidden)}, "
-            f"attention {attn} ({100 * kv_dims / kv_total:.0f}% of KV), MLP {_ranges_text(*s.mlp, c.intermediate)}; "
+            f"  worker {s.rank} ({where}, capacity {s.capacity:g}): residual {_ranges_text(s.residual, c.hidden)}, "
+            f"attention {attn} ({100 * kv_dims / kv_total:.0f}% of KV), MLP {_ranges_text(s.mlp, c.intermediate)}; "
             f"weights {weights:.1f} MiB, KV cache {kv:.1f} MiB, peak RSS {rss}, loaded in {load}"
         )
     client_mb = engine.embed.numel() * engine.embed.element_size() / MIB
     if engine.lm_head is not engine.embed:
         client_mb += engine.lm_head.numel() * engine.lm_head.element_size() / MIB
-    lines.append(f"  client (this process): tokenizer, embedding, final norm, LM head {client_mb:.1f} MiB, sampling")
+    lines.append(
+        f"  client (this process): tokenizer, embedding, final norm, LM head {client_mb:.1f} MiB, "
+        f"layer 0's q/k/v {_qkv0_bytes(engine) / MIB:.1f} MiB (it computes them for the ingress), sampling"
+    )
     return lines
+
+
+def _qkv0_bytes(engine: Any) -> int:
+    """The client's copy of layer 0's q/k/v weights and bias, every worker's rows (structural
+    client.layer0_qkv: the plan's boundary), in the bytes they take where they were placed."""
+    tensors = [t for pair in getattr(engine, "qkv0", ()) for t in pair if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def log_startup(engine: Any, stream: IO[str] = sys.stderr, topology: Any = None) -> None:

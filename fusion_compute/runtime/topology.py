@@ -225,7 +225,7 @@ class Topology:
         if any(grouped):
             if not all(grouped):
                 raise fail("either every worker has a group (masked mode) or none does")
-            names = {e[5] for e in entries}
+            names = {e[5] for e in entries if e[5] is not None}  # all of them: checked just above
             masks = sorted(names - {"A"}, key=lambda g: int(g[1:] or 0))
             k = len(masks)
             want = ["B"] if k == 1 else [f"B{i}" for i in range(1, k + 1)]
@@ -302,7 +302,8 @@ def _resolve(host: str) -> list[str]:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    return list(dict.fromkeys(i[4][0] for i in infos))
+    # An IPv4/IPv6 sockaddr starts with the address text; the stubs also allow other families' tuples.
+    return list(dict.fromkeys(a for i in infos if isinstance(a := i[4][0], str)))
 
 
 def is_local_address(host: str) -> bool:

@@ -239,7 +239,7 @@ async def stream(shape: Shape, job: Job, events: asyncio.Queue[JobEvent], reques
     ends every job with done or error."""
     ended = False
     try:
-        if job.req.kind == "chat":
+        if job.request.kind == "chat":
             yield {"data": json.dumps(shape.chunk(None, None, first=True))}
         while True:
             try:
@@ -254,7 +254,7 @@ async def stream(shape: Shape, job: Job, events: asyncio.Queue[JobEvent], reques
                 out: Outcome = value
                 final = shape.chunk(None, _finish(out), fusion=shape.fusion(out))
                 yield {"data": json.dumps(final)}
-                if job.req.include_usage:
+                if job.request.include_usage:
                     yield {"data": json.dumps(shape.usage_chunk(out))}
                 note(request.scope, "stream " + _summary(out))
             else:

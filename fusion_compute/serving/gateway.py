@@ -421,6 +421,7 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
         tokenizer_for,
     )
     from ..errors import UsageError
+    from ..runtime.engine import EngineBase
     from ..runtime.progress import is_tty, load_monitor, log_startup, startup_lines
     from ..weights.loader import open_weights
 
@@ -443,13 +444,18 @@ def open_gateway(a: Any, stderr: Any = None, always_log: bool = True) -> tuple[G
             f"(the model's window is {src.config.max_positions}; --context sets it)"
         )
     speculator = speculator_for(spec, src.config, context)  # the draft model loads before any worker starts
+    engine_class: type[EngineBase]  # both clients share EngineBase's start-up
     if masked:
-        from ..masked.client import MaskedEngine as Engine  # the same start-up as the structural Engine
+        from ..masked.client import MaskedEngine
+
+        engine_class = MaskedEngine
     else:
         from ..structural.client import Engine
+
+        engine_class = Engine
     quiet = getattr(a, "quiet", False)
     opts.progress = None if quiet else load_monitor(stderr)
-    engine = Engine(path, opts, source=src)
+    engine = engine_class(path, opts, source=src)
     if is_tty(stderr) and not quiet:
         log_startup(engine, stderr, opts.topology)  # the table, on a terminal
     elif always_log:  # a service's log (cli/logs.py: timestamped lines off a terminal)

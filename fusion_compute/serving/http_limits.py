@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import anyio
@@ -29,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..comm.peer_text import printable as printable  # re-exported: a caller's text cannot forge a log line
 from .gateway import ApiError
 
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]  # as starlette.types.Scope
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 App = Callable[[Scope, Receive, Send], Any]
@@ -77,14 +77,14 @@ class LimitedH11(H11Protocol):
     log: Callable[[str], None] = staticmethod(lambda line: None)
     throttle: LogThrottle | None = None  # one per server (limited_protocol): repeated lines summed up
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._header_timer: Any = None
         self.over_share = False  # over a cap: counted in neither cap, and given OVER_SHARE_S
         within = [c for c in self.connections if not getattr(c, "over_share", False)]
         keyed = "503 unless keyed" if self.api_key else "503"
         if len(within) > self.max_connections or (
-            self.client and sum(1 for c in within if c.client and c.client[0] == self.client[0]) > self.max_per_peer
+            self.client and sum(1 for c in within if _peer(c) == self.client[0]) > self.max_per_peer
         ):
             which = "in all" if len(within) > self.max_connections else "per peer"
             cap = self.max_connections if which == "in all" else self.max_per_peer
@@ -268,6 +268,13 @@ class AccessLog:
                 f"fusion serve: {scope['method']} {path[:200]} {note.get('status', status or 500)} "
                 f"{time.perf_counter() - t0:.2f}s{extra}"
             )
+
+
+def _peer(conn: object) -> str | None:
+    """The IP address a connection in uvicorn's set comes from (the set is typed as any of uvicorn's
+    protocols, not all of which declare `client`; ours, an H11Protocol, does), or None."""
+    client = getattr(conn, "client", None)
+    return client[0] if client else None
 
 
 def note(scope: Scope, extra: str, status: int | None = None) -> None:

@@ -12,7 +12,7 @@ ignored, as OpenAI's own server does. (Named after vLLM's `entrypoints/openai/pr
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -187,11 +187,16 @@ class CompletionRequest(GenerationRequest):
     def single_prompt(self) -> str | list[int]:
         """The one prompt (unwrapping ["text"] and [[1, 2, 3]]); ValueError when there are several."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if isinstance(p, str):
+            return p
+        first = p[0] if p else None
+        if isinstance(first, (str, list)):  # ["text", ...] or [[1, 2, 3], ...]
             if len(p) != 1:
                 raise ValueError("prompt must be a string or a list of token ids (one prompt per request)")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return first
+        # pydantic matched one of the four shapes: a list whose first item is neither text nor a list
+        # is list[Int64] (or empty), which mypy cannot tell from the union of list types
+        return cast(list[int], p)
 
 
 # ---- responses (documentation in /openapi.json; the routes build these bodies as plain dicts) ----

@@ -30,12 +30,19 @@ JobEvent = tuple[str, Any]  # ("delta", str) | ("done", Outcome) | ("error", Api
 @dataclass
 class Job:
     req: Request | None
-    on_event: Callable[[JobEvent], None]  # called on the engine thread; must not block
+    on_event: Callable[[JobEvent], object]  # called on the engine thread; must not block; its result is ignored
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_enqueued: float = field(default_factory=time.perf_counter)
     t_started: float | None = None
     ahead: int = 0  # requests ahead of it when it arrived (waiting, plus the running one)
     work: Callable[[], Any] | None = None  # an engine call instead of a request (Scheduler.call)
+
+    @property
+    def request(self) -> Request:
+        """The request of a request job (submit); a membership call's job (Scheduler.call) has none."""
+        if self.req is None:
+            raise RuntimeError("a membership call's job (Scheduler.call) carries no request")
+        return self.req
 
 
 def one_line(e: BaseException) -> str:
@@ -72,7 +79,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="fusion-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, req: Request, on_event: Callable[[JobEvent], None]) -> Job:
+    def submit(self, req: Request, on_event: Callable[[JobEvent], object]) -> Job:
         with self._lock:
             if self.stopping:
                 raise unavailable("the engine is unavailable: shutting down")
@@ -125,6 +132,8 @@ class Scheduler:
 
     def _done(self, job: Job, out: Any) -> None:
         self.degraded = None
+        if job.t_started is None:
+            raise RuntimeError("a request finished that was never admitted (Scheduler._admit sets t_started)")
         out.timing = {"queued_behind": job.ahead, "queue_s": round(job.t_started - job.t_enqueued, 4), **out.timing}
         for r in out.recoveries:
             if r["epoch"] in self._logged_epochs:  # a batch's requests share their recoveries
@@ -137,7 +146,7 @@ class Scheduler:
         if out.finish_reason == "cancelled":
             why = "the server is stopping" if self.stopping else "its caller hung up"
             self.log(
-                f"fusion serve: request stopped after {out.completion_tokens} of {job.req.max_tokens} tokens: {why}"
+                f"fusion serve: request stopped after {out.completion_tokens} of {job.request.max_tokens} tokens: {why}"
             )
         self.served += 1
         self._send(job, ("done", out))
@@ -186,7 +195,7 @@ class Scheduler:
         short = self._shortfall()
         if short:
             self.log(f"fusion serve: request on a short job: {short}")
-        req = job.req
+        req = job.request
         answer = self.gateway.begin(
             req, lambda text: self._send(job, ("delta", text)), lambda: job.cancelled.is_set() or self.stopping
         )
@@ -248,6 +257,8 @@ class Scheduler:
         return value
 
     def _call(self, job: Job) -> None:
+        if job.work is None:
+            raise RuntimeError("a request job reached Scheduler._call (only membership calls carry work)")
         try:
             result = job.work()
         except BaseException as e:  # handed to the caller, who answers for it

@@ -70,12 +70,13 @@ class Engine(EngineBase):
 
     mode = "structural"
     verifies_trees = True  # the workers' attention takes a tree's mask and depths (ops.make_step)
+    plan: Plan  # the current epoch's (plan_for)
 
     def plan_for(self, order: list[int]) -> Plan:
         return make_plan(self.config, len(order), tuple(self.seats[p].capacity for p in order))
 
     def welcome(self) -> dict:
-        return {"capacities": [s.capacity for s in self.plan.workers]}  # (the dtype: engine._welcome)
+        return {"capacities": [s.capacity for s in self.plan.workers]}  # (the dtype: engine.welcome_for)
 
     # ---- protocol ----
 

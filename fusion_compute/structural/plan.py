@@ -200,6 +200,24 @@ class Plan:
             out["norm_sum"] = 2
         return out
 
+    @staticmethod
+    def given(layer: int, name: str) -> bool:
+        """Whether layer `layer`'s fused linear `name` comes from the client with the ingress: layer 0's
+        qkv, at every N (the client holds x and computes W_qkv RMSNorm(x) + b itself, `boundary`). No
+        worker reads those weights, computes or scatters that linear (sharded.load_layer)."""
+        return layer == 0 and name == "qkv"
+
+    def to_client(self, layer: int, name: str) -> bool:
+        """Whether layer `layer`'s linear `name` sends its partials to the client instead of scattering
+        them among the workers: the last layer's down when `down_to_client`."""
+        return self.down_to_client and layer == self.config.n_layers - 1 and name == "down"
+
+    def scattered(self, layer: int, name: str) -> bool:
+        """Whether the workers reduce-scatter layer `layer`'s linear `name` (every worker receives each
+        peer's partial of its own rows): every linear of every layer at N >= 2, less those the
+        boundary merges (`given`, `to_client`). The exposure analysis reads it (audit/exposure.py)."""
+        return self.n > 1 and not self.given(layer, name) and not self.to_client(layer, name)
+
     @property
     def down_to_client(self) -> bool:
         """Whether the last layer's down partials go straight to the client (its scatter merged into
@@ -225,8 +243,8 @@ class Plan:
         """What crosses the client's boundary each forward, per worker and token, as data; "merged": the
         scatters it replaces, "down_to_client": whether the egress is the last down's partial."""
         last = self.config.n_layers - 1
-        merged = ["L0.qkv reduce-scatter into the ingress"]
-        if self.down_to_client:
+        merged = ["L0.qkv reduce-scatter into the ingress"] if self.given(0, "qkv") else []
+        if self.to_client(last, "down"):
             merged.append(f"L{last}.down reduce-scatter into the egress")
             egress = "W_down[:, M_w] h_w of the last layer, x[R_w] added in its rows; the client sums them"
         else:
@@ -302,7 +320,8 @@ class Plan:
                         "gate_up": [2 * c.intermediate, s.n_residual],
                         "down": [c.hidden, s.n_mlp],
                         "elements_per_layer": weight_elems,
-                        "bytes_total_fp32": weight_elems * c.n_layers * 4,
+                        "not_read": [f"L{i}.{name}" for i, name in self.given_linears()],
+                        "bytes_total_fp32": self.loaded_elements(w) * 4,
                     },
                     "collectives_per_layer": self.collectives_per_layer(w),
                     "collectives_per_forward": self.collectives_per_forward(w),
@@ -312,15 +331,38 @@ class Plan:
             )
         return out
 
-    def weight_elements(self, w: int) -> int:
+    def linear_elements(self, w: int) -> dict[str, int]:
+        """Worker w's weight elements per fused linear of one layer (norm-fused: the zero rows for Σx²
+        are made, not read)."""
         c, s = self.config, self.workers[w]
         qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        return (
-            qkv_out * s.n_residual  # qkv: all output rows, own input columns
-            + c.hidden * len(self.o_cols(w))  # o_proj
-            + 2 * c.intermediate * s.n_residual  # gate/up
-            + c.hidden * s.n_mlp  # down_proj
-        )
+        return {
+            "qkv": qkv_out * s.n_residual,  # all output rows, own input columns
+            "o": c.hidden * len(self.o_cols(w)),  # all output rows, own attention columns
+            "gate_up": 2 * c.intermediate * s.n_residual,
+            "down": c.hidden * s.n_mlp,  # all output rows (the last layer's partial is full-width too)
+        }
+
+    def weight_elements(self, w: int) -> int:
+        """Worker w's weight elements in a layer that reads all four linears (every layer but 0)."""
+        return sum(self.linear_elements(w).values())
+
+    def given_linears(self) -> list[tuple[int, str]]:
+        """(layer, linear) the client computes and no worker reads (`given`)."""
+        return [
+            (i, name)
+            for i in range(self.config.n_layers)
+            for name in ("qkv", "o", "gate_up", "down")
+            if self.given(i, name)
+        ]
+
+    def loaded_elements(self, w: int) -> int:
+        """Worker w's weight elements read from the file over all layers: every layer's linears less
+        the `given` ones (layer 0's q/k/v: sharded.load_layer reads none of it). Norm gains, biases
+        and Qwen3's q/k norm gains (vectors) are not counted. The load's progress total
+        (runtime/progress.worker_elements) and the start-up log's weights."""
+        per = self.linear_elements(w)
+        return self.weight_elements(w) * self.config.n_layers - sum(per[name] for _, name in self.given_linears())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -6,8 +6,7 @@ Control words carry no state: an operation, a token count, a position, a session
 from __future__ import annotations
 
 from enum import IntEnum
-
-from .plan import Plan
+from typing import Protocol
 
 CONTROL_LEN = 4
 MAX_SLOTS = 256  # KV slots (sessions of one batch) a worker accepts
@@ -30,6 +29,12 @@ class Op(IntEnum):
     RELEASE = 11  # [RELEASE, slot, 0, 0]: that slot's session is over: zero its KV slot now (hygiene)
 
 
-def fingerprint_int(plan: Plan) -> int:
+class Fingerprinted(Protocol):
+    """A plan that names itself by a hex fingerprint (structural.plan.Plan, masked.plan.MaskedPlan)."""
+
+    def fingerprint(self) -> str: ...
+
+
+def fingerprint_int(plan: Fingerprinted) -> int:
     """The plan's fingerprint as a positive int64, so client and workers can check they agree."""
     return int(plan.fingerprint()[:15], 16)

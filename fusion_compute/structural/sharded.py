@@ -27,7 +27,9 @@ def augmented(fused: torch.Tensor, plan_rows: list[list[int]]) -> torch.Tensor:
 
 
 def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bool = False) -> LayerShard:
-    """Worker w's slices of one layer, norm gains folded into the input columns it holds.
+    """Worker w's slices of one layer, norm gains folded into the input columns it holds; none of a
+    linear the client computes (`plan.given`: layer 0's q/k/v, its weights, bias and norm gain are
+    never read: qkv_w is (0, d_r)).
 
     Sharded (the default): the input columns of its residual range, every owner's output rows
     regrouped by owner with a zero row each for Σx² (`augmented`, plan.py). `replicated` (the
@@ -53,11 +55,14 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
     )
 
     # the norm's gain folds into the columns this worker holds (docs/design.md, "The operators": RMSNorm fused into the linear)
-    qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
-    qkv_w = qkv[torch.tensor(qkv_rows[w])].contiguous() if replicated else augmented(qkv, qkv_rows)
-    del qkv
-    bias = arch.read_bias(src, layer, "qkv")
-    qkv_b = None if bias is None else bias[torch.tensor(qkv_rows[w])].contiguous()
+    if plan.given(layer, "qkv"):  # the client sends this worker its q/k/v rows (ops.ShardedLayer.given_qkv)
+        qkv_w, qkv_b = torch.empty(0, b - a), None
+    else:
+        qkv = arch.read_weight(src, layer, "qkv", cols=cols) * arch.read_norm(src, layer, "qkv")[a:b]
+        qkv_w = qkv[torch.tensor(qkv_rows[w])].contiguous() if replicated else augmented(qkv, qkv_rows)
+        del qkv
+        bias = arch.read_bias(src, layer, "qkv")
+        qkv_b = None if bias is None else bias[torch.tensor(qkv_rows[w])].contiguous()
     o_w = arch.read_weight(src, layer, "o", cols=runs(o_cols))
 
     gu = arch.read_weight(src, layer, "gate_up", cols=cols) * arch.read_norm(src, layer, "gate_up")[a:b]
@@ -79,10 +84,10 @@ def load_layer(src: WeightSource, plan: Plan, w: int, layer: int, replicated: bo
 def post_gains(src: WeightSource, layer: int, rows: list[int]) -> torch.Tensor | None:
     """The post-norm gains (2, |rows|) after o and after down at the residual `rows` this worker's
     o / down outputs stand for (Gemma 3), or None for a family without post-norms."""
-    gains = [arch.read_post_norm(src, layer, name) for name in ("o", "down")]
-    if gains[0] is None or gains[1] is None:
+    o, down = (arch.read_post_norm(src, layer, name) for name in ("o", "down"))
+    if o is None or down is None:
         return None
-    return torch.stack(gains)[:, torch.tensor(rows)].contiguous()
+    return torch.stack([o, down])[:, torch.tensor(rows)].contiguous()
 
 
 def qk_gains(src: WeightSource, plan: Plan, w: int, layer: int) -> tuple[torch.Tensor, ...] | None:
@@ -122,9 +127,6 @@ class ShardedModel:
         self.layers[-1].egress = True  # its output is the egress (H, ΣT), summed by the client (ops.py)
         # its down partials go to the client, unless a post-norm needs the summed y first (ops.py)
         self.layers[-1].to_client = plan.down_to_client
-        # layer 0's q/k/v come with the ingress (the client computes them): its q/k/v slices go
-        first = self.layers[0].w
-        first.qkv_w, first.qkv_b = first.qkv_w.new_empty(0, first.qkv_w.shape[1]), None
         self.rotary, self.rotary_local = rotaries(c)
         self.max_seq = self.n_slots = 0
         self.lengths: list[int] = []  # per KV slot: the positions its session has written (0..len-1)

@@ -55,7 +55,7 @@ _MISSING = object()
 
 # ggml types stored as plain numbers: read as typed little-endian arrays, converted with astype (as
 # GGUFReader's typed views were). Every other type goes through `gguf.quants.dequantize`.
-_PLAIN = {
+_PLAIN: dict[GGMLQuantizationType, np.dtype] = {
     GGMLQuantizationType.F32: np.dtype("<f4"),
     GGMLQuantizationType.F16: np.dtype("<f2"),
     GGMLQuantizationType.F64: np.dtype("<f8"),

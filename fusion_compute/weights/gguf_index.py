@@ -238,7 +238,7 @@ class GGUFIndex:
         """Bytes [offset, offset + n) of the file as a fresh, writable uint8 array (a positioned
         read into private memory: the resident set grows by what the caller keeps, not the file)."""
         out = np.empty(n, dtype=np.uint8)
-        view = memoryview(out)
+        view = out.data  # the array's own buffer, as a memoryview: readinto fills `out` in place
         try:
             with open(self.path, "rb", buffering=0) as f:
                 f.seek(offset)
@@ -269,6 +269,7 @@ def _parse(h: _Head) -> GGUFIndex:
     n_tensors, n_kv = h.scalar(8, _U64), h.scalar(16, _U64)
     pos = 24
     values: dict[str, Any] = {}
+    value: object  # a string, a scalar or an ArrayRef, by vtype
     for _ in range(n_kv):
         key, pos = h.string(pos, "a metadata key")
         vtype = h.value_type(pos, f"metadata key {key!r}")

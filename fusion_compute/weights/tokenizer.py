@@ -17,7 +17,7 @@ End of generation (`eos_ids`), in this order, deduplicated:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,7 +86,7 @@ class Tokenizer:
         self,
         backend: Backend,
         chat_template: str | None = None,
-        special_tokens: dict[str, str] | None = None,
+        special_tokens: Mapping[str, str | None] | None = None,  # None values (a GGUF without the token) are dropped
         extra_eos_ids: Iterable[int] = (),
     ):
         self.backend = backend

@@ -196,7 +196,10 @@ def check_transfers(events: list[S.LogEvent], expect: list[Transfer], where: dic
         want = expect[i] if i < len(expect) else None
         if got == want:
             continue
-        layer = (got or want).layer
+        either = got if got is not None else want
+        if either is None:  # both missing compare equal above: unreachable
+            continue
+        layer = either.layer
         if got is None or want is None or (got.layer, got.op, got.kind) != (want.layer, want.op, want.kind):
             got_s = (got.op, got.kind) if got else "nothing"
             want_s = (want.op, want.kind) if want else "nothing"
@@ -415,7 +418,8 @@ def smallest_cover(sets: list[frozenset[int]], universe: frozenset[int]) -> int 
     """The fewest sets whose union covers the universe (None: even all of them do not)."""
     n = len(sets)
     if n > 12:  # brute force is 2^n; beyond that report the greedy bound
-        covered, used = set(), 0
+        covered: set[int] = set()
+        used = 0
         for s in sorted(sets, key=len, reverse=True):
             if universe <= covered:
                 break

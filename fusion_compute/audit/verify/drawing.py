@@ -4,7 +4,7 @@ transfers of one step. Standard library only, and nothing about where the ranges
 It lives in the verifier's package because the verifier may import only its siblings, audit/schema.py
 and the standard library (tests/test_audit.py parses the imports): the picture of an audit run's logs
 (picture.py here) is drawn from the verifier's own parsed records with it, and the picture of a plan
-(structural/picture.py; structural may import audit) with the same code, so the two can be compared
+(structural/picture.py; of audit/, structural may import only this leaf, tests/test_structure.py) with the same code, so the two can be compared
 lane by lane. Neither drawing decides anything: the data in a `Picture` is all there is.
 
 One picture has two parts:

@@ -108,7 +108,7 @@ class Transfer(NamedTuple):
 
     @classmethod
     def of(cls, event: S.LogEvent) -> Transfer:
-        return cls(event.layer, event.op, event.kind, event.sent, event.received, event.itemsize)
+        return cls(event.layer, event.op, event.kind, list(event.sent), list(event.received), event.itemsize)
 
 
 def score_elements(spans: list[tuple[int, int, int]] | None, t: int, pos: int) -> int:

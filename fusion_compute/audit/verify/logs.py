@@ -80,7 +80,8 @@ def read_chain(path: Path, rank: int, final: str | None, res: Result) -> list[di
     if not path.is_file():
         res.violations.append(Violation("chain", f"log {path.name} missing", rank=rank))
         return []
-    records, prev = [], S.GENESIS
+    records: list[dict] = []
+    prev = S.GENESIS
     for i, line in enumerate(path.read_text().splitlines()):
         res.checks["chain"] += 1
         try:

@@ -262,7 +262,8 @@ def check_membership(run: RunResult, views: list[EpochView], record: Record | No
             run.run_checks["membership"] += 2
             for where in present.get(v.epoch, {}).get(p, []):
                 findings.append(f"{who} takes part in epoch {v.epoch}: {where}")
-            order = v.manifest.get("order") if isinstance(v.manifest.get("order"), list) else []
+            listed = v.manifest.get("order")
+            order = listed if isinstance(listed, list) else []
             ranks = {r for r, q in enumerate(order, 1) if q == p}
             ranks |= {r for r in range(1, n + 1) if r in v.logs and v.logs[r].header.get("participant") == p}
             if 0 in v.logs:

@@ -24,6 +24,7 @@ A session's verdict: closed when every step it took part in is closed (checks.py
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from .result import Violation
 
@@ -59,7 +60,8 @@ def spans_of(record: dict) -> list[Span]:
     return spans
 
 
-def _int(x) -> bool:
+def _int(x: object) -> TypeGuard[int]:
+    """An int of the log (JSON): not a bool, which Python counts as one."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -154,6 +156,6 @@ def check_rollback(r: dict, open_: dict[int, tuple[int, Session]], rank: int, wo
     if worker and r.get("zeroed") is not True:
         msg = f"slot {slot}: positions {to!r:.20}.. not zeroed at the rollback (the rejected drafts' KV kept)"
         violate(Violation("rollback", msg, **where))
-    if _int(to) and 1 <= to < held[0]:
+    if _int(slot) and _int(to) and 1 <= to < held[0]:  # (slot is an int: it found `held` above)
         held[1].tokens -= held[0] - to  # the session's positions: the rejected ones are gone
         open_[slot] = (to, held[1])
