@@ -43,9 +43,9 @@ def greedy_refs(model: str, max_new: int, limit: int | None, log=lambda s: None)
     from ..model.dense import DenseModel
     from ..weights.loader import open_weights
     from . import workloads
-    from .speculative import _tokenizer
+    from .speculative import tokenizer_for
 
-    tok = _tokenizer(model)
+    tok = tokenizer_for(model)
     target = DenseModel(open_weights(model), max_seq=1)
     out: dict = {"model": model, "max_new_tokens": max_new, "workloads": {}}
     for name in WORKLOAD_NAMES:

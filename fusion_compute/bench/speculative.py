@@ -130,7 +130,7 @@ def median_ci(values: list[float], confidence: float = 0.95) -> list[float] | No
 # ---- the acceptance job: local workers ----
 
 
-def _tokenizer(path):
+def tokenizer_for(path):
     from ..weights.tokenizer import Tokenizer, load_tokenizer
 
     return Tokenizer.from_gguf(path) if Path(path).is_file() else load_tokenizer(path)
@@ -163,7 +163,7 @@ def measure_acceptance(
     from . import workloads
     from .ops import stats
 
-    tok = _tokenizer(model)
+    tok = tokenizer_for(model)
     loads = {name: workloads.load(name, tok, limit) for name in WORKLOAD_NAMES}
     longest = max(len(p) for w in loads.values() for p in w.prompts)
     opts = EngineOptions(n_workers=n, comm_backend="tls", log=lambda line: None)
@@ -268,7 +268,7 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
     from ..weights.loader import open_weights
     from . import workloads
 
-    tok = _tokenizer(model)
+    tok = tokenizer_for(model)
     src = open_weights(model)
     target = DenseModel(src, max_seq=1)
     drafts = {n: DenseModel(src, n_layers=n, max_seq=1) for n in layers}
@@ -456,7 +456,7 @@ def rtt_sweep(
     from . import workloads
     from .rtt import keys, topology
 
-    tok = _tokenizer(model)
+    tok = tokenizer_for(model)
     loads = {name: workloads.load(name, tok, limit) for name in names}
     longest = max(len(p) for w in loads.values() for p in w.prompts)
     d = Path(tempfile.mkdtemp(prefix="fc-spec-"))
