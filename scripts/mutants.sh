@@ -804,6 +804,13 @@ MUTANTS += [
         "link = link",
         ["test_tree_cost.py::test_link_flags_build_the_plans_link_and_add_the_measured_compute"],
     ),
+    (  # issue 43 (branch tau): a verification's accepted depths are hits, the next one a miss
+        "t43-depth-rate-off-by-one",
+        R + "generation/speculative.py",
+        "hits[b] += d <= accepted",
+        "hits[b] += d < accepted",
+        ["test_speculative.py::test_acceptance_by_depth_counts_each_depth_apart"],
+    ),
 ]
 
 words = sys.argv[1:]
