@@ -4,6 +4,7 @@ and without it across round trips of 0, 1 and 5 ms, in one run on one machine.
     python -m fusion_compute.bench.speculative [--workers 2] [--max-new-tokens 128] [--rtt 0,1,5]
         [--rtt-tokens 32] [--batch 8] [--repeats 2] [--k 4,16] [--draft-layers 8] [--out FILE]
         [--singles 2] [--batch-pairs 1] [--workloads input_grounded,open_chat]
+        [--method ngram|suffix] [--start-repeat R]
 
 Two workloads (bench/workloads.py): input-grounded (summarise, extract, rewrite, copy, fix given
 code) and open chat, in the bundled model's chat template, greedy, stopping at its end-of-turn token.
@@ -31,7 +32,10 @@ code) and open chat, in the bundled model's chat template, greedy, stopping at i
               per-pair ratios (the two runs of a pair ran back to back in one job), with a
               distribution-free 95 % confidence interval for that median (`median_ci`) once a cell
               has 6 pairs or more. `--singles` prompts and `--batch-pairs` batch pairs per job and
-              workload; `--workloads` narrows the sweep to one workload.
+              workload; `--workloads` narrows the sweep to one workload. `--method suffix` sweeps
+              the suffix drafter instead of n-grams (K its cap; without its global cache, since
+              the pairs repeat prompts); `--start-repeat R` numbers the sweeps from R, so a second
+              run continues a first one's prompts with the pairs' order reversed.
 
 Decode tokens/s is generate's (tokens after the first / the time after the first) for one session,
 and bench/batch.py's for a batch (every session's tokens after its first / the time from the last
