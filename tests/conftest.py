@@ -12,8 +12,10 @@ from pathlib import Path
 # default, an OpenMP thread per core in every process, then oversubscribes the cores, and OpenMP's
 # waiting threads spin on them. Set before anything imports torch: it reaches this process, the fork
 # server (tests/forkserver.py) and every process a test starts. The workers set the thread count the
-# client gives them (--threads, runtime/engine_options.py's default_threads), which a forked worker
-# takes at most this share of (forkserver.capped_threads says why). Measured on the 2-core
+# client gives them (--threads, runtime/engine_options.py's default_threads), which this variable caps:
+# a job of one worker would otherwise take every core the suite shares, and its OpenMP threads wait on
+# each other at every operator (SmolLM2's 20 greedy tokens at N = 1, load average 3-13: 9.6-27.7 s
+# with 2 threads, 1.7 s with 1). The README's hosts (test_wire.py) inherit it too. Measured on the 2-core
 # machine, the SmolLM2 tests (-n 2, interleaved): 126-137 s and 227-248 busy core-s without it,
 # 103-105 s and 179-181 core-s with it.
 _processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -19,9 +19,8 @@ What differs from a Popen'd worker, and why the tests that check it keep real pr
   children as the test process's own);
 - torch was imported under the fork server's environment: a variable read only at import time
   (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS) is not re-read; the workers set their thread counts
-  at run time (torch.set_num_threads; masked/ring.py's limit_blas_threads for OpenBLAS);
-- its `--threads` is capped at the test run's share of the cores per pytest process
-  (`capped_threads`: a job of one worker would otherwise take every core the suite shares).
+  at run time (torch.set_num_threads; masked/ring.py's limit_blas_threads for OpenBLAS), the count
+  their client gives them, which $OMP_NUM_THREADS (conftest.py) caps (engine_options.default_threads).
 
 `command()` does the same for a whole `fusion ARGS` command (procs.fusion and procs.run use it): a
 forked child runs cli.main's `main(ARGS)` with the standard streams, environment and working
@@ -197,24 +196,7 @@ def _worker(args: list[str], env: dict[str, str], log_fd: int, stdin: bytes | No
     sys.stderr = open(2, "w", closefd=False, buffering=1)
     from fusion_compute.cli.main import main
 
-    sys.exit(main(["worker", *capped_threads(args, env)]))
-
-
-def capped_threads(args: list[str], env: dict[str, str]) -> list[str]:
-    """The worker's `--threads` at most this test run's share of the cores per process (conftest.py
-    sets OMP_NUM_THREADS to it under pytest-xdist; unset, nothing is capped).
-
-    The client gives a worker cores // N threads (runtime/engine_options.py's default_threads), so a
-    job of one worker takes every core, though the suite runs two pytest processes, and their
-    workers, on them: its OpenMP threads then wait on each other at every operator (a thread
-    descheduled holds the step). SmolLM2's 20 greedy tokens at N = 1, on the 2-core machine at load
-    average 3-13: 9.6-27.7 s with 2 threads, 1.7 s with 1. Only the thread count changes, not the
-    worker's code or options; in one pytest process (-n 0) nothing is capped."""
-    share = env.get("OMP_NUM_THREADS", "")
-    if "--threads" not in args or not share.isdigit():
-        return args
-    i = args.index("--threads") + 1
-    return [*args[:i], str(min(int(args[i]), max(1, int(share)))), *args[i + 1 :]]
+    sys.exit(main(["worker", *args]))
 
 
 class ForkedWorker:

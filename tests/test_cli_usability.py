@@ -20,10 +20,11 @@ def worker_args(*argv: str):
     return build_parser().parse_args(["worker", *argv])
 
 
-def test_hand_started_workers_divide_the_cores_among_the_topologys_local_participants(tmp_path, caplog):
+def test_hand_started_workers_divide_the_cores_among_the_topologys_local_participants(tmp_path, caplog, monkeypatch):
     """Two workers and their client declared on this machine: each worker takes cores / 3 threads (at
     least 1), not torch's default of every core, and says so; --threads wins; a topology whose other
     participants are elsewhere leaves this worker every core."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's cap (conftest.py): below, uncapped
     ids = keys(3)
     paths = write_keys(tmp_path, ids)
     here = tmp_path / "here.toml"
@@ -41,11 +42,36 @@ def test_hand_started_workers_divide_the_cores_among_the_topologys_local_partici
     assert o.threads == usable_cores()
 
 
-def test_a_worker_without_a_topology_shares_the_cores_with_a_local_client():
+def test_a_worker_without_a_topology_shares_the_cores_with_a_local_client(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     a = worker_args("--master", "127.0.0.1:29999", "--insecure", "--rank", "1")
     assert O.worker_options(a).threads == max(1, usable_cores() // 2)
     a = worker_args("--master", "192.0.2.1:29999", "--insecure", "--rank", "1")
     assert O.worker_options(a).threads == usable_cores()
+
+
+def test_omp_num_threads_caps_the_default_thread_count_not_an_explicit_one(monkeypatch, caplog):
+    """$OMP_NUM_THREADS is the thread budget of each process of a tree (a scheduler's, a test
+    runner's): the default never exceeds it, for a hand-started worker and for the workers an engine
+    starts (default_threads); --threads still wins; a value that is not a positive count caps nothing."""
+    from fusion_compute.runtime import engine_options
+
+    monkeypatch.setattr(engine_options, "usable_cores", lambda: 8)
+    monkeypatch.setattr(O, "usable_cores", lambda: 8)
+    far = ("--master", "192.0.2.1:29999", "--insecure", "--rank", "1")  # alone on this host: every core
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert O.worker_options(worker_args(*far)).threads == 8  # the control: uncapped
+    assert engine_options.default_threads(2) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with caplog.at_level(logging.INFO, logger="fusion_compute"):
+        assert O.worker_options(worker_args(*far)).threads == 3
+    assert any("at most $OMP_NUM_THREADS = 3" in r.getMessage() for r in caplog.records)
+    assert engine_options.default_threads(2) == 3
+    assert engine_options.default_threads(4) == 2  # under the cap: the share
+    assert O.worker_options(worker_args(*far, "--threads", "6")).threads == 6
+    for junk in ("0", "-2", "two", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert engine_options.default_threads(1) == 8, junk
 
 
 @pytest.mark.parametrize("n", [0, -1])

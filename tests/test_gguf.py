@@ -40,6 +40,7 @@ def hf_model(smollm_ref):
     return smollm_ref  # one transformers load of the GGUF per test session (conftest)
 
 
+@pytest.mark.slow  # transformers' SmolLM2 from the GGUF: ~20-30 s of CPU, once per run (conftest)
 def test_config_matches_transformers(weights, hf_model):
     c, hf = weights.config, hf_model.config
     assert (c.arch, c.hidden, c.intermediate, c.n_layers) == ("llama", 576, 1536, 30)
@@ -53,6 +54,7 @@ def test_config_matches_transformers(weights, hf_model):
     assert c.bos_id == hf.bos_token_id and c.eos_ids == (hf.eos_token_id,)
 
 
+@pytest.mark.slow
 def test_layer0_weights_equal_transformers(weights, hf_model):
     # q_proj / k_proj equal only if llama.cpp's RoPE row permutation is undone correctly.
     params = dict(hf_model.named_parameters())

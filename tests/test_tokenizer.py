@@ -77,6 +77,7 @@ def test_encode_decode_equals_transformers(ours, hf, text):
     assert ours.decode(ids) == hf.decode(ids) == text
 
 
+@pytest.mark.slow  # transformers' tokenizer from the GGUF: ~8 s to load on a loaded machine
 @pytest.mark.parametrize("text", NUMERIC_DIFF)
 def test_numeric_split_differs_from_transformers(ours, hf, text):
     ids = ours.encode(text)
@@ -86,6 +87,7 @@ def test_numeric_split_differs_from_transformers(ours, hf, text):
     assert " " in pieces and not any(p.startswith(" ") and len(p) > 1 for p in pieces)
 
 
+@pytest.mark.slow
 def test_chat_matches_transformers(ours, hf):
     text = ours.render_chat(CHAT)
     assert text == hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)

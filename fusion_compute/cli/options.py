@@ -17,7 +17,7 @@ from ..comm import COMM_BACKENDS, Identity, PublicId
 from ..errors import FusionError, UsageError
 from ..executor.base import EXECUTORS
 from ..runtime.deadline import DEFAULT_FACTOR, DEFAULT_MIN_S
-from ..runtime.engine_options import EngineOptions, default_backend, default_threads, usable_cores
+from ..runtime.engine_options import EngineOptions, default_backend, default_threads, omp_threads, usable_cores
 from ..runtime.placement import DEFAULT_DTYPE, DTYPES, check_gpus, gpu_count, is_cuda, parse_device
 from ..runtime.topology import GROUP_NAME, Participant, Topology, check_here, is_local_address, sharing_this_host
 from .logs import engine_notice
@@ -758,9 +758,11 @@ def worker_options(a: argparse.Namespace, stdin: bytes | None = None) -> Any:
         # Torch's default (every core) in each of several processes on one host oversubscribes it:
         # their OpenMP threads spin against each other (engine_options.default_threads).
         threads = default_threads(sharing)
+        cap = omp_threads()
+        capped = f", at most $OMP_NUM_THREADS = {cap}" if cap is not None and cap < usable_cores() // sharing else ""
         logging.getLogger("fusion_compute.worker").info(
             f"{threads} torch thread{'s' if threads != 1 else ''}: {usable_cores()} cores shared by {sharing} "
-            f"({among}); --threads N sets it"
+            f"({among}){capped}; --threads N sets it"
         )
     return WorkerOptions(
         master=master,

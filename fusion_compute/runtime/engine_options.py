@@ -262,8 +262,19 @@ def usable_cores() -> int:
 
 def default_threads(n_processes: int) -> int:
     """Torch threads for each of `n_processes` busy processes sharing this host: its cores divided
-    among them, at least 1. Torch's own default (every core, in every process) oversubscribes a host
-    that runs several workers: their OpenMP threads spin against each other (README, "Threads": two
-    hand-started workers and their client on 2 loaded cores decoded 0.37-1.34 tokens/s with two
-    threads each, 3.5-18.7 with one)."""
-    return max(1, usable_cores() // max(1, n_processes))
+    among them, at least 1, and at most $OMP_NUM_THREADS where that is set (omp_threads). Torch's own
+    default (every core, in every process) oversubscribes a host that runs several workers: their
+    OpenMP threads spin against each other (README, "Threads": two hand-started workers and their
+    client on 2 loaded cores decoded 0.37-1.34 tokens/s with two threads each, 3.5-18.7 with one)."""
+    share = max(1, usable_cores() // max(1, n_processes))
+    cap = omp_threads()
+    return share if cap is None else min(share, cap)
+
+
+def omp_threads() -> int | None:
+    """$OMP_NUM_THREADS as a positive integer, else None: the thread budget OpenMP's convention gives
+    each process of a tree (a job scheduler's, a container's, a test runner's that starts several
+    processes on the same cores). The default thread count never exceeds it; an explicit --threads
+    does. A value that is not a positive integer is OpenMP's to refuse, not a cap."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else None
