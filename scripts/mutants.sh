@@ -811,6 +811,20 @@ MUTANTS += [
         "hits[b] += d < accepted",
         ["test_speculative.py::test_acceptance_by_depth_counts_each_depth_apart"],
     ),
+    (  # issue 43 (branch nevers): a probe that missed makes the next one wait twice as long
+        "t43-probe-never-backs-off",
+        R + "generation/speculative.py",
+        "self.probe_every = PAUSE_STEPS if accepted else min(PAUSE_MAX, 2 * self.probe_every)",
+        "self.probe_every = PAUSE_STEPS",
+        ["test_speculative.py::test_a_probe_that_misses_waits_twice_as_long_for_the_next"],
+    ),
+    (  # issue 43 (branch nevers): a session's own first verification weighs as much as the job's prior
+        "t43-prior-outweighs-own-evidence",
+        R + "generation/speculative.py",
+        "PRIOR_TRIALS = 1.0",
+        "PRIOR_TRIALS = 2.0",
+        ["test_speculative.py::test_a_sessions_own_first_miss_outweighs_the_jobs_prior"],
+    ),
 ]
 
 words = sys.argv[1:]

@@ -182,3 +182,26 @@ def test_replayed_suffix_drafts_never_beat_the_copy_oracle(prompt, output, k, ch
     assert stats.tokens == tokens == len(output)
     assert stats.forwards >= forwards
     assert stats.num_accepted_tokens == len(output) - stats.forwards
+
+
+def test_replay_in_one_job_shares_the_pool_and_counts_the_probes():
+    """`job`: several replays through one Speculator and StepCost (--one-job), as the bench's runs share
+    a job: the second starts from the first's pooled acceptance. Where a column costs a second over
+    the link the budget cuts every draft, so each verification is a probe (DraftLength.probe): one
+    after PAUSE_STEPS starved steps, and as each is accepted (the output repeats the prompt) the next
+    comes PAUSE_STEPS later again."""
+    from fusion_compute.bench.replay import Detail, replay
+    from fusion_compute.generation.speculative import PAUSE_STEPS, Speculator, StepCost
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+    from fusion_compute.generation.tree_cost import LinkCost
+
+    cfg = SpeculativeConfig("suffix", 8)
+    link = LinkCost(0.0001, 120, 1e9, 1e9, 0.0, 0.0)  # 1e9 bytes a column at 1e9 bytes/s
+    job = Speculator(cfg, 1 << 20, 256), StepCost(link)
+    det = Detail()
+    rows = [{"prompt": [1, 2, 3, 4], "output": [1, 2, 3, 4] * 10}]
+    stats = replay(cfg, rows, link=link, detail=det, job=job)
+    assert det.probes == det.probes_accepted == stats.num_drafts == 39 // PAUSE_STEPS  # 39 decode steps
+    assert len(job[0].pool.history) == det.probes
+    replay(cfg, rows, link=link, job=job)
+    assert len(job[0].pool.history) > det.probes  # the same job's pool, carried

@@ -218,23 +218,27 @@ def test_acceptance_by_depth_counts_each_depth_apart():
     q = S.depth_rates(hist, flat)
     # depth 1: 5 trials, 3 hits; depth 2: 3 trials (4/4, 3/1's miss, 6/3), 2 hits; depth 3: 2 trials,
     # 2 hits; depth 4: 2 trials (4/4's hit, 6/3's miss), 1 hit; deeper: none
-    want = [(3 + 1) / (5 + 2), (2 + 1) / (3 + 2), (2 + 1) / (2 + 2), (1 + 1) / (2 + 2)] + [0.5] * (S.DEPTHS - 4)
+    pt = S.PRIOR_TRIALS
+    want = [(3 + pt / 2) / (5 + pt), (2 + pt / 2) / (3 + pt), (2 + pt / 2) / (2 + pt), (1 + pt / 2) / (2 + pt)]
+    want += [0.5] * (S.DEPTHS - 4)
     assert q == pytest.approx(want)
     assert S.chain_gains(q, 3) == pytest.approx([want[0], want[0] * want[1], want[0] * want[1] * want[2]])
-    assert S.depth_rates([(1, 1)] * 4, flat)[0] == pytest.approx(5 / 6)  # a full chain of one: no miss
+    assert S.depth_rates([(1, 1)] * 4, flat)[0] == pytest.approx(
+        (4 + pt / 2) / (4 + pt)
+    )  # a full chain of one: no miss
     job = S.JobAcceptance()
     for d, a in hist:
         job.add(d + 1, a, depth=d)
     assert job.depth_rates() == pytest.approx(S.depth_rates(hist, [job.rate()] * S.DEPTHS))
     # the budget judges a session by these: a session that misses its first draft half the time but
-    # copies on once it hits; the one rate reads the same history as 0.86 for the first draft
+    # copies on once it hits; the one rate reads the same history as 0.88 for the first draft
     first_miss = [(8, 0), (8, 8)] * 3
     q = S.depth_rates(first_miss, flat)
-    assert q[0] == pytest.approx(0.5) and min(q[1:]) == pytest.approx(0.8)
+    assert q[0] == pytest.approx(0.5) and min(q[1:]) == pytest.approx((3 + pt / 2) / (3 + pt))
     one = DraftLength(8)
     for d, a in first_miss:
         one.update(d, a)
-    assert one.acceptance() == pytest.approx(25 / 29) and one.depth_rates(flat) == pytest.approx(q)
+    assert one.acceptance() == pytest.approx((24 + pt / 2) / (27 + pt)) and one.depth_rates(flat) == pytest.approx(q)
 
 
 def test_a_starved_priced_session_probes_with_one_draft():
@@ -248,12 +252,57 @@ def test_a_starved_priced_session_probes_with_one_draft():
     assert [n.probe(0) for _ in range(S.PAUSE_STEPS)][-1] == 1
 
 
+def test_a_probe_that_misses_waits_twice_as_long_for_the_next():
+    """A probe is a column the budget judged not worth its cost: each that accepts nothing doubles
+    the starved steps before the next (to PAUSE_MAX), so an open-chat session whose probes keep missing
+    pays for ever fewer; one that accepts (a copied passage began) brings back PAUSE_STEPS."""
+    from fusion_compute.generation import speculative as S
+
+    def starved_until_probe(n: DraftLength) -> int:
+        for i in range(1, 2 * S.PAUSE_MAX + 1):
+            if n.probe(0):
+                return i
+        raise AssertionError("no probe")
+
+    n = DraftLength(32, sized_by_drafter=True)
+    gaps = []
+    for _ in range(6):
+        gaps.append(starved_until_probe(n))
+        n.update(1, 0, 1)  # the probe's one draft missed
+    assert gaps == [S.PAUSE_STEPS * 2**i for i in range(5)] + [S.PAUSE_MAX] == [8, 16, 32, 64, 128, 128]
+    assert starved_until_probe(n) == S.PAUSE_MAX
+    n.update(1, 1, 1)  # this probe was accepted
+    assert starved_until_probe(n) == S.PAUSE_STEPS
+    n.update(1, 0, 1)
+    n.update(5, 2, 5)  # a verification the budget gave drafts (no probe) leaves the wait as it is
+    assert starved_until_probe(n) == 2 * S.PAUSE_STEPS
+
+
+def test_a_sessions_own_first_miss_outweighs_the_jobs_prior():
+    """The job's pooled rate is a session's prior, not its evidence: one verification of its own that
+    accepted nothing takes its first draft's rate to at most half the job's (PRIOR_TRIALS = 1), so an
+    open-chat session on a job whose grounded sessions filled the pool stops being priced at their
+    rate after its first miss."""
+    from fusion_compute.generation import speculative as S
+
+    job = [0.6] * S.DEPTHS  # the grounded sessions' rate
+    n = DraftLength(32, sized_by_drafter=True)
+    assert n.depth_rates(job)[0] == pytest.approx(0.6)  # nothing of its own: the job's
+    n.update(4, 0, 4)
+    assert n.depth_rates(job)[0] <= 0.3
+    # 100 ms a step, 30 ms a column, 20 ms a drafting session: one draft pays above 0.05 / 0.13 = 0.385,
+    # so the job's 0.6 drafts and the session's own rate after its miss does not (with two pseudo-trials
+    # at 0.6 it read 0.4 and drafted on)
+    cost = _fitted(0.03, 0.1, 0.02)
+    assert cost.allocate([1], [0.6]) == [1] and cost.allocate([1], [n.depth_rates(job)[0]]) == [0]
+
+
 def test_acceptance_rate_counts_prefixes():
     n = DraftLength(8)
     assert n.acceptance() == 0.5  # the prior alone
     n.update(4, 4)  # four hits, no miss
     n.update(4, 1)  # one hit, then a miss
-    assert n.acceptance() == (5 + 1) / (5 + 1 + 2)
+    assert n.acceptance() == pytest.approx((5 + S.PRIOR_TRIALS / 2) / (5 + 1 + S.PRIOR_TRIALS))
 
 
 def test_a_new_session_starts_from_the_jobs_acceptance():
@@ -263,7 +312,7 @@ def test_a_new_session_starts_from_the_jobs_acceptance():
         pool.add(4, 0)  # every session's drafts missed at once
     pool.add(0, 0)  # a step without drafts is no verification
     low = pool.rate()
-    assert low == 1 / 22 and len(pool.history) == 20
+    assert low == pytest.approx(S.PRIOR_TRIALS / 2 / (20 + S.PRIOR_TRIALS)) and len(pool.history) == 20
     fresh = DraftLength(8)
     assert fresh.acceptance() == 0.5 and fresh.acceptance(low) == pytest.approx(low)
     fresh.update(4, 4)  # its own hits outweigh the prior as they come

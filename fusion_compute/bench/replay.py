@@ -97,6 +97,8 @@ class Detail:
     rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # (match, size, root width, accepted)
     first_miss: int = 0
     first_absent: int = 0
+    probes: int = 0  # verifications the budget had cut to none and DraftLength.probe let one draft through
+    probes_accepted: int = 0
 
 
 def replay(
@@ -106,10 +108,13 @@ def replay(
     link=None,
     max_new: int | None = None,
     detail: Detail | None = None,
+    job=None,
 ):
     """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
     job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
-    serve`). `link`: a tree_cost.LinkCost for the loop's cost budget (else every draft is kept)."""
+    serve`). `link`: a tree_cost.LinkCost for the loop's cost budget (else every draft is kept).
+    `job`: (Speculator, StepCost or None) of an earlier call, so that several workloads share one job
+    (its pooled acceptance and cache), as the bench's runs do."""
     from ..generation.speculative import DEPTHS, SpecStats, Speculator, StepCost
     from ..generation.suffix import SuffixDrafter
     from ..generation.suffix_tree import Draft
@@ -117,8 +122,11 @@ def replay(
     from ..generation.tree_cost import path_gains
 
     context = max(len(r["prompt"]) + len(r["output"]) for r in rows) + spec_config.num_speculative_tokens + 8
-    sp = Speculator(spec_config, 1 << 20, context)
-    cost = StepCost(link) if link is not None else None
+    if job is None:
+        sp = Speculator(spec_config, 1 << 20, context)
+        cost = StepCost(link) if link is not None else None
+    else:
+        sp, cost = job
     total = SpecStats(spec_config.method)
     for r in rows:
         prompt, ref = list(r["prompt"]), list(r["output"])
@@ -128,7 +136,7 @@ def replay(
         stats.step(len(prompt), 1, decode=False)
         while len(out) < len(ref):
             k = min(length.next(cost is not None and cost.costs() is not None), budget - len(out) - 1)
-            d = Draft()
+            d, probed = Draft(), False
             if k >= 1:
                 if tree:
                     d = drafter.propose_tree(prompt + out, k)
@@ -145,7 +153,9 @@ def replay(
                 q = length.depth_rates(sp.pool.depth_rates())
                 depths = TokenTree.from_drafts(out[-1], d.tokens, d.parents).depths_T()[1:]
                 gains = path_gains(d.parents, [q[min(x, DEPTHS) - 1] * f for x, f in zip(depths, freqs, strict=True)])
-                n = length.probe(cost.allocate([len(d.tokens)], [q[0]], None, [gains])[0])
+                budgeted = cost.allocate([len(d.tokens)], [q[0]], None, [gains])[0]
+                n = length.probe(budgeted)
+                probed = budgeted == 0 and n > 0
                 d = _cut(d, n)
             step = TokenTree.from_drafts(out[-1], d.tokens, d.parents)
             node, accepted = 0, 0
@@ -161,6 +171,9 @@ def replay(
                 stats.add(drafted, accepted)
                 sp.pool.add(drafted, accepted, depth)
                 if detail is not None:
+                    if probed:
+                        detail.probes += 1
+                        detail.probes_accepted += accepted
                     roots = [step.tokens_T[c] for c in step.children(0)]
                     last = getattr(drafter, "last", None)
                     detail.rows.append((getattr(last, "match_len", 0), drafted, len(roots), accepted))
@@ -216,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-ms", type=float, default=0.5, help="with --rtt-ms: compute per column, ms")
     p.add_argument("--refs", default="/tmp/fc-replay-refs.json", help="greedy outputs' cache (JSON)")
     p.add_argument("--detail", action="store_true")
+    p.add_argument(
+        "--one-job", action="store_true", help="both workloads through one job (grounded first), as the bench runs them"
+    )
     p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
     p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
     a = p.parse_args(argv)
@@ -242,10 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         # SmolLM2 at N = 2: 120 exchanges; a column adds a 576-float row to each, 2.3 KB x 120
         link = LinkCost(a.rtt_ms / 1e3, 120, 576 * 4 * 120, 125e6, a.compute_ms / 1e3, a.compute_ms / 1e3)
     report = {}
+    job = None
+    if a.one_job:
+        from ..generation.speculative import Speculator, StepCost
+
+        every = [r for name in WORKLOAD_NAMES for r in refs["workloads"][name][: a.limit]]
+        context = max(len(r["prompt"]) + len(r["output"]) for r in every) + a.k + 8
+        job = Speculator(cfg, 1 << 20, context), StepCost(link) if link is not None else None
     for name in WORKLOAD_NAMES:
         rows = refs["workloads"][name][: a.limit]
         det = Detail() if a.detail else None
-        s = replay(cfg, rows, tree=not a.chain, link=link, max_new=a.max_new_tokens, detail=det)
+        s = replay(cfg, rows, tree=not a.chain, link=link, max_new=a.max_new_tokens, detail=det, job=job)
         report[name] = summarise(s, len(rows))
         if det is not None:
             fw = tok = 0
@@ -255,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             report[name]["copy_oracle_tau"] = round(tok / fw, 2)
             report[name]["first_miss"] = det.first_miss
             report[name]["first_absent"] = det.first_absent
+            report[name]["probes"] = det.probes
+            report[name]["probes_accepted"] = det.probes_accepted
             report[name]["mean_match"] = round(sum(r[0] for r in det.rows) / max(1, len(det.rows)), 2)
             report[name]["mean_root_width"] = round(sum(r[2] for r in det.rows) / max(1, len(det.rows)), 2)
     print(json.dumps(report, indent=1))

@@ -101,6 +101,8 @@ class DraftLength:
         self.recent: deque[int] = deque(maxlen=WINDOW)  # accepted tokens of the last verifications
         self.paused = 0  # steps left without drafting
         self.starved = 0  # steps in a row the cost budget cut every draft (probe)
+        self.probe_every = PAUSE_STEPS  # starved steps before a probe: doubles while probes find nothing
+        self.probing = False  # this step's draft is a probe
         self.pause = PAUSE_STEPS
         self.history: deque[tuple[int, int]] = deque(maxlen=4 * WINDOW)  # (drafted, accepted) per verification
 
@@ -121,6 +123,9 @@ class DraftLength:
         every level was accepted is no miss)."""
         if drafted:
             self.history.append((drafted if depth is None else depth, accepted))
+        if self.probing and drafted:  # a probe that found nothing waits twice as long for the next
+            self.probing = False
+            self.probe_every = PAUSE_STEPS if accepted else min(PAUSE_MAX, 2 * self.probe_every)
         if not self.adaptive or drafted == 0:
             return
         if not self.sized_by_drafter:
@@ -145,14 +150,19 @@ class DraftLength:
 
     def probe(self, budgeted: int) -> int:
         """The drafts a priced session runs after the budget gave it `budgeted`: that, except that
-        after PAUSE_STEPS steps in a row cut to none, one draft, so that its acceptance (which the
-        budget judges it by) can still learn that its text turned predictable (a copied passage)."""
+        after `probe_every` steps in a row cut to none, one draft, so that its acceptance (which the
+        budget judges it by) can still learn that its text turned predictable (a copied passage).
+        `probe_every` starts at PAUSE_STEPS and doubles (to PAUSE_MAX) after each probe that accepted
+        nothing, back to PAUSE_STEPS after one that accepted: a probe is a column the budget judged
+        not worth its cost, so a session whose probes keep missing (open chat) pays for ever fewer."""
+        self.probing = False
         if budgeted:
             self.starved = 0
             return budgeted
         self.starved += 1
-        if self.starved >= PAUSE_STEPS:
+        if self.starved >= self.probe_every:
             self.starved = 0
+            self.probing = True
             return 1
         return 0
 
@@ -166,8 +176,12 @@ class DraftLength:
 # last POOL verifications (every session's) had, itself from one success and one failure while the job
 # has none. Measured (docs/performance.md, issue 23): with even odds for every new session, a batch of
 # open-chat sessions of 24 tokens each drafted on that prior for most of their short lives, and read
-# 0.92-0.95x the plain batch at 0-5 ms on a quiet machine (18 pairs per cell).
-PRIOR_TRIALS = 2.0
+# 0.92-0.95x the plain batch at 0-5 ms on a quiet machine (18 pairs per cell). One pseudo-trial, not
+# two: a session's own first verification weighs as much as the whole job's, so an open-chat session
+# on a job whose pool grounded sessions filled stops drafting on their rate after one miss. Replayed
+# (bench/replay.py --one-job, both workloads in one job; docs/speculative.md): grounded τ at 0.1 ms
+# 1.56 -> 1.59 with two -> one, 2.46 at 21 ms either way.
+PRIOR_TRIALS = 1.0
 POOL = 64
 
 
