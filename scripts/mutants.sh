@@ -825,6 +825,13 @@ MUTANTS += [
         "PRIOR_TRIALS = 2.0",
         ["test_speculative.py::test_a_sessions_own_first_miss_outweighs_the_jobs_prior"],
     ),
+    (  # issue 43 (branch nevers): a single session's span cost is fitted from its steps with and without drafts
+        "t43-single-span-not-fitted",
+        R + "generation/speculative.py",
+        "if statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS:",
+        "if statistics.pstdev(ss) > 0.5:",
+        ["test_speculative.py::test_a_single_sessions_span_cost_is_fitted"],
+    ),
 ]
 
 words = sys.argv[1:]

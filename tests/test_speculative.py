@@ -342,6 +342,25 @@ def test_step_cost_fits_columns_and_spans():
     assert flat.fit() is None and flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]  # then DraftLength decides
 
 
+def test_a_single_sessions_span_cost_is_fitted():
+    """One session: each step carries its drafts or not (0 or 1 drafting session, a spread of 0.5 at
+    most). The span's cost is still told apart from the base and the columns once there are
+    SPAN_MIN_STEPS steps of each, and the budget then charges a first draft with it: at 60 ms a
+    step, 1 ms a column and 10 ms a span, a draft accepted 10 % of the time does not pay, which a
+    budget pricing only the column (1 ms) would keep."""
+    cost = S.StepCost()
+    for i in range(S.COST_MIN_STEPS * 2):
+        k = 0 if i % 3 == 0 else 2 + 3 * (i % 4)  # a third of the steps without drafts, widths to 12
+        cost.observe(1 + k, int(k > 0), 0.06 + 0.001 * (1 + k) + 0.01 * (k > 0))
+    assert cost.fit() == pytest.approx((0.06, 0.001, 0.01), abs=1e-9)
+    assert cost.allocate([4], [0.1]) == [0]
+    too_few = S.StepCost()  # fewer than SPAN_MIN_STEPS plain steps: the span folds into the rest
+    for i in range(S.COST_MIN_STEPS * 2):
+        k = 0 if i < S.SPAN_MIN_STEPS - 1 else 2 + 3 * (i % 4)
+        too_few.observe(1 + k, int(k > 0), 0.06 + 0.001 * (1 + k) + 0.01 * (k > 0))
+    assert too_few.fit()[2] == 0.0
+
+
 def test_step_cost_remembers_a_columns_cost_once_every_draft_is_cut():
     """A budget that cut every draft sees only plain steps, all of one width: it keeps what a column
     and a drafting session cost (and refits the base, which follows the network), instead of letting

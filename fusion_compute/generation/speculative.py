@@ -250,6 +250,7 @@ class JobAcceptance:
 COST_WINDOW = 32
 COST_MIN_STEPS = 6
 COST_MIN_SPREAD = 2.0
+SPAN_MIN_STEPS = 3  # steps at the fewest drafting sessions and steps above it, each, to fit a span's cost
 
 
 class StepCost:
@@ -299,7 +300,11 @@ class StepCost:
             base = statistics.fmean(t - per_column * w - per_span * n for w, n, t in zip(ws, ss, ts, strict=True))
             return base, per_column, per_span
         fitted = None
-        if statistics.pstdev(ss) > 0.5:
+        # the drafting sessions' cost needs steps with more and with fewer of them: a single session's
+        # 0-or-1 never spreads by more than 0.5, so that test alone folded its span's cost into the base
+        # and priced its first draft at one column's cost (docs/speculative.md, branch nevers)
+        low = min(ss)
+        if statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS:
             x = torch.tensor([[1.0, w, n] for w, n in zip(ws, ss, strict=True)], dtype=torch.float64)
             coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
             base, per_column, per_span = (float(c) for c in coef)
