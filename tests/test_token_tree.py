@@ -238,7 +238,9 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
     batching.accept = spy
     try:
         with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
-            spec = Speculator(from_flags("suffix", None, 8), eng.config.vocab, eng.context)
+            # priced as a wide-area link (21 ms): the budget keeps its trees whatever this machine's
+            # load makes of the fitted compute (on loopback it may rightly draft nothing)
+            spec = Speculator(from_flags("suffix", None, 8, link=(21.0, 1000.0)), eng.config.vocab, eng.context)
             got = [generate(eng, p, max_new_tokens=24, sampling=SamplingParams(), speculator=spec) for p in prompts]
             alone = len(ran)
             # batched: tree spans beside other sessions' single tokens and chains in one step, kept paths
