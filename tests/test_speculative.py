@@ -541,12 +541,11 @@ def test_suffix_drafts_keep_greedy_tokens_and_the_cache_pays(tiny_llama):
     want = [reference.greedy(ref, p, NEW) for p in PROMPTS]
     with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
         v = eng.config.vocab
-        # A wide-area link's model (--link-rtt-ms 21 --link-mbps 1000): every forward then costs ~120
-        # round trips, so the budget keeps the drafts whatever this machine's load makes of the fitted
-        # compute; unpriced (or priced by loopback), it may rightly draft nothing here (CI saw 72 = 3 · 24).
-        wan = (21.0, 1000.0)
-        cached = Speculator(from_flags("suffix", None, 16, link=wan), v, eng.context)
-        uncached = Speculator(from_flags("suffix", None, 16, suffix_cache_tokens=0, link=wan), v, eng.context)
+        # Not adaptive: every step drafts what the tries offer. The budget and the pause follow this
+        # machine's measured step times and acceptance, so on a loaded run they may rightly draft
+        # nothing here (CI saw 72 = 3 · 24 forwards once); they are tested apart.
+        cached = Speculator(SpeculativeConfig("suffix", 16, adaptive=False), v, eng.context)
+        uncached = Speculator(SpeculativeConfig("suffix", 16, suffix_cache_tokens=0, adaptive=False), v, eng.context)
         first = runs(eng, PROMPTS, cached)
         assert [r.token_ids for r in first] == want
         assert cached.suffix_cache is not None and len(cached.suffix_cache) == NEW * len(PROMPTS)
