@@ -38,12 +38,10 @@ WORKLOAD_NAMES = ("input_grounded", "open_chat")
 def greedy_refs(model: str, max_new: int, limit: int | None, log=lambda s: None) -> dict:
     """Each workload's prompts (chat template ids) and the target's greedy output for each, up to
     `max_new` tokens, stopping after an end-of-turn token (kept, as generate keeps it)."""
-    import torch
-
     from ..model.dense import DenseModel
     from ..weights.loader import open_weights
     from . import workloads
-    from .speculative import tokenizer_for
+    from .speculative import dense_greedy, tokenizer_for
 
     tok = tokenizer_for(model)
     target = DenseModel(open_weights(model), max_seq=1)
@@ -52,15 +50,7 @@ def greedy_refs(model: str, max_new: int, limit: int | None, log=lambda s: None)
         w = workloads.load(name, tok, limit)
         rows = []
         for i, p in enumerate(w.prompts):
-            cache = target.new_cache(len(p) + max_new + 1)
-            with torch.no_grad():
-                logits = target.forward(list(p), 0, cache)[-1]
-                gen: list[int] = []
-                while True:
-                    gen.append(int(torch.argmax(logits)))
-                    if gen[-1] in tok.eos_ids or len(gen) >= max_new:
-                        break
-                    logits = target.forward(gen[-1:], len(p) + len(gen) - 1, cache)[-1]
+            gen = dense_greedy(target, p, max_new, tok.eos_ids)
             rows.append({"prompt": list(p), "output": gen})
             log(f"refs {name} {i}: {len(gen)} tokens")
         out["workloads"][name] = rows

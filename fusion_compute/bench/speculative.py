@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 WORKLOAD_NAMES = ("input_grounded", "open_chat")
@@ -132,6 +133,23 @@ def median_ci(values: list[float], confidence: float = 0.95) -> list[float] | No
 
 
 # ---- the acceptance job: local workers ----
+
+
+def dense_greedy(target, prompt: Sequence[int], max_new: int, eos_ids) -> list[int]:
+    """The dense twin's greedy continuation of `prompt`: at most `max_new` tokens, ending after an
+    end-of-turn token (kept, as generate keeps it). The reference outputs the drafters are replayed
+    against (here and bench/replay.py)."""
+    import torch
+
+    cache = target.new_cache(len(prompt) + max_new + 1)
+    with torch.no_grad():
+        logits = target.forward(list(prompt), 0, cache)[-1]
+        gen: list[int] = []
+        while True:
+            gen.append(int(torch.argmax(logits)))
+            if gen[-1] in eos_ids or len(gen) >= max_new:
+                return gen
+            logits = target.forward(gen[-1:], len(prompt) + len(gen) - 1, cache)[-1]
 
 
 def tokenizer_for(path):
@@ -264,8 +282,6 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
     length and greedy rule replayed over them (speculative.DraftModelDrafter, DraftLength; a greedy
     verification accepts the drafts that equal the target's next tokens and adds the target's own).
     What the sharded loop would count on the same tokens; no step is timed."""
-    import torch
-
     from ..generation.speculative import DraftLength, DraftModelDrafter, SpecStats
     from ..model.dense import DenseModel
     from ..structural.plan import make_plan
@@ -282,15 +298,7 @@ def replay_draft(model: str, layers: list[int], k: int, max_new: int, limit: int
         w = workloads.load(name, tok, limit)
         refs = []
         for p in w.prompts:
-            cache = target.new_cache(len(p) + max_new + 1)
-            logits = target.forward(list(p), 0, cache)[-1]
-            gen: list[int] = []
-            while True:
-                gen.append(int(torch.argmax(logits)))
-                if gen[-1] in tok.eos_ids or len(gen) >= max_new:
-                    break
-                logits = target.forward(gen[-1:], len(p) + len(gen) - 1, cache)[-1]
-            refs.append(gen)
+            refs.append(dense_greedy(target, p, max_new, tok.eos_ids))
         row: dict = {"prompts": len(w.prompts), "tokens": sum(len(g) for g in refs)}
         for n, dm in drafts.items():
             stats, steps = SpecStats("draft_model"), 0
