@@ -182,23 +182,15 @@ def test_a_worker_sending_a_stale_frame_is_named_and_the_job_recovers(tiny_qwen2
     """A real job, three workers and a standby: worker 3 sends its victim (worker 1) a block stamped
     with the previous step at the 6th step. The victim refuses it (PeerOutOfStep) and leaves naming
     worker 3; the request completes with the tokens of the run without the fault, nobody removed."""
-    from test_faults import LIVENESS_S
-    from test_hostile_blame import TIMEOUT_S, reference
+    from test_hostile_blame import reference
+    from test_poisoned_partials import three_and_a_standby
     from test_slow_steps import run
     from tiny_models import STEP_RS
 
-    from fusion_compute.structural.client import Engine, EngineOptions
+    from fusion_compute.structural.client import Engine
 
     want = reference(tiny_qwen2, 3)
-    opts = EngineOptions(
-        n_workers=3,
-        standby=1,
-        context=128,
-        liveness_s=LIVENESS_S,
-        timeout_s=TIMEOUT_S,
-        args_for_worker={3: ("--inject-fault", f"stale-rs@{STEP_RS * 5 + 2}")},
-    )
-    with Engine(tiny_qwen2, opts) as eng:
+    with Engine(tiny_qwen2, three_and_a_standby(3, f"stale-rs@{STEP_RS * 5 + 2}")) as eng:
         res = run(eng)
         assert res.token_ids == want
         states = {w["id"]: w["state"] for w in eng.workers()}

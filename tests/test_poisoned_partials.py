@@ -208,6 +208,24 @@ BLOCKS = {
 }
 
 
+def three_and_a_standby(liar: int, fault: str):
+    """The job the real-worker liar tests run: 3 workers and a standby on the tiny Qwen2, worker
+    `liar` started with `--inject-fault FAULT`, the hostile tests' liveness and timeout."""
+    from test_faults import LIVENESS_S
+    from test_hostile_blame import TIMEOUT_S
+
+    from fusion_compute.structural.client import EngineOptions
+
+    return EngineOptions(
+        n_workers=3,
+        standby=1,
+        context=128,
+        liveness_s=LIVENESS_S,
+        timeout_s=TIMEOUT_S,
+        args_for_worker={liar: ("--inject-fault", fault)},
+    )
+
+
 def _honest_step(n: int, liar: int, blocks: dict[int, str]):
     """What the honest workers do with the blocks the liar sent them (the protocol, with the real
     checks): a refused block, leave naming the liar; an own block that fails, leave saying `inputs`;
@@ -351,23 +369,14 @@ def test_a_worker_poisoning_its_peer_is_suspected_not_its_victim_removed(tiny_qw
     removed, and the request completes with the tokens of the run without the fault. The job then
     runs 2 of 3 workers and says so (item 3); the next session's start fills the empty seat from
     the workers set aside, and its tokens are the same."""
-    from test_faults import LIVENESS_S
-    from test_hostile_blame import TIMEOUT_S, reference
+    from test_hostile_blame import reference
     from test_slow_steps import run
     from tiny_models import STEP_RS
 
-    from fusion_compute.structural.client import Engine, EngineOptions
+    from fusion_compute.structural.client import Engine
 
     want = reference(tiny_qwen2, 3)
-    opts = EngineOptions(
-        n_workers=3,
-        standby=1,
-        context=128,
-        liveness_s=LIVENESS_S,
-        timeout_s=TIMEOUT_S,
-        args_for_worker={liar: ("--inject-fault", f"{fault}@{STEP_RS * 5 + 2}")},
-    )
-    with Engine(tiny_qwen2, opts) as eng:
+    with Engine(tiny_qwen2, three_and_a_standby(liar, f"{fault}@{STEP_RS * 5 + 2}")) as eng:
         res = run(eng)
         assert res.token_ids == want
         states = {w["id"]: w["state"] for w in eng.workers()}
@@ -390,25 +399,16 @@ def test_a_block_under_the_bound_that_blows_up_its_receiver_names_nobody(tiny_qw
     saying its inputs made it, and every worker is a suspect, none removed. Without that check the
     client's scale check would name the victim (honest) and remove it. The request completes with
     the tokens of the run without the fault."""
-    from test_faults import LIVENESS_S
-    from test_hostile_blame import TIMEOUT_S, reference
+    from test_hostile_blame import reference
     from test_slow_steps import run
     from tiny_models import STEP_RS
 
-    from fusion_compute.structural.client import Engine, EngineOptions
+    from fusion_compute.structural.client import Engine
 
     want = reference(tiny_qwen2, 3)
-    opts = EngineOptions(
-        n_workers=3,
-        standby=1,
-        context=128,
-        liveness_s=LIVENESS_S,
-        timeout_s=TIMEOUT_S,
-        # the 6th step's last reduce-scatter (L2.gate_up: the last down is the client's, plan.boundary);
-        # the victim's egress is next
-        args_for_worker={3: ("--inject-fault", f"big-rs@{STEP_RS * 6}")},
-    )
-    with Engine(tiny_qwen2, opts) as eng:
+    # the 6th step's last reduce-scatter (L2.gate_up: the last down is the client's, plan.boundary);
+    # the victim's egress is next
+    with Engine(tiny_qwen2, three_and_a_standby(3, f"big-rs@{STEP_RS * 6}")) as eng:
         res = run(eng)
         assert res.token_ids == want
         assert "removed" not in {w["state"] for w in eng.workers()}, eng.workers()
