@@ -144,6 +144,18 @@ def test_a_liar_leaving_after_a_peer_that_never_left_is_a_suspect_with_it():
     assert _weigh(job, again) == 3
 
 
+def test_a_never_left_liar_its_peers_waits_name_is_removed_at_once():
+    """The waits come first: when the peers blocked on the claimant were kept waiting long enough
+    to accuse it (two workers: rule 6), it is removed then and there, as before the rule above (a
+    real job with a short --timeout does this: its accusation threshold is a quarter of it)."""
+    accounts = {1: account(waiting=[3]), 2: account(waiting=[3]), 3: account(after=1)}
+    seen = {1: OPEN, 2: OPEN, 3: left(after=1)}
+    named, v = blame_link(accounts, seen, W3, set(W3), {CLIENT: {}, 1: {3: 3.3}, 2: {3: 3.3}}, 2.5)
+    assert named == {3}, v
+    named, v = blame_link(accounts, seen, W3, set(W3), {CLIENT: {}, 1: {3: 3.3}, 2: {3: 3.3}}, 7.5)
+    assert named == set() and v.causes == (3, 1) and v.liar_only, v  # under the threshold: the pair
+
+
 def test_an_honest_knock_on_whose_cause_s_farewell_is_on_its_way_is_not_suspected():
     """Negative controls: the evidence the client cannot settle stays unsettled. Honest worker 3
     left after worker 1's farewell, and 1's farewell to the client has not arrived (its link reads
@@ -301,12 +313,13 @@ def test_a_liar_that_always_quarrels_with_one_partner_is_never_removed_nor_is_th
 # ---- frames: framing an honest peer by replaying its block ----
 
 
-@pytest.mark.parametrize("stamp", ["old", "current"])
+@pytest.mark.parametrize("stamp", ["old step", "old epoch", "current"])
 def test_a_liar_replaying_an_honest_peer_s_block_is_named_itself_or_passes_as_a_plausible_lie(stamp):
     """Framing by replay (docs/resilience.md "Frames carry their step"): in step 6 liar 3 sends its
     victim 2 the block honest worker 1 sent the liar in step 5 (the right size), stamped with
-    step 5 or with step 6. Links are pairwise and pinned, so whatever the bytes, the victim reads
-    them on its link to the liar: an old stamp names the liar (PeerOutOfStep), never worker 1. A
+    step 5 (or epoch 1) or with step 6. Links are pairwise and pinned, so whatever the bytes, the
+    victim reads them on its link to the liar: an old stamp names the liar (PeerOutOfStep), never
+    worker 1. A
     current stamp passes every check: the sum is wrong, silently (the README's stated limit: a
     wrong but plausible partial passes), and worker 1's own sums are untouched."""
     ranks, liar, victim = W3, 3, 2
@@ -329,11 +342,13 @@ def test_a_liar_replaying_an_honest_peer_s_block_is_named_itself_or_passes_as_a_
         def replay(peer, t):
             if peer != victim:
                 return put(peer, t)
-            link.step -= stamp == "old"
+            link.step -= stamp == "old step"
+            link.epoch -= stamp == "old epoch"
             try:
                 link.send(raw(host(heard)))
             finally:
-                link.step += stamp == "old"
+                link.step += stamp == "old step"
+                link.epoch += stamp == "old epoch"
 
         comms[liar]._put = replay
         got = _run_all(
@@ -343,9 +358,10 @@ def test_a_liar_replaying_an_honest_peer_s_block_is_named_itself_or_passes_as_a_
         _close(comms)
     honest_sum = sum(partial[r][2:4] for r in ranks)
     assert torch.equal(got[1], sum(partial[r][0:2] for r in ranks)), got  # worker 1's sum untouched
-    if stamp == "old":
+    if stamp != "current":
         err = got[victim]
-        assert isinstance(err, PeerOutOfStep) and err.rank == liar and err.got == (2, 5), got
+        assert isinstance(err, PeerOutOfStep) and err.rank == liar, got
+        assert err.got == ((2, 5) if stamp == "old step" else (1, 6)), err.got
     else:
         assert isinstance(got[victim], torch.Tensor), got
         assert block_fault(heard) is None
@@ -422,3 +438,35 @@ def test_whole_epoch_suspect_sets_never_name_an_honest_worker_and_rarely_the_lia
     job = Bookkeeping([1, 2, 3])
     assert _weigh(job, Verdict(None, (1, 2, 3), "whole epoch", liar_only=True)) is None
     assert _weigh(job, Verdict(None, (4, 5, 3), "whole epoch", liar_only=True)) == liar
+
+
+# ---- the never-left lie in a real job ----
+
+
+@pytest.mark.slow
+def test_a_real_worker_leaving_after_a_peer_that_never_left_is_set_aside_and_the_request_served(tiny_qwen2, capfd):
+    """The real `fusion worker` with `--inject-fault leave-after@N` (runtime/faults.py): mid-step it
+    tells the client alone that it left after its victim's farewell and stalls, its peers blocked
+    on it. With --timeout 30 its peers' waits (about --liveness + 1 s when the client weighs them)
+    are under the accusation threshold (a quarter of --timeout), so the waits name nobody (with
+    --timeout 10 they name the liar and it is removed: the test above, in process). Before, the
+    request failed (`the evidence names nobody`), nobody set aside, and every request could be made
+    to fail the same way. Now the liar and its victim are an ambiguous pair: set aside for the
+    standby, the step replayed, the tokens those of the run without the fault, nobody removed."""
+    from test_hostile_blame import attacked, reference
+    from tiny_models import STEP_RS
+
+    liar, victim = 2, 1
+    want = reference(tiny_qwen2, 3)
+    res, order, states = attacked(tiny_qwen2, 3, liar, f"leave-after@{STEP_RS * 5 + 1}", timeout_s=30.0)
+    assert res.token_ids == want
+    assert len(res.recoveries) == 1, res.recoveries
+    first = res.recoveries[0]
+    assert (
+        f"worker {liar} says it left after worker {victim}'s farewell, but worker {victim} never left"
+        in (first["reason"])
+    ), first
+    assert first["lost"] == [] and liar in first["set_aside"] and set(first["set_aside"]) <= {liar, victim}, first
+    assert 4 in order and liar not in order, order
+    assert "removed" not in states.values(), states
+    assert "(not barred)" in capfd.readouterr().err

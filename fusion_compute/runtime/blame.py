@@ -139,8 +139,8 @@ def blame_link(
         words.append(
             f"workers {ring} each say they left after the next one's farewell, the last after the first: one lies"
         )
-    for q, x in _after_the_unmoved(left, seen, accounts, workers):
-        rings.append([q, x])
+    unmoved = _after_the_unmoved(left, seen, accounts, workers)
+    for q, x in unmoved:
         words.append(
             f"worker {q} says it left after worker {x}'s farewell, but worker {x} never left: it says it "
             f"waits on worker {q}: one of them lies"
@@ -159,15 +159,19 @@ def blame_link(
         for q in sorted(tainted):
             words.append(f"worker {q} left: its own block failed though its inputs had passed (it names nobody)")
         accused = sorted(set(counted.values()))
-        pairs = [w for ring in rings for w in ring]
+        pairs = [w for ring in [*rings, *unmoved] for w in ring]
         causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))
         return set(), Verdict(None, causes, "; ".join(words), liar_only=True)
     if counted or rings:
         accused = sorted(set(counted.values()))
-        causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))
+        pairs = [w for ring in [*rings, *unmoved] for w in ring]
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs))
         return set(), Verdict(None, causes, "; ".join(words), liar_only=True)
     verdict = judge(blocked, workers, threshold_s)
     said = "; ".join([*words, verdict.said])
+    if unmoved and verdict.named is None:  # the waits name nobody: the pairs, each holding the liar
+        causes = tuple(dict.fromkeys(w for pair in unmoved for w in pair))
+        return set(), Verdict(None, causes, said, liar_only=True)
     # waits only (rule 6): an ambiguous set here can be two honest workers on a loaded machine (liar_only False)
     return ({verdict.named} if verdict.named is not None else set()), Verdict(verdict.named, verdict.causes, said)
 
@@ -183,8 +187,9 @@ def _after_the_unmoved(
     not still waiting on q after saying farewell to it. Either q lies (the red team's "after a peer
     that never left": before, nobody was suspected and the request failed each time) or x lies in
     its account (it said farewell to q and stays): each pair holds the liar, and the pair is
-    ambiguous, the claimant first. Without x's account (it did not answer) the pair is not made:
-    x's farewell to the client may still be on its way."""
+    ambiguous, the claimant first (after the waits: a claimant its peers' waits name is removed by
+    rule 6 first). Without x's account (it did not answer) the pair is not made: x's farewell to
+    the client may still be on its way."""
     pairs = []
     for q, reason in sorted(left.items()):
         x = reason.get("after")

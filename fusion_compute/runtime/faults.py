@@ -54,6 +54,10 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
                     its inputs made it: nobody named)
   stale-rs@N        at its N-th reduce-scatter, the block it owes its victim goes out stamped with the
                     previous step (a late or replayed message of the right size); otherwise it behaves
+  leave-after@N     at its N-th reduce-scatter, it tells the client alone that it left after its
+                    victim's farewell (a farewell with `after`, its account the same), says nothing
+                    on its links to its peers (they stay blocked on it), and stalls, beating, until
+                    the client ends the epoch: "I left after a peer that never left" (issue 43)
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -93,6 +97,7 @@ COMM_FAULTS = (
     "close-link",
     "leave-lie",
     "stale-rs",
+    "leave-after",
     *POISONS,
 )
 SEND_FAULTS = (
@@ -166,6 +171,8 @@ def comm_fault(fault: Fault | None) -> Callable:
                 return _poisoned(comm, honest, victim, chunk, sizes, op, POISONS[fault.kind])
             if calls[0] == fault.step and fault.kind == "stale-rs":
                 return _stale(comm, honest, victim, chunk, sizes, op)
+            if calls[0] == fault.step and fault.kind == "leave-after":
+                _leave_after(comm, victim)
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
                 if fault.kind == "drag-lie" and comm.witness is not None:
@@ -190,6 +197,19 @@ def comm_fault(fault: Fault | None) -> Callable:
         return comm
 
     return patch
+
+
+def _leave_after(comm, victim: int) -> None:
+    """leave-after: a farewell to the client alone saying this worker left after `victim`'s (which
+    never came), the account saying the same; nothing to the peers; then a stall (beating) until
+    the client ends the epoch and the pulse thread shuts the links (never returns)."""
+    if comm.witness is not None:
+        comm.witness.left_after(victim)  # the lie, told the same way in the account
+    said = f"{comm.links[victim].label} closed the connection: left the epoch"
+    comm.links[0].farewell(said, time.monotonic() + 1.0, after=victim)
+    word = torch.zeros(4, dtype=torch.int64)
+    while True:
+        comm.recv(word, 0, "control", "stall", wait_s=math.inf)
 
 
 def lie_to(comm, victim: int, value: float) -> Callable[[], None]:
