@@ -61,6 +61,9 @@ def test_two_workers_kept_waiting_by_the_same_dragger_still_name_it():
     for lie in ({}, {1: 4.0}, {2: 4.0}, {1: 4.0, 2: 4.0}):
         assert judge({CLIENT: {}, 1: {3: 4.0}, 2: {3: 4.0}, 3: lie}, W3, 1.0).named in (3, None)
     assert judge({CLIENT: {}, 1: {3: 4.0}, 2: {3: 4.0}, 3: {}}, W3, 1.0).named == 3
+    # a liar that holds back its egress (the client waited on it alone) and blames both peers: named
+    assert judge({CLIENT: {3: 5.0}, 1: {}, 2: {}, 3: {1: 4.0, 2: 4.0}}, W3, 1.0).named == 3
+    # the client's wait counts along a chain too (it waited on 1, which waited on 3, as did 2)
     assert judge({CLIENT: {1: 5.0}, 1: {2: 3.0}, 2: {4: 3.5}, 3: {4: 3.0}, 4: {}}, [1, 2, 3, 4], 1.0).named == 4
 
 
