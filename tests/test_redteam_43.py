@@ -25,7 +25,7 @@ from fusion_compute.comm import Comm, PeerOutOfStep
 from fusion_compute.comm.buffers import host, raw
 from fusion_compute.comm.value_checks import PEER_VALUE_LIMIT, block_fault, egress_fault
 from fusion_compute.runtime.blame import blame_link
-from fusion_compute.runtime.deadline import CLIENT, Verdict, judge
+from fusion_compute.runtime.deadline import CLIENT, StepClock, Verdict, judge
 
 W3 = [1, 2, 3]
 
@@ -473,3 +473,52 @@ def test_a_real_worker_leaving_after_a_peer_that_never_left_is_set_aside_and_the
     assert 4 in order and liar not in order, order
     assert "removed" not in states.values(), states
     assert "(not barred)" in capfd.readouterr().err
+
+
+# ---- timing near the step deadline: what a dragger can cost without a verdict ----
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _steps(clock: StepClock, fake: _Clock, seconds: list[float]) -> tuple[int, float]:
+    """Run steps of the given durations (one token each) on `clock`: (how many came due, time)."""
+    due, spent = 0, 0.0
+    for s in seconds:
+        clock.start(1)
+        fake.now += s
+        clock.stop()
+        spent += s
+        if clock.due():
+            due += 1
+            clock.forgive()
+    return due, spent
+
+
+def test_a_dragger_timed_under_the_deadline_is_never_judged_and_stays_within_the_stated_bound(monkeypatch):
+    """docs/resilience.md "Slow steps": slowness under the factor is never flagged, and a request of
+    S steps takes under about 1.25 x S x d or is judged. The liar times its drag to the rule: every
+    step just under the deadline (a 2 s floor over 20 ms steps: 100 times slower), or one step just
+    under three deadlines (two strikes) in every eight. Neither is ever judged, and both stay within
+    the bound the docs state (so the docs' promise holds; the bound itself is the cost). Control:
+    three one-strike steps in eight are judged."""
+    import fusion_compute.runtime.deadline as deadline
+
+    fake = _Clock()
+    monkeypatch.setattr(deadline, "time", fake)
+    for pattern in ([1.99] * 80, ([5.99] + [0.02] * 7) * 10):
+        clock = StepClock()
+        assert _steps(clock, fake, [0.02] * 16) == (0, pytest.approx(0.32))
+        d = clock.deadline(1)
+        assert d == 2.0  # the floor governs a 20 ms step
+        due, spent = _steps(clock, fake, pattern)
+        assert due == 0, pattern[:8]
+        assert spent <= 1.25 * len(pattern) * d
+    clock = StepClock()
+    _steps(clock, fake, [0.02] * 16)
+    assert _steps(clock, fake, [2.5, 0.02, 2.5, 0.02, 2.5])[0] == 1
