@@ -189,3 +189,149 @@ def test_the_cache_keeps_its_bound_oldest_out():
 def test_depth_below_two_is_refused():
     with pytest.raises(ValueError, match="depth"):
         SuffixTrie(1)
+
+
+def brute_check(brute: Brute, ctx: list[int], d, depth: int, k: int, min_prob: float, tree: bool) -> None:
+    """Draft d, grown from the match of length d.match_len, is the brute-force matcher's: a chain the
+    most frequent path, a tree the likeliest continuations best first (nothing likelier left out)."""
+    u = tuple(ctx[len(ctx) - d.match_len :])
+    room = min(k, d.match_len + 3, depth - d.match_len)
+    if not tree:
+        assert d.is_chain() and d.tokens == brute.path(u, room, min_prob)
+        return
+    cont = brute.continuations(u)
+    chosen = draft_strings(d.tokens, d.parents)
+    assert len(set(chosen)) == len(chosen) and len(chosen) <= room
+    for v, p in zip(chosen, d.probs, strict=True):
+        assert math.isclose(p, cont[v], rel_tol=1e-9) and p >= min_prob
+    left = [p for v, p in cont.items() if v not in chosen and p >= min_prob]
+    assert not left or (len(chosen) == room and max(left) <= min(d.probs) + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=seqs_st, depth=st.integers(2, 6), ctx=st.lists(st.integers(0, 3), max_size=8), tree=st.booleans())
+def test_every_match_length_drafts_as_brute_force(seqs, depth, ctx, tree):
+    """`SuffixTrie.drafts`: one draft per match length m whose last m context tokens occur and that has
+    a continuation of probability >= min_prob, shortest match first, each the brute-force one."""
+    trie, brute = SuffixTrie(depth), Brute(depth)
+    for sid, s in enumerate(seqs):
+        trie.extend(sid, s)
+        brute.extend(sid, s)
+    drafts = trie.drafts(ctx, 5, 1.0, 3.0, 0.2, tree)
+    want = []
+    for m in range(1, min(len(ctx), depth - 1) + 1):
+        u = tuple(ctx[len(ctx) - m :])
+        if not brute.count(u):
+            break
+        if any(len(v) == 1 and p >= 0.2 for v, p in brute.continuations(u).items()):
+            want.append(m)
+    assert [d.match_len for d in drafts] == want
+    for d in drafts:
+        brute_check(brute, ctx, d, depth, 5, 0.2, tree)
+
+
+def paths_of(d) -> list[tuple[int, ...]]:
+    return draft_strings(d.tokens, d.parents)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    session=st.lists(st.integers(0, 3), min_size=1, max_size=24),
+    cached=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=16), max_size=2),
+    depth=st.integers(3, 7),
+    k=st.integers(1, 12),
+)
+def test_the_tree_merges_every_match_length_and_both_tries(session, cached, depth, k):
+    """`propose_tree`: the draft `propose`'s rule picks (the best match, session or cache) as its first
+    columns, then every other match length's and the other trie's paths, by score, until k columns;
+    each path one that some match's brute-force continuations hold with its probability or less."""
+    cache = SuffixCache(depth, cache_tokens=1000)
+    sessions, caches = Brute(depth), Brute(depth)
+    for i, out in enumerate(cached):
+        cache.add(out)
+        caches.extend(i, out)
+    sessions.extend(0, session)
+    args = dict(max_depth=depth, factor=1.0, offset=3.0, min_prob=0.2)
+    merged = SuffixDrafter(cache, **args).propose_tree(session, k)
+    single = SuffixDrafter(cache, merge=False, **args).propose_tree(session, k)
+    # the first columns: the single best draft, as it was
+    assert merged.tokens[: len(single.tokens)] == single.tokens
+    assert merged.parents[: len(single.parents)] == single.parents
+    assert (merged.match_len, merged.from_cache) == (single.match_len, single.from_cache)
+    # the union of every match length's paths, in both tries, up to k
+    ctx = session[-(depth - 1) :]
+    own = SuffixTrie(depth)
+    own.extend(0, session)
+    every = own.drafts(ctx, k, 1.0, 3.0, 0.2, True) + cache.trie.drafts(ctx, k, 1.0, 3.0, 0.2, True)
+    union = {v for d in every for v in paths_of(d)}
+    got = paths_of(merged)
+    assert len(set(got)) == len(got) == min(k, len(union)) and set(got) <= union
+    # each path's probability: at most what any match gives it, and what one match gives it exactly
+    # when it came from that match (never above its parent's)
+    for v, p, parent in zip(got, merged.probs, merged.parents, strict=True):
+        ests = [
+            b.count(tuple(ctx[len(ctx) - m :]) + v) / b.count(tuple(ctx[len(ctx) - m :]))
+            for b in (sessions, caches)
+            for m in range(1, min(len(ctx), depth - 1) + 1)
+            if b.count(tuple(ctx[len(ctx) - m :])) and len(v) <= min(k, m + 3, depth - m)
+        ]
+        assert p >= 0.2 - 1e-12 and any(p <= e + 1e-12 for e in ests)
+        assert parent < 0 or p <= merged.probs[parent] + 1e-12
+
+
+def test_a_tree_verifies_a_shorter_match_and_the_cache_beside_the_best():
+    """Where the longest match continues one way (1 2 -> 3 5) and the shorter match (2 -> 4, three
+    times) or the global cache (2 -> 8) another, the tree carries all three at its root, the best
+    match's path first; the single-match tree (merge=False, as before) carried the best alone."""
+    cache = SuffixCache(16, cache_tokens=100)
+    cache.add([2, 8, 9])
+    session = [1, 2, 3, 5, 6, 2, 4, 7, 2, 4, 9, 2, 4, 1, 2]
+    args = dict(max_depth=16, factor=1.0, offset=0.0, min_prob=0.1)
+    merged = SuffixDrafter(cache, **args).propose_tree(session, 8)
+    single = SuffixDrafter(cache, merge=False, **args).propose_tree(session, 8)
+    assert (single.tokens, single.parents, single.match_len) == ([3, 5], [-1, 0], 2)
+    assert merged.tokens[:2] == [3, 5] and merged.parents[:2] == [-1, 0]
+    roots = {t for t, p in zip(merged.tokens, merged.parents, strict=True) if p < 0}
+    assert roots == {3, 4, 8}
+    # count(2 4) / count(2): the session's 2 occurs 5 times (its last ends the session), 3 of them before a 4
+    assert merged.probs[merged.tokens.index(4)] == pytest.approx(3 / 5)
+    # a chain stays the single best path
+    assert SuffixDrafter(cache, **args).propose(session, 8) == [3, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=seqs_st,
+    depth=st.integers(2, 6),
+    ctx=st.lists(st.integers(0, 3), max_size=8),
+    run=st.lists(st.integers(0, 3), max_size=6),
+)
+def test_reach_matches_brute_force(seqs, depth, ctx, run):
+    """bench.replay.reach: per match length m, the longest prefix of `run` that follows the context's
+    last m tokens somewhere in the sequences (at most depth - m), by brute force."""
+    from fusion_compute.bench.replay import reach
+
+    trie, brute = SuffixTrie(depth), Brute(depth)
+    for sid, s in enumerate(seqs):
+        trie.extend(sid, s)
+        brute.extend(sid, s)
+    want = []
+    for m in range(1, min(len(ctx), depth - 1) + 1):
+        u = tuple(ctx[len(ctx) - m :])
+        if not brute.count(u):
+            break
+        j = 0
+        while j < min(len(run), depth - m) and brute.count(u + tuple(run[: j + 1])):
+            j += 1
+        want.append(j)
+    assert reach(trie, ctx, run) == want
+
+
+def test_a_merged_path_is_never_likelier_than_its_prefix():
+    """A path another match added below a column keeps at most that column's probability: after
+    3 0 0 3 0 3 0 the best draft (the match of 0: one of the four 0s went on with 0) puts in 0 at
+    1/4, and the match 3 0 (one of three went on with 0 3) gives 0 3 below it 1/3: it gets 1/4 (the
+    budget divides a column's probability by its parent's for a frequency, which must stay <= 1)."""
+    d = SuffixDrafter(None, max_depth=6, factor=1.0, offset=3.0, min_prob=0.2).propose_tree([3, 0, 0, 3, 0, 3, 0], 8)
+    assert (d.tokens, d.parents) == ([3, 0, 0, 3, 3], [-1, 0, -1, 1, 2])
+    assert d.probs == pytest.approx([1 / 2, 1 / 2, 1 / 4, 1 / 4, 1 / 4])

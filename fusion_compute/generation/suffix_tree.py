@@ -51,6 +51,7 @@ class Draft:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+    from_cache: bool = False  # drafted from the global cache's trie, not the session's (suffix.py)
 
     def add(self, token: int, parent: int, prob: float) -> int:
         self.tokens.append(token)
@@ -139,17 +140,33 @@ class SuffixTrie:
     ) -> Draft:
         """The best-scoring draft over every match length (module docstring); empty when nothing matches."""
         best = Draft()
-        node = self.root
+        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree):
+            if draft.score >= best.score - TIE:
+                best = draft
+        return best
+
+    def drafts(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        factor: float = 1.0,
+        offset: float = 0.0,
+        min_prob: float = 0.1,
+        tree: bool = False,
+    ) -> list[Draft]:
+        """The non-empty draft of every match length m = 1, 2, ... (shortest first), each with its
+        match_len: what `speculate` chooses among."""
+        out = []
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
-            node_m = self.node(context[len(context) - m :])
-            if node_m is None:
+            node = self.node(context[len(context) - m :])
+            if node is None:
                 break  # a longer suffix of the context cannot occur either
-            node = node_m
             room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
             draft = self._grow_tree(node, room, min_prob) if tree else self._grow_path(node, room, min_prob)
-            if draft.tokens and draft.score >= best.score - TIE:
-                best, best.match_len = draft, m
-        return best
+            if draft.tokens:
+                draft.match_len = m
+                out.append(draft)
+        return out
 
     @staticmethod
     def _children(node: _Node) -> list[tuple[int, _Node]]:
