@@ -25,6 +25,9 @@ Beside the counters, `--detail` prints what bounds τ on each workload, from the
                 and how many of those had the right token nowhere among the root's children
   by cause      (suffix) per decode step, why it accepted less than the better of the two oracles:
                 budget, cut, other m, jump, empty (`loss`); steps and tokens lost per cause
+  by source     (suffix) verifications that accepted drafts, and their tokens, by where the accepted
+                run (after the session's last token) occurs: the prompt, else the output so far, else
+                only in the global cache
 
 The greedy outputs are cached in `--refs` (JSON; the model and prompts are checked against it).
 """
@@ -125,6 +128,10 @@ class Detail:
     # per decode step, why it accepted fewer than it could have (`loss`): steps and tokens per cause
     causes: Counter = field(default_factory=Counter)
     lost: Counter = field(default_factory=Counter)
+    # accepted drafts by where their run (the session's last token, then the accepted tokens) occurs:
+    # "prompt", "output" (the session's output so far, not its prompt), "cache" (neither: an earlier output)
+    sources: Counter = field(default_factory=Counter)
+    source_tokens: Counter = field(default_factory=Counter)
 
 
 def reach(trie, context: list[int], run: list[int]) -> list[int]:
@@ -276,6 +283,11 @@ def replay(
                 why, n = loss(drafter, raw, raw_accepted, accepted, prompt, out, ref[len(out) : len(ref) - 1])
                 detail.causes[why] += 1
                 detail.lost[why] += n
+                if accepted:
+                    run = out[-1:] + ref[len(out) : len(out) + accepted]
+                    src = "prompt" if _occurs(prompt, run) else "output" if _occurs(out, run) else "cache"
+                    detail.sources[src] += 1
+                    detail.source_tokens[src] += accepted
             emitted = min(accepted + 1, len(ref) - len(out))
             out = ref[: len(out) + emitted]
             stats.step(1 + drafted, emitted, decode=True)
@@ -415,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             if det.causes:
                 report[name]["steps_by_cause"] = dict(det.causes.most_common())
                 report[name]["tokens_lost_by_cause"] = dict(det.lost.most_common())
+                report[name]["accepted_steps_by_source"] = dict(det.sources.most_common())
+                report[name]["accepted_tokens_by_source"] = dict(det.source_tokens.most_common())
     print(json.dumps(report, indent=1))
     return 0
 

@@ -19,6 +19,7 @@ match earns a long draft. As a chain it follows the most frequent child (ties: t
 as a tree it takes tokens best-first by probability (a child's own parent first). The score of a
 draft is the sum of its tokens' probabilities (its expected accepted length, if the frequencies
 were the target's), and the match length with the highest score wins (ties: the longer match).
+`drafts(context)` gives every match length's draft, for a tree that merges them (suffix.py).
 """
 
 from __future__ import annotations
