@@ -335,3 +335,29 @@ def test_a_merged_path_is_never_likelier_than_its_prefix():
     d = SuffixDrafter(None, max_depth=6, factor=1.0, offset=3.0, min_prob=0.2).propose_tree([3, 0, 0, 3, 0, 3, 0], 8)
     assert (d.tokens, d.parents) == ([3, 0, 0, 3, 3], [-1, 0, -1, 1, 2])
     assert d.probs == pytest.approx([1 / 2, 1 / 2, 1 / 4, 1 / 4, 1 / 4])
+
+
+def test_replay_names_why_a_step_fell_short():
+    """bench.replay.loss, one hand-made step per cause: after 1 2 3 9 2 4 1 2 the match 1 2 goes on
+    with 3, the shorter match 2 with 3 or 4; the target's next token is 4."""
+    from fusion_compute.bench.replay import loss
+    from fusion_compute.generation.suffix_tree import Draft
+
+    prompt, out = [1, 2, 3, 9, 2, 4], [1, 2]
+    d = SuffixDrafter(None, max_depth=8)
+    d.draft(prompt + out, 0, tree=True)  # the session's trie up to its last token
+
+    def draft(tokens: list[int], m: int) -> Draft:
+        x = Draft(match_len=m)
+        for i, t in enumerate(tokens):
+            x.add(t, i - 1, 1.0)
+        return x
+
+    assert loss(d, draft([4], 1), 1, 1, prompt, out, [4]) == ("ok", 0)
+    assert loss(d, draft([4], 1), 1, 0, prompt, out, [4]) == ("budget", 1)  # the cut draft had it
+    assert loss(d, draft([3], 2), 0, 0, prompt, out, [4]) == ("other m", 1)  # the match 2 held 4
+    assert loss(d, draft([3], 1), 0, 0, prompt, out, [4]) == ("cut", 1)  # its own match held it
+    assert loss(d, Draft(), 0, 0, prompt, out, [4]) == ("empty", 1)
+    # 9 2 is in the session, but never after the session's last tokens (1 2, 2): the copy oracle's only
+    assert loss(d, draft([3], 2), 0, 0, prompt, out, [9, 2]) == ("jump", 2)
+    assert loss(d, Draft(), 0, 0, prompt, out, [7]) == ("ok", 0)  # nowhere: nothing was lost
