@@ -42,8 +42,9 @@ class Brute:
     def count(self, u: tuple[int, ...]) -> int:
         return len(self.occurrences(u)) if len(u) <= self.depth else 0
 
-    def continuations(self, u: tuple[int, ...]) -> dict[tuple[int, ...], float]:
-        """Every v with uv in the trie's reach: probability count(uv) / count(u)."""
+    def continuations(self, u: tuple[int, ...], less: int = 0) -> dict[tuple[int, ...], float]:
+        """Every v with uv in the trie's reach: probability count(uv) / (count(u) - less) (less = 1:
+        u's last occurrence, the session's own end, left out)."""
         out: dict[tuple[int, ...], float] = {}
         frontier = [()]
         alphabet = {t for seq in self.seqs.values() for t, _ in seq}
@@ -53,11 +54,11 @@ class Brute:
                 w = (*v, t)
                 c = self.count(u + w)
                 if c:
-                    out[w] = c / self.count(u)
+                    out[w] = c / max(1, self.count(u) - less)
                     frontier.append(w)
         return out
 
-    def path(self, u: tuple[int, ...], room: int, min_prob: float) -> list[int]:
+    def path(self, u: tuple[int, ...], room: int, min_prob: float, less: int = 0) -> list[int]:
         v: tuple[int, ...] = ()
         while len(v) < room:
             kids = [(self.count(u + v + (t,)), max(self.occurrences(u + v + (t,)), default=-1), t) for t in range(10)]
@@ -65,7 +66,7 @@ class Brute:
             if not kids:
                 break
             c, _, t = max(kids)
-            if c / self.count(u) < min_prob:
+            if c / max(1, self.count(u) - less) < min_prob:
                 break
             v = (*v, t)
         return list(v)
@@ -191,15 +192,17 @@ def test_depth_below_two_is_refused():
         SuffixTrie(1)
 
 
-def brute_check(brute: Brute, ctx: list[int], d, depth: int, k: int, min_prob: float, tree: bool) -> None:
+def brute_check(
+    brute: Brute, ctx: list[int], d, depth: int, k: int, min_prob: float, tree: bool, less: int = 0
+) -> None:
     """Draft d, grown from the match of length d.match_len, is the brute-force matcher's: a chain the
     most frequent path, a tree the likeliest continuations best first (nothing likelier left out)."""
     u = tuple(ctx[len(ctx) - d.match_len :])
     room = min(k, d.match_len + 3, depth - d.match_len)
     if not tree:
-        assert d.is_chain() and d.tokens == brute.path(u, room, min_prob)
+        assert d.is_chain() and d.tokens == brute.path(u, room, min_prob, less)
         return
-    cont = brute.continuations(u)
+    cont = brute.continuations(u, less)
     chosen = draft_strings(d.tokens, d.parents)
     assert len(set(chosen)) == len(chosen) and len(chosen) <= room
     for v, p in zip(chosen, d.probs, strict=True):
@@ -208,26 +211,36 @@ def brute_check(brute: Brute, ctx: list[int], d, depth: int, k: int, min_prob: f
     assert not left or (len(chosen) == room and max(left) <= min(d.probs) + 1e-12)
 
 
-@settings(max_examples=60, deadline=None)
-@given(seqs=seqs_st, depth=st.integers(2, 6), ctx=st.lists(st.integers(0, 3), max_size=8), tree=st.booleans())
-def test_every_match_length_drafts_as_brute_force(seqs, depth, ctx, tree):
+@settings(max_examples=80, deadline=None)
+@given(
+    seqs=seqs_st,
+    depth=st.integers(2, 6),
+    ctx=st.lists(st.integers(0, 3), max_size=8),
+    tree=st.booleans(),
+    own=st.booleans(),
+)
+def test_every_match_length_drafts_as_brute_force(seqs, depth, ctx, tree, own):
     """`SuffixTrie.drafts`: one draft per match length m whose last m context tokens occur and that has
-    a continuation of probability >= min_prob, shortest match first, each the brute-force one."""
+    a continuation of probability >= min_prob, shortest match first, each the brute-force one. `own`:
+    the context is the last sequence's end (a session drafting from its own trie), and that
+    occurrence of every match, which has no continuation yet, is left out of the frequencies."""
     trie, brute = SuffixTrie(depth), Brute(depth)
     for sid, s in enumerate(seqs):
         trie.extend(sid, s)
         brute.extend(sid, s)
-    drafts = trie.drafts(ctx, 5, 1.0, 3.0, 0.2, tree)
+    if own:
+        ctx = seqs[-1][-8:]
+    drafts = trie.drafts(ctx, 5, 1.0, 3.0, 0.2, tree, own)
     want = []
     for m in range(1, min(len(ctx), depth - 1) + 1):
         u = tuple(ctx[len(ctx) - m :])
         if not brute.count(u):
             break
-        if any(len(v) == 1 and p >= 0.2 for v, p in brute.continuations(u).items()):
+        if any(len(v) == 1 and p >= 0.2 for v, p in brute.continuations(u, int(own)).items()):
             want.append(m)
     assert [d.match_len for d in drafts] == want
     for d in drafts:
-        brute_check(brute, ctx, d, depth, 5, 0.2, tree)
+        brute_check(brute, ctx, d, depth, 5, 0.2, tree, int(own))
 
 
 def paths_of(d) -> list[tuple[int, ...]]:
@@ -262,15 +275,15 @@ def test_the_tree_merges_every_match_length_and_both_tries(session, cached, dept
     ctx = session[-(depth - 1) :]
     own = SuffixTrie(depth)
     own.extend(0, session)
-    every = own.drafts(ctx, k, 1.0, 3.0, 0.2, True) + cache.trie.drafts(ctx, k, 1.0, 3.0, 0.2, True)
+    every = own.drafts(ctx, k, 1.0, 3.0, 0.2, True, own=True) + cache.trie.drafts(ctx, k, 1.0, 3.0, 0.2, True)
     union = {v for d in every for v in paths_of(d)}
     got = paths_of(merged)
     assert len(set(got)) == len(got) == min(k, len(union)) and set(got) <= union
     # each path's probability: at most what any match gives it, and what one match gives it exactly
     # when it came from that match (never above its parent's)
     for v, p, parent in zip(got, merged.probs, merged.parents, strict=True):
-        ests = [
-            b.count(tuple(ctx[len(ctx) - m :]) + v) / b.count(tuple(ctx[len(ctx) - m :]))
+        ests = [  # the session's own trie leaves its last occurrence of the match out
+            b.count(tuple(ctx[len(ctx) - m :]) + v) / max(1, b.count(tuple(ctx[len(ctx) - m :])) - (b is sessions))
             for b in (sessions, caches)
             for m in range(1, min(len(ctx), depth - 1) + 1)
             if b.count(tuple(ctx[len(ctx) - m :])) and len(v) <= min(k, m + 3, depth - m)
@@ -293,8 +306,8 @@ def test_a_tree_verifies_a_shorter_match_and_the_cache_beside_the_best():
     assert merged.tokens[:2] == [3, 5] and merged.parents[:2] == [-1, 0]
     roots = {t for t, p in zip(merged.tokens, merged.parents, strict=True) if p < 0}
     assert roots == {3, 4, 8}
-    # count(2 4) / count(2): the session's 2 occurs 5 times (its last ends the session), 3 of them before a 4
-    assert merged.probs[merged.tokens.index(4)] == pytest.approx(3 / 5)
+    # 3 of the session's 4 earlier 2s went on with 4 (its fifth, the session's end, has not gone on yet)
+    assert merged.probs[merged.tokens.index(4)] == pytest.approx(3 / 4)
     # a chain stays the single best path
     assert SuffixDrafter(cache, **args).propose(session, 8) == [3, 5]
 
@@ -329,12 +342,13 @@ def test_reach_matches_brute_force(seqs, depth, ctx, run):
 
 def test_a_merged_path_is_never_likelier_than_its_prefix():
     """A path another match added below a column keeps at most that column's probability: after
-    3 0 0 3 0 3 0 the best draft (the match of 0: one of the four 0s went on with 0) puts in 0 at
-    1/4, and the match 3 0 (one of three went on with 0 3) gives 0 3 below it 1/3: it gets 1/4 (the
-    budget divides a column's probability by its parent's for a frequency, which must stay <= 1)."""
-    d = SuffixDrafter(None, max_depth=6, factor=1.0, offset=3.0, min_prob=0.2).propose_tree([3, 0, 0, 3, 0, 3, 0], 8)
-    assert (d.tokens, d.parents) == ([3, 0, 0, 3, 3], [-1, 0, -1, 1, 2])
-    assert d.probs == pytest.approx([1 / 2, 1 / 2, 1 / 4, 1 / 4, 1 / 4])
+    1 3 1 3 1 3 3 1 the best draft (the match of 1: one of its three earlier occurrences went on 3 3)
+    puts in 3 3 at 1/3, and the match 3 1 (one of its two earlier occurrences went on 3 3 1) gives
+    3 3 1 below it 1/2: it gets 1/3 (the budget divides a column's probability by its parent's for a
+    frequency, which must stay <= 1)."""
+    d = SuffixDrafter(None, max_depth=6, factor=1.0, offset=3.0, min_prob=0.2).propose_tree([1, 3, 1, 3, 1, 3, 3, 1], 8)
+    assert (d.tokens, d.parents) == ([3, 1, 3, 3, 1], [-1, 0, 1, 0, 3])
+    assert d.probs == pytest.approx([1, 2 / 3, 2 / 3, 1 / 3, 1 / 3])
 
 
 def test_replay_names_why_a_step_fell_short():
@@ -361,3 +375,15 @@ def test_replay_names_why_a_step_fell_short():
     # 9 2 is in the session, but never after the session's last tokens (1 2, 2): the copy oracle's only
     assert loss(d, draft([3], 2), 0, 0, prompt, out, [9, 2]) == ("jump", 2)
     assert loss(d, Draft(), 0, 0, prompt, out, [7]) == ("ok", 0)  # nowhere: nothing was lost
+
+
+def test_a_session_does_not_count_its_own_end_against_a_match():
+    """After 5 6 7 5 the one earlier 5 went on with 6 7 5: probability 1, not 1/2 (the session's last 5
+    has not gone on yet; counting it halved the estimates of every draft from the session's own trie
+    against the cache's). A cached output's last 5 ended that output, and counts."""
+    d = SuffixDrafter(None, max_depth=8, factor=4.0, min_prob=0.6).propose_tree([5, 6, 7, 5], 3)
+    assert d.tokens == [6, 7, 5] and d.probs == pytest.approx([1, 1, 1]) and not d.from_cache
+    cache = SuffixCache(8, cache_tokens=100)
+    cache.add([5, 6, 7, 5])
+    d = SuffixDrafter(cache, max_depth=8, factor=4.0, min_prob=0.4).propose_tree([9, 5], 3)
+    assert d.tokens == [6, 7, 5] and d.probs == pytest.approx([1 / 2] * 3) and d.from_cache

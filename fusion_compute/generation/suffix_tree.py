@@ -8,7 +8,11 @@ from the root; a node u, the substring spelled on its path, carries
     last(u)  = the serial of the latest token that ended an occurrence of u (recency, for ties)
 
 so the frequency of continuation t after u is count(ut) / count(u) (less than 1 in sum where u
-also ends a sequence). Appending a token to a sequence touches the <= D nodes of its last suffixes
+also ends a sequence). When the context is the end of one of the trie's own sequences (a session
+drafting from its own tokens, `own`), every match u counts that last occurrence too, which has not
+gone on yet: it is left out, count(ut) / (count(u) - 1), the frequency among the occurrences that
+went on (counted in, an earlier occurrence seen once read 1/2, and the session's drafts lost to the
+global cache's, whose sequences have ended, on estimates alone: docs/speculative.md). Appending a token to a sequence touches the <= D nodes of its last suffixes
 (`_active`), so building costs O(D) per token; removing a sequence walks the same paths down.
 
 `speculate(context)` is SuffixDecoding's lookup: for every match length m (1..D-1) whose last m
@@ -138,10 +142,11 @@ class SuffixTrie:
         offset: float = 0.0,
         min_prob: float = 0.1,
         tree: bool = False,
+        own: bool = False,
     ) -> Draft:
         """The best-scoring draft over every match length (module docstring); empty when nothing matches."""
         best = Draft()
-        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree):
+        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree, own):
             if draft.score >= best.score - TIE:
                 best = draft
         return best
@@ -154,16 +159,21 @@ class SuffixTrie:
         offset: float = 0.0,
         min_prob: float = 0.1,
         tree: bool = False,
+        own: bool = False,
     ) -> list[Draft]:
         """The non-empty draft of every match length m = 1, 2, ... (shortest first), each with its
-        match_len: what `speculate` chooses among."""
+        match_len: what `speculate` chooses among. `own`: the context is the end of one of the trie's
+        sequences (a session's trie and its own tokens), so every match u counts that occurrence,
+        which has no continuation yet: it is left out, count(uv) / (count(u) - 1), the frequency
+        among the occurrences that went on (module docstring)."""
         out = []
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
             node = self.node(context[len(context) - m :])
             if node is None:
                 break  # a longer suffix of the context cannot occur either
             room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
-            draft = self._grow_tree(node, room, min_prob) if tree else self._grow_path(node, room, min_prob)
+            base = max(1, node.count - own)
+            draft = self._grow_tree(node, base, room, min_prob) if tree else self._grow_path(node, base, room, min_prob)
             if draft.tokens:
                 draft.match_len = m
                 out.append(draft)
@@ -174,8 +184,9 @@ class SuffixTrie:
         """Most frequent first, ties to the most recent."""
         return sorted(node.children.items(), key=lambda kv: (-kv[1].count, -kv[1].last))
 
-    def _grow_path(self, node: _Node, room: int, min_prob: float) -> Draft:
-        draft, base = Draft(), node.count  # the product of frequencies on a path telescopes: count(uv) / count(u)
+    def _grow_path(self, node: _Node, base: int, room: int, min_prob: float) -> Draft:
+        """`base`: the occurrences of `node` the frequencies divide by (`drafts`)."""
+        draft = Draft()  # the product of frequencies on a path telescopes: count(uv) / base
         while len(draft.tokens) < room and node.children:
             t, child = self._children(node)[0]
             prob = child.count / base
@@ -185,14 +196,12 @@ class SuffixTrie:
             node = child
         return draft
 
-    def _grow_tree(self, node: _Node, room: int, min_prob: float) -> Draft:
+    def _grow_tree(self, node: _Node, base: int, room: int, min_prob: float) -> Draft:
         draft = Draft()
         # (-prob, tie, token, node, its parent's index); tie keeps the heap's order deterministic: the
         # order pushed, which lists a node's children most frequent first
         heap: list[tuple[float, int, int, _Node, int]] = []
         tie = 0
-
-        base = node.count
 
         def push(parent_node: _Node, parent: int) -> None:
             nonlocal tie
