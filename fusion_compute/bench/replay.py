@@ -175,7 +175,8 @@ def loss(
                 without a draft)
       empty     no draft was made (the draft length was 0, or every continuation was under the least
                 probability) though a match held the run
-    `raw`: the step's draft before the budget's cut. Returns the cause and the tokens it lost (the best of oracle and tries, less what was taken)."""
+    `raw`: the step's draft before the budget's cut. Returns the cause and the tokens it lost (the
+    better of the oracle's run and the tries' reach, less what was taken)."""
     context = prompt + out
     oracle = oracle_run(context, run)
     own = reach(drafter.trie, context, run)

@@ -5,17 +5,18 @@ shared by the sessions of one engine: a `fusion serve` keeps it from request to 
 Each step both tries grow a draft from every match length m (the session's last m tokens a node of
 the trie: `SuffixTrie.drafts`; draft size min(K, factor · m + offset), tokens kept while their
 estimated probability, a product of frequencies, is at least min_prob; in the session's own trie
-the frequencies leave out the match's last occurrence, the session's end, which has not gone on). `propose` gives the chain
-with the highest score over both tries (ties: the session's own). `propose_tree` merges them all into
-one token tree of at most K tokens: the draft `propose` would choose, whole, then the others by
-score (ties: the session's trie, then the longer match), each adding the paths not in the tree yet under the
-paths they extend, until K. Where the longest match goes one way and a shorter match, or the other
-trie, another, both are verified in the same forward; the best draft comes first, so a cost budget
-that keeps the tree's first columns (the loop's) keeps it before the alternatives. Replayed over the
-bench's grounded outputs (docs/speculative.md, "Where the suffix drafter loses"), the merged tree
-took τ from 2.46 to 2.61 at a 21 ms link, almost all of it from verifying the global cache's draft
-beside the session's where one of them alone was before, and leaving the session's end out of its
-frequencies took it to 2.62 (1.59 to 1.70 at 0.1 ms, where the budget reads the estimates).
+the frequencies leave out the match's last occurrence, the session's end, which has not gone on).
+`propose` gives the chain with the highest score over both tries (ties: the session's own).
+`propose_tree` merges them all into one token tree of at most K tokens: the draft `propose` would
+choose, whole, then the others by score (ties: the session's trie, then the longer match), each
+adding the paths not in the tree yet under the paths they extend, until K. Where the longest match
+goes one way and a shorter match, or the other trie, another, both are verified in the same
+forward; the best draft comes first, so a cost budget that keeps the tree's first columns (the
+loop's) keeps it before the alternatives. Replayed over the bench's grounded outputs
+(docs/speculative.md, "Where the suffix drafter loses"), the merged tree took τ from 2.46 to 2.61
+at a 21 ms link, almost all of it from verifying the global cache's draft beside the session's
+where one of them alone was before, and leaving the session's end out of its frequencies took it
+to 2.62 (1.59 to 1.70 at 0.1 ms, where the budget reads the estimates).
 
 The global cache holds finished sessions' outputs (never prompts), at most `cache_tokens` tokens:
 the oldest outputs are evicted first. Its drafts are the user's own earlier outputs, computed on the

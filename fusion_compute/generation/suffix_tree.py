@@ -11,15 +11,16 @@ so the frequency of continuation t after u is count(ut) / count(u) (less than 1 
 also ends a sequence). When the context is the end of one of the trie's own sequences (a session
 drafting from its own tokens, `own`), every match u counts that last occurrence too, which has not
 gone on yet: it is left out, count(ut) / (count(u) - 1), the frequency among the occurrences that
-went on (counted in, an earlier occurrence seen once read 1/2, and the session's drafts lost to the
-global cache's, whose sequences have ended, on estimates alone: docs/speculative.md). Appending a token to a sequence touches the <= D nodes of its last suffixes
-(`_active`), so building costs O(D) per token; removing a sequence walks the same paths down.
+went on (counted in, a phrase seen once before read 1/2, and the session's drafts lost to the
+global cache's, whose sequences have ended, on the estimates alone: docs/speculative.md).
+Appending a token to a sequence touches the <= D nodes of its last suffixes (`_active`), so building
+costs O(D) per token; removing a sequence walks the same paths down.
 
 `speculate(context)` is SuffixDecoding's lookup: for every match length m (1..D-1) whose last m
 context tokens form a node u, a draft grows from u with the estimated probability of each token
 the product of the frequencies on its path (p(u→v) = count(v) / count(u)), keeping tokens while
-that product (it telescopes to count(uv) / count(u), computed so) is at least `min_prob`, at most min(max_tokens, factor · m + offset) of them: a long
-match earns a long draft. As a chain it follows the most frequent child (ties: the most recent);
+that product (it telescopes to count(uv) / count(u), computed so) is at least `min_prob`, at most
+min(max_tokens, factor · m + offset) of them: a long match earns a long draft. As a chain it follows the most frequent child (ties: the most recent);
 as a tree it takes tokens best-first by probability (a child's own parent first). The score of a
 draft is the sum of its tokens' probabilities (its expected accepted length, if the frequencies
 were the target's), and the match length with the highest score wins (ties: the longer match).
