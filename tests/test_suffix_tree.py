@@ -387,3 +387,33 @@ def test_a_session_does_not_count_its_own_end_against_a_match():
     cache.add([5, 6, 7, 5])
     d = SuffixDrafter(cache, max_depth=8, factor=4.0, min_prob=0.4).propose_tree([9, 5], 3)
     assert d.tokens == [6, 7, 5] and d.probs == pytest.approx([1 / 2] * 3) and d.from_cache
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 3), min_size=1, max_size=16), st.lists(st.integers(0, 3), min_size=1, max_size=24)
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    k=st.integers(1, 8),
+    cache=st.booleans(),
+    merge=st.booleans(),
+)
+def test_replayed_suffix_drafts_never_beat_the_trie_oracle(rows, k, cache, merge):
+    """bench.replay.trie_oracle bounds every suffix draft: each is a path after a match of the
+    session's last tokens in the session's trie or the cache's, so the replay's forwards are at least
+    the oracle's, merged or not, with the global cache filling from session to session or without it;
+    and the trie oracle needs at least the copy oracle's forwards without the cache."""
+    from fusion_compute.bench.replay import copy_oracle, replay, trie_oracle
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+
+    rows_ = [{"prompt": p, "output": o} for p, o in rows]
+    cfg = SpeculativeConfig("suffix", k, suffix_cache_tokens=8192 if cache else 0, suffix_max_depth=6)
+    stats = replay(cfg, rows_, max_new=max(len(o) for _, o in rows), merge=merge)
+    forwards, tokens = trie_oracle(rows_, 6, cfg.suffix_cache_tokens, k)
+    assert tokens == stats.tokens and stats.forwards >= forwards
+    if not cache:
+        assert forwards >= sum(copy_oracle(p, o)[0] for p, o in rows)
