@@ -696,6 +696,27 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
         assert "worker" not in out.stderr.lower(), out.stderr  # refused before any worker started
 
 
+def test_session_report_prices_a_forward_in_exchanges():
+    """`fusion generate --json`'s speculative object: exchanges per token = the plan's exchanges per
+    forward / τ (SmolLM2 at N = 2: 120), columns per decode step over the forwards after the prefill;
+    none where the plan does not count exchanges (masked) or nothing was decoded."""
+    stats = S.SpecStats("suffix")
+    stats.step(40, 1, decode=False)  # the prefill: its token, its columns not counted
+    for columns, tokens in ((5, 3), (1, 1), (9, 4)):
+        stats.step(columns, tokens, decode=True)
+    stats.add(4, 2)
+    stats.add(8, 3)
+    r = S.session_report(stats.as_dict(), 120)
+    assert r["tokens_per_forward"] == 9 / 4 and r["exchanges_per_token"] == round(120 / (9 / 4), 2) == 53.33
+    assert r["columns_per_step"] == 5.0 and r["exchanges_per_forward"] == 120
+    assert r["accepted_by_depth"] == [2, 2, 1] and r["num_accepted_tokens"] == 5
+    masked = S.session_report(stats.as_dict(), None)
+    assert masked["exchanges_per_token"] is None and masked["columns_per_step"] == 5.0
+    only_prefill = S.SpecStats("suffix")
+    only_prefill.step(40, 1, decode=False)
+    assert S.session_report(only_prefill.as_dict(), 120)["columns_per_step"] is None
+
+
 @pytest.mark.slow
 def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
@@ -717,8 +738,16 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
         "columns",
         "tokens_per_forward",
         "accepted_by_depth",
+        "columns_per_step",
+        "exchanges_per_forward",
+        "exchanges_per_token",
     }
     assert s["forwards"] == spec["steps"] and s["columns"] == spec["steps"] - 1 + s["num_draft_tokens"]
+    # the tiny Llama at N = 2: 4 scatters per layer, less the 2 the boundary merges, plus ingress and egress
+    x = 4 * json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"] - 2 + 2
+    assert s["exchanges_per_forward"] == x
+    assert s["exchanges_per_token"] == pytest.approx(x * spec["steps"] / len(spec["token_ids"]), abs=0.01)
+    assert s["columns_per_step"] == round(s["columns"] / (spec["steps"] - 1), 4)
     assert s["method"] == "ngram" and s["num_draft_tokens"] <= 3 * s["num_drafts"]
     assert spec["steps"] + s["num_accepted_tokens"] == len(spec["token_ids"]) and spec["steps"] < plain["steps"]
     assert s["mean_acceptance_length"] == round(1 + s["num_accepted_tokens"] / s["num_drafts"], 4)

@@ -436,6 +436,21 @@ class SpecStats:
         }
 
 
+def session_report(spec: dict, exchanges_per_forward: int | None) -> dict:
+    """One session's counters (SpecStats.as_dict) as `fusion generate --json` reports them, with what
+    its forwards cost on the wire and the tree sizes chosen: exchanges_per_forward (the plan's
+    sequential exchanges of one forward: 120 for SmolLM2 at N = 2; None where the plan does not count
+    them, the masked mode's), exchanges_per_token = that / τ (τ = tokens per forward, the prefill
+    included) and columns_per_step = columns / decode steps (the last token plus the drafts kept,
+    on average; the prefill is the session's first forward)."""
+    out = dict(spec)
+    tau, decode_steps = spec.get("tokens_per_forward"), spec["forwards"] - 1
+    out["columns_per_step"] = round(spec["columns"] / decode_steps, 4) if decode_steps > 0 else None
+    out["exchanges_per_forward"] = exchanges_per_forward
+    out["exchanges_per_token"] = round(exchanges_per_forward / tau, 2) if exchanges_per_forward and tau else None
+    return out
+
+
 class NgramDrafter:
     """Prompt lookup: find the longest n-gram (prompt_lookup_max down to _min tokens) ending the
     session's tokens that also occurs earlier, and propose the tokens that followed its latest
