@@ -205,3 +205,31 @@ def test_replay_in_one_job_shares_the_pool_and_counts_the_probes():
     assert len(job[0].pool.history) == det.probes
     replay(cfg, rows, link=link, job=job)
     assert len(job[0].pool.history) > det.probes  # the same job's pool, carried
+
+
+def test_simulated_replay_prices_a_jobs_first_drafts():
+    """bench/replay.py --simulate: the steps timed by a model (100 ms a step, 5 ms a column, 80 ms more
+    for a step with drafts: one session on loopback) and the loop's StepCost fitted from those times.
+    A session whose every draft misses (each other output token is a prompt token, the next is new)
+    drafts 49 columns in 24 steps when its drafts go unpriced until the fit and reads 0.84x the plain
+    steps' time; priced from its first step, one draft (16 columns), then one probe. A session that copies
+    its prompt keeps every draft and its forwards either way."""
+    from fusion_compute.bench.replay import Clock, replay
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+    from fusion_compute.generation.tree_cost import LinkCost
+
+    cfg = SpeculativeConfig("suffix", 32, suffix_cache_tokens=0)
+    true = LinkCost(0.0001, 120, 0.0, 1e9, 0.005, 0.1)
+    prompt = [5, 6, 7, 8, 20, 21, 22, 23, 24, 25] * 3
+    miss = {"prompt": prompt, "output": [t for i, t in enumerate(prompt[:12]) for t in (t, 40 + i)]}
+    copy = {"prompt": prompt, "output": prompt[:24]}
+    got = {}
+    for name, row in (("miss", miss), ("copy", copy)):
+        for prior in (True, False):
+            clock = Clock(true, 0.08, prior=prior)
+            stats = replay(cfg, [row], clock=clock)
+            assert stats.tokens == 24 and clock.plain_s == pytest.approx(true.seconds(30) + 23 * true.seconds(1))
+            got[name, prior] = clock.plain_s / clock.spec_s, stats.num_draft_tokens, stats.forwards
+    assert got["miss", False][1] == 49 and got["miss", False][0] < 0.85
+    assert got["miss", True][1] == 16 + 1 and got["miss", False][0] < got["miss", True][0] < 1
+    assert got["copy", True] == got["copy", False] and got["copy", True][2] == 3 and got["copy", True][0] > 3

@@ -91,6 +91,24 @@ class Detail:
     probes_accepted: int = 0
 
 
+@dataclass
+class Clock:
+    """`--simulate`: a step-time model the replay runs against in place of the workers, so that the
+    loop's StepCost learns the costs from the steps' times as on an engine without link flags (its
+    prior first, then its fit), and the time of the same tokens without speculation is known:
+    seconds = true.seconds(width) + span_s per drafting session (tree_cost.LinkCost; a prefill's
+    columns priced alike)."""
+
+    true: object  # tree_cost.LinkCost
+    span_s: float = 0.0
+    prior: bool = True  # the StepCost's prior before its first fit (False: unpriced until then)
+    spec_s: float = 0.0  # the replayed steps' time
+    plain_s: float = 0.0  # the same tokens, one per step
+
+    def seconds(self, width: int, spans: int) -> float:
+        return self.true.seconds(width) + self.span_s * spans  # type: ignore[attr-defined]
+
+
 def replay(
     spec_config,
     rows: list[dict],
@@ -99,12 +117,14 @@ def replay(
     max_new: int | None = None,
     detail: Detail | None = None,
     job=None,
+    clock: Clock | None = None,
 ):
     """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
     job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
     serve`). `link`: a tree_cost.LinkCost for the loop's cost budget (else every draft is kept).
     `job`: (Speculator, StepCost or None) of an earlier call, so that several workloads share one job
-    (its pooled acceptance and cache), as the bench's runs do."""
+    (its pooled acceptance and cache), as the bench's runs do. `clock`: the steps timed by a model and
+    the cost fitted from those times (`link` unused)."""
     from ..generation.speculative import DEPTHS, SpecStats, Speculator, StepCost
     from ..generation.suffix import SuffixDrafter
     from ..generation.suffix_tree import Draft
@@ -114,7 +134,7 @@ def replay(
     context = max(len(r["prompt"]) + len(r["output"]) for r in rows) + spec_config.num_speculative_tokens + 8
     if job is None:
         sp = Speculator(spec_config, 1 << 20, context)
-        cost = StepCost(link) if link is not None else None
+        cost = StepCost(prior=clock.prior) if clock is not None else StepCost(link) if link is not None else None
     else:
         sp, cost = job
     total = SpecStats(spec_config.method)
@@ -124,6 +144,12 @@ def replay(
         drafter, length, stats = sp.drafter(), sp.length(), SpecStats(spec_config.method)
         out = ref[:1]
         stats.step(len(prompt), 1, decode=False)
+        if clock is not None:
+            t = clock.seconds(len(prompt), 0)
+            clock.spec_s += t
+            clock.plain_s += t + (len(ref) - 1) * clock.seconds(1, 0)
+            if cost is not None:
+                cost.observe(len(prompt), 0, t, prefill=True)
         while len(out) < len(ref):
             k = min(length.next(cost is not None and cost.costs() is not None), budget - len(out) - 1)
             d, probed = Draft(), False
@@ -173,6 +199,11 @@ def replay(
             emitted = min(accepted + 1, len(ref) - len(out))
             out = ref[: len(out) + emitted]
             stats.step(1 + drafted, emitted, decode=True)
+            if clock is not None:
+                t = clock.seconds(1 + drafted, int(drafted > 0))
+                clock.spec_s += t
+                if cost is not None:
+                    cost.observe(1 + drafted, int(drafted > 0), t)
         drafter.close(ref)
         total.merge(stats)
     return total
@@ -222,6 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--one-job", action="store_true", help="both workloads through one job (grounded first), as the bench runs them"
     )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="with --rtt-ms: time the steps by the link's model "
+        "and fit the budget from those times, as an engine without link flags does (reports speedup)",
+    )
+    p.add_argument(
+        "--base-ms", type=float, help="--simulate: a step's compute whatever its width (default --compute-ms)"
+    )
+    p.add_argument("--span-ms", type=float, default=0.0, help="--simulate: what a step with drafts costs more")
+    p.add_argument("--no-prior", action="store_true", help="--simulate: drafts unpriced until the first fit")
+    p.add_argument("--job-per-prompt", action="store_true", help="a new job per prompt, as `fusion generate` runs")
     p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
     p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
     a = p.parse_args(argv)
@@ -246,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         from ..generation.tree_cost import LinkCost
 
         # SmolLM2 at N = 2: 120 exchanges; a column adds a 576-float row to each, 2.3 KB x 120
-        link = LinkCost(a.rtt_ms / 1e3, 120, 576 * 4 * 120, 125e6, a.compute_ms / 1e3, a.compute_ms / 1e3)
+        base_ms = a.compute_ms if a.base_ms is None else a.base_ms
+        link = LinkCost(a.rtt_ms / 1e3, 120, 576 * 4 * 120, 125e6, a.compute_ms / 1e3, base_ms / 1e3)
+    elif a.simulate:
+        print("bench.replay: --simulate needs --rtt-ms", file=sys.stderr)
+        return 2
     report = {}
     job = None
     if a.one_job:
@@ -258,8 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in WORKLOAD_NAMES:
         rows = refs["workloads"][name][: a.limit]
         det = Detail() if a.detail else None
-        s = replay(cfg, rows, tree=not a.chain, link=link, max_new=a.max_new_tokens, detail=det, job=job)
+        clock = Clock(link, a.span_ms / 1e3, prior=not a.no_prior) if a.simulate else None
+        groups = [[r] for r in rows] if a.job_per_prompt else [rows]
+        s = None
+        for g in groups:
+            one = replay(cfg, g, not a.chain, link, a.max_new_tokens, det, None if a.job_per_prompt else job, clock)
+            s = one if s is None else (s.merge(one) or s)
         report[name] = summarise(s, len(rows))
+        if clock is not None:
+            report[name]["speedup"] = round(clock.plain_s / clock.spec_s, 3)
         if det is not None:
             fw = tok = 0
             for r in rows:

@@ -48,9 +48,12 @@ seed gives, must not depend on the batch or the clock. A tree's j-th column is w
 acceptance on its path (tree_cost.py: the session's acceptance at each node's depth times the
 drafter's branch frequency), and a StepCost given a link's model (tree_cost.LinkCost, from
 --link-rtt-ms/--link-mbps: round trips, bytes per column over the link's rate) adds it to the
-compute it fits. Where a cost model prices a greedy session's drafts, it is the gate: DraftLength's
-pause applies only before one does (and to sampled sessions), and a session the budget starves
-probes with one draft now and then.
+compute it fits. Before its first fit a StepCost prices drafts by a prior (StepCost.prior: a column
+at what a prompt token cost the job's prefill beyond a plain step, a drafting session at
+PRIOR_SPAN_COLUMNS columns), so no draft of a greedy session runs unpriced after the job's first
+prefill. Where a cost model prices a greedy session's drafts, it is the gate: DraftLength's pause
+applies only before one does (and to sampled sessions), and a session the budget starves probes
+with one draft now and then.
 """
 
 from __future__ import annotations
@@ -183,6 +186,13 @@ class DraftLength:
 # 1.56 -> 1.59 with two -> one, 2.46 at 21 ms either way.
 PRIOR_TRIALS = 1.0
 POOL = 64
+# A job without verifications yet: a draft token is as likely as its drafter says (the budget's gains
+# multiply this by the drafter's frequency of each branch; a chain without frequencies drafts in full),
+# not one hit and one miss, which halved every depth again below the drafter's own estimate and, once
+# drafts were priced from the first step (StepCost.prior), kept copying sessions from drafting until a
+# probe: replayed (bench/replay.py --simulate --job-per-prompt, docs/speculative.md) grounded τ at 21 ms
+# 2.64 with 0.5, 2.72 with 1, 2.77 unpriced.
+EMPTY_JOB_RATE = 1.0
 
 
 def acceptance_rate(history: Iterable[tuple[int, int]], prior: float = 0.5) -> float:
@@ -237,7 +247,8 @@ class JobAcceptance:
             self.history.append((drafted if depth is None else depth, accepted))
 
     def rate(self) -> float:
-        return acceptance_rate(self.history)
+        """The job's rate, from its verifications after PRIOR_TRIALS trials at EMPTY_JOB_RATE."""
+        return acceptance_rate(self.history, EMPTY_JOB_RATE)
 
     def depth_rates(self) -> list[float]:
         """Per depth, from the job's verifications, each depth's prior the job's one rate."""
@@ -246,11 +257,19 @@ class JobAcceptance:
 
 # StepCost: the decode steps it fits over, the fewest it needs, and the least spread of widths that
 # lets it tell a column's cost from noise (below that it keeps its last fit's per-column and
-# per-session costs and refits only the base; before any fit it allows every draft).
+# per-session costs and refits only the base; before any fit its prior prices the drafts).
 COST_WINDOW = 32
 COST_MIN_STEPS = 6
 COST_MIN_SPREAD = 2.0
 SPAN_MIN_STEPS = 3  # steps at the fewest drafting sessions and steps above it, each, to fit a span's cost
+# Before its first fit a job's drafts are priced by a prior, not let through unpriced (issue 43: a
+# session that accepted nothing drafted 49 columns in its job's first steps and read 0.88x): a column
+# costs what one more prompt token cost the job's prefill over a plain decode step (the round trips
+# cancel: both steps make the same exchanges), and a drafting session PRIOR_SPAN_COLUMNS columns
+# (StepCost.prior). Measured on the bundled SmolLM2 at N = 2 on loopback (docs/speculative.md, "Priced
+# from the first step"): one session's step going from 1 column to 2 cost 80-100 ms, each further
+# column 5-9 ms.
+PRIOR_SPAN_COLUMNS = 16.0
 
 
 class StepCost:
@@ -260,9 +279,11 @@ class StepCost:
     on the workers and every column's logits on the client, whatever its length), and the drafts
     worth what they cost."""
 
-    def __init__(self, link: LinkCost | None = None):
+    def __init__(self, link: LinkCost | None = None, prior: bool = True):
         self.link = link  # a link's model in place of the fitted base and per-column cost (tree_cost.py)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
+        self.use_prior = prior  # False: drafts go unpriced until the first fit (as before issue 43's round)
+        self.prefill_s: tuple[int, float] | None = None  # the last step with a prefill in it: (columns, s), the prior's
         # the last fit that could tell a column's cost: once the budget cuts every draft, the steps all
         # have one width and the window alone would forget what a column costs, let every draft back
         # in, and learn it again (measured, docs/performance.md: an open-chat batch at 0 ms read 0.89x the
@@ -271,8 +292,12 @@ class StepCost:
         self._answer: tuple[float, float, float] | None = None  # fit()'s answer for the samples as they are
         self._fresh = False
 
-    def observe(self, width: int, spans: int, seconds: float) -> None:
-        """One decode step: its columns, the sessions in it that carried drafts, its wall time."""
+    def observe(self, width: int, spans: int, seconds: float, prefill: bool = False) -> None:
+        """One decode step: its columns, the sessions in it that carried drafts, its wall time. A step
+        with a prefill in it (`prefill`) is another cost and is not fitted: the prior reads it."""
+        if prefill:
+            self.prefill_s = width, seconds
+            return
         self.samples.append((width, spans, seconds))
         self._fresh = False
         if spans:  # a step with drafts: the window may tell a column's cost now; keep it (self.last)
@@ -316,12 +341,33 @@ class StepCost:
         self.last = fitted[1:]
         return fitted
 
+    def prior(self) -> tuple[float, float, float] | None:
+        """The costs before the first fit: base t_d, the median time of the plain decode steps seen
+        (of all decode steps if none was plain); per column c = (t_p - t_d) / (w_p - w_d), what the
+        last prefill's step (w_p columns in t_p) cost beyond them per column (w_d their median
+        width), the round trips cancelling; per drafting session PRIOR_SPAN_COLUMNS · c. Before any
+        decode step is timed, the prefill's step alone bounds both: base t_p, c = t_p / w_p (a step
+        costs at least its columns). None before any step was timed."""
+        if self.prefill_s is None:
+            return None
+        w_p, t_p = self.prefill_s
+        plain = [(w, t) for w, n, t in self.samples if n == 0] or [(w, t) for w, _, t in self.samples]
+        if not plain:
+            c = t_p / max(1, w_p)
+            return t_p, c, PRIOR_SPAN_COLUMNS * c
+        w_d, t_d = statistics.median(w for w, _ in plain), statistics.median(t for _, t in plain)
+        c = max(0.0, (t_p - t_d) / max(1.0, w_p - w_d))
+        return t_d, c, PRIOR_SPAN_COLUMNS * c
+
     def costs(self) -> tuple[float, float, float] | None:
         """(base s, s per column, s per drafting session): the link's model when one was given
         (tree_cost.LinkCost, its compute terms the fit's once there is one: what the steps measured
         is taken as the workers' compute, the link's round trips and bytes added to it; the drafting
-        session's cost fitted, else 0), else the fit."""
+        session's cost fitted, else 0), else the fit; before the first fit, the prior in the fit's
+        place (None only before any step was timed, or with the prior off)."""
         fit = self.fit()
+        if fit is None and self.use_prior:
+            fit = self.prior()
         if self.link is None:
             return fit
         link = self.link
@@ -342,7 +388,8 @@ class StepCost:
         given (a tree's, from its drafter's per-node probabilities), else rate^j (a chain's j-th
         draft counts only if those before it were accepted). Sessions are taken by falling rate,
         each given the m (0 included) that makes the step's expected tokens per second highest
-        (tree_cost.best_size for one session alone). Unfitted: the caps."""
+        (tree_cost.best_size for one session alone). With no cost at all (no step timed yet, or the
+        prior off and no fit): the caps."""
         fit = self.costs()
         if fit is None or not caps:
             return list(caps)
