@@ -213,7 +213,8 @@ def test_simulated_replay_prices_a_jobs_first_drafts():
     A session whose every draft misses (each other output token is a prompt token, the next is new)
     drafts 49 columns in 24 steps when its drafts go unpriced until the fit and reads 0.84x the plain
     steps' time; priced from its first step, one draft (16 columns), then one probe. A session that copies
-    its prompt keeps every draft and its forwards either way."""
+    its prompt drafts as much and in as few forwards either way (priced, its first decode step is plain
+    and its second carries the whole copy)."""
     from fusion_compute.bench.replay import Clock, replay
     from fusion_compute.generation.speculative_config import SpeculativeConfig
     from fusion_compute.generation.tree_cost import LinkCost
@@ -232,4 +233,5 @@ def test_simulated_replay_prices_a_jobs_first_drafts():
             got[name, prior] = clock.plain_s / clock.spec_s, stats.num_draft_tokens, stats.forwards
     assert got["miss", False][1] == 49 and got["miss", False][0] < 0.85
     assert got["miss", True][1] == 16 + 1 and got["miss", False][0] < got["miss", True][0] < 1
-    assert got["copy", True] == got["copy", False] and got["copy", True][2] == 3 and got["copy", True][0] > 3
+    assert got["copy", True][1:] == got["copy", False][1:] == (21, 3)  # every draft accepted, 3 forwards
+    assert got["copy", True][0] >= got["copy", False][0] > 3

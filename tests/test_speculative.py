@@ -327,11 +327,13 @@ def test_a_new_session_starts_from_the_jobs_acceptance():
 def test_drafts_are_priced_from_the_first_step():
     """Before its first fit (COST_MIN_STEPS decode steps of spread widths) a job's StepCost prices drafts
     by its prior, not at all: a column at what one more prompt token cost the prefill's step beyond a
-    plain decode step, a drafting session at PRIOR_SPAN_COLUMNS columns. At 100 ms a step, 5 ms a
-    column and 80 ms a drafting session (one session on loopback, docs/speculative.md), a draft
-    accepted 30 % of the time does not pay and one accepted 95 % does; without the prior (the control:
-    drafts unpriced until the fit) both run at their caps, as a session that accepted nothing drafted
-    49 columns in its job's first steps (issue 43)."""
+    plain decode step, a drafting session at PRIOR_SPAN_COLUMNS columns, the base the decode steps'
+    time less their columns. At 100 ms a step, 5 ms a column and 80 ms a drafting session (one
+    session on loopback, docs/speculative.md), a draft accepted 30 % of the time does not pay and
+    one accepted 95 % does; at the job's first decode step, with only the prefill timed, none does
+    (the prefill cannot tell its base from its columns). Without the prior (the control: drafts
+    unpriced until the fit) both run at their caps, as a session that accepted nothing drafted 49
+    columns in its job's first steps (issue 43)."""
     from fusion_compute.generation.tree_cost import LinkCost
 
     def job(prior: bool, link=None) -> S.StepCost:
@@ -340,18 +342,20 @@ def test_drafts_are_priced_from_the_first_step():
         return cost
 
     assert S.StepCost().costs() is None and S.StepCost().allocate([8], [0.3]) == [8]  # nothing timed yet
-    first = job(True)  # the prefill alone bounds both: base t_p, a column t_p / w_p
-    t_p = 0.1 + 41 * 0.005
-    assert first.costs() == pytest.approx((t_p, t_p / 41, S.PRIOR_SPAN_COLUMNS * t_p / 41))
     low, high = [0.3, 0.1, 0.05, 0.02], [0.95**j for j in range(1, 9)]
-    for cost in (first, job(True)):
-        if cost is not first:
-            for _ in range(2):
-                cost.observe(1, 0, 0.105)  # plain decode steps: 100 ms + its column
-            assert cost.fit() is None  # too few steps for a fit
-            assert cost.costs() == pytest.approx((0.105, 0.005, S.PRIOR_SPAN_COLUMNS * 0.005))
-        assert cost.allocate([4], [0.3], gains=[low]) == [0]
-        assert cost.allocate([8], [0.95], gains=[high]) == [8]
+    first = job(True)  # the prefill alone: a column at t_p / w_p and no base left for the step
+    t_p = 0.1 + 41 * 0.005
+    assert first.costs() == pytest.approx((0.0, t_p / 41, S.PRIOR_SPAN_COLUMNS * t_p / 41))
+    assert first.allocate([4], [0.3], gains=[low]) == [0] and first.allocate([8], [0.95], gains=[high]) == [0]
+    cost = job(True)
+    for _ in range(2):
+        cost.observe(1, 0, 0.105)  # plain decode steps: 100 ms + its column
+    assert cost.fit() is None  # too few steps for a fit
+    assert cost.costs() == pytest.approx((0.1, 0.005, S.PRIOR_SPAN_COLUMNS * 0.005))
+    assert cost.allocate([4], [0.3], gains=[low]) == [0]
+    assert cost.allocate([8], [0.95], gains=[high]) == [8]
+    cost.observe(9, 1, 0.1 + 9 * 0.005 + 0.08)  # a step with 8 drafts: its base is still 100 ms
+    assert cost.costs() == pytest.approx((0.1, 0.005, S.PRIOR_SPAN_COLUMNS * 0.005))
     unpriced = job(False)
     for _ in range(2):
         unpriced.observe(1, 0, 0.105)
@@ -361,7 +365,7 @@ def test_drafts_are_priced_from_the_first_step():
     linked = job(True, link)
     linked.observe(1, 0, 0.105)
     base, per_column, per_span = linked.costs()
-    assert base == pytest.approx(120 * 0.021 + 0.105) and per_column == pytest.approx(2300 / 1.25e8 + 0.005)
+    assert base == pytest.approx(120 * 0.021 + 0.1) and per_column == pytest.approx(2300 / 1.25e8 + 0.005)
     assert per_span == pytest.approx(S.PRIOR_SPAN_COLUMNS * 0.005)
     # the fit replaces it once the steps can tell a column's cost
     fitted = job(True)
@@ -369,6 +373,34 @@ def test_drafts_are_priced_from_the_first_step():
         k = 0 if i % 3 == 0 else 2 + 3 * (i % 4)
         fitted.observe(1 + k, int(k > 0), 0.06 + 0.001 * (1 + k) + 0.01 * (k > 0))
     assert fitted.costs() == pytest.approx((0.06, 0.001, 0.01), abs=1e-9)
+
+
+def test_a_batchs_sessions_are_priced_apart_from_its_draft_columns():
+    """A batch whose sessions finish narrows by a session's own column, which costs its attention and
+    bookkeeping beyond a draft column's: with the sessions in each step told to it, StepCost fits the
+    two apart (250 ms base, 24 ms a session, 5 ms a draft column, 30 ms a drafting session, as 8
+    sessions on loopback measured) and prices a step of 3 sessions at its own base; without them (the
+    control: every step one session, as before) the fit reads a column at twice its cost."""
+
+    def batch(told: bool) -> S.StepCost:
+        cost = S.StepCost()
+        for i in range(S.COST_WINDOW):
+            sessions = 8 - (i * 6) // S.COST_WINDOW  # 8 down to 3 as they finish
+            drafts, spans = (i * 7) % 11, i % 3 if (i * 7) % 11 else 0
+            width = sessions + drafts
+            seconds = 0.25 + 0.024 * sessions + 0.005 * width + 0.03 * spans
+            cost.observe(width, spans, seconds, sessions=sessions if told else 1)
+        return cost
+
+    told = batch(True)
+    assert told.fit() == pytest.approx((0.25, 0.005, 0.03), abs=1e-9) and told.per_session == pytest.approx(0.024)
+    assert told.costs(3) == pytest.approx((0.25 + 3 * 0.024, 0.005, 0.03))
+    assert told.costs() == pytest.approx((0.25 + told.sessions[-1] * 0.024, 0.005, 0.03))
+    blind = batch(False)
+    assert blind.per_session == 0.0 and blind.fit()[1] > 1.8 * 0.005  # twice a draft column's cost
+    # one session's steps (all of one count) fit as before: per_session stays 0
+    single = _fitted(0.003, 0.1, 0.006)
+    assert single.per_session == 0.0 and single.costs(5) == single.fit()
 
 
 def _fitted(per_column: float, base: float, per_span: float = 0.0) -> S.StepCost:
@@ -389,7 +421,7 @@ def test_step_cost_fits_columns_and_spans():
     # no prefill timed either (the loop times each one first): no prior, the caps
     assert flat.fit() is None and flat.costs() is None and flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]
     flat.observe(40, 0, 0.1 + 32 * 0.002, prefill=True)  # a prefill 2 ms a column dearer than the plain steps
-    assert flat.costs() == pytest.approx((0.1, 0.002, S.PRIOR_SPAN_COLUMNS * 0.002))
+    assert flat.costs() == pytest.approx((0.1 - 8 * 0.002, 0.002, S.PRIOR_SPAN_COLUMNS * 0.002))
     assert flat.allocate([4, 4], [0.9, 0.1]) == [4, 0]  # the prior prices them (test_drafts_are_priced_...)
 
 
@@ -637,6 +669,9 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
         assert generate(eng, prompts[0], max_new_tokens=NEW, sampling=GREEDY, speculator=priced).token_ids == alone[0]
         assert priced.cost is not None and priced.cost.prefill_s is not None
         assert priced.cost.prefill_s[0] == len(prompts[0])
+        # and tells it each decode step's sessions (StepCost.per_session): 3 together, then fewer
+        trio = run_batch(eng, [Sequence(p, NEW, GREEDY) for p in prompts[:3]], 3, speculator=priced)
+        assert [r.token_ids for r in trio] == alone[:3] and max(priced.cost.sessions) == 3
         seqs = [Sequence(p, NEW, s) for p, s in zip(prompts, params, strict=True)]
         batched = run_batch(eng, seqs, 3, speculator=spec)
         assert [r.token_ids for r in batched] == alone_spec

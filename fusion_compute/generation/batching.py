@@ -151,7 +151,8 @@ class BatchRunner:
         logits = self.engine.forward_batch(items, all_logits=full, **({"trees": trees} if trees else {}))
         if self._cost is not None:  # fitted over decode steps only: a prefill is another cost (the prior's scale)
             prefill = not all(s.out for s in seqs)
-            self._cost.observe(sum(len(ids) for _, ids in items), len(full), time.perf_counter() - t0, prefill)
+            width, seconds = sum(len(ids) for _, ids in items), time.perf_counter() - t0
+            self._cost.observe(width, len(full), seconds, prefill, sessions=len(items))
         self.hooks.after()
         self.steps += 1
         for seq in seqs:

@@ -274,14 +274,18 @@ PRIOR_SPAN_COLUMNS = 16.0
 
 class StepCost:
     """What a wider decode step costs, fitted from the steps the loop ran (least squares over the last
-    COST_WINDOW decode steps): time ≈ base + per_column × columns + per_span × spans, where `spans`
-    counts the sessions whose step carries drafts (a verification span takes another attention path
-    on the workers and every column's logits on the client, whatever its length), and the drafts
-    worth what they cost."""
+    COST_WINDOW decode steps): time ≈ base + per_column × columns + per_span × spans (+ per_session ×
+    sessions), where `spans` counts the sessions whose step carries drafts (a verification span takes
+    another attention path on the workers and every column's logits on the client, whatever its
+    length) and `sessions` those in the step (a session's own column costs its attention and its
+    bookkeeping beyond a draft column's: fitted where the count spreads, as a batch's sessions
+    finish), and the drafts worth what they cost."""
 
     def __init__(self, link: LinkCost | None = None, prior: bool = True):
         self.link = link  # a link's model in place of the fitted base and per-column cost (tree_cost.py)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
+        self.sessions: deque[int] = deque(maxlen=COST_WINDOW)  # each sample's sessions in the step
+        self.per_session = 0.0  # the fit's s per session in the step beyond its column (0: not told apart)
         self.use_prior = prior  # False: drafts go unpriced until the first fit (as before issue 43's round)
         self.prefill_s: tuple[int, float] | None = None  # the last step with a prefill in it: (columns, s), the prior's
         # the last fit that could tell a column's cost: once the budget cuts every draft, the steps all
@@ -289,16 +293,19 @@ class StepCost:
         # in, and learn it again (measured, docs/performance.md: an open-chat batch at 0 ms read 0.89x the
         # plain batch without this, 1.01x with it)
         self.last: tuple[float, float] | None = None  # (s per column, s per drafting session)
+        self.last_session = 0.0  # and its s per session in the step
         self._answer: tuple[float, float, float] | None = None  # fit()'s answer for the samples as they are
         self._fresh = False
 
-    def observe(self, width: int, spans: int, seconds: float, prefill: bool = False) -> None:
-        """One decode step: its columns, the sessions in it that carried drafts, its wall time. A step
-        with a prefill in it (`prefill`) is another cost and is not fitted: the prior reads it."""
+    def observe(self, width: int, spans: int, seconds: float, prefill: bool = False, sessions: int = 1) -> None:
+        """One decode step: its columns, the sessions in it that carried drafts, its wall time, and the
+        sessions in it. A step with a prefill in it (`prefill`) is another cost and is not fitted: the
+        prior reads it."""
         if prefill:
             self.prefill_s = width, seconds
             return
         self.samples.append((width, spans, seconds))
+        self.sessions.append(sessions)
         self._fresh = False
         if spans:  # a step with drafts: the window may tell a column's cost now; keep it (self.last)
             self.fit()
@@ -318,18 +325,34 @@ class StepCost:
         ws = [float(w) for w, _, _ in self.samples]
         ss = [float(n) for _, n, _ in self.samples]
         ts = [t for _, _, t in self.samples]
+        ns = [float(n) for n in self.sessions]
         if statistics.pstdev(ws) < COST_MIN_SPREAD:
             if self.last is None:
                 return None
-            per_column, per_span = self.last
-            base = statistics.fmean(t - per_column * w - per_span * n for w, n, t in zip(ws, ss, ts, strict=True))
+            (per_column, per_span), self.per_session = self.last, self.last_session
+            base = statistics.fmean(
+                t - per_column * w - per_span * n - self.per_session * m
+                for w, n, t, m in zip(ws, ss, ts, ns, strict=True)
+            )
             return base, per_column, per_span
         fitted = None
+        self.per_session = 0.0
+        # a batch whose sessions finish: its steps narrow by a session's column, which costs more than a
+        # draft column (its own attention and bookkeeping); one regressor for both read a draft column
+        # at 21 ms and the base 400-540 ms as 8 sessions went to 2 (docs/speculative.md, "8 sessions")
+        if statistics.pstdev(ns) > 0.5:
+            x = torch.tensor([[1.0, w, n, m] for w, n, m in zip(ws, ss, ns, strict=True)], dtype=torch.float64)
+            coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+            base, per_column, per_span, per_session = (float(c) for c in coef)
+            if min(per_column, per_span, per_session) >= 0:
+                fitted, self.per_session = (base, per_column, per_span), per_session
         # the drafting sessions' cost needs steps with more and with fewer of them: a single session's
         # 0-or-1 never spreads by more than 0.5, so that test alone folded its span's cost into the base
         # and priced its first draft at one column's cost (docs/speculative.md, branch nevers)
         low = min(ss)
-        if statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS:
+        if fitted is None and (
+            statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS
+        ):
             x = torch.tensor([[1.0, w, n] for w, n in zip(ws, ss, strict=True)], dtype=torch.float64)
             coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
             base, per_column, per_span = (float(c) for c in coef)
@@ -338,35 +361,45 @@ class StepCost:
         if fitted is None:
             per_column, base = statistics.linear_regression(ws, ts)  # one regressor: spans folded into the rest
             fitted = base, max(0.0, per_column), 0.0
-        self.last = fitted[1:]
+        self.last, self.last_session = fitted[1:], self.per_session
         return fitted
 
     def prior(self) -> tuple[float, float, float] | None:
-        """The costs before the first fit: base t_d, the median time of the plain decode steps seen
-        (of all decode steps if none was plain); per column c = (t_p - t_d) / (w_p - w_d), what the
-        last prefill's step (w_p columns in t_p) cost beyond them per column (w_d their median
-        width), the round trips cancelling; per drafting session PRIOR_SPAN_COLUMNS · c. Before any
-        decode step is timed, the prefill's step alone bounds both: base t_p, c = t_p / w_p (a step
-        costs at least its columns). None before any step was timed."""
+        """The costs before the first fit. Per column c = (t_p - t_d) / (w_p - w_d): what the last
+        prefill's step (w_p columns in t_p s) cost beyond the plain decode steps seen (medians: w_d
+        columns in t_d) per column, the round trips cancelling; before any plain decode step,
+        c = t_p / w_p (a step costs at least its columns). Per drafting session PRIOR_SPAN_COLUMNS · c.
+        The base: the median over the decode steps seen of their time less their columns and spans
+        at those prices; before any, t_p - c · w_p = 0, so that the job's first decode step drafts
+        nothing (no draft pays for 16 columns where a column costs as much as the rest of the step):
+        the prefill's time alone cannot tell how much of it a decode step's base is. None before any
+        step was timed."""
         if self.prefill_s is None:
             return None
         w_p, t_p = self.prefill_s
-        plain = [(w, t) for w, n, t in self.samples if n == 0] or [(w, t) for w, _, t in self.samples]
-        if not plain:
+        plain = [(w, t) for w, n, t in self.samples if n == 0]
+        if plain:
+            w_d, t_d = statistics.median(w for w, _ in plain), statistics.median(t for _, t in plain)
+            c = max(0.0, (t_p - t_d) / max(1.0, w_p - w_d))
+        else:
             c = t_p / max(1, w_p)
-            return t_p, c, PRIOR_SPAN_COLUMNS * c
-        w_d, t_d = statistics.median(w for w, _ in plain), statistics.median(t for _, t in plain)
-        c = max(0.0, (t_p - t_d) / max(1.0, w_p - w_d))
-        return t_d, c, PRIOR_SPAN_COLUMNS * c
+        span = PRIOR_SPAN_COLUMNS * c
+        if not self.samples:
+            return 0.0, c, span
+        return max(0.0, statistics.median(t - c * w - span * n for w, n, t in self.samples)), c, span
 
-    def costs(self) -> tuple[float, float, float] | None:
-        """(base s, s per column, s per drafting session): the link's model when one was given
-        (tree_cost.LinkCost, its compute terms the fit's once there is one: what the steps measured
-        is taken as the workers' compute, the link's round trips and bytes added to it; the drafting
-        session's cost fitted, else 0), else the fit; before the first fit, the prior in the fit's
-        place (None only before any step was timed, or with the prior off)."""
+    def costs(self, sessions: int | None = None) -> tuple[float, float, float] | None:
+        """(base s, s per column, s per drafting session) of a step of `sessions` sessions (default: as
+        many as the last step had): the link's model when one was given (tree_cost.LinkCost, its
+        compute terms the fit's once there is one: what the steps measured is taken as the workers'
+        compute, the link's round trips and bytes added to it; the drafting session's cost fitted,
+        else 0), else the fit (its base with per_session × sessions); before the first fit, the prior
+        in the fit's place (None only before any step was timed, or with the prior off)."""
         fit = self.fit()
-        if fit is None and self.use_prior:
+        if fit is not None and self.per_session:
+            n = sessions if sessions is not None else self.sessions[-1] if self.sessions else 0
+            fit = fit[0] + self.per_session * n, fit[1], fit[2]
+        elif fit is None and self.use_prior:
             fit = self.prior()
         if self.link is None:
             return fit
@@ -390,7 +423,7 @@ class StepCost:
         each given the m (0 included) that makes the step's expected tokens per second highest
         (tree_cost.best_size for one session alone). With no cost at all (no step timed yet, or the
         prior off and no fit): the caps."""
-        fit = self.costs()
+        fit = self.costs(len(caps))
         if fit is None or not caps:
             return list(caps)
         base, per_column, per_span = fit
