@@ -2,6 +2,7 @@
 
     python -m fusion_compute.bench.replay [--method suffix] [--max-new-tokens 128] [--k 32]
         [--chain] [--no-cache] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
+        [--simulate [--base-ms B] [--span-ms S] [--no-prior] [--job-per-prompt] [--output-tokens N]]
 
 Greedy decoding's tokens do not depend on the drafts, so one greedy output per prompt (the target's
 dense twin, model/dense.py: the same weights in one process, no workers) tells what any drafter
@@ -11,8 +12,12 @@ output as the sharded loop would, and a draft is accepted as far as its path equ
 counters are the loop's (SpecStats: τ = tokens per forward, the prefill's forward and token
 included; columns per decode step; acceptance by depth). `--rtt-ms R` also runs the loop's cost
 budget with a link's model (tree_cost.LinkCost: 120 exchanges of R ms, SmolLM2's bytes per column
-over 1 Gbit/s, `--compute-ms` per column and per step): the tree sizes a deployment at that round
-trip would choose; without it, every draft the drafter makes is verified.
+over 1 Gbit/s, `--compute-ms` per column and, unless `--base-ms`, per step): the tree sizes a deployment at that round
+trip would choose; without it, every draft the drafter makes is verified. `--simulate` times each
+step by that model instead (plus `--span-ms` for a step that carries drafts) and lets the budget fit
+its costs from those times, its prior first, as an engine without link flags does; it reports the
+plain steps' time over the replayed steps' for the same tokens (`speedup`, per prompt with
+`--job-per-prompt`: a new job per prompt, as `fusion generate` runs).
 
 Beside the counters, `--detail` prints what bounds τ on each workload, from the outputs alone:
   copy oracle   at each step, the longest run of the next output tokens found verbatim anywhere
