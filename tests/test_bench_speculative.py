@@ -235,3 +235,17 @@ def test_simulated_replay_prices_a_jobs_first_drafts():
     assert got["miss", True][1] == 16 + 1 and got["miss", False][0] < got["miss", True][0] < 1
     assert got["copy", True][1:] == got["copy", False][1:] == (21, 3)  # every draft accepted, 3 forwards
     assert got["copy", True][0] >= got["copy", False][0] > 3
+
+
+def test_budget_benches_refuse_bad_input_in_one_line(capsys):
+    """bench/spec_pairs.py and bench/step_width.py: a bad prompt list or count is one line and exit 2,
+    before any worker starts (no engine is made: these return at once)."""
+    from fusion_compute.bench import spec_pairs, step_width
+
+    assert spec_pairs.main(["single", "open_chat", "1,x"]) == 2
+    assert step_width.main(["--repeats", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "bench.spec_pairs: prompts must be comma-separated indices, got '1,x'",
+        "bench.step_width: --repeats and --workers must be >= 1",
+    ]
