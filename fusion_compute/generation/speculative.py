@@ -190,8 +190,8 @@ POOL = 64
 # multiply this by the drafter's frequency of each branch; a chain without frequencies drafts in full),
 # not one hit and one miss, which halved every depth again below the drafter's own estimate and, once
 # drafts were priced from the first step (StepCost.prior), kept copying sessions from drafting until a
-# probe: replayed (bench/replay.py --simulate --job-per-prompt, docs/speculative.md) grounded τ at 21 ms
-# 2.64 with 0.5, 2.72 with 1, 2.77 unpriced.
+# probe: replayed (bench/replay.py --simulate --job-per-prompt --output-tokens 24, docs/speculative.md)
+# grounded τ at 5 and 21 ms 2.53 with 0.5, 2.69 with 1, 2.77 unpriced.
 EMPTY_JOB_RATE = 1.0
 
 
