@@ -267,8 +267,9 @@ SPAN_MIN_STEPS = 3  # steps at the fewest drafting sessions and steps above it, 
 # costs what one more prompt token cost the job's prefill over a plain decode step (the round trips
 # cancel: both steps make the same exchanges), and a drafting session PRIOR_SPAN_COLUMNS columns
 # (StepCost.prior). Measured on the bundled SmolLM2 at N = 2 on loopback (docs/speculative.md, "Priced
-# from the first step"): one session's step going from 1 column to 2 cost 80-100 ms, each further
-# column 5-9 ms.
+# from the first step", bench/step_width.py): at load 6-7 one session's step going from 1 column to 2
+# cost 80-100 ms and each further column 1-9 ms; at load 10-11 the second 23 ms and the next ~20 ms each:
+# 16 is the upper end, a prior that errs toward not drafting until the fit.
 PRIOR_SPAN_COLUMNS = 16.0
 
 
