@@ -189,7 +189,10 @@ def test_replay_in_one_job_shares_the_pool_and_counts_the_probes():
     a job: the second starts from the first's pooled acceptance. Where a column costs ten seconds over
     the link (more than a whole step, so no acceptance pays for it) the budget cuts every draft, so
     each verification is a probe (DraftLength.probe): one after PAUSE_STEPS starved steps, and as each
-    is accepted (the output repeats the prompt) the next comes PAUSE_STEPS later again."""
+    is accepted (the output repeats the prompt) the next comes PAUSE_STEPS later again. The job starts
+    from one missed verification: with no miss in the pool its rate is EMPTY_JOB_RATE = 1, and with the
+    drafter's own estimate of 1 (every earlier "4" was followed by "1") a column is certain, and a certain
+    column pays at any price ((1 + 1) / (b + 2c) > 1 / (b + c) for every base b > 0)."""
     from fusion_compute.bench.replay import Detail, replay
     from fusion_compute.generation.speculative import PAUSE_STEPS, Speculator, StepCost
     from fusion_compute.generation.speculative_config import SpeculativeConfig
@@ -200,10 +203,55 @@ def test_replay_in_one_job_shares_the_pool_and_counts_the_probes():
     # for itself once the session's own frequencies were estimated without its end (suffix_tree.py)
     link = LinkCost(0.0001, 120, 1e10, 1e9, 0.0, 0.0)
     job = Speculator(cfg, 1 << 20, 256), StepCost(link)
+    job[0].pool.add(4, 0, 1)  # one verification: 4 drafts, none accepted
     det = Detail()
     rows = [{"prompt": [1, 2, 3, 4], "output": [1, 2, 3, 4] * 10}]
     stats = replay(cfg, rows, link=link, detail=det, job=job)
     assert det.probes == det.probes_accepted == stats.num_drafts == 39 // PAUSE_STEPS  # 39 decode steps
-    assert len(job[0].pool.history) == det.probes
+    assert len(job[0].pool.history) == 1 + det.probes
     replay(cfg, rows, link=link, job=job)
     assert len(job[0].pool.history) > det.probes  # the same job's pool, carried
+
+
+def test_simulated_replay_prices_a_jobs_first_drafts():
+    """bench/replay.py --simulate: the steps timed by a model (100 ms a step, 5 ms a column, 80 ms more
+    for a step with drafts: one session on loopback) and the loop's StepCost fitted from those times.
+    A session whose every draft misses (each other output token is a prompt token, the next is new)
+    drafts 53 columns in 24 steps when its drafts go unpriced until the fit and reads 0.84x the plain
+    steps' time; priced from its first step, one draft (16 columns), then one probe. A session that copies
+    its prompt drafts as much and in as few forwards either way (priced, its first decode step is plain
+    and its second carries the whole copy)."""
+    from fusion_compute.bench.replay import Clock, replay
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+    from fusion_compute.generation.tree_cost import LinkCost
+
+    cfg = SpeculativeConfig("suffix", 32, suffix_cache_tokens=0)
+    true = LinkCost(0.0001, 120, 0.0, 1e9, 0.005, 0.1)
+    prompt = [5, 6, 7, 8, 20, 21, 22, 23, 24, 25] * 3
+    miss = {"prompt": prompt, "output": [t for i, t in enumerate(prompt[:12]) for t in (t, 40 + i)]}
+    copy = {"prompt": prompt, "output": prompt[:24]}
+    got = {}
+    for name, row in (("miss", miss), ("copy", copy)):
+        for prior in (True, False):
+            clock = Clock(true, 0.08, prior=prior)
+            stats = replay(cfg, [row], clock=clock)
+            assert stats.tokens == 24 and clock.plain_s == pytest.approx(true.seconds(30) + 23 * true.seconds(1))
+            got[name, prior] = clock.plain_s / clock.spec_s, stats.num_draft_tokens, stats.forwards
+    assert got["miss", False][1] == 53 and got["miss", False][0] < 0.85
+    assert got["miss", True][1] == 16 + 1 and got["miss", False][0] < got["miss", True][0] < 1
+    assert got["copy", True][1:] == got["copy", False][1:] == (21, 3)  # every draft accepted, 3 forwards
+    assert got["copy", True][0] >= got["copy", False][0] > 3
+
+
+def test_budget_benches_refuse_bad_input_in_one_line(capsys):
+    """bench/spec_pairs.py and bench/step_width.py: a bad prompt list or count is one line and exit 2,
+    before any worker starts (no engine is made: these return at once)."""
+    from fusion_compute.bench import spec_pairs, step_width
+
+    assert spec_pairs.main(["single", "open_chat", "1,x"]) == 2
+    assert step_width.main(["--repeats", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "bench.spec_pairs: prompts must be comma-separated indices, got '1,x'",
+        "bench.step_width: --repeats and --workers must be >= 1",
+    ]

@@ -98,3 +98,26 @@ def test_json_and_bytes_prediction():
         # the formula is for an even split; the plan adds the 2 sum-of-squares scalars per token
         assert abs(s["bytes_sent_per_token_per_layer"] - approx) / approx < 0.05
     assert 1.2e6 < d["shares"][0]["bytes_sent_per_token"] < 1.4e6  # "about 1.3 MB per token per worker"
+
+
+def test_one_worker_makes_no_collectives(tiny_qwen2):
+    """At N = 1 nothing is scattered or summed across workers: the plan counts 0 collectives per layer
+    and per forward (a forward's exchanges are the client's ingress and egress), and so does the lone
+    worker's Comm over a decode step; at N = 2 the same model counts its 4 per layer, less the two the
+    boundary merges (the control: the counter does count)."""
+    from inproc import ShardedRun
+
+    for config in (SMOLLM, QWEN15B, TINY):
+        one = make_plan(config, 1)
+        assert set(one.collectives_per_layer(0).values()) == {0}
+        assert one.collectives_per_forward(0) == 0 and one.exchanges_per_forward(0) == 2
+        assert make_plan(config, 2).collectives_per_layer(0)["reduce_scatter"] == 4
+    assert make_plan(SMOLLM, 2).exchanges_per_forward(0) == 120
+    for n in (1, 2):
+        run = ShardedRun(tiny_qwen2, n)
+        run.forward([1, 2, 3])
+        before = [s["collectives"] for s in run.stats()]
+        run.forward([4])
+        counted = [s["collectives"] - b for s, b in zip(run.stats(), before, strict=True)]
+        assert counted == [run.plan.collectives_per_forward(w) for w in range(n)], (n, counted)
+        assert sum(counted) == (0 if n == 1 else 2 * (4 * run.config.n_layers - 2))

@@ -307,12 +307,12 @@ def test_acceptance_rate_counts_prefixes():
 
 def test_a_new_session_starts_from_the_jobs_acceptance():
     pool = S.JobAcceptance()
-    assert pool.rate() == 0.5  # nothing seen: one success and one failure
+    assert pool.rate() == S.EMPTY_JOB_RATE == 1.0  # nothing seen: the drafter's own frequencies
     for _ in range(20):
         pool.add(4, 0)  # every session's drafts missed at once
     pool.add(0, 0)  # a step without drafts is no verification
     low = pool.rate()
-    assert low == pytest.approx(S.PRIOR_TRIALS / 2 / (20 + S.PRIOR_TRIALS)) and len(pool.history) == 20
+    assert low == pytest.approx(S.PRIOR_TRIALS / (20 + S.PRIOR_TRIALS)) and len(pool.history) == 20
     fresh = DraftLength(8)
     assert fresh.acceptance() == 0.5 and fresh.acceptance(low) == pytest.approx(low)
     fresh.update(4, 4)  # its own hits outweigh the prior as they come
@@ -322,6 +322,85 @@ def test_a_new_session_starts_from_the_jobs_acceptance():
     cost = _fitted(0.003, 0.1, 0.006)
     assert cost.allocate([4], [DraftLength(8).acceptance()])[0] > 0
     assert cost.allocate([4], [DraftLength(8).acceptance(low)]) == [0]
+
+
+def test_drafts_are_priced_from_the_first_step():
+    """Before its first fit (COST_MIN_STEPS decode steps of spread widths) a job's StepCost prices drafts
+    by its prior, not at all: a column at what one more prompt token cost the prefill's step beyond a
+    plain decode step, a drafting session at PRIOR_SPAN_COLUMNS columns, the base the decode steps'
+    time less their columns. At 100 ms a step, 5 ms a column and 80 ms a drafting session (one
+    session on loopback, docs/speculative.md), a draft accepted 30 % of the time does not pay and
+    one accepted 95 % does; at the job's first decode step, with only the prefill timed, none does
+    (the prefill cannot tell its base from its columns). Without the prior (the control: drafts
+    unpriced until the fit) both run at their caps, as a session that accepted nothing drafted 49
+    columns in its job's first steps (issue 43)."""
+    from fusion_compute.generation.tree_cost import LinkCost
+
+    def job(prior: bool, link=None) -> S.StepCost:
+        cost = S.StepCost(link, prior=prior)
+        cost.observe(41, 0, 0.1 + 41 * 0.005, prefill=True)  # a prompt of 41 tokens
+        return cost
+
+    assert S.StepCost().costs() is None and S.StepCost().allocate([8], [0.3]) == [8]  # nothing timed yet
+    low, high = [0.3, 0.1, 0.05, 0.02], [0.95**j for j in range(1, 9)]
+    first = job(True)  # the prefill alone: a column at t_p / w_p and no base left for the step
+    t_p = 0.1 + 41 * 0.005
+    assert first.costs() == pytest.approx((0.0, t_p / 41, S.PRIOR_SPAN_COLUMNS * t_p / 41))
+    assert first.allocate([4], [0.3], gains=[low]) == [0] and first.allocate([8], [0.95], gains=[high]) == [0]
+    cost = job(True)
+    for _ in range(2):
+        cost.observe(1, 0, 0.105)  # plain decode steps: 100 ms + its column
+    assert cost.fit() is None  # too few steps for a fit
+    assert cost.costs() == pytest.approx((0.1, 0.005, S.PRIOR_SPAN_COLUMNS * 0.005))
+    assert cost.allocate([4], [0.3], gains=[low]) == [0]
+    assert cost.allocate([8], [0.95], gains=[high]) == [8]
+    cost.observe(9, 1, 0.1 + 9 * 0.005 + 0.08)  # a step with 8 drafts: its base is still 100 ms
+    assert cost.costs() == pytest.approx((0.1, 0.005, S.PRIOR_SPAN_COLUMNS * 0.005))
+    unpriced = job(False)
+    for _ in range(2):
+        unpriced.observe(1, 0, 0.105)
+    assert unpriced.costs() is None and unpriced.allocate([4], [0.3], gains=[low]) == [4]
+    # with a link's model the prior is the workers' compute, the link's round trips and bytes added
+    link = LinkCost(0.021, 120, 2300.0, 1.25e8, 0.0)
+    linked = job(True, link)
+    linked.observe(1, 0, 0.105)
+    base, per_column, per_span = linked.costs()
+    assert base == pytest.approx(120 * 0.021 + 0.1) and per_column == pytest.approx(2300 / 1.25e8 + 0.005)
+    assert per_span == pytest.approx(S.PRIOR_SPAN_COLUMNS * 0.005)
+    # the fit replaces it once the steps can tell a column's cost
+    fitted = job(True)
+    for i in range(S.COST_MIN_STEPS * 2):
+        k = 0 if i % 3 == 0 else 2 + 3 * (i % 4)
+        fitted.observe(1 + k, int(k > 0), 0.06 + 0.001 * (1 + k) + 0.01 * (k > 0))
+    assert fitted.costs() == pytest.approx((0.06, 0.001, 0.01), abs=1e-9)
+
+
+def test_a_batchs_sessions_are_priced_apart_from_its_draft_columns():
+    """A batch whose sessions finish narrows by a session's own column, which costs its attention and
+    bookkeeping beyond a draft column's: with the sessions in each step told to it, StepCost fits the
+    two apart (250 ms base, 24 ms a session, 5 ms a draft column, 30 ms a drafting session, as 8
+    sessions on loopback measured) and prices a step of 3 sessions at its own base; without them (the
+    control: every step one session, as before) the fit reads a column at twice its cost."""
+
+    def batch(told: bool) -> S.StepCost:
+        cost = S.StepCost()
+        for i in range(S.COST_WINDOW):
+            sessions = 8 - (i * 6) // S.COST_WINDOW  # 8 down to 3 as they finish
+            drafts, spans = (i * 7) % 11, i % 3 if (i * 7) % 11 else 0
+            width = sessions + drafts
+            seconds = 0.25 + 0.024 * sessions + 0.005 * width + 0.03 * spans
+            cost.observe(width, spans, seconds, sessions=sessions if told else 1)
+        return cost
+
+    told = batch(True)
+    assert told.fit() == pytest.approx((0.25, 0.005, 0.03), abs=1e-9) and told.per_session == pytest.approx(0.024)
+    assert told.costs(3) == pytest.approx((0.25 + 3 * 0.024, 0.005, 0.03))
+    assert told.costs() == pytest.approx((0.25 + told.sessions[-1] * 0.024, 0.005, 0.03))
+    blind = batch(False)
+    assert blind.per_session == 0.0 and blind.fit()[1] > 1.8 * 0.005  # twice a draft column's cost
+    # one session's steps (all of one count) fit as before: per_session stays 0
+    single = _fitted(0.003, 0.1, 0.006)
+    assert single.per_session == 0.0 and single.costs(5) == single.fit()
 
 
 def _fitted(per_column: float, base: float, per_span: float = 0.0) -> S.StepCost:
@@ -339,7 +418,11 @@ def test_step_cost_fits_columns_and_spans():
     flat = S.StepCost()
     for _ in range(S.COST_MIN_STEPS * 2):
         flat.observe(8, 0, 0.1)  # one width only: a column's cost cannot be told from the base
-    assert flat.fit() is None and flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]  # then DraftLength decides
+    # no prefill timed either (the loop times each one first): no prior, the caps
+    assert flat.fit() is None and flat.costs() is None and flat.allocate([4, 4], [0.9, 0.1]) == [4, 4]
+    flat.observe(40, 0, 0.1 + 32 * 0.002, prefill=True)  # a prefill 2 ms a column dearer than the plain steps
+    assert flat.costs() == pytest.approx((0.1 - 8 * 0.002, 0.002, S.PRIOR_SPAN_COLUMNS * 0.002))
+    assert flat.allocate([4, 4], [0.9, 0.1]) == [4, 0]  # the prior prices them (test_drafts_are_priced_...)
 
 
 def test_a_single_sessions_span_cost_is_fitted():
@@ -571,7 +654,8 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
     prompts = PROMPTS + [[40, 41, 42, 40, 41], [9] * 6]
     params = [GREEDY] * 3 + [SamplingParams(temperature=0.8, top_k=20, seed=5 + i) for i in range(2)]
     with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
-        spec = Speculator(ngram(), eng.config.vocab, eng.context)
+        # every draft verified (no budget): what the budget keeps follows this machine's step times
+        spec = Speculator(ngram(adaptive=False), eng.config.vocab, eng.context)
         alone = [
             generate(eng, p, max_new_tokens=NEW, sampling=s).token_ids for p, s in zip(prompts, params, strict=True)
         ]
@@ -580,6 +664,14 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
             for p, s in zip(prompts, params, strict=True)
         ]
         assert alone_spec[:3] == alone[:3]  # greedy: the same tokens
+        # with the budget, the loop times the prefill's step for its prior (StepCost.prior)
+        priced = Speculator(ngram(), eng.config.vocab, eng.context)
+        assert generate(eng, prompts[0], max_new_tokens=NEW, sampling=GREEDY, speculator=priced).token_ids == alone[0]
+        assert priced.cost is not None and priced.cost.prefill_s is not None
+        assert priced.cost.prefill_s[0] == len(prompts[0])
+        # and tells it each decode step's sessions (StepCost.per_session): 3 together, then fewer
+        trio = run_batch(eng, [Sequence(p, NEW, GREEDY) for p in prompts[:3]], 3, speculator=priced)
+        assert [r.token_ids for r in trio] == alone[:3] and max(priced.cost.sessions) == 3
         seqs = [Sequence(p, NEW, s) for p, s in zip(prompts, params, strict=True)]
         batched = run_batch(eng, seqs, 3, speculator=spec)
         assert [r.token_ids for r in batched] == alone_spec
@@ -594,7 +686,8 @@ def test_masked_mode_speculation_equals_greedy(tiny_qwen2):
 
     with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=96)) as eng:
         plain = runs(eng, PROMPTS[:2], None)
-        spec = Speculator(ngram(), eng.config.vocab, eng.context)
+        # every draft verified (no budget): what the budget keeps follows this machine's step times
+        spec = Speculator(ngram(adaptive=False), eng.config.vocab, eng.context)
         got = runs(eng, PROMPTS[:2], spec)
         assert [r.token_ids for r in got] == [r.token_ids for r in plain]
         assert 0 < spec.totals.num_accepted_tokens < spec.totals.num_draft_tokens
@@ -696,6 +789,27 @@ def test_bad_speculative_flags_are_refused_before_any_worker(tiny_qwen2, tiny_ll
         assert "worker" not in out.stderr.lower(), out.stderr  # refused before any worker started
 
 
+def test_session_report_prices_a_forward_in_exchanges():
+    """`fusion generate --json`'s speculative object: exchanges per token = the plan's exchanges per
+    forward / τ (SmolLM2 at N = 2: 120), columns per decode step over the forwards after the prefill;
+    none where the plan does not count exchanges (masked) or nothing was decoded."""
+    stats = S.SpecStats("suffix")
+    stats.step(40, 1, decode=False)  # the prefill: its token, its columns not counted
+    for columns, tokens in ((5, 3), (1, 1), (9, 4)):
+        stats.step(columns, tokens, decode=True)
+    stats.add(4, 2)
+    stats.add(8, 3)
+    r = S.session_report(stats.as_dict(), 120)
+    assert r["tokens_per_forward"] == 9 / 4 and r["exchanges_per_token"] == round(120 / (9 / 4), 2) == 53.33
+    assert r["columns_per_step"] == 5.0 and r["exchanges_per_forward"] == 120
+    assert r["accepted_by_depth"] == [2, 2, 1] and r["num_accepted_tokens"] == 5
+    masked = S.session_report(stats.as_dict(), None)
+    assert masked["exchanges_per_token"] is None and masked["columns_per_step"] == 5.0
+    only_prefill = S.SpecStats("suffix")
+    only_prefill.step(40, 1, decode=False)
+    assert S.session_report(only_prefill.as_dict(), 120)["columns_per_step"] is None
+
+
 @pytest.mark.slow
 def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
@@ -717,8 +831,16 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
         "columns",
         "tokens_per_forward",
         "accepted_by_depth",
+        "columns_per_step",
+        "exchanges_per_forward",
+        "exchanges_per_token",
     }
     assert s["forwards"] == spec["steps"] and s["columns"] == spec["steps"] - 1 + s["num_draft_tokens"]
+    # the tiny Llama at N = 2: 4 scatters per layer, less the 2 the boundary merges, plus ingress and egress
+    x = 4 * json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"] - 2 + 2
+    assert s["exchanges_per_forward"] == x
+    assert s["exchanges_per_token"] == pytest.approx(x * spec["steps"] / len(spec["token_ids"]), abs=0.01)
+    assert s["columns_per_step"] == round(s["columns"] / (spec["steps"] - 1), 4)
     assert s["method"] == "ngram" and s["num_draft_tokens"] <= 3 * s["num_drafts"]
     assert spec["steps"] + s["num_accepted_tokens"] == len(spec["token_ids"]) and spec["steps"] < plain["steps"]
     assert s["mean_acceptance_length"] == round(1 + s["num_accepted_tokens"] / s["num_drafts"], 4)

@@ -2,6 +2,7 @@
 
     python -m fusion_compute.bench.replay [--method suffix] [--max-new-tokens 128] [--k 32]
         [--chain] [--no-cache] [--single-match] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
+        [--simulate [--base-ms B] [--span-ms S] [--no-prior] [--job-per-prompt] [--output-tokens N]]
 
 Greedy decoding's tokens do not depend on the drafts, so one greedy output per prompt (the target's
 dense twin, model/dense.py: the same weights in one process, no workers) tells what any drafter
@@ -11,8 +12,12 @@ output as the sharded loop would, and a draft is accepted as far as its path equ
 counters are the loop's (SpecStats: τ = tokens per forward, the prefill's forward and token
 included; columns per decode step; acceptance by depth). `--rtt-ms R` also runs the loop's cost
 budget with a link's model (tree_cost.LinkCost: 120 exchanges of R ms, SmolLM2's bytes per column
-over 1 Gbit/s, `--compute-ms` per column and per step): the tree sizes a deployment at that round
-trip would choose; without it, every draft the drafter makes is verified.
+over 1 Gbit/s, `--compute-ms` per column and, unless `--base-ms`, per step): the tree sizes a deployment at that round
+trip would choose; without it, every draft the drafter makes is verified. `--simulate` times each
+step by that model instead (plus `--span-ms` for a step that carries drafts) and lets the budget fit
+its costs from those times, its prior first, as an engine without link flags does; it reports the
+plain steps' time over the replayed steps' for the same tokens (`speedup`, per prompt with
+`--job-per-prompt`: a new job per prompt, as `fusion generate` runs).
 
 Beside the counters, `--detail` prints what bounds τ on each workload, from the outputs alone:
   copy oracle   at each step, the longest run of the next output tokens found verbatim anywhere
@@ -199,6 +204,24 @@ def loss(
     return "jump", oracle - accepted
 
 
+@dataclass
+class Clock:
+    """`--simulate`: a step-time model the replay runs against in place of the workers, so that the
+    loop's StepCost learns the costs from the steps' times as on an engine without link flags (its
+    prior first, then its fit), and the time of the same tokens without speculation is known:
+    seconds = true.seconds(width) + span_s per drafting session (tree_cost.LinkCost; a prefill's
+    columns priced alike)."""
+
+    true: object  # tree_cost.LinkCost
+    span_s: float = 0.0
+    prior: bool = True  # the StepCost's prior before its first fit (False: unpriced until then)
+    spec_s: float = 0.0  # the replayed steps' time
+    plain_s: float = 0.0  # the same tokens, one per step
+
+    def seconds(self, width: int, spans: int) -> float:
+        return self.true.seconds(width) + self.span_s * spans  # type: ignore[attr-defined]
+
+
 def replay(
     spec_config,
     rows: list[dict],
@@ -209,6 +232,7 @@ def replay(
     job=None,
     merge: bool = True,
     per_prompt: list[float] | None = None,
+    clock: Clock | None = None,
 ):
     """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
     job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
@@ -216,7 +240,8 @@ def replay(
     `job`: (Speculator, StepCost or None) of an earlier call, so that several workloads share one job
     (its pooled acceptance and cache), as the bench's runs do. `merge`: the suffix drafter's trees
     merge every match length's draft (False: the best one alone, as before). `per_prompt`: each
-    prompt's τ is appended to it."""
+    prompt's τ is appended to it. `clock`: the steps timed by a model and the cost fitted from those
+    times (`link` unused)."""
     from ..generation.speculative import DEPTHS, SpecStats, Speculator, StepCost
     from ..generation.suffix import SuffixDrafter
     from ..generation.suffix_tree import Draft
@@ -226,7 +251,7 @@ def replay(
     context = max(len(r["prompt"]) + len(r["output"]) for r in rows) + spec_config.num_speculative_tokens + 8
     if job is None:
         sp = Speculator(spec_config, 1 << 20, context)
-        cost = StepCost(link) if link is not None else None
+        cost = StepCost(prior=clock.prior) if clock is not None else StepCost(link) if link is not None else None
     else:
         sp, cost = job
     total = SpecStats(spec_config.method)
@@ -238,6 +263,12 @@ def replay(
             drafter.merge = merge
         out = ref[:1]
         stats.step(len(prompt), 1, decode=False)
+        if clock is not None:
+            t = clock.seconds(len(prompt), 0)
+            clock.spec_s += t
+            clock.plain_s += t + (len(ref) - 1) * clock.seconds(1, 0)
+            if cost is not None:
+                cost.observe(len(prompt), 0, t, prefill=True)
         while len(out) < len(ref):
             k = min(length.next(cost is not None and cost.costs() is not None), budget - len(out) - 1)
             d, probed = Draft(), False
@@ -292,6 +323,11 @@ def replay(
             emitted = min(accepted + 1, len(ref) - len(out))
             out = ref[: len(out) + emitted]
             stats.step(1 + drafted, emitted, decode=True)
+            if clock is not None:
+                t = clock.seconds(1 + drafted, int(drafted > 0))
+                clock.spec_s += t
+                if cost is not None:
+                    cost.observe(1 + drafted, int(drafted > 0), t)
         drafter.close(ref)
         total.merge(stats)
         if per_prompt is not None:
@@ -360,6 +396,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="suffix trees: the best match length's draft alone (before the merge)",
     )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="with --rtt-ms: time the steps by the link's model "
+        "and fit the budget from those times, as an engine without link flags does (reports speedup)",
+    )
+    p.add_argument(
+        "--base-ms", type=float, help="--simulate: a step's compute whatever its width (default --compute-ms)"
+    )
+    p.add_argument("--span-ms", type=float, default=0.0, help="--simulate: what a step with drafts costs more")
+    p.add_argument("--no-prior", action="store_true", help="--simulate: drafts unpriced until the first fit")
+    p.add_argument("--job-per-prompt", action="store_true", help="a new job per prompt, as `fusion generate` runs")
+    p.add_argument("--output-tokens", type=int, help="only the first N tokens of each output (the bench's runs: 24)")
     p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
     p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
     a = p.parse_args(argv)
@@ -384,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         from ..generation.tree_cost import LinkCost
 
         # SmolLM2 at N = 2: 120 exchanges; a column adds a 576-float row to each, 2.3 KB x 120
-        link = LinkCost(a.rtt_ms / 1e3, 120, 576 * 4 * 120, 125e6, a.compute_ms / 1e3, a.compute_ms / 1e3)
+        base_ms = a.compute_ms if a.base_ms is None else a.base_ms
+        link = LinkCost(a.rtt_ms / 1e3, 120, 576 * 4 * 120, 125e6, a.compute_ms / 1e3, base_ms / 1e3)
+    elif a.simulate:
+        print("bench.replay: --simulate needs --rtt-ms", file=sys.stderr)
+        return 2
     report = {}
     job = None
     if a.one_job:
@@ -396,20 +449,36 @@ def main(argv: list[str] | None = None) -> int:
     for name in WORKLOAD_NAMES:
         rows = refs["workloads"][name][: a.limit]
         det = Detail() if a.detail else None
+        if a.output_tokens is not None:
+            rows = [{"prompt": r["prompt"], "output": r["output"][: a.output_tokens]} for r in rows]
+        groups = [[r] for r in rows] if a.job_per_prompt else [rows]
+        s, plain_s, spec_s, each = None, 0.0, 0.0, []
         taus: list[float] = []
-        s = replay(
-            cfg,
-            rows,
-            tree=not a.chain,
-            link=link,
-            max_new=a.max_new_tokens,
-            detail=det,
-            job=job,
-            merge=not a.single_match,
-            per_prompt=taus,
-        )
+        for g in groups:
+            clock = Clock(link, a.span_ms / 1e3, prior=not a.no_prior) if a.simulate else None
+            budget = a.max_new_tokens if a.output_tokens is None else min(a.max_new_tokens, a.output_tokens)
+            one = replay(
+                cfg,
+                g,
+                tree=not a.chain,
+                link=link,
+                max_new=budget,
+                detail=det,
+                job=None if a.job_per_prompt else job,
+                merge=not a.single_match,
+                per_prompt=taus,
+                clock=clock,
+            )
+            s = one if s is None else (s.merge(one) or s)
+            if clock is not None:
+                plain_s, spec_s = plain_s + clock.plain_s, spec_s + clock.spec_s
+                each.append(round(clock.plain_s / clock.spec_s, 2))
         report[name] = summarise(s, len(rows))
         report[name]["tau_per_prompt"] = taus
+        if a.simulate:  # the plain steps' time over the replayed steps' for the same tokens
+            report[name]["speedup"] = round(plain_s / spec_s, 3)
+            if a.job_per_prompt:
+                report[name]["speedup_per_prompt"] = each
         if det is not None:
             fw = tok = 0
             for r in rows:

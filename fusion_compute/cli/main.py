@@ -173,7 +173,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 "worker_peak_rss_mb": [round(i["peak_rss_mb"], 1) for i in engine.ping()],
             }
             if res.speculative is not None:
-                out["speculative"] = res.speculative
+                from ..generation.speculative import session_report
+
+                counts = getattr(engine.plan, "exchanges_per_forward", None)  # the masked plan does not count them
+                out["speculative"] = session_report(res.speculative, counts(0) if counts is not None else None)
             if masked and isinstance(engine, MaskedEngine):  # (always both: the isinstance tells the type checker)
                 v = engine.verifier
                 out |= {

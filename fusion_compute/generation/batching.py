@@ -149,8 +149,10 @@ class BatchRunner:
         full = {slot for slot, t in drafts.items() if t is not None}
         # a tree's parents ride with the step (engine.forward_batch's `trees`); chains need none
         logits = self.engine.forward_batch(items, all_logits=full, **({"trees": trees} if trees else {}))
-        if self._cost is not None and all(s.out for s in seqs):  # decode steps only: a prefill is another cost
-            self._cost.observe(sum(len(ids) for _, ids in items), len(full), time.perf_counter() - t0)
+        if self._cost is not None:  # fitted over decode steps only: a prefill is another cost (the prior's scale)
+            prefill = not all(s.out for s in seqs)
+            width, seconds = sum(len(ids) for _, ids in items), time.perf_counter() - t0
+            self._cost.observe(width, len(full), seconds, prefill, sessions=len(items))
         self.hooks.after()
         self.steps += 1
         for seq in seqs:

@@ -48,9 +48,12 @@ seed gives, must not depend on the batch or the clock. A tree's j-th column is w
 acceptance on its path (tree_cost.py: the session's acceptance at each node's depth times the
 drafter's branch frequency), and a StepCost given a link's model (tree_cost.LinkCost, from
 --link-rtt-ms/--link-mbps: round trips, bytes per column over the link's rate) adds it to the
-compute it fits. Where a cost model prices a greedy session's drafts, it is the gate: DraftLength's
-pause applies only before one does (and to sampled sessions), and a session the budget starves
-probes with one draft now and then.
+compute it fits. Before its first fit a StepCost prices drafts by a prior (StepCost.prior: a column
+at what a prompt token cost the job's prefill beyond a plain step, a drafting session at
+PRIOR_SPAN_COLUMNS columns), so no draft of a greedy session runs unpriced after the job's first
+prefill. Where a cost model prices a greedy session's drafts, it is the gate: DraftLength's pause
+applies only before one does (and to sampled sessions), and a session the budget starves probes
+with one draft now and then.
 """
 
 from __future__ import annotations
@@ -183,6 +186,13 @@ class DraftLength:
 # 1.56 -> 1.59 with two -> one, 2.46 at 21 ms either way.
 PRIOR_TRIALS = 1.0
 POOL = 64
+# A job without verifications yet: a draft token is as likely as its drafter says (the budget's gains
+# multiply this by the drafter's frequency of each branch; a chain without frequencies drafts in full),
+# not one hit and one miss, which halved every depth again below the drafter's own estimate and, once
+# drafts were priced from the first step (StepCost.prior), kept copying sessions from drafting until a
+# probe: replayed (bench/replay.py --simulate --job-per-prompt --output-tokens 24, docs/speculative.md)
+# grounded τ at 5 and 21 ms 2.53 with 0.5, 2.69 with 1, 2.77 unpriced.
+EMPTY_JOB_RATE = 1.0
 
 
 def acceptance_rate(history: Iterable[tuple[int, int]], prior: float = 0.5) -> float:
@@ -237,7 +247,8 @@ class JobAcceptance:
             self.history.append((drafted if depth is None else depth, accepted))
 
     def rate(self) -> float:
-        return acceptance_rate(self.history)
+        """The job's rate, from its verifications after PRIOR_TRIALS trials at EMPTY_JOB_RATE."""
+        return acceptance_rate(self.history, EMPTY_JOB_RATE)
 
     def depth_rates(self) -> list[float]:
         """Per depth, from the job's verifications, each depth's prior the job's one rate."""
@@ -246,34 +257,56 @@ class JobAcceptance:
 
 # StepCost: the decode steps it fits over, the fewest it needs, and the least spread of widths that
 # lets it tell a column's cost from noise (below that it keeps its last fit's per-column and
-# per-session costs and refits only the base; before any fit it allows every draft).
+# per-session costs and refits only the base; before any fit its prior prices the drafts).
 COST_WINDOW = 32
 COST_MIN_STEPS = 6
 COST_MIN_SPREAD = 2.0
 SPAN_MIN_STEPS = 3  # steps at the fewest drafting sessions and steps above it, each, to fit a span's cost
+# Before its first fit a job's drafts are priced by a prior, not let through unpriced (issue 43: a
+# session that accepted nothing drafted 49 columns in its job's first steps and read 0.88x): a column
+# costs what one more prompt token cost the job's prefill over a plain decode step (the round trips
+# cancel: both steps make the same exchanges), and a drafting session PRIOR_SPAN_COLUMNS columns
+# (StepCost.prior). Measured on the bundled SmolLM2 at N = 2 on loopback (docs/speculative.md, "Priced
+# from the first step", bench/step_width.py): at load 6-7 one session's step going from 1 column to 2
+# cost 80-100 ms and each further column 1-9 ms; at load 10-11 the second 23 ms and the next ~20 ms each:
+# 16 is the upper end, a prior that errs toward not drafting until the fit.
+PRIOR_SPAN_COLUMNS = 16.0
 
 
 class StepCost:
     """What a wider decode step costs, fitted from the steps the loop ran (least squares over the last
-    COST_WINDOW decode steps): time ≈ base + per_column × columns + per_span × spans, where `spans`
-    counts the sessions whose step carries drafts (a verification span takes another attention path
-    on the workers and every column's logits on the client, whatever its length), and the drafts
-    worth what they cost."""
+    COST_WINDOW decode steps): time ≈ base + per_column × columns + per_span × spans (+ per_session ×
+    sessions), where `spans` counts the sessions whose step carries drafts (a verification span takes
+    another attention path on the workers and every column's logits on the client, whatever its
+    length) and `sessions` those in the step (a session's own column costs its attention and its
+    bookkeeping beyond a draft column's: fitted where the count spreads, as a batch's sessions
+    finish), and the drafts worth what they cost."""
 
-    def __init__(self, link: LinkCost | None = None):
+    def __init__(self, link: LinkCost | None = None, prior: bool = True):
         self.link = link  # a link's model in place of the fitted base and per-column cost (tree_cost.py)
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)
+        self.sessions: deque[int] = deque(maxlen=COST_WINDOW)  # each sample's sessions in the step
+        self.per_session = 0.0  # the fit's s per session in the step beyond its column (0: not told apart)
+        self.use_prior = prior  # False: drafts go unpriced until the first fit (as before issue 43's round)
+        self.prefill_s: tuple[int, float] | None = None  # the last step with a prefill in it: (columns, s), the prior's
         # the last fit that could tell a column's cost: once the budget cuts every draft, the steps all
         # have one width and the window alone would forget what a column costs, let every draft back
         # in, and learn it again (measured, docs/performance.md: an open-chat batch at 0 ms read 0.89x the
         # plain batch without this, 1.01x with it)
         self.last: tuple[float, float] | None = None  # (s per column, s per drafting session)
+        self.last_session = 0.0  # and its s per session in the step
         self._answer: tuple[float, float, float] | None = None  # fit()'s answer for the samples as they are
         self._fresh = False
 
-    def observe(self, width: int, spans: int, seconds: float) -> None:
-        """One decode step: its columns, the sessions in it that carried drafts, its wall time."""
+    def observe(self, width: int, spans: int, seconds: float, prefill: bool = False, sessions: int = 1) -> None:
+        """One decode step: its columns, the sessions in it that carried drafts, its wall time, and the
+        sessions in it. A step with a prefill in it (`prefill`) is another cost and is not fitted: the
+        prior reads it."""
+        if prefill:
+            self.prefill_s = width, seconds
+            return
         self.samples.append((width, spans, seconds))
+        self.sessions.append(sessions)
         self._fresh = False
         if spans:  # a step with drafts: the window may tell a column's cost now; keep it (self.last)
             self.fit()
@@ -293,18 +326,34 @@ class StepCost:
         ws = [float(w) for w, _, _ in self.samples]
         ss = [float(n) for _, n, _ in self.samples]
         ts = [t for _, _, t in self.samples]
+        ns = [float(n) for n in self.sessions]
         if statistics.pstdev(ws) < COST_MIN_SPREAD:
             if self.last is None:
                 return None
-            per_column, per_span = self.last
-            base = statistics.fmean(t - per_column * w - per_span * n for w, n, t in zip(ws, ss, ts, strict=True))
+            (per_column, per_span), self.per_session = self.last, self.last_session
+            base = statistics.fmean(
+                t - per_column * w - per_span * n - self.per_session * m
+                for w, n, t, m in zip(ws, ss, ts, ns, strict=True)
+            )
             return base, per_column, per_span
         fitted = None
+        self.per_session = 0.0
+        # a batch whose sessions finish: its steps narrow by a session's column, which costs more than a
+        # draft column (its own attention and bookkeeping); one regressor for both read a draft column
+        # at 21 ms and the base 400-540 ms as 8 sessions went to 2 (docs/speculative.md, "8 sessions")
+        if statistics.pstdev(ns) > 0.5:
+            x = torch.tensor([[1.0, w, n, m] for w, n, m in zip(ws, ss, ns, strict=True)], dtype=torch.float64)
+            coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+            base, per_column, per_span, per_session = (float(c) for c in coef)
+            if min(per_column, per_span, per_session) >= 0:
+                fitted, self.per_session = (base, per_column, per_span), per_session
         # the drafting sessions' cost needs steps with more and with fewer of them: a single session's
         # 0-or-1 never spreads by more than 0.5, so that test alone folded its span's cost into the base
         # and priced its first draft at one column's cost (docs/speculative.md, branch nevers)
         low = min(ss)
-        if statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS:
+        if fitted is None and (
+            statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS
+        ):
             x = torch.tensor([[1.0, w, n] for w, n in zip(ws, ss, strict=True)], dtype=torch.float64)
             coef = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
             base, per_column, per_span = (float(c) for c in coef)
@@ -313,15 +362,46 @@ class StepCost:
         if fitted is None:
             per_column, base = statistics.linear_regression(ws, ts)  # one regressor: spans folded into the rest
             fitted = base, max(0.0, per_column), 0.0
-        self.last = fitted[1:]
+        self.last, self.last_session = fitted[1:], self.per_session
         return fitted
 
-    def costs(self) -> tuple[float, float, float] | None:
-        """(base s, s per column, s per drafting session): the link's model when one was given
-        (tree_cost.LinkCost, its compute terms the fit's once there is one: what the steps measured
-        is taken as the workers' compute, the link's round trips and bytes added to it; the drafting
-        session's cost fitted, else 0), else the fit."""
+    def prior(self) -> tuple[float, float, float] | None:
+        """The costs before the first fit. Per column c = (t_p - t_d) / (w_p - w_d): what the last
+        prefill's step (w_p columns in t_p s) cost beyond the plain decode steps seen (medians: w_d
+        columns in t_d) per column, the round trips cancelling; before any plain decode step,
+        c = t_p / w_p (a step costs at least its columns). Per drafting session PRIOR_SPAN_COLUMNS · c.
+        The base: the median over the decode steps seen of their time less their columns and spans
+        at those prices; before any, t_p - c · w_p = 0, so that the job's first decode step drafts
+        nothing (no draft pays for 16 columns where a column costs as much as the rest of the step):
+        the prefill's time alone cannot tell how much of it a decode step's base is. None before any
+        step was timed."""
+        if self.prefill_s is None:
+            return None
+        w_p, t_p = self.prefill_s
+        plain = [(w, t) for w, n, t in self.samples if n == 0]
+        if plain:
+            w_d, t_d = statistics.median(w for w, _ in plain), statistics.median(t for _, t in plain)
+            c = max(0.0, (t_p - t_d) / max(1.0, w_p - w_d))
+        else:
+            c = t_p / max(1, w_p)
+        span = PRIOR_SPAN_COLUMNS * c
+        if not self.samples:
+            return 0.0, c, span
+        return max(0.0, statistics.median(t - c * w - span * n for w, n, t in self.samples)), c, span
+
+    def costs(self, sessions: int | None = None) -> tuple[float, float, float] | None:
+        """(base s, s per column, s per drafting session) of a step of `sessions` sessions (default: as
+        many as the last step had): the link's model when one was given (tree_cost.LinkCost, its
+        compute terms the fit's once there is one: what the steps measured is taken as the workers'
+        compute, the link's round trips and bytes added to it; the drafting session's cost fitted,
+        else 0), else the fit (its base with per_session × sessions); before the first fit, the prior
+        in the fit's place (None only before any step was timed, or with the prior off)."""
         fit = self.fit()
+        if fit is not None and self.per_session:
+            n = sessions if sessions is not None else self.sessions[-1] if self.sessions else 0
+            fit = fit[0] + self.per_session * n, fit[1], fit[2]
+        elif fit is None and self.use_prior:
+            fit = self.prior()
         if self.link is None:
             return fit
         link = self.link
@@ -342,8 +422,9 @@ class StepCost:
         given (a tree's, from its drafter's per-node probabilities), else rate^j (a chain's j-th
         draft counts only if those before it were accepted). Sessions are taken by falling rate,
         each given the m (0 included) that makes the step's expected tokens per second highest
-        (tree_cost.best_size for one session alone). Unfitted: the caps."""
-        fit = self.costs()
+        (tree_cost.best_size for one session alone). With no cost at all (no step timed yet, or the
+        prior off and no fit): the caps."""
+        fit = self.costs(len(caps))
         if fit is None or not caps:
             return list(caps)
         base, per_column, per_span = fit
@@ -434,6 +515,21 @@ class SpecStats:
             "tokens_per_forward": round(self.tokens / self.forwards, 4) if self.forwards else None,
             "accepted_by_depth": list(self.accepted_by_depth),
         }
+
+
+def session_report(spec: dict, exchanges_per_forward: int | None) -> dict:
+    """One session's counters (SpecStats.as_dict) as `fusion generate --json` reports them, with what
+    its forwards cost on the wire and the tree sizes chosen: exchanges_per_forward (the plan's
+    sequential exchanges of one forward: 120 for SmolLM2 at N = 2; None where the plan does not count
+    them, the masked mode's), exchanges_per_token = that / τ (τ = tokens per forward, the prefill
+    included) and columns_per_step = columns / decode steps (the last token plus the drafts kept,
+    on average; the prefill is the session's first forward)."""
+    out = dict(spec)
+    tau, decode_steps = spec.get("tokens_per_forward"), spec["forwards"] - 1
+    out["columns_per_step"] = round(spec["columns"] / decode_steps, 4) if decode_steps > 0 else None
+    out["exchanges_per_forward"] = exchanges_per_forward
+    out["exchanges_per_token"] = round(exchanges_per_forward / tau, 2) if exchanges_per_forward and tau else None
+    return out
 
 
 class NgramDrafter:

@@ -193,11 +193,13 @@ class Plan:
         (ops.ShardedLayer.post_norm: y is known only after its scatter). Per-head q/k norms ride in
         the score sum (ops.ShardedLayer._qk_norm), sliding windows are masks: neither costs a round.
         The first layer's q/k/v and the last layer's down may come without their scatter (`boundary`:
-        `collectives_per_forward`). One worker alone makes none of them."""
+        `collectives_per_forward`). One worker alone makes none of them: every count is 0 at N = 1."""
         split = sum(1 for b in self.workers[w].attention if b.split)
         out = {"reduce_scatter": 4, "score_sum": split}
         if self.config.post_norms:
             out["norm_sum"] = 2
+        if self.n == 1:  # nothing is scattered or summed across workers (`scattered`)
+            out = dict.fromkeys(out, 0)
         return out
 
     @staticmethod
@@ -229,6 +231,8 @@ class Plan:
         """Worker w's collectives in one forward: every layer's, less those `boundary` merges (layer 0's
         QKV scatter into the ingress; the last layer's down scatter into the egress, unless post-norms
         keep it); none at N = 1, where nothing is scattered."""
+        if self.n == 1:  # the boundary merges no scatter: there was none
+            return 0
         per_layer = self.collectives_per_layer(w)
         return sum(per_layer.values()) * self.config.n_layers - len(self.boundary["merged"])
 

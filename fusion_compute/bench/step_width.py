@@ -1,0 +1,87 @@
+"""What a wider decode step costs on this machine: the step's time against its columns, measured.
+
+    python -m fusion_compute.bench.step_width [--workers 2] [--repeats 8] [--model PATH]
+
+The speculative budget (generation/speculative.py, StepCost) prices a draft column and a drafting
+session from the job's own steps; its prior before the first fit (StepCost.prior, PRIOR_SPAN_COLUMNS)
+needs to know how the two compare where a column is dearest: one machine, loopback links, the small
+bundled model. This runs one job (N workers on 127.0.0.1, TLS), prefills 8 slots with a 60-token
+prompt and times single steps of each shape, every shape once per repeat in a shuffled order (the
+repeats interleaved, so that the machine's load falls on every shape alike), rolling each step back
+so that every one runs at the same position: one session with 1, 2, 3, 5, 9, 17 and 33 columns (a
+drafting session's columns after the first), and 8 sessions with one column each, one of them with
+2 or 9, all of them with 2 or 5. Prints one JSON line: each shape's median step time in ms, and the
+repeats. Greedy ids do not enter (the drafts are fixed tokens): this is timing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+SHAPES = {
+    "1x1": [1],
+    "1x2": [2],
+    "1x3": [3],
+    "1x5": [5],
+    "1x9": [9],
+    "1x17": [17],
+    "1x33": [33],
+    "8x1": [1] * 8,
+    "8: one x2": [2] + [1] * 7,
+    "8: one x9": [9] + [1] * 7,
+    "8: all x2": [2] * 8,
+    "8: all x5": [5] * 8,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..runtime.engine_options import EngineOptions
+    from ..structural.client import Engine
+    from ..weights.loader import resolve_model_path
+
+    p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.step_width", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=8)
+    a = p.parse_args(argv)
+    if a.repeats < 1 or a.workers < 1:
+        print("bench.step_width: --repeats and --workers must be >= 1", file=sys.stderr)
+        return 2
+    prompt = list(range(1000, 1060))
+    times: dict[str, list[float]] = {k: [] for k in SHAPES}
+    with Engine(str(resolve_model_path(a.model)), EngineOptions(n_workers=a.workers, context=256)) as eng:
+        eng.batch_slots = 8
+        eng.reset()
+        for slot in range(8):
+            eng.forward_batch([(slot, prompt)])
+        for r in range(a.repeats):
+            order = list(SHAPES)
+            random.Random(r).shuffle(order)
+            for name in order:
+                widths = SHAPES[name]
+                items = [(slot, [2000 + j for j in range(w)]) for slot, w in enumerate(widths)]
+                t0 = time.perf_counter()
+                eng.forward_batch(items, all_logits={slot for slot, w in enumerate(widths) if w > 1})
+                times[name].append(time.perf_counter() - t0)
+                for slot, _ in items:
+                    eng.rollback(slot, len(prompt))
+    print(
+        json.dumps(
+            {
+                "median_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in times.items()},
+                "ms": {k: [round(x * 1e3, 1) for x in v] for k, v in times.items()},
+                "load_average_1min": os.getloadavg()[0],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
