@@ -5,7 +5,8 @@ ring.py), and receives the claimed product y = y_A - Σ y_B (mod 2^64; honest, i
 W_fx · x_fx, |.| < 2^62). It checks, for every linear of every step and every token column, that y
 is W_fx · x_fx over the integers, without the matrix:
 
-    job start (once)    U: D = 4 secret random rows per linear, entries uniform in [0, 2^16);
+    job start (once)    U: D = 4 secret random rows per linear, entries uniform in [0, 2^16),
+                        every one read from os.urandom (no seed: `secret_rows` says why);
                         V = U · W_fx, one streaming pass over the public weights, in a background
                         thread while the workers load (the client keeps U and V, never the matrices)
     every linear        U · y  ==  V · x_fx      exactly, as integers, every row and token column
@@ -111,11 +112,9 @@ if sys.byteorder != "little":  # unsigned_limbs reads an int64's 16-bit words in
 class ProductCheck:
     """The client's Freivalds state: U and V per (layer, op), drawn once per job; counts its checks."""
 
-    def __init__(self, plan: MaskedPlan, src: WeightSource, seed: int | None = None):
+    def __init__(self, plan: MaskedPlan, src: WeightSource):
         """`plan`: any epoch's plan (the linears' shapes and the quantization are the job's)."""
         self.plan, self.src = plan, src
-        self.gen = torch.Generator()
-        self.gen.manual_seed(seed if seed is not None else int.from_bytes(_urandom(8), "little") >> 1)
         self.lin: dict[tuple[int, int], _Linear] = {}
         self.checks = 0  # (linear, token) pairs verified
         self.failures = 0
@@ -132,7 +131,7 @@ class ProductCheck:
             for layer in range(self.plan.config.n_layers):
                 for s in self.plan.shapes:
                     w_fx = self.weights(layer, s.op, (0, s.rows))  # (N, K) float64 integers, |.| <= 2^27
-                    u = torch.randint(0, 1 << U_BITS, (BASIS_ROWS, s.rows), generator=self.gen, dtype=torch.int64)
+                    u = secret_rows(BASIS_ROWS, s.rows)
                     # U · W_fx exactly: 8-bit halves of U keep every float64 sum below 2^53.
                     hi, lo = (u >> 8).to(torch.float64), (u & 255).to(torch.float64)
                     v = (hi @ w_fx).to(torch.int64) * 256 + (lo @ w_fx).to(torch.int64)  # |.| < 2^58
@@ -197,6 +196,20 @@ class ProductCheck:
             if not torch.equal(got, want[g][a:b]):
                 out.append((g, member, rank))
         return out
+
+
+def secret_rows(d: int, n: int) -> torch.Tensor:
+    """U (d, n) int64, entries uniform in [0, 2^U_BITS), every one read from the OS CSPRNG.
+
+    Not from a seeded generator: U expanded from a seed is no more secret than the seed, and the
+    bound needs all of U's 16 bits per entry. With U a function of a 63-bit seed (as it once was:
+    torch's Mersenne Twister seeded from 8 bytes of os.urandom), a liar picks any seed, computes
+    its U and returns an error in U's null space (an integer lattice vector with entries of a few
+    units, found by LLL in well under a second): it passes whenever the job drew that seed, with
+    probability 2^-63 > 2^-64, and one error in the common null space of m seeds' U (4 m < N
+    equations) passes with probability m 2^-63 (tests/test_redteam_masked.py)."""
+    raw = np.frombuffer(_urandom(2 * d * n), dtype="<u2").astype(np.int64)
+    return torch.from_numpy(raw & ((1 << U_BITS) - 1)).reshape(d, n)
 
 
 def _urandom(n: int) -> bytes:

@@ -1,0 +1,148 @@
+"""Red team of the masked mode's promises (docs/masked.md), as a curious member and as a lying one.
+
+Product check (masked/verify.py), a lying member:
+  - the check's secret U must be all fresh OS randomness: a U expanded from a 63-bit seed (as it
+    was) lets a liar who guesses the seed return an error in U's null space (a short integer lattice
+    vector, LLL) that passes; so the per-trial bound could not be 2^-64. Fixed: every entry of U is
+    read from os.urandom.
+  - the escape rate of the best lies (one entry off, or two entries off in opposite directions)
+    measured against the bound 2^-(U_BITS · D), at a reduced width where it is measurable.
+Mask freshness, a curious member of A:
+  - every mask ring word the client draws, over a job that prefills, decodes, speculates (rolled
+    back and re-run at the same positions with other tokens), verifies a token tree, batches
+    sessions that join and leave, replays after a member is revoked, and retries after a lie was
+    caught, is drawn once: no pad covers two plaintexts; and no two messages A received, compared
+    pairwise, differ by small values (what A would see of a reused pad).
+  - the masked audit's freshness rule against masks broken on purpose.
+What a member's view discloses: the shapes it sees are the documented ones (T per step, nothing else
+in A's control words).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion_compute.masked import ring, verify
+from fusion_compute.masked.plan import make_masked_plan
+from fusion_compute.masked.verify import ProductCheck
+from fusion_compute.weights.loader import open_weights
+
+
+def _checker(path) -> ProductCheck:
+    src = open_weights(path)
+    chk = ProductCheck(make_masked_plan(src.config, 1, (1,), ring.DEFAULT_LIMB_BITS), src)
+    chk.wait()
+    return chk
+
+
+def _honest(chk: ProductCheck, layer: int, op: int, t: int, gen: torch.Generator):
+    """The client's encoding of a random input, and the exact product the workers' ring gives."""
+    s = chk.plan.shapes[op]
+    w_fx = chk.weights(layer, op, (0, s.rows))
+    x = torch.randn(s.k, t, generator=gen, dtype=torch.float64) * 3
+    x_fx, _ = ring.encode(x, float(w_fx.norm(dim=1).max()))
+    return x_fx, ring.RingMatrix(w_fx, chk.plan.limb_bits).matmul(x_fx)
+
+
+def null_vector(u_DN: torch.Tensor, cols: int = 24) -> torch.Tensor:
+    """A short nonzero integer e (N,) with U e = 0 exactly, supported on U's first `cols` columns:
+    LLL on the lattice [I | 2^40 U^T], whose short vectors have U e = 0 (what a liar who knows U
+    returns: an error the check cannot see)."""
+    from sympy import ZZ
+    from sympy.polys.matrices import DomainMatrix
+
+    d = u_DN.shape[0]
+    rows = [[int(i == j) for j in range(cols)] + [int(u_DN[r, i]) << 40 for r in range(d)] for i in range(cols)]
+    for vec in DomainMatrix(rows, (cols, cols + d), ZZ).lll().to_Matrix().tolist():
+        if all(v == 0 for v in vec[cols:]) and any(vec[:cols]):
+            e = torch.zeros(u_DN.shape[1], dtype=torch.int64)
+            e[:cols] = torch.tensor(vec[:cols], dtype=torch.int64)
+            assert bool(((u_DN @ e) == 0).all())
+            return e
+    raise AssertionError("LLL found no null vector")
+
+
+def test_the_checks_secret_is_all_fresh_os_randomness(tiny_qwen2, monkeypatch):
+    """Every entry of every U is read from the OS CSPRNG: at least 16 bits per entry, D rows per linear.
+    (Before the fix the whole job's U came from 8 bytes, a 63-bit seed for torch's Mersenne Twister.)"""
+    drawn: list[int] = []
+    real = verify._urandom
+    monkeypatch.setattr(verify, "_urandom", lambda n: drawn.append(n) or real(n))
+    chk = _checker(tiny_qwen2)
+    need = sum(2 * verify.BASIS_ROWS * s.rows for s in chk.plan.shapes) * chk.plan.config.n_layers
+    assert sum(drawn) >= need, (sum(drawn), need)
+    # and no two linears share their U (each is its own draw)
+    us = [lin.u.tobytes() for lin in chk.lin.values()]
+    assert len(set(us)) == len(us)
+
+
+def test_a_lie_in_the_null_space_of_a_guessed_U_is_caught(tiny_qwen2, monkeypatch):
+    """The liar's best attack on a per-job U: guess the client's secret and lie in its null space.
+
+    Control first: against the true U (what the liar would need), a short lattice vector passes the
+    check, so the check's blind subspace exists and only U's secrecy guards it. Then the liar is
+    handed the first 8 bytes the client read from the OS (the whole seed before the fix: 2^63 guesses
+    cover them, so each guess passed with probability 2^-63, more than the 2^-64 claimed) and
+    rebuilds U as a seeded generator would: its lie must be caught."""
+    drawn: list[bytes] = []
+    real = verify._urandom
+    monkeypatch.setattr(verify, "_urandom", lambda n: drawn.append(real(n)) or drawn[-1])
+    chk = _checker(tiny_qwen2)
+    gen = torch.Generator().manual_seed(7)
+    layer, op = 0, 0
+    x_fx, y = _honest(chk, layer, op, 2, gen)
+    assert chk.check(layer, op, y, x_fx)
+
+    true_u = torch.from_numpy(chk.lin[(layer, op)].u).to(torch.int64)
+    lie = y.clone()
+    lie[:, 1] += null_vector(true_u)
+    assert not torch.equal(lie, y)
+    assert chk.check(layer, op, lie, x_fx), "control: a lie in U's null space passes when U is known"
+
+    # the seed a generator-expanded U came from, rebuilt in the precompute's order
+    seeded = torch.Generator().manual_seed(int.from_bytes(b"".join(drawn)[:8], "little") >> 1)
+    guess = {}
+    for lay in range(chk.plan.config.n_layers):
+        for s in chk.plan.shapes:
+            guess[(lay, s.op)] = torch.randint(
+                0, 1 << verify.U_BITS, (verify.BASIS_ROWS, s.rows), generator=seeded, dtype=torch.int64
+            )
+    lie = y.clone()
+    lie[:, 1] += null_vector(guess[(layer, op)])
+    assert not chk.check(layer, op, lie, x_fx), "a liar who knows 64 bits of the client's randomness passed"
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_escape_rate_of_the_best_lies_matches_the_bound(tiny_qwen2, monkeypatch, rows):
+    """Measured at a reduced width, where escapes happen often enough to count: U entries of 4 bits,
+    D = 1 or 2 rows, so the documented per-trial bound is 2^-(4 D). Two lies that meet it: one
+    entry off by an odd amount (passes iff U[:, i] = 0), and two entries off by +c and -c (passes
+    iff U[:, i] = U[:, j]). Each trial is one row of one linear under a fresh U (one per job), so the
+    trials are independent. The rate must sit within 6 sigma of the bound, not above it."""
+    monkeypatch.setattr(verify, "U_BITS", 4)
+    monkeypatch.setattr(verify, "BASIS_ROWS", rows)
+    bound = 2.0 ** -(4 * rows)
+    gen = torch.Generator().manual_seed(11)
+    escaped = {"one": 0, "pair": 0}
+    trials = 0
+    jobs = 6 if rows == 1 else 24
+    for _ in range(jobs):
+        chk = _checker(tiny_qwen2)
+        for (layer, op), _lin in chk.lin.items():
+            x_fx, y = _honest(chk, layer, op, 1, gen)
+            n = y.shape[0]
+            for i in range(n):
+                one = y.clone()
+                one[i, 0] += 3
+                pair = y.clone()
+                pair[i, 0] += 5
+                pair[(i + 1) % n, 0] -= 5
+                escaped["one"] += chk.check(layer, op, one, x_fx)
+                escaped["pair"] += chk.check(layer, op, pair, x_fx)
+                trials += 1
+    sigma = (bound * (1 - bound) / trials) ** 0.5
+    for kind, k in escaped.items():
+        rate = k / trials
+        print(f"D={rows} U_BITS=4 {kind}: {k}/{trials} = {rate:.5f} (bound {bound:.5f})")
+        assert abs(rate - bound) <= 6 * sigma, (kind, k, trials, bound)
