@@ -20,6 +20,7 @@ in A's control words).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,130 @@ def test_escape_rate_of_the_best_lies_matches_the_bound(tiny_qwen2, monkeypatch,
         rate = k / trials
         print(f"D={rows} U_BITS=4 {kind}: {k}/{trials} = {rate:.5f} (bound {bound:.5f})")
         assert abs(rate - bound) <= 6 * sigma, (kind, k, trials, bound)
+
+
+# ---- mask freshness: every pad covers one plaintext, whatever the job does ----
+
+
+def close_pairs(view: list[np.ndarray], sample: int = 64) -> tuple[float, int]:
+    """What a member of A can compute from what it received: for every pair of messages, the
+    fraction of their first `sample` words in the order a pad is drawn (a (K, T) message row-major:
+    element [k, t] is pad word k T + t, whatever T) whose difference mod 2^64 is below 2^56 in
+    size. Independent pads: ~2^-7. One pad under two plaintexts: ~1 (the difference is then
+    x - x', small fixed-point values), even when the two messages have different T. Returns the
+    largest fraction over all pairs, and the number of pairs."""
+    block = np.stack([np.ascontiguousarray(m).reshape(-1)[:sample].view("<u8") for m in view])  # (M, sample)
+    worst, pairs, lim = 0.0, 0, np.uint64(1 << 56)
+    for i in range(len(block) - 1):
+        d = block[i + 1 :] - block[i]  # wraps mod 2^64
+        close = (d < lim) | (d > ~lim)  # |d| < 2^56 as a signed difference
+        worst = max(worst, float(close.mean(1).max()))
+        pairs += len(d)
+    return worst, pairs
+
+
+def _a_views(d) -> dict[int, list[np.ndarray]]:
+    """Every A member's received masked messages over the whole job, by participant (a member keeps
+    its view across epochs, whatever rank each epoch gives it), from the audit taps in order."""
+    from fusion_compute.masked import audit
+
+    out: dict[int, list[np.ndarray]] = {}
+    for ep in (r for r in audit.read_log(d, 0) if r["type"] == "epoch"):
+        for rank, group in audit.groups_by_rank(ep["groups"]).items():
+            if group == "A":
+                out.setdefault(ep["order"][rank - 1], []).extend(m for _, m in audit.read_tap(d, rank, ep["epoch"]))
+    return out
+
+
+@pytest.mark.slow
+def test_no_mask_covers_two_plaintexts_through_every_path(tiny_qwen2, tmp_path, monkeypatch):
+    """One job of workers as threads (2+1, a standby per group) that goes through every path that
+    could draw a pad twice: prefill and decode; a speculative chain rolled back and re-run at the
+    same positions with other tokens; a token tree and its kept path; a batch that a session joins,
+    one leaves and another joins at the same step numbers; a revoked member replaced and the open
+    sessions replayed; a lie caught (the request fails) and the request retried. The client's every
+    mask word is recorded (r = Σ r_g as drawn) and A's every received message read back from its
+    audit tap. Promised: no mask word is drawn twice in the job, and no two messages A received
+    (any pair, not only consecutive ones) share a pad."""
+    from fusion_compute.cli.options import run_worker_in_thread
+    from fusion_compute.errors import WorkerMisbehaved
+    from fusion_compute.masked import client as masked_client
+    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.worker import MaskedWorker
+
+    words: list[torch.Tensor] = []
+    real_stream = masked_client.make_stream
+
+    def recording_stream(kind, key, *, guard):
+        stream = real_stream(kind, key, guard=guard)
+        draw = stream.draw
+        stream.draw = lambda *a: words.append(draw(*a)) or words[-1]  # type: ignore[method-assign]
+        return stream
+
+    monkeypatch.setattr(masked_client, "make_stream", recording_stream)
+    lie = {"armed": False, "told": 0}
+    honest_answer = MaskedWorker.answer
+
+    def answer(self, name, y, first, last):  # A's first member lies once, when armed
+        y = honest_answer(self, name, y, first, last)
+        if lie["armed"] and self.group == "A" and self.member == 0 and first:
+            lie["armed"], lie["told"] = False, lie["told"] + 1
+            return y + 1
+        return y
+
+    monkeypatch.setattr(MaskedWorker, "answer", answer)
+    d = tmp_path / "audit"
+    opts = MaskedOptions(
+        n_a=2,
+        n_b=1,
+        standby=1,
+        timeout_s=60,
+        context=64,
+        audit_dir=str(d),
+        executor="inproc",
+        run_worker=run_worker_in_thread,
+    )
+    prompt = [7, 7, 7, 7, 30, 31, 7, 7]  # repeated tokens: identical clear inputs, the worst case
+    with MaskedEngine(tiny_qwen2, opts) as eng:
+        eng.batch_slots = 3  # what fusion serve --max-batch 3 sets
+        eng.reset()
+        eng.forward(prompt)
+        eng.forward([5])
+        eng.forward([6, 8, 9])  # a draft chain: 8 and 9 rejected,
+        eng.rollback(0, len(prompt) + 2)
+        eng.forward([10, 11])  # re-verified at the same positions with other tokens
+        eng.forward_batch([(0, [12, 13, 14, 15])], trees={0: (-1, 0, 0, 1)})
+        eng.keep_path(0, [0, 2])
+        eng.forward([16])
+        eng.forward_batch([(0, [17]), (1, prompt[:5])])  # a session joins the batch
+        eng.forward_batch([(0, [18]), (1, [19])])
+        eng.release(1)  # leaves
+        eng.forward_batch([(0, [20]), (2, prompt[:3])])  # another joins: the same step numbers go on
+        eng.revoke(eng.order[1])  # A's second member: a standby takes its seat, both slots replayed
+        assert eng.recoveries and eng.recoveries[-1]["replayed_tokens"] > 0
+        eng.forward_batch([(0, [21]), (2, [22])])
+        eng.release(2)
+        lie["armed"] = True
+        with pytest.raises(WorkerMisbehaved):
+            eng.forward([23])
+        assert lie["told"] == 1
+        eng.reset()  # the request retried from the start, without the liar
+        eng.forward(prompt)
+        eng.forward([24])
+        sessions = eng.session + 1
+
+    allw = torch.cat(words)
+    assert sessions >= 3 and allw.numel() > 50_000
+    assert torch.unique(allw).numel() == allw.numel(), "a mask word was drawn twice"
+    views = _a_views(d)
+    assert len(views) == 3  # A's two members and the standby that replaced one
+    total = 0
+    for name, view in views.items():
+        worst, pairs = close_pairs(view)
+        total += pairs
+        assert worst < 0.5, (name, worst)
+    assert total > 5_000
+    # the detector's control: a message A received and the same pad over other small data are flagged
+    a = max(views.values(), key=len)[0]
+    other = (a.view("<u8") + np.arange(a.size, dtype="<u8").reshape(a.shape) * np.uint64(1 << 40)).view("<i8")
+    assert close_pairs([a, other])[0] == 1.0
