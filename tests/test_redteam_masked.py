@@ -219,6 +219,15 @@ def test_no_mask_covers_two_plaintexts_through_every_path(tiny_qwen2, tmp_path, 
         return y
 
     monkeypatch.setattr(MaskedWorker, "answer", answer)
+    to_a: list[tuple[int, list[int]]] = []  # (rank, word): every control word the client sent A in steps
+    real_isend = MaskedEngine._isend
+
+    def isend(self, tensor, rank, kind, op):
+        if kind == "control" and self.plan.group_of(rank)[0] == "A":
+            to_a.append((rank, tensor.tolist()))
+        return real_isend(self, tensor, rank, kind, op)
+
+    monkeypatch.setattr(MaskedEngine, "_isend", isend)
     d = tmp_path / "audit"
     opts = MaskedOptions(
         n_a=2,
@@ -259,6 +268,16 @@ def test_no_mask_covers_two_plaintexts_through_every_path(tiny_qwen2, tmp_path, 
         eng.forward([24])
         sessions = eng.session + 1
 
+    # What A is told: the step's width T and nothing else (no position, step, session or slot); the
+    # widths themselves are the documented metadata: here prompt 8, decode 1, a 3-draft chain, its
+    # re-run 2, a 4-column tree, 1, a 5-token session joining a decode (6), 2, a 3-token one (4)
+    from fusion_compute.masked import protocol as P
+
+    assert all(w[0] == int(P.Op.FORWARD) and w[2:] == [0, 0] for _, w in to_a), to_a
+    widths = [w[1] for rank, w in to_a if rank == 1]  # every epoch has a rank 1, in A
+    # ... then the replay after the revocation, one session per step: 18 and 3, each open session's
+    # whole length so far; 2; the step the lie ended (1); the retried request's prompt and decode
+    assert widths == [8, 1, 3, 2, 4, 1, 6, 2, 4, 18, 3, 2, 1, 8, 1], widths
     allw = torch.cat(words)
     assert sessions >= 3 and allw.numel() > 50_000
     assert torch.unique(allw).numel() == allw.numel(), "a mask word was drawn twice"
