@@ -394,3 +394,45 @@ def test_a_weak_key_passes_rule5_yet_a_member_of_A_reads_the_data():
     assert guess == secret
     gen = torch.Generator().manual_seed(0)
     assert torch.equal(x, _plaintexts(gen, *first.shape))  # the client's fixed-point input, exactly
+
+
+# ---- a coalition of every group, lying where no product is checked ----
+
+
+@pytest.mark.slow
+def test_metadata_every_group_agrees_on_is_checked_against_the_clients_own(tiny_qwen2, monkeypatch):
+    """The client rescales each output row by 2^-e_i and sizes its inputs from the row norms, both
+    reported by the workers at the handshake and compared only between groups. A member of every
+    group (here: both workers of a 1+1 job, as threads) reporting e_i + 1 for one row halves that
+    row's output while every product passes the check. With the check off the lie goes through (the
+    logits move: what it would do); with it on, start-up is refused: the client compares the
+    metadata with its own quantization of the weights (before the fix: accepted, logits wrong)."""
+    from fusion_compute.cli.options import run_worker_in_thread
+    from fusion_compute.masked import worker
+    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.model.config import ModelError
+
+    def opts(**kw):
+        base = dict(n_a=1, n_b=1, timeout_s=60, context=64, executor="inproc", run_worker=run_worker_in_thread)
+        return MaskedOptions(**{**base, **kw})
+
+    ids = [1, 5, 9, 200, 3]
+    with MaskedEngine(tiny_qwen2, opts(verify=False)) as eng:
+        eng.reset()
+        clean = eng.forward(ids, all_logits=True)
+    honest_load = worker.load_member
+
+    def coalition(src, plan, group, member):  # every group's member 0: row 0 of L0.qkv, exponent + 1
+        w = honest_load(src, plan, group, member)
+        w.meta[0, 0] += 1
+        return w
+
+    monkeypatch.setattr(worker, "load_member", coalition)
+    with MaskedEngine(tiny_qwen2, opts(verify=False)) as eng:
+        eng.reset()
+        lied = eng.forward(ids, all_logits=True)
+    assert (lied - clean).abs().max() > 1e-3  # the lie is real: one of q's rows halved
+    with pytest.raises(ModelError, match="client's own copy"):
+        with MaskedEngine(tiny_qwen2, opts()) as eng:
+            eng.reset()
+            eng.forward(ids)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import WorkerMisbehaved
+from ..model.config import ModelError
 from ..weights.loader import WeightSource
 from .plan import MaskedPlan
 from .ring import RingMatrix, quantize_rows, weight_bits
@@ -116,6 +117,7 @@ class ProductCheck:
         """`plan`: any epoch's plan (the linears' shapes and the quantization are the job's)."""
         self.plan, self.src = plan, src
         self.lin: dict[tuple[int, int], _Linear] = {}
+        self.meta: dict[tuple[int, int], torch.Tensor] = {}  # (2, N): e_i, ‖W_fx[i]‖₂ (check_metadata)
         self.checks = 0  # (linear, token) pairs verified
         self.failures = 0
         self.precompute_s = 0.0
@@ -130,7 +132,9 @@ class ProductCheck:
         try:
             for layer in range(self.plan.config.n_layers):
                 for s in self.plan.shapes:
-                    w_fx = self.weights(layer, s.op, (0, s.rows))  # (N, K) float64 integers, |.| <= 2^27
+                    w_fx, e = self.quantized(layer, s.op, (0, s.rows))  # (N, K) float64 integers, |.| <= 2^27
+                    # what every worker must report for these rows at the handshake (worker.load_member)
+                    self.meta[(layer, s.op)] = torch.stack([e.to(torch.float64), w_fx.norm(dim=1)])
                     u = secret_rows(BASIS_ROWS, s.rows)
                     # U · W_fx exactly: 8-bit halves of U keep every float64 sum below 2^53.
                     hi, lo = (u >> 8).to(torch.float64), (u & 255).to(torch.float64)
@@ -143,9 +147,29 @@ class ProductCheck:
 
     def weights(self, layer: int, op: int, rows: tuple[int, int]) -> torch.Tensor:
         """Rows of one linear as the workers quantize them (bit-identical W_fx), float64."""
+        return self.quantized(layer, op, rows)[0]
+
+    def quantized(self, layer: int, op: int, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_fx, e): the rows as the workers quantize them, and their exponents."""
         s = self.plan.shapes[op]
         w = read_rows(self.src, layer, s.name, rows)
-        return quantize_rows(w, weight_bits(s.k, self.plan.limb_bits))[0]
+        return quantize_rows(w, weight_bits(s.k, self.plan.limb_bits))
+
+    def check_metadata(self, reported: list[torch.Tensor]) -> None:
+        """The handshake's metadata, per (layer, op) in that order ((2, rows): e_i and ‖W_fx[i]‖₂, as
+        every group agreed on it), must be the client's own, bit for bit. The products are checked
+        against the client's weights, but the client rescales each row by 2^-e_i and picks its input
+        scale from the norms: a coalition with a member in every group reporting other exponents
+        (or inflated norms) would change outputs (or their precision) with every product passing."""
+        self.wait()
+        n_ops = len(self.plan.shapes)
+        for i, got in enumerate(reported):
+            layer, op = divmod(i, n_ops)
+            if not torch.equal(got, self.meta[(layer, op)]):
+                raise ModelError(
+                    f"the workers' quantization metadata of L{layer}.{self.plan.shapes[op].name} (agreed by every "
+                    "group) differs from the client's own copy of the weights: the same model file everywhere?"
+                )
 
     def wait(self) -> None:
         self._ready.wait()
