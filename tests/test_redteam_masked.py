@@ -127,7 +127,7 @@ def test_escape_rate_of_the_best_lies_matches_the_bound(tiny_qwen2, monkeypatch,
     gen = torch.Generator().manual_seed(11)
     escaped = {"one": 0, "pair": 0}
     trials = 0
-    jobs = 6 if rows == 1 else 24
+    jobs = 6 if rows == 1 else 12
     for _ in range(jobs):
         chk = _checker(tiny_qwen2)
         for (layer, op), _lin in chk.lin.items():
