@@ -13,9 +13,14 @@ Mask freshness, a curious member of A:
     sessions that join and leave, replays after a member is revoked, and retries after a lie was
     caught, is drawn once: no pad covers two plaintexts; and no two messages A received, compared
     pairwise, differ by small values (what A would see of a reused pad).
-  - the masked audit's freshness rule against masks broken on purpose.
-What a member's view discloses: the shapes it sees are the documented ones (T per step, nothing else
-in A's control words).
+  - the masked audit's rule 5 against masks broken on purpose: clear, 48-bit, table-drawn and one
+    pad for all fail it; a pad reused across sessions or from a non-consecutive step passes it
+    (strict expected failure: what rule 5 does not see is documented), and so does a weak key.
+What a member's view discloses: A's control words are [FORWARD, T, 0, 0], and the widths T disclose
+what docs/masked.md lists (lengths, session starts, batch size, draft counts, a replay's length).
+A coalition with a member in every group: the handshake's metadata (row exponents, norms), which
+the product check does not cover, is compared with the client's own quantization (fixed: it was
+compared only between groups, so an agreed lie halved a row's output with every product passing).
 """
 
 from __future__ import annotations
