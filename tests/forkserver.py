@@ -36,8 +36,9 @@ this same fork server. What differs from `python -m fusion_compute ARGS`:
   procs.worker_pids() still find them;
 - its workers die with the fork server (PR_SET_PDEATHSIG), not with it; killed, it loses them as a
   client on another host does, by its links closing. The tests of a terminal (test_chat,
-  test_serve_progress), of the installed `fusion` script (test_wire's README steps) and of processes
-  under mpiexec (test_mpi_cluster) start real processes (procs.FUSION).
+  test_serve_progress), of the installed `fusion` script (test_wire's README key steps; its workers
+  and client are forked with the README's argv) and of processes under mpiexec (test_mpi_cluster's
+  workers; its clients are forked) start real processes (procs.FUSION).
 
 A command can also be forked into a network namespace (`command(netns=...)`, tests/netns.py's
 `Hosts.fusion` and `Hosts.python`: test_wire's captures, test_faults's cut link): the child enters the

@@ -186,17 +186,19 @@ def test_replayed_suffix_drafts_never_beat_the_copy_oracle(prompt, output, k, ch
 
 def test_replay_in_one_job_shares_the_pool_and_counts_the_probes():
     """`job`: several replays through one Speculator and StepCost (--one-job), as the bench's runs share
-    a job: the second starts from the first's pooled acceptance. Where a column costs a second over
-    the link the budget cuts every draft, so each verification is a probe (DraftLength.probe): one
-    after PAUSE_STEPS starved steps, and as each is accepted (the output repeats the prompt) the next
-    comes PAUSE_STEPS later again."""
+    a job: the second starts from the first's pooled acceptance. Where a column costs ten seconds over
+    the link (more than a whole step, so no acceptance pays for it) the budget cuts every draft, so
+    each verification is a probe (DraftLength.probe): one after PAUSE_STEPS starved steps, and as each
+    is accepted (the output repeats the prompt) the next comes PAUSE_STEPS later again."""
     from fusion_compute.bench.replay import Detail, replay
     from fusion_compute.generation.speculative import PAUSE_STEPS, Speculator, StepCost
     from fusion_compute.generation.speculative_config import SpeculativeConfig
     from fusion_compute.generation.tree_cost import LinkCost
 
     cfg = SpeculativeConfig("suffix", 8)
-    link = LinkCost(0.0001, 120, 1e9, 1e9, 0.0, 0.0)  # 1e9 bytes a column at 1e9 bytes/s
+    # 1e10 bytes a column at 1e9 bytes/s: at one second (1e9) a column whose acceptance neared 1 paid
+    # for itself once the session's own frequencies were estimated without its end (suffix_tree.py)
+    link = LinkCost(0.0001, 120, 1e10, 1e9, 0.0, 0.0)
     job = Speculator(cfg, 1 << 20, 256), StepCost(link)
     det = Detail()
     rows = [{"prompt": [1, 2, 3, 4], "output": [1, 2, 3, 4] * 10}]

@@ -13,12 +13,12 @@ import json
 import pytest
 import torch
 from chance import FALSE_FAILURE_RATE, chance_hits_bound
+from smollm_greedy import greedy
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.masked import attack, audit
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 from fusion_compute.weights.loader import open_weights
 from fusion_compute.weights.tokenizer import load_tokenizer
@@ -29,12 +29,12 @@ QUESTION = "What is the capital of France?"
 NEW_TOKENS = 16
 
 
-def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_path):
+def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_path, tmp_path_factory):
     tok = load_tokenizer(smollm_path)
     ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
     src = open_weights(smollm_path)
     d = tmp_path / "audit"
-    want = reference.greedy(smollm_ref, ids, NEW_TOKENS, stop_ids=tok.eos_ids)
+    want = greedy(smollm_ref, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)  # transformers' (smollm_greedy.py)
 
     with MaskedEngine(smollm_path, MaskedOptions(n_a=2, n_b=2, context=128, audit_dir=str(d)), source=src) as eng:
         res = generate(eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids)

@@ -128,23 +128,20 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
         topo, keys = setup(hosts, tmp_path)
         with hosts.capture() as cap:
             launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, network))
-            client = hosts.popen(
+            client = hosts.fusion(  # forked from the suite's fork server: torch is imported already
                 CLIENT,
-                [
-                    *procs.FUSION,
-                    *generate_args(
-                        tiny_qwen2,
-                        "--topology",
-                        str(topo),
-                        "--key",
-                        str(keys[0]),
-                        "--comm-backend",
-                        "mpi",
-                        "--no-recover",
-                        "--join-timeout",
-                        "60",
-                    ),
-                ],
+                *generate_args(
+                    tiny_qwen2,
+                    "--topology",
+                    str(topo),
+                    "--key",
+                    str(keys[0]),
+                    "--comm-backend",
+                    "mpi",
+                    "--no-recover",
+                    "--join-timeout",
+                    "60",
+                ),
             )
             out, err = client.communicate(timeout=300)
             w_out, w_err = launch.communicate(timeout=120)
@@ -200,23 +197,20 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
     with Hosts([CLIENT, *WORKERS]) as hosts:
         topo, keys = setup(hosts, tmp_path)
         launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, order=(3, 2, 1)))
-        client = hosts.popen(
+        client = hosts.fusion(  # forked from the suite's fork server: torch is imported already
             CLIENT,
-            [
-                *procs.FUSION,
-                *generate_args(
-                    tiny_qwen2,
-                    "--topology",
-                    str(topo),
-                    "--key",
-                    str(keys[0]),
-                    "--comm-backend",
-                    "mpi",
-                    "--no-recover",
-                    "--join-timeout",
-                    "60",
-                ),
-            ],
+            *generate_args(
+                tiny_qwen2,
+                "--topology",
+                str(topo),
+                "--key",
+                str(keys[0]),
+                "--comm-backend",
+                "mpi",
+                "--no-recover",
+                "--join-timeout",
+                "60",
+            ),
         )
         out, err = client.communicate(timeout=300)
         w_out, w_err = launch.communicate(timeout=120)

@@ -5,12 +5,12 @@ run again), on several prompts, for N = 2 and 3 and masked 1+1, in fewer sharded
 from __future__ import annotations
 
 import pytest
+from smollm_greedy import greedy
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
 from fusion_compute.generation.speculative import Speculator
 from fusion_compute.generation.speculative_config import SpeculativeConfig
-from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 from fusion_compute.weights.tokenizer import load_tokenizer
 
@@ -27,12 +27,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def cases(smollm_path, smollm_ref):
+def cases(smollm_path, smollm_ref, tmp_path_factory):
     tok = load_tokenizer(smollm_path)
     out = []
     for text in PROMPTS:
         ids = tok.chat_ids([{"role": "user", "content": text}])
-        out.append((ids, reference.greedy(smollm_ref, ids, NEW_TOKENS, stop_ids=tok.eos_ids)))
+        out.append((ids, greedy(smollm_ref, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)))  # transformers'
     return tok, out
 
 

@@ -235,8 +235,8 @@ def test_readme_multihost_steps_run_as_written(tmp_path):
         topo = re.sub(r'key = "fc1\.\.\.\."', lambda m: f'key = "{next(filled)}"', template)
         for d in dirs.values():
             (d / "topology.toml").write_text(topo)
-        with hosts.capture() as cap:  # 3. workers, then the client
-            procs = [hosts.popen(host, shlex.split(cmd), cwd=dirs[host]) for host, cmd in steps[3:]]
+        with hosts.capture() as cap:  # 3. workers, then the client: the same `fusion` commands, forked
+            procs = [hosts.fusion(host, *shlex.split(cmd)[1:], cwd=dirs[host]) for host, cmd in steps[3:]]
             results = finish(procs[::-1], timeout=300)[::-1]
     for rc, _, err in results:
         assert rc == 0, err

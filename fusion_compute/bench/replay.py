@@ -1,7 +1,7 @@
 """A drafter replayed offline over greedy outputs: tokens per forward without workers or timing.
 
     python -m fusion_compute.bench.replay [--method suffix] [--max-new-tokens 128] [--k 32]
-        [--chain] [--no-cache] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
+        [--chain] [--no-cache] [--single-match] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
 
 Greedy decoding's tokens do not depend on the drafts, so one greedy output per prompt (the target's
 dense twin, model/dense.py: the same weights in one process, no workers) tells what any drafter
@@ -18,8 +18,16 @@ Beside the counters, `--detail` prints what bounds τ on each workload, from the
   copy oracle   at each step, the longest run of the next output tokens found verbatim anywhere
                 earlier in the session (prompt and output so far): a drafter that always knew
                 where to copy from would accept exactly that, so its τ bounds every copy drafter
+  trie oracle   (suffix) at each step, the longest run of the next output tokens that the session's
+                trie or the global cache's holds after a match of the session's last m >= 1 tokens,
+                at most K: the best any suffix draft could do (one job per workload, as the replay)
   first miss    verifications whose draft's first token (every root child of a tree) was wrong,
                 and how many of those had the right token nowhere among the root's children
+  by cause      (suffix) per decode step, why it accepted less than the better of the two oracles:
+                budget, cut, other m, jump, empty (`loss`); steps and tokens lost per cause
+  by source     (suffix) verifications that accepted drafts, and their tokens, by where the accepted
+                run (after the session's last token) occurs: the prompt, else the output so far, else
+                only in the global cache
 
 The greedy outputs are cached in `--refs` (JSON; the model and prompts are checked against it).
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +81,33 @@ def copy_oracle(prompt: list[int], output: list[int]) -> tuple[int, int]:
     return forwards, len(output)
 
 
+def trie_oracle(rows: list[dict], max_depth: int, cache_tokens: int, k: int) -> tuple[int, int]:
+    """(forwards, tokens) of a suffix drafter that always chose right: at each step it proposes the
+    longest run of the next output tokens that follows, in the session's trie or the global cache's, a
+    node matching the session's last m >= 1 tokens (`reach`), at most k. Every draft a suffix trie
+    makes is such a path, so this bounds any choice of match length, branches and order; the copy
+    oracle's runs that it lacks start after tokens unlike the session's last ones. The cache fills as
+    in `replay` (each output after its session)."""
+    from ..generation.suffix import SuffixCache, SuffixDrafter
+
+    cache = SuffixCache(max_depth, cache_tokens)
+    forwards = tokens = 0
+    for r in rows:
+        prompt, ref = list(r["prompt"]), list(r["output"])
+        drafter = SuffixDrafter(cache, max_depth)
+        f, i = 1, 1
+        while i < len(ref):
+            drafter.draft(prompt + ref[:i], 0, tree=True)  # brings its trie up to the context
+            run = ref[i : len(ref) - 1]
+            own = reach(drafter.trie, prompt + ref[:i], run)
+            cached = reach(cache.trie, prompt + ref[:i], run) if len(cache) else []
+            i += min(k, max([0, *own, *cached])) + 1
+            f += 1
+        drafter.close(ref)
+        forwards, tokens = forwards + f, tokens + len(ref)
+    return forwards, tokens
+
+
 def _occurs(hay: list[int], needle: list[int]) -> bool:
     k = len(needle)
     first = needle[0]
@@ -89,6 +125,78 @@ class Detail:
     first_absent: int = 0
     probes: int = 0  # verifications the budget had cut to none and DraftLength.probe let one draft through
     probes_accepted: int = 0
+    # per decode step, why it accepted fewer than it could have (`loss`): steps and tokens per cause
+    causes: Counter = field(default_factory=Counter)
+    lost: Counter = field(default_factory=Counter)
+    # accepted drafts by where their run (the session's last token, then the accepted tokens) occurs:
+    # "prompt", "output" (the session's output so far, not its prompt), "cache" (neither: an earlier output)
+    sources: Counter = field(default_factory=Counter)
+    source_tokens: Counter = field(default_factory=Counter)
+
+
+def reach(trie, context: list[int], run: list[int]) -> list[int]:
+    """For each match length m = 1.. (context's last m tokens a node of `trie`), how many tokens of
+    `run` follow that node in the trie: what a draft grown from the match of length m could accept at
+    best. Stops at the first m that is no node (a longer one cannot be either)."""
+    out = []
+    for m in range(1, min(len(context), trie.max_depth - 1) + 1):
+        node = trie.node(context[len(context) - m :])
+        if node is None:
+            break
+        j = 0
+        while j < min(len(run), trie.max_depth - m) and run[j] in node.children:
+            node, j = node.children[run[j]], j + 1
+        out.append(j)
+    return out
+
+
+def oracle_run(seen: list[int], run: list[int]) -> int:
+    """The longest prefix of `run` found verbatim in `seen` (the copy oracle's step)."""
+    n = 0
+    while n < len(run) and _occurs(seen, run[: n + 1]):
+        n += 1
+    return n
+
+
+def loss(
+    drafter, raw, raw_accepted: int, accepted: int, prompt: list[int], out: list[int], run: list[int]
+) -> tuple[str, int]:
+    """Why one decode step accepted `accepted` tokens of `run` (the output's next tokens, as many as
+    the step could take), against the copy oracle's run and what the suffix tries held after the
+    session's context (`reach`, over the session's trie and the global cache's):
+      ok        nothing lost: the draft took the oracle's run and every path after a match
+      budget    the draft before the cost budget's cut accepted more (raw_accepted > accepted)
+      cut       the trie held more of the run under the match length and trie the draft came from,
+                and the draft left it out (its size, factor · m or K, its least probability, or its
+                best-first order put other branches first)
+      other m   another match length, or the other trie, held more of the run after the context
+      jump      the run is in the session (the oracle's) but after no suffix of the context: it starts a
+                copy from a place whose preceding tokens differ from the session's last ones (with or
+                without a draft)
+      empty     no draft was made (the draft length was 0, or every continuation was under the least
+                probability) though a match held the run
+    `raw`: the step's draft before the budget's cut. Returns the cause and the tokens it lost (the
+    better of the oracle's run and the tries' reach, less what was taken)."""
+    context = prompt + out
+    oracle = oracle_run(context, run)
+    own = reach(drafter.trie, context, run)
+    cached = reach(drafter.cache.trie, context, run) if drafter.cache is not None and len(drafter.cache) else []
+    best = max([0, *own, *cached])
+    target = max(oracle, best, raw_accepted)
+    if accepted >= target:
+        return "ok", 0
+    if raw_accepted > accepted:
+        return "budget", raw_accepted - accepted
+    if not raw.tokens:
+        return ("empty", best - accepted) if best > accepted else ("jump", oracle - accepted)
+    chosen = cached if raw.from_cache else own
+    m = raw.match_len
+    under = chosen[m - 1] if 0 < m <= len(chosen) else 0
+    if under > accepted:
+        return "cut", under - accepted
+    if best > accepted:
+        return "other m", best - accepted
+    return "jump", oracle - accepted
 
 
 def replay(
@@ -99,12 +207,16 @@ def replay(
     max_new: int | None = None,
     detail: Detail | None = None,
     job=None,
+    merge: bool = True,
+    per_prompt: list[float] | None = None,
 ):
     """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
     job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
     serve`). `link`: a tree_cost.LinkCost for the loop's cost budget (else every draft is kept).
     `job`: (Speculator, StepCost or None) of an earlier call, so that several workloads share one job
-    (its pooled acceptance and cache), as the bench's runs do."""
+    (its pooled acceptance and cache), as the bench's runs do. `merge`: the suffix drafter's trees
+    merge every match length's draft (False: the best one alone, as before). `per_prompt`: each
+    prompt's τ is appended to it."""
     from ..generation.speculative import DEPTHS, SpecStats, Speculator, StepCost
     from ..generation.suffix import SuffixDrafter
     from ..generation.suffix_tree import Draft
@@ -122,6 +234,8 @@ def replay(
         prompt, ref = list(r["prompt"]), list(r["output"])
         budget = max_new if max_new is not None else len(ref)
         drafter, length, stats = sp.drafter(), sp.length(), SpecStats(spec_config.method)
+        if isinstance(drafter, SuffixDrafter):
+            drafter.merge = merge
         out = ref[:1]
         stats.step(len(prompt), 1, decode=False)
         while len(out) < len(ref):
@@ -135,6 +249,7 @@ def replay(
                 else:
                     for t in drafter.propose(prompt + out, k):
                         d.add(t, len(d.tokens) - 1, 1.0)
+            raw = d
             if d.tokens and cost is not None:  # the loop's budget (batching.BatchRunner._budget), one session
                 freqs = [
                     q if p < 0 else q / d.probs[p] if d.probs[p] > 0 else 0.0
@@ -148,13 +263,7 @@ def replay(
                 probed = budgeted == 0 and n > 0
                 d = _cut(d, n)
             step = TokenTree.from_drafts(out[-1], d.tokens, d.parents)
-            node, accepted = 0, 0
-            while True:  # the greedy walk: the child whose token is the output's next one
-                want = ref[len(out) + accepted] if len(out) + accepted < len(ref) else None
-                nxt = next((c for c in step.children(node) if step.tokens_T[c] == want), None)
-                if nxt is None or len(out) + accepted + 1 >= len(ref):
-                    break
-                node, accepted = nxt, accepted + 1
+            accepted = _walk(step, ref, len(out))
             drafted, depth = len(step) - 1, max(step.depths_T())
             if drafted:
                 length.update(drafted, accepted, depth)
@@ -170,18 +279,42 @@ def replay(
                     if accepted == 0:
                         detail.first_miss += 1
                         detail.first_absent += ref[len(out)] not in roots
+            if detail is not None and isinstance(drafter, SuffixDrafter):
+                raw_accepted = _walk(TokenTree.from_drafts(out[-1], raw.tokens, raw.parents), ref, len(out))
+                why, n = loss(drafter, raw, raw_accepted, accepted, prompt, out, ref[len(out) : len(ref) - 1])
+                detail.causes[why] += 1
+                detail.lost[why] += n
+                if accepted:
+                    run = out[-1:] + ref[len(out) : len(out) + accepted]
+                    src = "prompt" if _occurs(prompt, run) else "output" if _occurs(out, run) else "cache"
+                    detail.sources[src] += 1
+                    detail.source_tokens[src] += accepted
             emitted = min(accepted + 1, len(ref) - len(out))
             out = ref[: len(out) + emitted]
             stats.step(1 + drafted, emitted, decode=True)
         drafter.close(ref)
         total.merge(stats)
+        if per_prompt is not None:
+            per_prompt.append(round(stats.tokens / stats.forwards, 2))
     return total
+
+
+def _walk(step, ref: list[int], at: int) -> int:
+    """Drafts accepted greedily at output position `at`: the child whose token is the output's next one,
+    while one is (the output's last token is always the target's own)."""
+    node, accepted = 0, 0
+    while True:
+        want = ref[at + accepted] if at + accepted < len(ref) else None
+        nxt = next((c for c in step.children(node) if step.tokens_T[c] == want), None)
+        if nxt is None or at + accepted + 1 >= len(ref):
+            return accepted
+        node, accepted = nxt, accepted + 1
 
 
 def _cut(d, n: int):
     from ..generation.suffix_tree import Draft
 
-    c = Draft(match_len=d.match_len)
+    c = Draft(match_len=d.match_len, from_cache=d.from_cache)
     for t, p, q in zip(d.tokens[:n], d.parents[:n], d.probs[:n], strict=True):
         c.add(t, p, q)
     return c
@@ -222,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--one-job", action="store_true", help="both workloads through one job (grounded first), as the bench runs them"
     )
+    p.add_argument(
+        "--single-match",
+        action="store_true",
+        help="suffix trees: the best match length's draft alone (before the merge)",
+    )
     p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
     p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
     a = p.parse_args(argv)
@@ -258,20 +396,40 @@ def main(argv: list[str] | None = None) -> int:
     for name in WORKLOAD_NAMES:
         rows = refs["workloads"][name][: a.limit]
         det = Detail() if a.detail else None
-        s = replay(cfg, rows, tree=not a.chain, link=link, max_new=a.max_new_tokens, detail=det, job=job)
+        taus: list[float] = []
+        s = replay(
+            cfg,
+            rows,
+            tree=not a.chain,
+            link=link,
+            max_new=a.max_new_tokens,
+            detail=det,
+            job=job,
+            merge=not a.single_match,
+            per_prompt=taus,
+        )
         report[name] = summarise(s, len(rows))
+        report[name]["tau_per_prompt"] = taus
         if det is not None:
             fw = tok = 0
             for r in rows:
                 f, t = copy_oracle(r["prompt"], r["output"])
                 fw, tok = fw + f, tok + t
             report[name]["copy_oracle_tau"] = round(tok / fw, 2)
+            if a.method == "suffix":
+                fw, tok = trie_oracle(rows, cfg.suffix_max_depth, cfg.suffix_cache_tokens, a.k)
+                report[name]["trie_oracle_tau"] = round(tok / fw, 2)
             report[name]["first_miss"] = det.first_miss
             report[name]["first_absent"] = det.first_absent
             report[name]["probes"] = det.probes
             report[name]["probes_accepted"] = det.probes_accepted
             report[name]["mean_match"] = round(sum(r[0] for r in det.rows) / max(1, len(det.rows)), 2)
             report[name]["mean_root_width"] = round(sum(r[2] for r in det.rows) / max(1, len(det.rows)), 2)
+            if det.causes:
+                report[name]["steps_by_cause"] = dict(det.causes.most_common())
+                report[name]["tokens_lost_by_cause"] = dict(det.lost.most_common())
+                report[name]["accepted_steps_by_source"] = dict(det.sources.most_common())
+                report[name]["accepted_tokens_by_source"] = dict(det.source_tokens.most_common())
     print(json.dumps(report, indent=1))
     return 0
 

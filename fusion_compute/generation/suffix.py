@@ -2,11 +2,21 @@
 tokens (prompt and output so far) and over earlier outputs of the same job (a bounded global cache,
 shared by the sessions of one engine: a `fusion serve` keeps it from request to request).
 
-Each step both tries answer `SuffixTrie.speculate` for the session's tokens (the longest useful
-match, draft size min(K, factor · match length + offset), tokens kept while their estimated
-probability, a product of frequencies, is at least min_prob) and the higher-scoring draft is
-proposed (ties: the session's own). `propose` gives the best path (a chain, what the linear verify
-step checks); `propose_tree` the token tree (parents per token).
+Each step both tries grow a draft from every match length m (the session's last m tokens a node of
+the trie: `SuffixTrie.drafts`; draft size min(K, factor · m + offset), tokens kept while their
+estimated probability, a product of frequencies, is at least min_prob; in the session's own trie
+the frequencies leave out the match's last occurrence, the session's end, which has not gone on).
+`propose` gives the chain with the highest score over both tries (ties: the session's own).
+`propose_tree` merges them all into one token tree of at most K tokens: the draft `propose` would
+choose, whole, then the others by score (ties: the session's trie, then the longer match), each
+adding the paths not in the tree yet under the paths they extend, until K. Where the longest match
+goes one way and a shorter match, or the other trie, another, both are verified in the same
+forward; the best draft comes first, so a cost budget that keeps the tree's first columns (the
+loop's) keeps it before the alternatives. Replayed over the bench's grounded outputs
+(docs/speculative.md, "Where the suffix drafter loses"), the merged tree took τ from 2.46 to 2.61
+at a 21 ms link, almost all of it from verifying the global cache's draft beside the session's
+where one of them alone was before, and leaving the session's end out of its frequencies took it
+to 2.62 (1.59 to 1.70 at 0.1 ms, where the budget reads the estimates).
 
 The global cache holds finished sessions' outputs (never prompts), at most `cache_tokens` tokens:
 the oldest outputs are evicted first. Its drafts are the user's own earlier outputs, computed on the
@@ -20,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from .suffix_tree import Draft, SuffixTrie
+from .suffix_tree import TIE, Draft, SuffixTrie
 
 SESSION = 0  # the session trie's one sequence
 
@@ -59,8 +69,10 @@ class SuffixDrafter:
         factor: float = 1.0,
         offset: float = 0.0,
         min_prob: float = 0.1,
+        merge: bool = True,
     ):
         self.cache = cache
+        self.merge = merge  # trees: every match length's draft from both tries, merged (False: the best one)
         self.factor, self.offset, self.min_prob = factor, offset, min_prob
         self.trie = SuffixTrie(max_depth)
         self.tokens: list[int] = []
@@ -81,13 +93,56 @@ class SuffixDrafter:
             return Draft()
         context = tokens[-(self.trie.max_depth - 1) :]
         args = (k, self.factor, self.offset, self.min_prob, tree)
-        best = self.trie.speculate(context, *args)
-        if self.cache is not None and len(self.cache):
-            other = self.cache.trie.speculate(context, *args)
-            if other.score > best.score:
-                best = other
+        if tree and self.merge:
+            best = self._merged(context, k, args)
+        else:
+            best = self.trie.speculate(context, *args, own=True)
+            if self.cache is not None and len(self.cache):
+                other = self.cache.trie.speculate(context, *args)
+                if other.score > best.score:
+                    best = other
+                    best.from_cache = True
         self.last = best
         return best
+
+    def _merged(self, context: Sequence[int], k: int, args: tuple[int, float, float, float, bool]) -> Draft:
+        """Every match length's draft from both tries, as one tree of at most k tokens: the draft
+        `propose` would choose first, then each other one by its score (ties: the session's trie, then
+        the longer match), its paths not yet in the tree added below the paths they extend."""
+        drafts = self.trie.drafts(context, *args, own=True)
+        if self.cache is not None and len(self.cache):
+            for d in self.cache.trie.drafts(context, *args):
+                d.from_cache = True
+                drafts.append(d)
+        if not drafts:
+            return Draft()
+        # the first: the draft `propose` would choose (each trie's best as `speculate` picks it, the
+        # session's unless the cache's scores higher); the drafts are the session's, then the cache's,
+        # each by match length, shortest first
+        best = {False: -1, True: -1}
+        for i, d in enumerate(drafts):
+            b = best[d.from_cache]
+            if b < 0 or d.score >= drafts[b].score - TIE:
+                best[d.from_cache] = i
+        own, cached = best[False], best[True]
+        first = cached if own < 0 or (cached >= 0 and drafts[cached].score > drafts[own].score) else own
+        rest = sorted(drafts[:first] + drafts[first + 1 :], key=lambda d: (-d.score, d.from_cache, -d.match_len))
+        drafts = [drafts[first], *rest]
+        out = Draft(match_len=drafts[0].match_len, from_cache=drafts[0].from_cache)
+        index: dict[tuple[int, ...], int] = {}  # a path below the session's last token -> its column in out
+        for d in drafts:
+            paths: list[tuple[int, ...]] = []  # d's own, by d's index (its parents come first)
+            for t, parent, prob in zip(d.tokens, d.parents, d.probs, strict=True):
+                path = (*(paths[parent] if parent >= 0 else ()), t)
+                paths.append(path)
+                if path in index:
+                    continue  # an earlier draft proposed it already
+                if len(out.tokens) >= k:
+                    return out
+                above = index[path[:-1]] if len(path) > 1 else -1
+                # the estimate another match gave the parent may be lower: a path is never likelier than its prefix
+                index[path] = out.add(t, above, min(prob, out.probs[above]) if above >= 0 else prob)
+        return out
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """The best path of at most k tokens (a chain)."""

@@ -8,17 +8,23 @@ from the root; a node u, the substring spelled on its path, carries
     last(u)  = the serial of the latest token that ended an occurrence of u (recency, for ties)
 
 so the frequency of continuation t after u is count(ut) / count(u) (less than 1 in sum where u
-also ends a sequence). Appending a token to a sequence touches the <= D nodes of its last suffixes
-(`_active`), so building costs O(D) per token; removing a sequence walks the same paths down.
+also ends a sequence). When the context is the end of one of the trie's own sequences (a session
+drafting from its own tokens, `own`), every match u counts that last occurrence too, which has not
+gone on yet: it is left out, count(ut) / (count(u) - 1), the frequency among the occurrences that
+went on (counted in, a phrase seen once before read 1/2, and the session's drafts lost to the
+global cache's, whose sequences have ended, on the estimates alone: docs/speculative.md).
+Appending a token to a sequence touches the <= D nodes of its last suffixes (`_active`), so building
+costs O(D) per token; removing a sequence walks the same paths down.
 
 `speculate(context)` is SuffixDecoding's lookup: for every match length m (1..D-1) whose last m
 context tokens form a node u, a draft grows from u with the estimated probability of each token
 the product of the frequencies on its path (p(u→v) = count(v) / count(u)), keeping tokens while
-that product (it telescopes to count(uv) / count(u), computed so) is at least `min_prob`, at most min(max_tokens, factor · m + offset) of them: a long
-match earns a long draft. As a chain it follows the most frequent child (ties: the most recent);
+that product (it telescopes to count(uv) / count(u), computed so) is at least `min_prob`, at most
+min(max_tokens, factor · m + offset) of them: a long match earns a long draft. As a chain it follows the most frequent child (ties: the most recent);
 as a tree it takes tokens best-first by probability (a child's own parent first). The score of a
 draft is the sum of its tokens' probabilities (its expected accepted length, if the frequencies
 were the target's), and the match length with the highest score wins (ties: the longer match).
+`drafts(context)` gives every match length's draft, for a tree that merges them (suffix.py).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class Draft:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+    from_cache: bool = False  # drafted from the global cache's trie, not the session's (suffix.py)
 
     def add(self, token: int, parent: int, prob: float) -> int:
         self.tokens.append(token)
@@ -136,28 +143,51 @@ class SuffixTrie:
         offset: float = 0.0,
         min_prob: float = 0.1,
         tree: bool = False,
+        own: bool = False,
     ) -> Draft:
         """The best-scoring draft over every match length (module docstring); empty when nothing matches."""
         best = Draft()
-        node = self.root
-        for m in range(1, min(len(context), self.max_depth - 1) + 1):
-            node_m = self.node(context[len(context) - m :])
-            if node_m is None:
-                break  # a longer suffix of the context cannot occur either
-            node = node_m
-            room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
-            draft = self._grow_tree(node, room, min_prob) if tree else self._grow_path(node, room, min_prob)
-            if draft.tokens and draft.score >= best.score - TIE:
-                best, best.match_len = draft, m
+        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree, own):
+            if draft.score >= best.score - TIE:
+                best = draft
         return best
+
+    def drafts(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        factor: float = 1.0,
+        offset: float = 0.0,
+        min_prob: float = 0.1,
+        tree: bool = False,
+        own: bool = False,
+    ) -> list[Draft]:
+        """The non-empty draft of every match length m = 1, 2, ... (shortest first), each with its
+        match_len: what `speculate` chooses among. `own`: the context is the end of one of the trie's
+        sequences (a session's trie and its own tokens), so every match u counts that occurrence,
+        which has no continuation yet: it is left out, count(uv) / (count(u) - 1), the frequency
+        among the occurrences that went on (module docstring)."""
+        out = []
+        for m in range(1, min(len(context), self.max_depth - 1) + 1):
+            node = self.node(context[len(context) - m :])
+            if node is None:
+                break  # a longer suffix of the context cannot occur either
+            room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
+            base = max(1, node.count - own)
+            draft = self._grow_tree(node, base, room, min_prob) if tree else self._grow_path(node, base, room, min_prob)
+            if draft.tokens:
+                draft.match_len = m
+                out.append(draft)
+        return out
 
     @staticmethod
     def _children(node: _Node) -> list[tuple[int, _Node]]:
         """Most frequent first, ties to the most recent."""
         return sorted(node.children.items(), key=lambda kv: (-kv[1].count, -kv[1].last))
 
-    def _grow_path(self, node: _Node, room: int, min_prob: float) -> Draft:
-        draft, base = Draft(), node.count  # the product of frequencies on a path telescopes: count(uv) / count(u)
+    def _grow_path(self, node: _Node, base: int, room: int, min_prob: float) -> Draft:
+        """`base`: the occurrences of `node` the frequencies divide by (`drafts`)."""
+        draft = Draft()  # the product of frequencies on a path telescopes: count(uv) / base
         while len(draft.tokens) < room and node.children:
             t, child = self._children(node)[0]
             prob = child.count / base
@@ -167,14 +197,12 @@ class SuffixTrie:
             node = child
         return draft
 
-    def _grow_tree(self, node: _Node, room: int, min_prob: float) -> Draft:
+    def _grow_tree(self, node: _Node, base: int, room: int, min_prob: float) -> Draft:
         draft = Draft()
         # (-prob, tie, token, node, its parent's index); tie keeps the heap's order deterministic: the
         # order pushed, which lists a node's children most frequent first
         heap: list[tuple[float, int, int, _Node, int]] = []
         tie = 0
-
-        base = node.count
 
         def push(parent_node: _Node, parent: int) -> None:
             nonlocal tie

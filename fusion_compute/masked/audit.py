@@ -183,15 +183,38 @@ def read_tap(d: str | Path, rank: int, epoch: int = 0) -> list[tuple[str, np.nda
 # ---- statistics of a view ----
 
 
-def bit_balance(words: np.ndarray) -> np.ndarray:
-    """Fraction of ones at each of the 64 bit positions (uniform words: 0.5 each)."""
-    u = np.ascontiguousarray(words, dtype="<i8").view("<u8").ravel()
-    return np.array([float(((u >> np.uint64(b)) & np.uint64(1)).mean()) for b in range(64)])
+BYTE_CHUNK = 1 << 16  # words per pass of byte_counts: its int16 copy (1 MiB) stays in cache
 
 
-def byte_chi2(words: np.ndarray) -> tuple[float, int]:
+def byte_counts(words: np.ndarray) -> np.ndarray:
+    """(8, 256) int64: how often each byte value occurs at each byte position j of the little-endian
+    words (byte j holds bits 8j..8j+7). One histogram of (position, value) per chunk of words: both
+    statistics below are sums of it, so the view is read once, not 64 + 1 times (on the taps of a
+    masked SmolLM2 run, 4.3 M words, loaded machine: 7-9 s a view that way, 0.4 s this way)."""
+    b = np.ascontiguousarray(words, dtype="<i8").view(np.uint8).reshape(-1, 8)
+    offset = np.arange(8, dtype=np.int16) * 256  # position j's values are bins 256j .. 256j + 255
+    counts = np.zeros(8 * 256, dtype=np.int64)
+    for start in range(0, len(b), BYTE_CHUNK):
+        counts += np.bincount((b[start : start + BYTE_CHUNK] + offset).ravel(), minlength=8 * 256)
+    return counts.reshape(8, 256)
+
+
+# BITS[v, k]: bit k of the byte value v.
+BITS = (np.arange(256)[:, None] >> np.arange(8)) & 1
+
+
+def bit_balance(words: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+    """Fraction of ones at each of the 64 bit positions (uniform words: 0.5 each): bit 8j + k is set
+    in every word whose byte j has bit k, so its count is byte position j's histogram summed over
+    the values with bit k. `counts`: byte_counts(words), where the caller has it already."""
+    counts = byte_counts(words) if counts is None else counts
+    ones = (counts @ BITS).ravel()  # (8 byte positions, 8 bits) -> bit 8j + k
+    return ones / max(np.asarray(words).size, 1)
+
+
+def byte_chi2(words: np.ndarray, counts: np.ndarray | None = None) -> tuple[float, int]:
     """Chi-square statistic of the byte histogram against uniform, and its degrees of freedom (255)."""
-    counts = np.bincount(np.ascontiguousarray(words, dtype="<i8").view(np.uint8).ravel(), minlength=256)
+    counts = (byte_counts(words) if counts is None else counts).sum(axis=0)
     expected = counts.sum() / 256
     return float(((counts - expected) ** 2 / expected).sum()), 255
 
@@ -199,9 +222,10 @@ def byte_chi2(words: np.ndarray) -> tuple[float, int]:
 def close_fraction(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     """Fraction of element pairs with |a - b mod 2^64| < 2^56 (signed): 2^-7 if independent uniform,
     ~1 if they share a mask (a - b is then a difference of small fixed-point values)."""
-    d = (a.astype("<i8").view("<u8") - b.astype("<i8").view("<u8")).view("<i8")
+    u = np.asarray(a, dtype="<i8").view("<u8") - np.asarray(b, dtype="<i8").view("<u8")  # a - b mod 2^64
     lim = 1 << FRESH_BITS
-    return float(((d > -lim) & (d < lim)).mean()), d.size
+    u += np.uint64(lim - 1)  # -lim < a - b < lim (signed) is a - b + lim - 1 < 2 lim - 1 (unsigned): one test
+    return float(np.count_nonzero(u < np.uint64(2 * lim - 1)) / max(u.size, 1)), u.size
 
 
 def freshness(tapped: list[tuple[str, np.ndarray]]) -> dict:
@@ -232,10 +256,11 @@ def freshness(tapped: list[tuple[str, np.ndarray]]) -> dict:
 
 def uniformity(words: np.ndarray) -> dict:
     n = words.size
-    bal = bit_balance(words)
+    counts = byte_counts(words)
+    bal = bit_balance(words, counts)
     dev = float(np.abs(bal - 0.5).max())
     limit = SIGMAS * 0.5 / math.sqrt(max(n, 1))
-    chi2, dof = byte_chi2(words)
+    chi2, dof = byte_chi2(words, counts)
     chi_limit = dof + SIGMAS * math.sqrt(2 * dof)
     return {
         "words": int(n),
