@@ -23,7 +23,10 @@ Rules the verifier checks (`verify`), reading only the logs and the group sizes 
   4. masks are fresh: no (session, step, layer, op) label drawn twice, no session key reused;
   5. A's tap looks uniform: every bit position is set with frequency 1/2 (6σ), and masked vectors
      are fresh (pairs of elements, within and across steps, differ by less than 2^56 no more often
-     than the 2^-7 of independent uniform words, 6σ). A clear or reused-mask view fails both.
+     than the 2^-7 of independent uniform words, 6σ). A clear view fails both; a pad reused by the
+     same linear in the next message fails freshness. A pad reused across sessions (a repeated
+     key: rule 4) or from an earlier, non-consecutive step is not seen here, nor a weak key
+     (tests/test_redteam_masked.py).
   6. with verification on (the header says so), every product the client drew a mask for was
      checked: a check record for every mask label. Failed checks are reported as detections
      (who was blamed), not as violations: the client refused the product.

@@ -173,6 +173,8 @@ class MaskedEngine(EngineBase):
                     raise ModelError(
                         f"groups A and {g} quantized the weights differently: same model file on every worker?"
                     )
+        if self.verifier is not None:  # and the client's own: what every group agrees on may still be a lie
+            self.verifier.check_metadata(per_group["A"])
         self.inv_w = [[ring.inverse_scales(e[0]) for e in layer] for layer in self._by_layer(per_group["A"])]
         self.w_norm_max = [
             [float(e[1].max()) if e.shape[1] else 0.0 for e in layer] for layer in self._by_layer(per_group["A"])

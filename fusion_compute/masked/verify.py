@@ -5,7 +5,8 @@ ring.py), and receives the claimed product y = y_A - Σ y_B (mod 2^64; honest, i
 W_fx · x_fx, |.| < 2^62). It checks, for every linear of every step and every token column, that y
 is W_fx · x_fx over the integers, without the matrix:
 
-    job start (once)    U: D = 4 secret random rows per linear, entries uniform in [0, 2^16);
+    job start (once)    U: D = 4 secret random rows per linear, entries uniform in [0, 2^16),
+                        every one read from os.urandom (no seed: `secret_rows` says why);
                         V = U · W_fx, one streaming pass over the public weights, in a background
                         thread while the workers load (the client keeps U and V, never the matrices)
     every linear        U · y  ==  V · x_fx      exactly, as integers, every row and token column
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import WorkerMisbehaved
+from ..model.config import ModelError
 from ..weights.loader import WeightSource
 from .plan import MaskedPlan
 from .ring import RingMatrix, quantize_rows, weight_bits
@@ -111,12 +113,11 @@ if sys.byteorder != "little":  # unsigned_limbs reads an int64's 16-bit words in
 class ProductCheck:
     """The client's Freivalds state: U and V per (layer, op), drawn once per job; counts its checks."""
 
-    def __init__(self, plan: MaskedPlan, src: WeightSource, seed: int | None = None):
+    def __init__(self, plan: MaskedPlan, src: WeightSource):
         """`plan`: any epoch's plan (the linears' shapes and the quantization are the job's)."""
         self.plan, self.src = plan, src
-        self.gen = torch.Generator()
-        self.gen.manual_seed(seed if seed is not None else int.from_bytes(_urandom(8), "little") >> 1)
         self.lin: dict[tuple[int, int], _Linear] = {}
+        self.meta: dict[tuple[int, int], torch.Tensor] = {}  # (2, N): e_i, ‖W_fx[i]‖₂ (check_metadata)
         self.checks = 0  # (linear, token) pairs verified
         self.failures = 0
         self.precompute_s = 0.0
@@ -131,8 +132,10 @@ class ProductCheck:
         try:
             for layer in range(self.plan.config.n_layers):
                 for s in self.plan.shapes:
-                    w_fx = self.weights(layer, s.op, (0, s.rows))  # (N, K) float64 integers, |.| <= 2^27
-                    u = torch.randint(0, 1 << U_BITS, (BASIS_ROWS, s.rows), generator=self.gen, dtype=torch.int64)
+                    w_fx, e = self.quantized(layer, s.op, (0, s.rows))  # (N, K) float64 integers, |.| <= 2^27
+                    # what every worker must report for these rows at the handshake (worker.load_member)
+                    self.meta[(layer, s.op)] = torch.stack([e.to(torch.float64), w_fx.norm(dim=1)])
+                    u = secret_rows(BASIS_ROWS, s.rows)
                     # U · W_fx exactly: 8-bit halves of U keep every float64 sum below 2^53.
                     hi, lo = (u >> 8).to(torch.float64), (u & 255).to(torch.float64)
                     v = (hi @ w_fx).to(torch.int64) * 256 + (lo @ w_fx).to(torch.int64)  # |.| < 2^58
@@ -144,9 +147,29 @@ class ProductCheck:
 
     def weights(self, layer: int, op: int, rows: tuple[int, int]) -> torch.Tensor:
         """Rows of one linear as the workers quantize them (bit-identical W_fx), float64."""
+        return self.quantized(layer, op, rows)[0]
+
+    def quantized(self, layer: int, op: int, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_fx, e): the rows as the workers quantize them, and their exponents."""
         s = self.plan.shapes[op]
         w = read_rows(self.src, layer, s.name, rows)
-        return quantize_rows(w, weight_bits(s.k, self.plan.limb_bits))[0]
+        return quantize_rows(w, weight_bits(s.k, self.plan.limb_bits))
+
+    def check_metadata(self, reported: list[torch.Tensor]) -> None:
+        """The handshake's metadata, per (layer, op) in that order ((2, rows): e_i and ‖W_fx[i]‖₂, as
+        every group agreed on it), must be the client's own, bit for bit. The products are checked
+        against the client's weights, but the client rescales each row by 2^-e_i and picks its input
+        scale from the norms: a coalition with a member in every group reporting other exponents
+        (or inflated norms) would change outputs (or their precision) with every product passing."""
+        self.wait()
+        n_ops = len(self.plan.shapes)
+        for i, got in enumerate(reported):
+            layer, op = divmod(i, n_ops)
+            if not torch.equal(got, self.meta[(layer, op)]):
+                raise ModelError(
+                    f"the workers' quantization metadata of L{layer}.{self.plan.shapes[op].name} (agreed by every "
+                    "group) differs from the client's own copy of the weights: the same model file everywhere?"
+                )
 
     def wait(self) -> None:
         self._ready.wait()
@@ -197,6 +220,20 @@ class ProductCheck:
             if not torch.equal(got, want[g][a:b]):
                 out.append((g, member, rank))
         return out
+
+
+def secret_rows(d: int, n: int) -> torch.Tensor:
+    """U (d, n) int64, entries uniform in [0, 2^U_BITS), every one read from the OS CSPRNG.
+
+    Not from a seeded generator: U expanded from a seed is no more secret than the seed, and the
+    bound needs all of U's 16 bits per entry. With U a function of a 63-bit seed (as it once was:
+    torch's Mersenne Twister seeded from 8 bytes of os.urandom), a liar picks any seed, computes
+    its U and returns an error in U's null space (an integer lattice vector with entries of a few
+    units, found by LLL in well under a second): it passes whenever the job drew that seed, with
+    probability 2^-63 > 2^-64, and one error in the common null space of m seeds' U (4 m < N
+    equations) passes with probability m 2^-63 (tests/test_redteam_masked.py)."""
+    raw = np.frombuffer(_urandom(2 * d * n), dtype="<u2").astype(np.int64)
+    return torch.from_numpy(raw & ((1 << U_BITS) - 1)).reshape(d, n)
 
 
 def _urandom(n: int) -> bytes:
