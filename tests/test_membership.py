@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from inproc import threads
 from procs import fusion, reap, wait_gone
 
 from fusion_compute.generation.generate import generate
@@ -70,7 +71,7 @@ def test_revocation_mid_session_replays_every_token(tiny_qwen2):
         eng.end_session()
         return seen
 
-    with Engine(tiny_qwen2, EngineOptions(n_workers=2, standby=1, context=64, timeout_s=30)) as eng:
+    with Engine(tiny_qwen2, threads(n_workers=2, standby=1, context=64, timeout_s=30)) as eng:
         want = steps(eng, None)
         got = steps(eng, 6)
         assert eng.order == [3, 2] and eng.recoveries[-1]["reason"] == "worker 1 revoked by the user"
@@ -79,7 +80,7 @@ def test_revocation_mid_session_replays_every_token(tiny_qwen2):
 
 
 def test_bad_membership_requests_harm_nothing(tiny_qwen2):
-    with Engine(tiny_qwen2, EngineOptions(n_workers=2, context=128, timeout_s=30)) as eng:
+    with Engine(tiny_qwen2, threads(n_workers=2, context=128, timeout_s=30)) as eng:
         want = generate(eng, PROMPT, max_new_tokens=12, sampling=SamplingParams()).token_ids
         eng.reset()
         head, logits = greedy(eng, eng.forward(PROMPT), 4)

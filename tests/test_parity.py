@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inproc import masked_threads, threads
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
-from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+from fusion_compute.masked.client import MaskedEngine
 from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
 
@@ -64,10 +65,13 @@ def refs(tiny_qwen2, tiny_llama):
 
 
 def engine(mode: str, path, n, caps):
+    """The job: its workers threads of this process (tests/inproc.py: the real workers over the real
+    links), except on the MPI fabric, which runs between processes (mpi4py's own transport)."""
     if mode == "masked":
-        return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
-    fabric = {"comm_backend": "mpi"} if mode == "structural-mpi" else {}
-    return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128, **fabric))
+        return MaskedEngine(path, masked_threads(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
+    if mode == "structural-mpi":
+        return Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=128, comm_backend="mpi"))
+    return Engine(path, threads(n_workers=n, capacities=caps, timeout_s=60, context=128))
 
 
 def describe(a: torch.Tensor, b: torch.Tensor) -> str:
