@@ -1,7 +1,11 @@
 """The user decides who takes part, during a session: list, revoke, add (migration = add + revoke), from
 the engine, from `fusion chat`, and from `fusion serve`'s admin endpoints. A revoked worker wipes and
 leaves; the open session moves to the next epoch by replay and continues with the same tokens; bad
-requests (an unknown worker, a revocation that would leave too few) are refused and harm nothing."""
+requests (an unknown worker, a revocation that would leave too few) are refused and harm nothing.
+
+The workers are threads of this process or of the command's (tests/inproc.py, `--executor inproc`:
+the real workers over the real links), but in the migration, which checks that the revoked worker's
+process leaves."""
 
 from __future__ import annotations
 
@@ -100,7 +104,8 @@ def test_chat_commands(tiny_qwen2, tmp_path):
 
     model = build_chat_model(tmp_path / "m")
     script = "/workers\n/add\n/revoke 9\n/revoke 1\nhello\n/workers\n"
-    p = fusion("chat", "--model", str(model), "--workers", "2", "--max-tokens", "4", stdin=subprocess.PIPE)
+    chat = ("chat", "--model", str(model), "--workers", "2", "--executor", "inproc", "--max-tokens", "4")
+    p = fusion(*chat, stdin=subprocess.PIPE)
     try:
         out, err = p.communicate(script, timeout=120)
     finally:
@@ -129,13 +134,16 @@ def _admin(url: str, method: str, path: str, key: str | None, body: dict | None 
 
 
 def _serve(model, log, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`fusion serve` on 2 local workers; returns the process and its root URL once it listens (bounded)."""
+    """`fusion serve` on 2 workers (threads of the server's process: what is tested is the admin
+    endpoints' membership logic); returns the process and its root URL once it listens (bounded)."""
     proc = fusion(
         "serve",
         "--model",
         str(model),
         "--workers",
         "2",
+        "--executor",
+        "inproc",
         "--port",
         "0",
         *extra,

@@ -8,8 +8,8 @@ rejection rule keeps the target's distribution exactly (a chi-square test agains
 distribution, with its false-failure rate stated; a wrong rule makes it fail).
 
 Speculation is the client's logic over the protocol: its jobs' workers are threads of this process
-(tests/inproc.py's `threads`, the real workers over the real links); the command line's runs keep
-worker processes.
+(tests/inproc.py's `threads`; `--executor inproc` on the command line): the real workers over the
+real links.
 """
 
 from __future__ import annotations
@@ -706,7 +706,7 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
 
     args = ["--model", str(tiny_llama), "--prompt-ids", ",".join(map(str, CLI_PROMPT)), "--max-new-tokens", "16"]
-    cmd = ["generate", "--workers", "2", "--json", *args]
+    cmd = ["generate", "--workers", "2", "--executor", "inproc", "--json", *args]  # workers: threads of the command
     runs = [procs.run(*cmd, timeout=180), procs.run(*cmd, "--speculative", "ngram", "--num-speculative-tokens", "3")]
     assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
     plain, spec = (json.loads(r.stdout) for r in runs)
