@@ -139,8 +139,7 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
 LOGIT_ATOL = 3e-4  # test_parity.py's: float32 shards against transformers in float64 on these tiny models
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # about a second each on threads (was 2-4 s on processes): in the quick loop
     "arch,n",
     [
         ("llama", 2),
