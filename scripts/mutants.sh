@@ -406,6 +406,39 @@ MUTANTS += [
     ),
 ]
 
+# issue 43's red team (a lying worker): the slow-step judgement's direct waits, the never-left pair
+R43 = "test_redteam_43.py::"
+MUTANTS += [
+    (
+        "r43-judge-chain-corroborates",
+        R + "runtime/deadline.py",
+        "        causes += [y for y in workers if y != x and not any(b == x and a not in (x, y) for a, b in edges)]",
+        "        pass",
+        [R43 + "test_a_selective_dragger_blaming_an_honest_worker_does_not_get_it_named"],
+    ),
+    (
+        "r43-never-left-pair-not-made",
+        R + "runtime/blame.py",
+        "    unmoved = _after_the_unmoved(left, seen, accounts, workers)",
+        "    unmoved = []",
+        [R43 + "test_a_liar_leaving_after_a_peer_that_never_left_is_a_suspect_with_it"],
+    ),
+    (
+        "r43-never-left-without-the-peer-s-account",
+        R + "runtime/blame.py",
+        '        if said.get("lost") is None and said.get("after") is None and q in (said.get("waiting") or []):',
+        '        if said.get("lost") is None and said.get("after") is None:',
+        [R43 + "test_an_honest_knock_on_whose_cause_s_farewell_is_on_its_way_is_not_suspected"],
+    ),
+    (
+        "r43-never-left-before-the-waits",
+        R + "runtime/blame.py",
+        "    if unmoved and verdict.named is None:",
+        "    if unmoved:",
+        [R43 + "test_a_never_left_liar_its_peers_waits_name_is_removed_at_once"],
+    ),
+]
+
 # Issue 47: the newest guards at their boundaries (the wire's 2-byte columns and farewell cap, the
 # witness's window, a knock-on's `after`, the step deadline, the egress scale check, the stream
 # decoder, the HTTP caps, blame's rules), each killed by a quick test of tests/test_boundaries_*.py

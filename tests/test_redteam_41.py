@@ -467,15 +467,3 @@ def test_a_ring_of_after_claims_holds_the_liar_and_makes_it_a_suspect(n):
                     assert named <= {liar}, (picks, lie, v)
                     if v.causes:
                         assert liar in v.causes, (picks, lie, v)
-
-
-def test_a_liar_leaving_after_a_peer_that_never_left_makes_nobody_a_suspect():
-    """The liar's farewell says it left after honest worker 1's, who never left (open, blocked on
-    the liar), and the liar says nothing on its links to its peers. The client cannot tell it from
-    an honest knock-on whose cause's farewell to the client is still on its way, so it suspects
-    nobody: the request fails, nobody removed, no ambiguous set (docs/resilience.md, "Not done":
-    a denial of service that does not even count against the liar)."""
-    accounts = {1: account(waiting=[3]), 2: account(waiting=[3]), 3: account(after=1)}
-    seen = {1: OPEN, 2: OPEN, 3: left(after=1)}
-    named, v = blame_link(accounts, seen, [1, 2, 3], {1, 2, 3}, {CLIENT: {}}, 1.0)
-    assert named == set() and v.causes == ()

@@ -45,6 +45,11 @@ Farewells checked against what else the client holds (issue 41):
     lies, and the client cannot tell which: both go into the ambiguous set (with 4, 5). The same
     around three or more (q after x, x after y, y after q): every such ring holds a liar, and
     all of it goes into the ambiguous set.
+  - A worker that says it left after the farewell of a peer that never left (its link to the client
+    open, its own account naming nobody it lost or left after, and blocked on the claimant now): an
+    honest peer that said a farewell has left, so one of the two lies: both go into the ambiguous
+    set, the claimant first (issue 43's red team; before, nobody was suspected: a denial of service
+    the liar could repeat at no cost).
   - Not a contradiction the client can settle: "I left after X" while X's farewell names the
     claimant as its first-hand cause. A liar X can name an honest peer in its farewell to the client
     and say anything on its link to that peer, which then honestly leaves after X; or the claimant
@@ -134,6 +139,12 @@ def blame_link(
         words.append(
             f"workers {ring} each say they left after the next one's farewell, the last after the first: one lies"
         )
+    unmoved = _after_the_unmoved(left, seen, accounts, workers)
+    for q, x in unmoved:
+        words.append(
+            f"worker {q} says it left after worker {x}'s farewell, but worker {x} never left: it says it "
+            f"waits on worker {q}: one of them lies"
+        )
     for p in sorted(set(counted.values())):
         stayed = seen.get(p, ("open", None))[0] != "left"
         blocked_on = (accounts.get(p) or {}).get("waiting") or []
@@ -148,17 +159,48 @@ def blame_link(
         for q in sorted(tainted):
             words.append(f"worker {q} left: its own block failed though its inputs had passed (it names nobody)")
         accused = sorted(set(counted.values()))
-        pairs = [w for ring in rings for w in ring]
+        pairs = [w for ring in [*rings, *unmoved] for w in ring]
         causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs + sorted(tainted) + sorted(workers)))
         return set(), Verdict(None, causes, "; ".join(words), liar_only=True)
     if counted or rings:
         accused = sorted(set(counted.values()))
-        causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))
+        pairs = [w for ring in [*rings, *unmoved] for w in ring]
+        causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs))
         return set(), Verdict(None, causes, "; ".join(words), liar_only=True)
     verdict = judge(blocked, workers, threshold_s)
     said = "; ".join([*words, verdict.said])
+    if unmoved and verdict.named is None:  # the waits name nobody: the pairs, each holding the liar
+        causes = tuple(dict.fromkeys(w for pair in unmoved for w in pair))
+        return set(), Verdict(None, causes, said, liar_only=True)
     # waits only (rule 6): an ambiguous set here can be two honest workers on a loaded machine (liar_only False)
     return ({verdict.named} if verdict.named is not None else set()), Verdict(verdict.named, verdict.causes, said)
+
+
+def _after_the_unmoved(
+    left: dict[int, dict], seen: dict[int, tuple[str, dict | None]], accounts: dict[int, dict], workers: list[int]
+) -> list[tuple[int, int]]:
+    """The pairs (q, x) where q left saying it left after x's farewell while x never left: its link
+    to the client open, its own account of this epoch naming no peer it left after or lost, and
+    blocked on q now. An honest x that said a farewell left the epoch first: the error that ended
+    it is in its account (`lost` or `after`, a PeerError's) or was its own, outside any wait (comm
+    clears `waiting` when a wait ends, and an error inside one is a PeerError); so an honest x is
+    not still waiting on q after saying farewell to it. Either q lies (the red team's "after a peer
+    that never left": before, nobody was suspected and the request failed each time) or x lies in
+    its account (it said farewell to q and stays): each pair holds the liar, and the pair is
+    ambiguous, the claimant first (after the waits: a claimant its peers' waits name is removed by
+    rule 6 first). Without x's account (it did not answer) the pair is not made: x's farewell to
+    the client may still be on its way."""
+    pairs = []
+    for q, reason in sorted(left.items()):
+        x = reason.get("after")
+        if not isinstance(x, int) or x == q or x not in workers or x in left:
+            continue
+        said = accounts.get(x)
+        if seen.get(x, ("open", None))[0] != "open" or said is None:
+            continue
+        if said.get("lost") is None and said.get("after") is None and q in (said.get("waiting") or []):
+            pairs.append((q, x))
+    return pairs
 
 
 def _after_rings(left: dict[int, dict]) -> list[list[int]]:

@@ -24,7 +24,10 @@ lies may also lie in its account, so an account is never taken alone: worker x i
 cause* when, with x's own account set aside, someone was blocked on x, and every other blocked
 worker's wait leads to x along the others' accounts (its own delay explained by its own blocker,
 and so on), and those accounts are the client's or two workers' at least (one worker's word alone
-proves nothing). Exactly one consistent cause: it is named and treated as lost. Several, or one
+proves nothing). Exactly one consistent cause, waited on directly by the client or by two workers
+(whichever worker lies, a true wait on it remains; else a liar that holds back its messages to one
+peer alone and blames an honest worker leads that peer's honest wait to the honest worker, issue
+43's red team): it is named and treated as lost. Several, or one
 worker's word alone: ambiguous (who lies cannot be told): nobody is barred, the suspects are set aside
 for standbys where that keeps the job running (membership.py), else the request fails saying so.
 None: nobody's account explains the slowness (an overloaded client or machine), and the request
@@ -191,7 +194,9 @@ def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s:
     docstring for the rule; a worker that did not answer has no account (silence accuses nobody).
 
     Corroboration: a consistent cause is named only when the accusations that lead to it come from
-    the client (its own account: trusted) or from two workers at least. One worker's account alone
+    the client (its own account: trusted) or from two workers at least, and when the client or two
+    workers waited on it directly (a wait that reaches it only through a third worker's account
+    rests on that account: issue 43's red team). One worker's account alone
     (a two-worker epoch's accusation, or a liar's) makes the accused and its accuser an ambiguous
     pair: `causes` (the accused first), nobody named."""
     members = set(workers)
@@ -232,6 +237,15 @@ def judge(blocked: dict[int, dict[int, float]], workers: list[int], threshold_s:
     if not causes:  # one worker's word alone: the accused and its accuser, the accused first
         lone = sorted((x, next(iter(s))) for x, s in found.items() if len(s) == 1)
         causes = list(dict.fromkeys([x for x, _ in lone] + [a for _, a in lone]))
+    elif len(causes) == 1:
+        # The one cause must have been waited on directly by someone other than any one worker y
+        # (the client, or a second worker): whichever worker lies, a true wait on x remains. Two
+        # workers' accusations may meet at x only through a third's account: a liar that holds back
+        # its messages to one peer alone and says an honest worker kept it waiting leads that peer's
+        # honest wait to the honest worker (issue 43's red team: the honest worker was named). If y
+        # is the only one that waited on x directly, y's word is all there is: ambiguous, x and y.
+        x = causes[0]
+        causes += [y for y in workers if y != x and not any(b == x and a not in (x, y) for a, b in edges)]
     said = (
         ", ".join(
             f"{'the client' if a == CLIENT else f'worker {a}'} was kept waiting {blocked[a][b]:.1f} s by worker {b}"

@@ -54,6 +54,16 @@ blame it by its peers' evidence, not the honest worker whose link it was reading
                     its inputs made it: nobody named)
   stale-rs@N        at its N-th reduce-scatter, the block it owes its victim goes out stamped with the
                     previous step (a late or replayed message of the right size); otherwise it behaves
+  drag-one-lie@N    from its N-th reduce-scatter on, at the last reduce-scatter of each step, it holds
+                    back its block to one peer alone (the highest other rank) by SLOW_S, its block to
+                    its victim (the lowest other rank) on time, and charges that delay to its victim
+                    in its account: the delayed peer's wait truly names the liar, the client's last
+                    wait is a few ms (the liar's egress and the delayed peer's leave together), and
+                    the victim waits on nobody (issue 43: one honest wait and a lie)
+  leave-after@N     at its N-th reduce-scatter, it tells the client alone that it left after its
+                    victim's farewell (a farewell with `after`, its account the same), says nothing
+                    on its links to its peers (they stay blocked on it), and stalls, beating, until
+                    the client ends the epoch: "I left after a peer that never left" (issue 43)
 
 Masked mode, a worker that lies (at its STEP-th forward; the client's product check must catch it):
 
@@ -93,6 +103,8 @@ COMM_FAULTS = (
     "close-link",
     "leave-lie",
     "stale-rs",
+    "leave-after",
+    "drag-one-lie",
     *POISONS,
 )
 SEND_FAULTS = (
@@ -154,6 +166,7 @@ def comm_fault(fault: Fault | None) -> Callable:
     if fault is None or fault.kind not in COMM_FAULTS:
         return lambda comm: comm
     calls = [0]
+    last: dict = {"step": None, "op": None, "final": None}  # drag-one-lie: the op of each step's last reduce-scatter
     delay = {"slow-rs": SLOW_S, "drag-rs": DRAG_S, "drag-sub": SUB_S, "drag-lie": DRAG_S}.get(fault.kind)
 
     def patch(comm):
@@ -166,6 +179,15 @@ def comm_fault(fault: Fault | None) -> Callable:
                 return _poisoned(comm, honest, victim, chunk, sizes, op, POISONS[fault.kind])
             if calls[0] == fault.step and fault.kind == "stale-rs":
                 return _stale(comm, honest, victim, chunk, sizes, op)
+            if calls[0] == fault.step and fault.kind == "leave-after":
+                _leave_after(comm, victim)
+            if fault.kind == "drag-one-lie":
+                if comm.step != last["step"]:  # the previous call was the last of its step: its op is the step's last
+                    last["final"], last["step"] = last["op"], comm.step
+                last["op"] = op
+                if calls[0] >= fault.step and op == last["final"]:
+                    return _drag_one(comm, honest, victim, chunk, sizes, op)
+                return honest(chunk, sizes, op)
             if calls[0] >= fault.step and delay is not None:
                 time.sleep(delay)
                 if fault.kind == "drag-lie" and comm.witness is not None:
@@ -190,6 +212,39 @@ def comm_fault(fault: Fault | None) -> Callable:
         return comm
 
     return patch
+
+
+def _drag_one(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str):
+    """drag-one-lie: one reduce-scatter whose block for the highest other rank goes out SLOW_S late
+    (the victim's, sent first, on time), the delay charged to the victim in the account."""
+    put = comm._put
+    late = max(r for r in comm.links if r not in (0, comm.rank))
+
+    def dragging(peer, t):
+        if peer == late:
+            time.sleep(SLOW_S)
+            if comm.witness is not None:
+                comm.witness.charge(victim, SLOW_S)  # the lie: "the victim kept me waiting"
+        put(peer, t)
+
+    comm._put = dragging
+    try:
+        return honest(chunk, sizes, op)
+    finally:
+        comm._put = put
+
+
+def _leave_after(comm, victim: int) -> None:
+    """leave-after: a farewell to the client alone saying this worker left after `victim`'s (which
+    never came), the account saying the same; nothing to the peers; then a stall (beating) until
+    the client ends the epoch and the pulse thread shuts the links (never returns)."""
+    if comm.witness is not None:
+        comm.witness.left_after(victim)  # the lie, told the same way in the account
+    said = f"{comm.links[victim].label} closed the connection: left the epoch"
+    comm.links[0].farewell(said, time.monotonic() + 1.0, after=victim)
+    word = torch.zeros(4, dtype=torch.int64)
+    while True:
+        comm.recv(word, 0, "control", "stall", wait_s=math.inf)
 
 
 def lie_to(comm, victim: int, value: float) -> Callable[[], None]:
