@@ -61,18 +61,40 @@ def real_workers():
     forkserver.default_spawn[0] = previous
 
 
+def shared_tiny(tmp_path_factory, arch: str, prompts) -> Path:
+    """The fixture's tiny `arch` model (tiny_models.build, its seed SEEDS[arch]), built and checked
+    once per run: every test prompt's reference varies (tiny_models.check_varied says why). The
+    check runs transformers' greedy decoding over every prompt (~3-30 s of CPU, by load), and each
+    pytest process (xdist) needs the model: the first one to ask builds and checks it in the run's
+    shared temporary folder, the others wait for it and use that folder. (The same seed and config
+    give the same weights in every process: the folder is what each would have built.)"""
+    import fcntl
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
+        path = build(tmp_path_factory.mktemp(arch), arch, seed=SEEDS[arch])
+        check_varied(path, prompts)
+        return path
+    shared = tmp_path_factory.getbasetemp().parent / f"tiny-{arch}"  # this run's, for every process
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = shared / "model"
+        if not (shared / "checked").exists():
+            shutil.rmtree(path, ignore_errors=True)  # a process that failed midway: build afresh
+            build(path, arch, seed=SEEDS[arch])
+            check_varied(path, prompts)
+            (shared / "checked").touch()
+        return path
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    path = build(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=SEEDS["qwen2"])
-    check_varied(path)  # every test prompt's reference varies (tiny_models.py says why)
-    return path
+    return shared_tiny(tmp_path_factory, "qwen2", PROMPTS)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    path = build(tmp_path_factory.mktemp("llama"), "llama", seed=SEEDS["llama"])
-    check_varied(path, PROMPTS + LLAMA_PROMPTS)
-    return path
+    return shared_tiny(tmp_path_factory, "llama", PROMPTS + LLAMA_PROMPTS)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,13 @@ over N = 1.. workers, at any capacities, in any dtype (float64 included, for tig
     run.reset(max_seq=64, slots=4)
     a, b = run.forward_batch([(2, prompt_a), (0, prompt_b)])   # every position's logits, per span
     (c,) = run.forward_batch([(2, [token])])                   # slot 2's next position
+
+A whole job (the client's engine, the protocol, TLS links, epochs, audit) without worker processes:
+`threads(**kw)` / `masked_threads(**kw)` are EngineOptions / MaskedOptions whose workers are
+threads of this process (`--executor inproc`, executor/inproc.py: the real `fusion worker` over the
+real rendezvous on 127.0.0.1). The tests of parity, batching, speculation, blame and membership
+logic use them; what a thread cannot show (a process's exit, its signals, its own memory and
+threads, the faults that end or patch it) keeps processes (executor/inproc.py's list).
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ from typing import TypeVar
 
 import torch
 
+from fusion_compute.cli.options import run_worker_in_thread
 from fusion_compute.comm import Comm
 from fusion_compute.comm.buffers import accumulate
 from fusion_compute.comm.errors import CommError
+from fusion_compute.masked.options import MaskedOptions
 from fusion_compute.model import architecture as arch
 from fusion_compute.model.dense import ClearParams, DenseModel
 from fusion_compute.model.kernels import rms_norm
+from fusion_compute.runtime.engine_options import EngineOptions
 from fusion_compute.structural.client import ingress_qkv, layer0_qkv
 from fusion_compute.structural.ops import Span
 from fusion_compute.structural.plan import Plan, make_plan
@@ -266,6 +276,16 @@ class ShardedRun:
 
     def kv_abs_max(self) -> float:
         return max(m.kv_abs_max() for m in self.workers)
+
+
+def threads(**kw) -> EngineOptions:
+    """EngineOptions of a job whose workers are threads of this process (module doc)."""
+    return EngineOptions(**{"executor": "inproc", "run_worker": run_worker_in_thread, **kw})
+
+
+def masked_threads(**kw) -> MaskedOptions:
+    """MaskedOptions of a masked job whose members are threads of this process (module doc)."""
+    return MaskedOptions(**{"executor": "inproc", "run_worker": run_worker_in_thread, **kw})
 
 
 def dense_model(model: str | Path | WeightSource, dtype: torch.dtype = torch.float64, max_seq: int = 256) -> DenseModel:

@@ -4,7 +4,9 @@ Every session must get what it gets alone: the same logits (up to float32 summat
 linear over 8 columns may run another BLAS kernel than over one, and a batch's decodes attend over
 padded, masked keys — so logits are compared at 1e-4 relative to their scale, far below the gap
 between a greedy choice and its runner-up that the token checks rely on) and the same tokens. Slots
-are zeroed when their session ends; a lost worker mid-batch costs one replay of every open slot.
+are zeroed when their session ends; a lost worker mid-batch costs one replay of every open slot. Batching is the client's logic over the
+protocol: the jobs' workers are threads of this process (tests/inproc.py), but for the lost worker,
+a process killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 
 import pytest
 import torch
+from inproc import masked_threads, threads
 
 from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation.batching import BatchRunner, Sequence, run_batch
@@ -46,7 +49,7 @@ def test_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
     """run_batch with more sessions than slots (newcomers join as others finish, budgets differ),
     seeded sampling: every session's tokens are its tokens alone; every slot is zero afterwards."""
     sampled = [SamplingParams(temperature=0.9, top_k=40, seed=100 + i) for i in range(len(PROMPTS))]
-    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=64)) as eng:
+    with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=64)) as eng:
         alone = [
             generate(eng, p, max_new_tokens=12 - i, sampling=s).token_ids
             for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=True))
@@ -61,7 +64,7 @@ def test_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
 
 
 def test_batch_limits(tiny_llama):
-    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=16)) as eng:
+    with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=16)) as eng:
         runner = BatchRunner(eng, 2)
         runner.add(Sequence([1, 2, 3], 4, GREEDY))
         runner.add(Sequence([4, 5], 4, GREEDY))
@@ -90,16 +93,17 @@ def test_a_lost_worker_mid_batch_replays_every_slot(tiny_llama, mode):
 
     prompts = PROMPTS[:3]
     common = dict(timeout_s=60, context=64, liveness_s=5.0, log=lambda line: None)
+    # The run without the fault on threads (tests/inproc.py); the SIGKILL needs worker processes.
     if mode == "masked":
 
-        def engine(**kw):
-            return MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=1, **common, **kw))
+        def engine(options=MaskedOptions, **kw):
+            return MaskedEngine(tiny_llama, options(n_a=1, n_b=1, **common, **kw))
     else:
 
-        def engine(**kw):
-            return Engine(tiny_llama, EngineOptions(n_workers=2, **common, **kw))
+        def engine(options=EngineOptions, **kw):
+            return Engine(tiny_llama, options(n_workers=2, **common, **kw))
 
-    with engine() as eng:
+    with engine(masked_threads if mode == "masked" else threads) as eng:
         want = [r.token_ids for r in run_batch(eng, [Sequence(p, 10, GREEDY) for p in prompts], 3)]
     with engine(standby=1) as eng:
         victim = eng.procs.pids[0]  # rank 1 (masked: group A)
@@ -126,10 +130,10 @@ def test_masked_batch_step_equals_each_session_alone(tiny_qwen2, tmp_path):
     the masked audit, and the mask groups see keys only. The workers never learn the sessions: a
     step is one wider masked product per linear."""
     from fusion_compute.masked import audit
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.client import MaskedEngine
 
     d = tmp_path / "audit"
-    with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=2, n_b=1, timeout_s=60, context=64, audit_dir=str(d))) as eng:
+    with MaskedEngine(tiny_qwen2, masked_threads(n_a=2, n_b=1, timeout_s=60, context=64, audit_dir=str(d))) as eng:
         alone = logits_alone(eng, PROMPTS[:3])
         eng.batch_slots = 4
         eng.reset()
@@ -164,10 +168,10 @@ def test_masked_batch_step_equals_each_session_alone(tiny_qwen2, tmp_path):
 def test_masked_batched_generation_equals_alone_and_wipes_slots(tiny_llama):
     """run_batch on the masked mode (1+1+1: two mask groups) with more sessions than slots and seeded
     sampling: every session's tokens are its tokens alone; the client's caches are zero afterwards."""
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.client import MaskedEngine
 
     sampled = [SamplingParams(temperature=0.9, top_k=40, seed=200 + i) for i in range(4)]
-    with MaskedEngine(tiny_llama, MaskedOptions(n_a=1, n_b=(1, 1), timeout_s=60, context=64)) as eng:
+    with MaskedEngine(tiny_llama, masked_threads(n_a=1, n_b=(1, 1), timeout_s=60, context=64)) as eng:
         alone = [
             generate(eng, p, max_new_tokens=8 - i, sampling=s).token_ids
             for i, (p, s) in enumerate(zip(PROMPTS, sampled, strict=False))
@@ -185,7 +189,7 @@ def test_one_session_path_every_column_per_span_and_step_hooks(tiny_llama):
     sequence, whose hooks see every step's spans and the slot's release."""
     from fusion_compute.generation.batching import StepHooks
 
-    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=64)) as eng:
+    with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=64)) as eng:
         alone = logits_alone(eng, PROMPTS[:2])
         eng.batch_slots = 2
         eng.reset()

@@ -142,6 +142,7 @@ def test_the_chat_template_is_the_default_and_raw_continues(tmp_path, no_new_wor
     model = build_chat_model(tmp_path / "chat")
     tok = load_tokenizer(model)
     base = ["generate", "--model", str(model), "--prompt", "hello world", "--max-tokens", "2", "--json"]
+    base += ["--executor", "inproc"]  # the workers as threads of the command: the prompt is what is tested
     runs = {flag: run(*base, *([flag] if flag else []), "--threads", "1") for flag in ("", "--raw", "--chat")}
     for flag, r in runs.items():
         assert r.returncode == 0, (flag, r.stderr)

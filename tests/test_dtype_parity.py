@@ -1,17 +1,19 @@
 """bfloat16 and float16 on the CPU: faithful to HF transformers in the same dtype on the same device
 (tests/faithful.py states the criterion and its reason; tests/test_gpu.py runs it on a GPU), on the
 tiny random Qwen2 (q/k/v bias) and Llama models, N = 1, 2, 3 (N = 3 splits Qwen2's KV groups by
-RoPE pairs: score sums among owners), in-process (tests/inproc.py), and one case over worker
-processes. float32 stays exact: test_parity.py."""
+RoPE pairs: score sums among owners), in-process (tests/inproc.py), and one case through the real
+workers and links (threads of this process, tests/inproc.py's `threads`: the wire in bfloat16).
+float32 stays exact: test_parity.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from faithful import check_faithful, references
+from inproc import threads
 from tiny_models import build
 
-from fusion_compute.structural.client import Engine, EngineOptions
+from fusion_compute.structural.client import Engine
 
 pytestmark = pytest.mark.slow  # the references (HF in each dtype) cost seconds; one case starts workers
 
@@ -37,7 +39,7 @@ def refs(tmp_path_factory):
 @pytest.mark.parametrize("arch,n,dtype", PROCESS_CASES, ids=[f"{a}-N{n}-{d}" for a, n, d in PROCESS_CASES])
 def test_faithful_to_transformers(refs, arch, n, dtype):
     path, ref = refs[arch, dtype]
-    with Engine(path, EngineOptions(n_workers=n, dtype=dtype, timeout_s=60, context=64)) as eng:
+    with Engine(path, threads(n_workers=n, dtype=dtype, timeout_s=60, context=64)) as eng:
         check_faithful(eng, ref, dtype, n)
 
 

@@ -326,9 +326,10 @@ def test_sharded_model_matches_transformers(models, wanted, name, n, caps):
     assert run.greedy(PROMPT, NEW_TOKENS) == want_ids
 
 
-# Through real workers, what a process adds to the arithmetic above: the client's engine (the family's
-# embedding scale, ingress, egress, final norm and head), the wire and the links' score sums (and
-# Qwen3's q/k norm sums, Gemma's post-norm sums) at N = 3, where every base shape's KV groups split;
+# Through the real workers (threads of this process; on gloo, processes), what the runtime adds to the
+# arithmetic above: the client's engine (the family's embedding scale, ingress, egress, final norm and
+# head), the wire and the links' score sums (and Qwen3's q/k norm sums, Gemma's post-norm sums) at
+# N = 3, where every base shape's KV groups split;
 # the masked mode at 1+1; Gemma's post-norm sums on a fabric (comm.sum_norms' all-reduce branch).
 RUNTIME_CASES = [
     (name, mode, n, None) for name in FAMILY_BASES for mode, n in (("structural", 3), ("masked", (1, 1)))
@@ -339,14 +340,18 @@ RUNTIME_CASES = [
 
 
 def engine(mode: str, path, n, caps):
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    """The job, its workers threads of this process (tests/inproc.py: the real workers over the real
+    links), but on the gloo fabric, which runs between processes."""
+    from inproc import masked_threads, threads
+
+    from fusion_compute.masked.client import MaskedEngine
     from fusion_compute.structural.client import Engine, EngineOptions
 
     if mode == "masked":
-        return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
+        return MaskedEngine(path, masked_threads(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
     if mode == "gloo":
         return Engine(path, EngineOptions(n_workers=n, comm_backend="gloo", insecure=True, timeout_s=60, context=128))
-    return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128))
+    return Engine(path, threads(n_workers=n, capacities=caps, timeout_s=60, context=128))
 
 
 @pytest.mark.slow

@@ -86,7 +86,19 @@ def test_a_served_job_keeps_its_counters_admin_answers_and_connections_guarded(t
     keyfile.chmod(0o600)
     log = tmp_path / "serve.log"
     live = start_server(
-        ["--model", str(model), "--workers", "2", "--threads", "1", "--api-key-file", str(keyfile)], log
+        [
+            "--model",
+            str(model),
+            "--workers",
+            "2",
+            "--executor",
+            "inproc",
+            "--threads",
+            "1",
+            "--api-key-file",
+            str(keyfile),
+        ],
+        log,
     )
     host, port = live.host, int(live.port)
     try:

@@ -102,7 +102,18 @@ def test_the_key_holder_gets_in_when_the_whole_budget_is_taken(tmp_path):
     keyfile.chmod(0o600)
     log = tmp_path / "serve.log"
     live = start_server(
-        ["--model", str(model), "--workers", "2", "--threads", "1", "--api-key-file", str(keyfile)]
+        [
+            "--model",
+            str(model),
+            "--workers",
+            "2",
+            "--executor",
+            "inproc",
+            "--threads",
+            "1",
+            "--api-key-file",
+            str(keyfile),
+        ]
         + ["--max-connections", "32"],
         log,
     )

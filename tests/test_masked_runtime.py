@@ -1,5 +1,7 @@
 """Masked mode: sessions and mask freshness, the audit's rules and their negative controls, the CLI's
-flags (its parity with transformers: test_parity.py)."""
+flags (its parity with transformers: test_parity.py). The members are threads of this process
+(tests/inproc.py, `--executor inproc`: the real members over the real links), but for the leak of A
+to B, a control that patches a member's process."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import pytest
 import torch
 from chance import chance_hits_bound
+from inproc import masked_threads
 
 from fusion_compute.masked import attack, audit
 from fusion_compute.masked.client import MaskedEngine, MaskedOptions
@@ -16,7 +19,7 @@ from fusion_compute.weights.loader import open_weights
 
 
 def test_sessions_are_isolated_and_masks_never_reused(tiny_qwen2):
-    with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=64)) as eng:
+    with MaskedEngine(tiny_qwen2, masked_threads(n_a=1, n_b=1, timeout_s=60, context=64)) as eng:
         eng.reset()
         a = eng.forward([1, 2, 3], all_logits=True)
         eng.reset()
@@ -32,7 +35,9 @@ def test_sessions_are_isolated_and_masks_never_reused(tiny_qwen2):
 def _audited_run(path, tmp_path, sizes=(2, 1), **kw):
     d = tmp_path / "audit"
     ids = [7, 7, 7, 7, 7, 7, 7, 7, 30, 31]  # repeated tokens: identical clear inputs, the worst case
-    opts = MaskedOptions(n_a=sizes[0], n_b=tuple(sizes[1:]), timeout_s=60, context=64, audit_dir=str(d), **kw)
+    # members as threads (tests/inproc.py), but for a leak: a control that patches a member's process
+    options = MaskedOptions if "leak" in kw else masked_threads
+    opts = options(n_a=sizes[0], n_b=tuple(sizes[1:]), timeout_s=60, context=64, audit_dir=str(d), **kw)
     with MaskedEngine(path, opts) as eng:
         eng.reset()
         eng.forward(ids)
@@ -213,6 +218,8 @@ def test_cli_k_groups_audited_and_verified(tiny_qwen2, tmp_path, capsys):
         "--max-new-tokens",
         "3",
         "--json",
+        "--executor",
+        "inproc",
         "--audit-dir",
         str(d),
     )
@@ -241,6 +248,8 @@ def test_cli_flags(tiny_qwen2, capsys):
         "--max-new-tokens",
         "3",
         "--json",
+        "--executor",
+        "inproc",
     )
     assert code == 0, err
     assert '"mode": "masked"' in out and '"groups": [1, 2]' in out

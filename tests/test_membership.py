@@ -1,7 +1,11 @@
 """The user decides who takes part, during a session: list, revoke, add (migration = add + revoke), from
 the engine, from `fusion chat`, and from `fusion serve`'s admin endpoints. A revoked worker wipes and
 leaves; the open session moves to the next epoch by replay and continues with the same tokens; bad
-requests (an unknown worker, a revocation that would leave too few) are refused and harm nothing."""
+requests (an unknown worker, a revocation that would leave too few) are refused and harm nothing.
+
+The workers are threads of this process or of the command's (tests/inproc.py, `--executor inproc`:
+the real workers over the real links), but in the migration, which checks that the revoked worker's
+process leaves."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from inproc import threads
 from procs import fusion, reap, wait_gone
 
 from fusion_compute.generation.generate import generate
@@ -70,7 +75,7 @@ def test_revocation_mid_session_replays_every_token(tiny_qwen2):
         eng.end_session()
         return seen
 
-    with Engine(tiny_qwen2, EngineOptions(n_workers=2, standby=1, context=64, timeout_s=30)) as eng:
+    with Engine(tiny_qwen2, threads(n_workers=2, standby=1, context=64, timeout_s=30)) as eng:
         want = steps(eng, None)
         got = steps(eng, 6)
         assert eng.order == [3, 2] and eng.recoveries[-1]["reason"] == "worker 1 revoked by the user"
@@ -79,7 +84,7 @@ def test_revocation_mid_session_replays_every_token(tiny_qwen2):
 
 
 def test_bad_membership_requests_harm_nothing(tiny_qwen2):
-    with Engine(tiny_qwen2, EngineOptions(n_workers=2, context=128, timeout_s=30)) as eng:
+    with Engine(tiny_qwen2, threads(n_workers=2, context=128, timeout_s=30)) as eng:
         want = generate(eng, PROMPT, max_new_tokens=12, sampling=SamplingParams()).token_ids
         eng.reset()
         head, logits = greedy(eng, eng.forward(PROMPT), 4)
@@ -99,7 +104,8 @@ def test_chat_commands(tiny_qwen2, tmp_path):
 
     model = build_chat_model(tmp_path / "m")
     script = "/workers\n/add\n/revoke 9\n/revoke 1\nhello\n/workers\n"
-    p = fusion("chat", "--model", str(model), "--workers", "2", "--max-tokens", "4", stdin=subprocess.PIPE)
+    chat = ("chat", "--model", str(model), "--workers", "2", "--executor", "inproc", "--max-tokens", "4")
+    p = fusion(*chat, stdin=subprocess.PIPE)
     try:
         out, err = p.communicate(script, timeout=120)
     finally:
@@ -128,13 +134,16 @@ def _admin(url: str, method: str, path: str, key: str | None, body: dict | None 
 
 
 def _serve(model, log, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`fusion serve` on 2 local workers; returns the process and its root URL once it listens (bounded)."""
+    """`fusion serve` on 2 workers (threads of the server's process: what is tested is the admin
+    endpoints' membership logic); returns the process and its root URL once it listens (bounded)."""
     proc = fusion(
         "serve",
         "--model",
         str(model),
         "--workers",
         "2",
+        "--executor",
+        "inproc",
         "--port",
         "0",
         *extra,

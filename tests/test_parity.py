@@ -1,10 +1,11 @@
 """Both modes vs HF transformers in float64, on tiny random Qwen2 (with q/k/v bias) and Llama models.
 
 Per engine: prefill logits vs the reference, incremental decode == full forward, and greedy tokens
-identical for 32 new tokens. Structural over worker processes: Qwen2 at N = 3 by capacity (split KV
-groups: score sums among owners over the links, uneven shares) and Llama at N = 2, on the links and on
-the MPI fabric (`--comm-backend mpi`); the sharded arithmetic at every N = 1..4 of both families, even
-and uneven, is test_sharded_inproc.py's, in-process. Masked: group sizes 1..3 each, with one mask
+identical for 32 new tokens. Structural through the real workers: Qwen2 at N = 3 by capacity (split KV
+groups: score sums among owners over the links, uneven shares) and Llama at N = 2, on the links (the
+workers threads of this process, tests/inproc.py) and on the MPI fabric (`--comm-backend mpi`, worker
+processes); the sharded arithmetic at every N = 1..4 of both families, even and uneven, is
+test_sharded_inproc.py's, in-process. Masked (members as threads): group sizes 1..3 each, with one mask
 group (A+B) and with k = 2, 3 (A+B1+...+Bk).
 """
 
@@ -12,14 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inproc import masked_threads, threads
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
-from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+from fusion_compute.masked.client import MaskedEngine
 from fusion_compute.model import reference
 from fusion_compute.structural.client import Engine, EngineOptions
-
-pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
 # The runtime's own fp32 error against float64: sums in another order (per-worker partials, then
 # the reduce-scatter), the norm after the matmul, and in masked mode fixed-point ring products
@@ -33,7 +33,7 @@ NEW_TOKENS = 32
 
 # The structural cases at N = 1, 2, 4 (Qwen2) and 1, 3, 4 (Llama) run in-process now: their checks
 # (the same three) are test_sharded_inproc.py::test_sharded_model_matches_dense_and_transformers, on the
-# same ShardedModel; what a process adds (the client's engine, the wire) these two cases keep checking.
+# same ShardedModel; what the runtime adds (the client's engine, the wire) these two cases keep checking.
 CASES = [
     ("structural", "qwen2", 3, (2.0, 1.0, 1.0)),
     ("structural", "llama", 2, None),
@@ -64,10 +64,13 @@ def refs(tiny_qwen2, tiny_llama):
 
 
 def engine(mode: str, path, n, caps):
+    """The job: its workers threads of this process (tests/inproc.py: the real workers over the real
+    links), except on the MPI fabric, which runs between processes (mpi4py's own transport)."""
     if mode == "masked":
-        return MaskedEngine(path, MaskedOptions(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
-    fabric = {"comm_backend": "mpi"} if mode == "structural-mpi" else {}
-    return Engine(path, EngineOptions(n_workers=n, capacities=caps, timeout_s=60, context=128, **fabric))
+        return MaskedEngine(path, masked_threads(n_a=n[0], n_b=n[1:], timeout_s=60, context=128))
+    if mode == "structural-mpi":
+        return Engine(path, EngineOptions(n_workers=n, timeout_s=60, context=128, comm_backend="mpi"))
+    return Engine(path, threads(n_workers=n, capacities=caps, timeout_s=60, context=128))
 
 
 def describe(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -75,7 +78,13 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max |diff| {d.max().item():.3g}, mean {d.mean().item():.3g}"
 
 
-@pytest.mark.parametrize("mode,arch,n,caps", CASES, ids=[case_id(*c) for c in CASES])
+# The structural cases on threads take about a second: the quick loop runs them (with the dense
+# references, shared); the masked ones (more members, their ring products checked) and the MPI ones
+# (processes) are slow.
+PARAMS = [pytest.param(*c, id=case_id(*c), marks=[] if c[0] == "structural" else [pytest.mark.slow]) for c in CASES]
+
+
+@pytest.mark.parametrize("mode,arch,n,caps", PARAMS)
 def test_matches_transformers(refs, mode, arch, n, caps):
     path, ref_logits, ref_tokens, gaps = refs[arch]
     with engine(mode, path, n, caps) as eng:

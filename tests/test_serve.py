@@ -153,6 +153,8 @@ def tiny_server(chat_model, tmp_path_factory):
             str(chat_model),
             "--workers",
             "2",
+            "--executor",
+            "inproc",
             "--threads",
             "1",
             "--api-key",

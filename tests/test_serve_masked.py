@@ -26,6 +26,8 @@ def test_masked_server_answers_like_transformers(tmp_path, max_batch):
             "masked",
             "--workers",
             "1+1",
+            "--executor",
+            "inproc",
             "--threads",
             "1",
             "--api-key",

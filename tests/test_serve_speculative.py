@@ -27,6 +27,8 @@ def spec_server(tmp_path_factory):
             str(model),
             "--workers",
             "2",
+            "--executor",
+            "inproc",
             "--threads",
             "1",
             "--served-model-name",

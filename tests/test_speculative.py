@@ -6,6 +6,10 @@ the drafter proposes: n-gram drafts (accepted and rejected), a draft model that 
 target itself) and one that always misses (a model whose every proposal is token 0). Sampled: the
 rejection rule keeps the target's distribution exactly (a chi-square test against the exact
 distribution, with its false-failure rate stated; a wrong rule makes it fail).
+
+Speculation is the client's logic over the protocol: its jobs' workers are threads of this process
+(tests/inproc.py's `threads`; `--executor inproc` on the command line): the real workers over the
+real links.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from inproc import masked_threads, threads
 
 from fusion_compute.bench.ops import kv_probe
 from fusion_compute.generation import batching
@@ -30,7 +35,7 @@ from fusion_compute.generation.speculative import DraftLength, NgramDrafter, Spe
 from fusion_compute.generation.speculative_config import SpeculativeConfig, SpeculativeError, from_flags
 from fusion_compute.model import reference
 from fusion_compute.model.dense import DenseModel
-from fusion_compute.structural.client import Engine, EngineOptions
+from fusion_compute.structural.client import Engine
 from fusion_compute.weights.loader import open_weights
 
 GREEDY = SamplingParams()
@@ -586,7 +591,7 @@ def test_greedy_tokens_equal_without_speculation_and_transformers(arch, n, tiny_
     model = tiny_qwen2 if arch == "qwen2" else tiny_llama
     ref = reference.load_reference(model)
     want = [reference.greedy(ref, p, NEW) for p in PROMPTS]
-    with Engine(model, EngineOptions(n_workers=n, timeout_s=60, context=96)) as eng:
+    with Engine(model, threads(n_workers=n, timeout_s=60, context=96)) as eng:
         plain = runs(eng, PROMPTS, None)
         assert [r.token_ids for r in plain] == want
         assert all(r.steps == NEW and r.speculative is None for r in plain)
@@ -622,7 +627,7 @@ def test_suffix_drafts_keep_greedy_tokens_and_the_cache_pays(tiny_llama):
     outputs and need fewer forwards than with no cache (0 tokens); the counters add up."""
     ref = reference.load_reference(tiny_llama)
     want = [reference.greedy(ref, p, NEW) for p in PROMPTS]
-    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
+    with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=96)) as eng:
         v = eng.config.vocab
         # Not adaptive: every step drafts what the tries offer. The budget and the pause follow this
         # machine's measured step times and acceptance, so on a loaded run they may rightly draft
@@ -653,7 +658,7 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
     sessions keep their own seeded generators (their tokens alone with speculation)."""
     prompts = PROMPTS + [[40, 41, 42, 40, 41], [9] * 6]
     params = [GREEDY] * 3 + [SamplingParams(temperature=0.8, top_k=20, seed=5 + i) for i in range(2)]
-    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
+    with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=96)) as eng:
         # every draft verified (no budget): what the budget keeps follows this machine's step times
         spec = Speculator(ngram(adaptive=False), eng.config.vocab, eng.context)
         alone = [
@@ -682,9 +687,9 @@ def test_batched_sessions_with_speculation_equal_each_alone(tiny_llama):
 def test_masked_mode_speculation_equals_greedy(tiny_qwen2):
     """Masked 1+1: the client rolls its own KV cache back (zeroed) and the products of a
     verification step are checked like any other; tokens equal greedy decoding's."""
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.client import MaskedEngine
 
-    with MaskedEngine(tiny_qwen2, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=96)) as eng:
+    with MaskedEngine(tiny_qwen2, masked_threads(n_a=1, n_b=1, timeout_s=60, context=96)) as eng:
         plain = runs(eng, PROMPTS[:2], None)
         # every draft verified (no budget): what the budget keeps follows this machine's step times
         spec = Speculator(ngram(adaptive=False), eng.config.vocab, eng.context)
@@ -731,7 +736,7 @@ def test_sampled_speculation_keeps_the_output_distribution(tiny_llama):
         return counts
 
     bound = chi2_quantile(len(cells) - 1, ALPHA)
-    with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=32)) as eng:
+    with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=32)) as eng:
         target = DenseModel(open_weights(tiny_llama), max_seq=1)
         spec = Speculator(draft_cfg(tiny_llama, k=2), eng.config.vocab, eng.context, draft_model=target)
         assert chi2(sample(None), probs) < bound
@@ -815,7 +820,7 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
     import json
 
     args = ["--model", str(tiny_llama), "--prompt-ids", ",".join(map(str, CLI_PROMPT)), "--max-new-tokens", "16"]
-    cmd = ["generate", "--workers", "2", "--json", *args]
+    cmd = ["generate", "--workers", "2", "--executor", "inproc", "--json", *args]  # workers: threads of the command
     runs = [procs.run(*cmd, timeout=180), procs.run(*cmd, "--speculative", "ngram", "--num-speculative-tokens", "3")]
     assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
     plain, spec = (json.loads(r.stdout) for r in runs)

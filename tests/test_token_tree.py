@@ -2,12 +2,14 @@
 the acceptance rule. Greedy: the longest accepted path, then the target's token. Sampled: the
 multi-candidate rule keeps the target's distribution exactly (a chi-square test against the exact
 joint distribution of the first two tokens, with its false-failure rate stated; a rule that keeps
-the first child whenever it can fails it)."""
+the first child whenever it can fails it). The jobs' workers are threads of this process
+(tests/inproc.py: the real workers over the real links)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from inproc import masked_threads, threads
 from test_speculative import ALPHA, chi2, chi2_quantile
 
 from fusion_compute.bench.ops import kv_probe
@@ -137,8 +139,7 @@ def test_sampled_tree_acceptance_keeps_the_target_distribution():
 LOGIT_ATOL = 3e-4  # test_parity.py's: float32 shards against transformers in float64 on these tiny models
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # about a second each on threads (was 2-4 s on processes): in the quick loop
     "arch,n",
     [
         ("llama", 2),
@@ -163,9 +164,9 @@ def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
     its own base, and its post-norms' sums at N = 3."""
     from tiny_models import build
 
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.client import MaskedEngine
     from fusion_compute.model import reference
-    from fusion_compute.structural.client import Engine, EngineOptions
+    from fusion_compute.structural.client import Engine
 
     # mistral with a window of 2: column 5 (depth 3) must not see its grandparent column 2 (depth 1, two
     # positions back), whose cache index (pos + 2) is only one back
@@ -184,9 +185,9 @@ def test_a_tree_step_gives_every_path_its_own_logits_and_keeps_the_accepted_one(
 
     masked = n == "masked 1+1"
     engine = (
-        MaskedEngine(model, MaskedOptions(n_a=1, n_b=1, timeout_s=60, context=64))
+        MaskedEngine(model, masked_threads(n_a=1, n_b=1, timeout_s=60, context=64))
         if masked
-        else Engine(model, EngineOptions(n_workers=int(n), timeout_s=60, context=64))
+        else Engine(model, threads(n_workers=int(n), timeout_s=60, context=64))
     )
     with engine as eng:
         eng.reset()
@@ -222,7 +223,7 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
     from fusion_compute.generation.speculative import Speculator
     from fusion_compute.generation.speculative_config import SpeculativeConfig
     from fusion_compute.model import reference
-    from fusion_compute.structural.client import Engine, EngineOptions
+    from fusion_compute.structural.client import Engine
 
     ref = reference.load_reference(tiny_llama)
     # prompts whose n-grams recur with several continuations: the suffix trie branches
@@ -237,7 +238,7 @@ def test_suffix_trees_keep_greedy_tokens(tiny_llama):
 
     batching.accept = spy
     try:
-        with Engine(tiny_llama, EngineOptions(n_workers=2, timeout_s=60, context=96)) as eng:
+        with Engine(tiny_llama, threads(n_workers=2, timeout_s=60, context=96)) as eng:
             # not adaptive: the drafter's trees as drawn. The budget would price each column by this
             # machine's measured compute, so whether a branch is kept would depend on the load (CI saw
             # only chains once); the budget's choices are tested apart (test_tree_cost, test_speculative)
