@@ -13,6 +13,7 @@ being typed; Ctrl-D or /quit leaves.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -260,6 +261,58 @@ class _Interrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
+class _SigintToMain:
+    """Ctrl-C at the prompt wakes the main thread, whichever thread the kernel hands SIGINT to.
+
+    A process-directed signal goes to any thread that does not block it, and CPython runs the handler
+    only in the main thread, when it next runs bytecode; the main thread asleep in readline's select()
+    for the next line is not woken by a SIGINT another thread took (this client's link, liveness and
+    worker-watch threads, torch's pool), and Ctrl-C did nothing until the next key (seen on this
+    project's 2-core VM: tests/test_chat.py's terminal test, and 3 of torch's threads with SIGINT
+    open). Every signal with a Python handler writes its number to the wakeup fd (signal.set_wakeup_fd)
+    from whichever thread takes it; a thread of ours (SIGINT and SIGUSR2 blocked) reads it and, for a
+    SIGINT, sends the main thread a SIGUSR2 of its own: its select() returns EINTR, CPython runs the
+    pending handlers, and the SIGINT's raises KeyboardInterrupt (SIGUSR2's does nothing, so one that
+    comes after the main thread had taken the SIGINT itself changes nothing)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self._pipe: tuple[int, int] | None = None
+
+    def __enter__(self) -> _SigintToMain:
+        if not self.enabled:
+            return self
+        self._pipe = r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._old_usr2 = signal.signal(signal.SIGUSR2, lambda *_: None)
+        threading.Thread(target=self._forward, args=(r,), name="fusion-chat-sigint", daemon=True).start()
+        return self
+
+    @staticmethod
+    def _forward(r: int) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR2})
+        main = threading.main_thread().ident
+        while True:
+            try:
+                got = os.read(r, 64)
+            except OSError:
+                return
+            if not got:  # __exit__ closed the write end
+                os.close(r)
+                return
+            if signal.SIGINT in got and main is not None:
+                signal.pthread_kill(main, signal.SIGUSR2)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._old_fd)
+        signal.signal(signal.SIGUSR2, self._old_usr2)
+        os.close(self._pipe[1])
+        self._pipe = None
+
+
 def chat_loop(
     backend: Any,
     params: dict,
@@ -270,6 +323,19 @@ def chat_loop(
     interactive: bool,
 ) -> int:
     """Read a line, answer it with the whole conversation as context, print the reply as it streams."""
+    with _SigintToMain(interactive and stdin is sys.stdin):
+        return _converse(backend, params, system, stdin, stdout, stderr, interactive)
+
+
+def _converse(
+    backend: Any,
+    params: dict,
+    system: str | None,
+    stdin: IO[str],
+    stdout: IO[str],
+    stderr: IO[str],
+    interactive: bool,
+) -> int:
     history: list[dict] = []
     prompt = "you> " if interactive else ""
     if interactive:
