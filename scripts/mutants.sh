@@ -179,6 +179,13 @@ MUTANTS = [
         ["test_masked_runtime.py::test_audit_negative_controls_reused_keys_labels_and_masks"],
     ),
     (
+        "masked-audit-any-pair-view-per-rank",
+        R + "masked/audit.py",
+        'who = ep["order"][rank - 1] if ep.get("order") else rank',
+        "who = rank",
+        ["test_redteam_masked.py::test_audit_verify_follows_a_participant_across_epochs"],
+    ),
+    (
         "masked-audit-any-pair-names-the-wrong-pair",
         R + "masked/audit.py",
         "first = np.repeat(hit // 3**KEY_GROUPS, counts)",

@@ -16,7 +16,8 @@ Mask freshness, a curious member of A:
   - the masked audit's rule 5 against masks broken on purpose: clear, 48-bit, table-drawn and one
     pad for all fail it; so do a pad reused across sessions and one from a non-consecutive step
     (its any-pair check, audit.pad_reuse: these passed rule 5 when it compared each message only
-    with the same linear's previous one), found among 3,000 messages too; a weak key passes it.
+    with the same linear's previous one), found among 3,000 messages too, and by audit.verify in a
+    participant's view across two epochs at two ranks; a weak key passes it.
 What a member's view discloses: A's control words are [FORWARD, T, 0, 0], and the widths T disclose
 what docs/masked.md lists (lengths, session starts, batch size, draft counts, a replay's length).
 A coalition with a member in every group: the handshake's metadata (row exponents, norms), which
@@ -411,6 +412,53 @@ def test_audit_rule5_finds_one_reused_pad_among_thousands_of_messages():
     view[2500] = (_plaintexts(gen, 72, 1).view(-1) + pads[17][:72]).view(72, 1).numpy()  # 17's pad, T = 1
     found = audit.pad_reuse(view)
     assert not found["ok"] and [p["messages"] for p in found["reused"]] == [[17, 2500]], found
+
+
+def _two_epoch_audit(d, reuse: bool):
+    """An audit folder written through AuditLog as a 2+1 job would, over two epochs in which A's two
+    participants (1 and 2) swap ranks; each A rank receives 12 messages per epoch (masked under
+    fresh pads), and with `reuse` participant 1's last message of epoch 1 (at rank 2) reuses the
+    pad of its first message of epoch 0 (at rank 1)."""
+    from fusion_compute.masked import audit
+
+    gen = torch.Generator().manual_seed(9)
+    sizes = (2, 1)
+    client = audit.AuditLog(d, 0, "client", None, sizes)
+    client.session(0, ["key0"])
+    for epoch, order in ((0, [1, 2, 3]), (1, [2, 1, 3])):
+        client.epoch(epoch, sizes, order)
+        for rank in (1, 2, 3):
+            log = audit.AuditLog(d, rank, "worker", "A" if rank < 3 else "B", sizes, epoch=epoch)
+            for i in range(12 if rank < 3 else 0):
+                label = (epoch * 100 + order[rank - 1] * 10 + i, 0, 0)  # every pad its own
+                if reuse and (epoch, order[rank - 1], i) == (1, 1, 11):
+                    label = (10, 0, 0)  # participant 1's first pad, epoch 0
+                log.tap("L0.qkv", _plaintexts(gen, 72, 2) + _stream()(*label, 144).view(72, 2))
+            log.close()
+    client.close()
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reused-across-epochs"])
+def test_audit_verify_follows_a_participant_across_epochs(tmp_path, reuse):
+    """audit.verify gathers each participant's view across epochs, whatever rank it held: a pad
+    that participant 1 received at rank 1 in epoch 0 and again at rank 2 in epoch 1 fails rule 5,
+    named with both seats; the same folder with fresh pads passes (negative control). Grouped by
+    rank instead, the two messages would sit in different views and pass."""
+    from fusion_compute.masked import audit
+
+    _two_epoch_audit(tmp_path, reuse)
+    report = audit.verify(tmp_path)
+    if not reuse:
+        assert report["ok"], report["violations"]
+        assert set(report["a_views"]) == {"participant1", "participant2"}
+        assert report["a_views"]["participant1"]["ranks"] == [[0, 1], [1, 2]]
+        return
+    assert report["violations"] == [
+        "participant 1 (A; rank 1, epoch 1 rank 2): masks not fresh any_pair: 1 pair(s) of its messages"
+        " share a pad (first: L0.qkv of epoch 0 rank 1 and L0.qkv of epoch 1 rank 2, close in 1.000"
+        " of 112 words)"
+    ], report["violations"]
+    assert [p["messages"] for p in report["a_views"]["participant1"]["reused"]] == [[0, 23]]
 
 
 def test_a_weak_key_passes_rule5_yet_a_member_of_A_reads_the_data():
