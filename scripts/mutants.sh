@@ -161,6 +161,38 @@ MUTANTS = [
         ],
     ),
     (
+        "masked-audit-any-pair-rule-off",
+        R + "masked/audit.py",
+        "if frac > REUSED_FRACTION:",
+        "if False:",
+        [
+            "test_redteam_masked.py::test_audit_rule5_catches_a_pad_reused_anywhere_in_a_view",
+            "test_redteam_masked.py::test_audit_rule5_finds_one_reused_pad_among_thousands_of_messages",
+            "test_masked_runtime.py::test_audit_negative_controls_reused_keys_labels_and_masks",
+        ],
+    ),
+    (
+        "masked-audit-any-pair-not-reported",
+        R + "masked/audit.py",
+        "_verify_view(who, view, violations)",
+        "_verify_view(who, view, [])",
+        ["test_masked_runtime.py::test_audit_negative_controls_reused_keys_labels_and_masks"],
+    ),
+    (
+        "masked-audit-any-pair-view-per-rank",
+        R + "masked/audit.py",
+        'who = ep["order"][rank - 1] if ep.get("order") else rank',
+        "who = rank",
+        ["test_redteam_masked.py::test_audit_verify_follows_a_participant_across_epochs"],
+    ),
+    (
+        "masked-audit-any-pair-names-the-wrong-pair",
+        R + "masked/audit.py",
+        "first = np.repeat(hit // 3**KEY_GROUPS, counts)",
+        "first = np.repeat(hit % 3**KEY_GROUPS, counts)",
+        ["test_redteam_masked.py::test_audit_rule5_finds_one_reused_pad_among_thousands_of_messages"],
+    ),
+    (
         "verified-bound-one-basis-row",
         R + "masked/verify.py",
         "BASIS_ROWS = 4 ",

@@ -101,7 +101,12 @@ def test_audit_negative_control_no_masks(tiny_qwen2, tmp_path):
         assert f"rank {rank} (A): received data is not uniform" in " ".join(report["violations"])
         assert f"rank {rank} (A): masks not fresh within" in " ".join(report["violations"])
         assert f"rank {rank} (A): masks not fresh across_steps" in " ".join(report["violations"])
-    assert len(report["violations"]) == 6, report["violations"]  # rule 5 only
+    # and its any-pair check, once per member of A: clear values crowd a few buckets (far from uniform)
+    assert [v for v in report["violations"] if "any_pair" in v] == [
+        f"participant {p} (A; rank {r}): masks not fresh any_pair: {report['a_views'][f'participant{p}']['note']}"
+        for r, p in ((1, report["epochs"][0]["order"][0]), (2, report["epochs"][0]["order"][1]))
+    ], report["violations"]
+    assert len(report["violations"]) == 8, report["violations"]  # rule 5 only
     assert report["verification"]["failed"] == 0 and report["verification"]["products_checked"] == 5 * 4 * 3
     op, first = audit.read_tap(d, 1)[0]
     guesses = attack.vocab_match(torch.from_numpy(first.T.copy()), attack.masked_table(open_weights(tiny_qwen2)))
@@ -135,10 +140,12 @@ def test_audit_negative_control_unchecked_products(k2_run, tmp_path):
 
 def test_audit_negative_controls_reused_keys_labels_and_masks(tiny_qwen2, tmp_path, monkeypatch):
     """Rule 4 and rule 5's freshness, each produced: a client whose key source repeats itself (every
-    session gets the same key: a real run, its masks still uniform and fresh per label) fails on the
-    key alone; a copy of its log with one mask label drawn twice adds that violation; a copy of its
-    A tap where each op's messages repeat the previous one's ring elements (a reused pad, uniform
-    words still) adds the across-steps freshness violation, with the uniformity test still passing."""
+    session gets the same key: a real run, its masks still uniform and fresh per label) fails rule 4
+    on the key and rule 5's any-pair check on what each member of A received (the second session's
+    step reuses the first session's pads, label for label); a copy of its log with one mask label
+    drawn twice adds that violation; a copy of its A tap where each op's messages repeat the
+    previous one's ring elements (uniform words still) adds the across-steps freshness violation,
+    with the uniformity test still passing."""
     import shutil
 
     import numpy as np
@@ -148,7 +155,21 @@ def test_audit_negative_controls_reused_keys_labels_and_masks(tiny_qwen2, tmp_pa
     monkeypatch.setattr(client, "new_key", lambda: bytes(range(32)))  # the same key for every session
     d, _ = _audited_run(tiny_qwen2, tmp_path)
     base = audit.verify(d)
-    assert base["violations"] == ["a session key was reused"]
+    # Before rule 5 compared every pair of a member's messages, this run failed on the key alone
+    # (["a session key was reused"]): the reuse A sees, a pad under two sessions' plaintexts, was
+    # invisible to its consecutive comparison. Now each member of A names it: the second session's
+    # one step (messages 48..59: after 4 steps x 3 layers x 4 linears) reuses the first session's
+    # first step (0..11), linear for linear, with other T (10 vs 4 columns) and other plaintexts.
+    seated = base["epochs"][0]["order"]
+    assert base["violations"][-1] == "a session key was reused", base["violations"]
+    assert [v.split(":")[0] for v in base["violations"][:-1]] == [
+        f"participant {seated[0]} (A; rank 1)",
+        f"participant {seated[1]} (A; rank 2)",
+    ], base["violations"]
+    for who in seated[:2]:
+        view = base["a_views"][f"participant{who}"]
+        assert [p["messages"] for p in view["reused"]] == [[i, 48 + i] for i in range(12)], view
+        assert all(p["close_fraction"] == 1.0 for p in view["reused"]), view
 
     labels = tmp_path / "labels"
     shutil.copytree(d, labels)
@@ -157,7 +178,11 @@ def test_audit_negative_controls_reused_keys_labels_and_masks(tiny_qwen2, tmp_pa
     first_mask = next(i for i, x in enumerate(lines) if '"type":"mask"' in x.replace(" ", ""))
     lines.insert(first_mask + 1, lines[first_mask])
     log.write_text("\n".join(lines) + "\n")
-    assert audit.verify(labels)["violations"] == [f"mask labels reused: 1 of {5 * 4 * 3 + 1}", *base["violations"]]
+    assert audit.verify(labels)["violations"] == [
+        *base["violations"][:-1],
+        f"mask labels reused: 1 of {5 * 4 * 3 + 1}",
+        base["violations"][-1],
+    ]
 
     pads = tmp_path / "pads"
     shutil.copytree(d, pads)

@@ -14,8 +14,10 @@ Mask freshness, a curious member of A:
     caught, is drawn once: no pad covers two plaintexts; and no two messages A received, compared
     pairwise, differ by small values (what A would see of a reused pad).
   - the masked audit's rule 5 against masks broken on purpose: clear, 48-bit, table-drawn and one
-    pad for all fail it; a pad reused across sessions or from a non-consecutive step passes it
-    (strict expected failure: what rule 5 does not see is documented), and so does a weak key.
+    pad for all fail it; so do a pad reused across sessions and one from a non-consecutive step
+    (its any-pair check, audit.pad_reuse: these passed rule 5 when it compared each message only
+    with the same linear's previous one), found among 3,000 messages too, and by audit.verify in a
+    participant's view across two epochs at two ranks; a weak key passes it.
 What a member's view discloses: A's control words are [FORWARD, T, 0, 0], and the widths T disclose
 what docs/masked.md lists (lengths, session starts, batch size, draft counts, a replay's length).
 A coalition with a member in every group: the handshake's metadata (row exponents, norms), which
@@ -294,6 +296,13 @@ def test_no_mask_covers_two_plaintexts_through_every_path(tiny_qwen2, tmp_path, 
         total += pairs
         assert worst < 0.5, (name, worst)
     assert total > 5_000
+    # the audit's own rule 5 agrees, over the same views (one per participant, across the epochs)
+    from fusion_compute.masked import audit
+
+    report = audit.verify(d)
+    assert report["ok"], report["violations"]
+    assert len(report["a_views"]) == 3
+    assert sorted(v["messages"] for v in report["a_views"].values()) == sorted(len(v) for v in views.values())
     # the detector's control: a message A received and the same pad over other small data are flagged
     a = max(views.values(), key=len)[0]
     other = (a.view("<u8") + np.arange(a.size, dtype="<u8").reshape(a.shape) * np.uint64(1 << 40)).view("<i8")
@@ -332,6 +341,7 @@ def _rule5(view: list[tuple[str, np.ndarray]]) -> dict[str, bool]:
         "uniform": audit.uniformity(words)["ok"],
         "within": bool(fresh["within"]["ok"]),
         "across_steps": bool(fresh["across_steps"]["ok"]),
+        "any_pair": bool(audit.pad_reuse([m for _, m in view])["ok"]),
     }
 
 
@@ -359,14 +369,11 @@ def test_audit_rule5_passes_fresh_masks_and_fails_the_broken_ones_it_claims():
         assert not all(verdict.values()), (name, verdict)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rule 5 compares each message with the same linear's previous one only, element by element "
-    "in (K, T) layout: a pad reused across sessions (a repeated key) or from a non-consecutive step passes "
-    "it; a repeated key is caught by rule 4, from the client's own key fingerprints (docs/masked.md, Audit)",
-)
 @pytest.mark.parametrize("reuse", ["key repeated next session", "pad of two steps before"])
 def test_audit_rule5_catches_a_pad_reused_anywhere_in_a_view(reuse):
+    """Pads reused where the consecutive comparison (across_steps) does not look: under a key repeated
+    in the next session (labels restart, T differs), and from two steps before. The any-pair check
+    fails the view, naming pairs that do share a pad (their plaintexts subtract to small values)."""
     draw = _stream()
     if reuse == "key repeated next session":
         # two sessions under one key: session 2's step s reuses session 1's pads (labels restart at 0)
@@ -378,7 +385,80 @@ def test_audit_rule5_catches_a_pad_reused_anywhere_in_a_view(reuse):
         view = _view(lambda s, ly, o, n: _stream()(max(s - 2, 0) if s > 1 else s, ly, o, n))
     # what A itself sees in that view: a pair of its messages whose difference is small everywhere
     assert close_pairs([m for _, m in view])[0] == 1.0
-    assert not all(_rule5(view).values()), "a view in which two messages share a pad passed rule 5"
+    verdict = _rule5(view)
+    assert verdict["uniform"] and verdict["within"] and verdict["across_steps"], verdict  # what it passed before
+    assert not verdict["any_pair"], "a view in which two messages share a pad passed rule 5"
+    from fusion_compute.masked import audit
+
+    found = audit.pad_reuse([m for _, m in view])["reused"]
+    assert found and all(p["close_fraction"] == 1.0 for p in found), found
+    for p in found:  # each named pair is one pad: its two messages' op is the same, and A sees it
+        (op_i, a), (op_j, b) = view[p["messages"][0]], view[p["messages"][1]]
+        assert op_i == op_j and close_pairs([a, b])[0] == 1.0, p
+
+
+def test_audit_rule5_finds_one_reused_pad_among_thousands_of_messages():
+    """The any-pair check at scale, both ways: 3,000 messages of independent pads pass (a negative
+    control: candidates from bucket collisions, none confirmed); the same view with one message
+    replaced by other plaintexts under message 17's pad fails, naming exactly that pair."""
+    from fusion_compute.masked import audit
+
+    gen = torch.Generator().manual_seed(5)
+    draw = _stream()
+    pads = [draw(i, 0, 0, 72 * (1 + i % 3)) for i in range(3000)]  # T = 1..3: pad words 72 T
+    view = [(_plaintexts(gen, 72, p.numel() // 72).view(-1) + p).view(72, -1).numpy() for p in pads]
+    clean = audit.pad_reuse(view)
+    assert clean["ok"] and clean["messages"] == 3000 and clean["short"] == 0, clean
+    view[2500] = (_plaintexts(gen, 72, 1).view(-1) + pads[17][:72]).view(72, 1).numpy()  # 17's pad, T = 1
+    found = audit.pad_reuse(view)
+    assert not found["ok"] and [p["messages"] for p in found["reused"]] == [[17, 2500]], found
+
+
+def _two_epoch_audit(d, reuse: bool):
+    """An audit folder written through AuditLog as a 2+1 job would, over two epochs in which A's two
+    participants (1 and 2) swap ranks; each A rank receives 12 messages per epoch (masked under
+    fresh pads), and with `reuse` participant 1's last message of epoch 1 (at rank 2) reuses the
+    pad of its first message of epoch 0 (at rank 1)."""
+    from fusion_compute.masked import audit
+
+    gen = torch.Generator().manual_seed(9)
+    sizes = (2, 1)
+    client = audit.AuditLog(d, 0, "client", None, sizes)
+    client.session(0, ["key0"])
+    for epoch, order in ((0, [1, 2, 3]), (1, [2, 1, 3])):
+        client.epoch(epoch, sizes, order)
+        for rank in (1, 2, 3):
+            log = audit.AuditLog(d, rank, "worker", "A" if rank < 3 else "B", sizes, epoch=epoch)
+            for i in range(12 if rank < 3 else 0):
+                label = (epoch * 100 + order[rank - 1] * 10 + i, 0, 0)  # every pad its own
+                if reuse and (epoch, order[rank - 1], i) == (1, 1, 11):
+                    label = (10, 0, 0)  # participant 1's first pad, epoch 0
+                log.tap("L0.qkv", _plaintexts(gen, 72, 2) + _stream()(*label, 144).view(72, 2))
+            log.close()
+    client.close()
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reused-across-epochs"])
+def test_audit_verify_follows_a_participant_across_epochs(tmp_path, reuse):
+    """audit.verify gathers each participant's view across epochs, whatever rank it held: a pad
+    that participant 1 received at rank 1 in epoch 0 and again at rank 2 in epoch 1 fails rule 5,
+    named with both seats; the same folder with fresh pads passes (negative control). Grouped by
+    rank instead, the two messages would sit in different views and pass."""
+    from fusion_compute.masked import audit
+
+    _two_epoch_audit(tmp_path, reuse)
+    report = audit.verify(tmp_path)
+    if not reuse:
+        assert report["ok"], report["violations"]
+        assert set(report["a_views"]) == {"participant1", "participant2"}
+        assert report["a_views"]["participant1"]["ranks"] == [[0, 1], [1, 2]]
+        return
+    assert report["violations"] == [
+        "participant 1 (A; rank 1, epoch 1 rank 2): masks not fresh any_pair: 1 pair(s) of its messages"
+        " share a pad (first: L0.qkv of epoch 0 rank 1 and L0.qkv of epoch 1 rank 2, close in 1.000"
+        " of 112 words)"
+    ], report["violations"]
+    assert [p["messages"] for p in report["a_views"]["participant1"]["reused"]] == [[0, 23]]
 
 
 def test_a_weak_key_passes_rule5_yet_a_member_of_A_reads_the_data():

@@ -22,11 +22,21 @@ Rules the verifier checks (`verify`), reading only the logs and the group sizes 
      no transfer of any other kind (clear state: ingress, egress, gather, ...) exists anywhere;
   4. masks are fresh: no (session, step, layer, op) label drawn twice, no session key reused;
   5. A's tap looks uniform: every bit position is set with frequency 1/2 (6σ), and masked vectors
-     are fresh (pairs of elements, within and across steps, differ by less than 2^56 no more often
-     than the 2^-7 of independent uniform words, 6σ). A clear view fails both; a pad reused by the
-     same linear in the next message fails freshness. A pad reused across sessions (a repeated
-     key: rule 4) or from an earlier, non-consecutive step is not seen here, nor a weak key
-     (tests/test_redteam_masked.py).
+     are fresh: pooled over the tap, pairs of neighbouring elements and each linear's message
+     against the same linear's previous one differ by less than 2^56 no more often than the 2^-7
+     of independent uniform words (6σ); and no two messages of a member's whole view (every epoch
+     it sat in A, whatever its rank: `verify`'s "a_views") share a pad: any pair whose words in
+     pad order, past the first 32 up to the shorter one's length, are more than half that close
+     fails (`pad_reuse`: buckets on top bytes find the candidate pairs in O(M log M) for M
+     messages, not M^2). A clear view fails all three. A pad reused by the same linear in the next
+     message fails the any-pair test, and the consecutive one too when both messages have the same
+     width T (it compares in (K, T) layout; kept: pooled over every consecutive pair, it also sees
+     a correlation too weak to show in any one pair); one reused across sessions (a repeated key,
+     which rule 4 also names) or from any earlier step fails the any-pair test.
+     Not seen: a weak key (its masks are uniform, fresh ChaCha20 output: A reads the data by
+     trying every key, tests/test_redteam_masked.py); a pad reused in only some words of a pair,
+     under half of them; pads shared between two members of A (each view is checked alone; every
+     member receives the same message by design); messages under 64 words (counted as short).
   6. with verification on (the header says so), every product the client drew a mask for was
      checked: a check record for every mask label. Failed checks are reported as detections
      (who was blamed), not as violations: the client refused the product.
@@ -254,6 +264,97 @@ def freshness(tapped: list[tuple[str, np.ndarray]]) -> dict:
     return out
 
 
+# ---- rule 5, any pair: one pad under two messages anywhere in a member's view ----
+
+KEY_GROUPS = 4  # top bytes of KEY_GROUPS consecutive pad words make one bucket key
+KEY_SETS = 8  # independent keys per message: words 0..31 in pad order, 8 groups of 4
+KEY_WORDS = KEY_GROUPS * KEY_SETS
+MIN_WORDS = 2 * KEY_WORDS  # a message keys on its first 32 pad words and is confirmed on the rest
+REUSED_FRACTION = 0.5  # a candidate pair is one pad when more than half its confirming words are close
+
+
+def pad_reuse(view: list[np.ndarray], max_candidates: int | None = None) -> dict:
+    """Whether any two messages of one member's view share a pad, at near-linear cost in their number.
+
+    A message (K, T) carries pad word k T + t at element [k, t] (row-major: pad order, whatever T),
+    so two messages under one pad have, word for word in pad order, a - b = x - x' mod 2^64 with
+    |x|, |x'| < 2^52: |a - b| < 2^56 in every word; independent pads: in 2^-7 of words. Comparing
+    all pairs is quadratic; instead, |a - b| < 2^56 means the two words' top bytes are equal or
+    adjacent mod 256, so each message is keyed, for each of KEY_SETS sets s, by the top bytes of
+    its pad words 4s..4s+3, and probes the 3^4 keys next to its own (each byte -1, 0 or +1): a pair
+    under one pad is a candidate in every set (every word close), and a pair close in only some
+    words still in any set whose four words are. Each candidate is then confirmed on its words past
+    KEY_WORDS (independent of the keys that chose it), up to the shorter message's length: the pair
+    shares a pad when more than REUSED_FRACTION of them are close (a reused pad: all of them).
+
+    Cost and false alarms, for M messages under independent uniform pads: a pair lands in a probed
+    bucket of one set with chance (3/256)^4 = 1.9e-8 (four top bytes, each within ±1 of the
+    other's), so over KEY_SETS sets and M^2 / 2 pairs the expected candidates are at most
+    8 (3/256)^4 M^2 / 2 = 7.5e-8 M^2 (750 for M = 100,000), each confirmed in O(its words);
+    sorting and probing the keys is O(M log M). A candidate is falsely confirmed when more than
+    half of its n >= 32 confirming words are close: chance at most C(n, n/2) (2^-7)^(n/2) <=
+    2^n 2^(-3.5 n) = 2^(-2.5 n) <= 2^-80 each, so 7.5e-8 M^2 2^-80: no false alarm at any M an
+    audit meets. Rule 5's pooled 6σ limit (FRESH_BITS, SIGMAS), applied to one pair's n words,
+    would not do here: Binomial(n, 2^-7) passes it with chance 2.7e-4 at n = 40 and 2.0e-4 at
+    n = 68, so a view of 100,000 messages (~750 candidates) would fail at random; a reused pad is
+    close in every word, so the half-way limit loses nothing against it. A view far from uniform
+    (no masks) puts its messages in a few buckets: past 2 `max_candidates` probe hits (default
+    max_candidates 4 M + 1024; uniform pads give ~1.5e-7 M^2 hits) the pairs are not confirmed and
+    the view fails as not fresh. Messages shorter than MIN_WORDS pad words are not keyed (counted as
+    `short`; a linear's input has K >= the hidden size words, so none in a real run)."""
+    flat = [np.ascontiguousarray(m).reshape(-1).view("<u8") for m in view]
+    idx = np.array([i for i, w in enumerate(flat) if w.size >= MIN_WORDS], dtype=np.int64)
+    m = len(idx)
+    out: dict = {"messages": len(flat), "short": len(flat) - m, "probe_hits": 0, "candidates": 0, "reused": []}
+    if m < 2:
+        out["ok"] = True
+        return out
+    cap = 4 * m + 1024 if max_candidates is None else max_candidates
+    top_bytes = np.stack([flat[i][:KEY_WORDS] for i in idx]) >> np.uint64(56)  # (m, 32)
+    top = top_bytes.astype(np.int64).reshape(m, KEY_SETS, KEY_GROUPS)
+    pairs = []
+    total = 0
+    for s in range(KEY_SETS):
+        # the 3 neighbouring values of each top byte, in its place of the packed key: (m, 4, 3)
+        near = (((top[:, s, :, None] + np.array([-1, 0, 1])) % 256) << (8 * np.arange(KEY_GROUPS))[:, None]).astype(
+            np.uint32
+        )  # 32-bit keys: half the memory traffic of the probes
+        keys = near[:, :, 1].sum(axis=1, dtype=np.uint32)  # (m,) the message's own key
+        probes = near[:, 0, :, None, None, None]  # every sum of one neighbour per byte: (m, 3, 3, 3, 3)
+        for g in range(1, KEY_GROUPS):
+            probes = probes + near[:, g, :].reshape((m,) + (1,) * g + (3,) + (1,) * (KEY_GROUPS - 1 - g))
+        probes = probes.reshape(-1)  # (m 3^4,): message i's probes at i 3^4 .. i 3^4 + 80
+        order = np.argsort(keys, kind="stable")
+        bucket, start, size = np.unique(keys[order], return_index=True, return_counts=True)
+        at = np.minimum(np.searchsorted(bucket, probes), len(bucket) - 1)
+        n = np.where(bucket[at] == probes, size[at], 0)
+        total += int(n.sum()) - m  # every message finds itself once
+        if total > 2 * cap:  # both orders of each pair: the view is far from uniform
+            break
+        hit = np.flatnonzero(n)
+        counts = n[hit]
+        first = np.repeat(hit // 3**KEY_GROUPS, counts)
+        starts = np.repeat(start[at[hit]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+        second = order[starts + np.arange(int(counts.sum()))]
+        keep = first < second
+        pairs.append(first[keep] * m + second[keep])
+    out["probe_hits"] = total  # each candidate pair once per order and per set it matched in
+    if total > 2 * cap:
+        out["ok"] = False
+        out["note"] = f"over {cap} candidate pairs: the view's top bytes are far from uniform"
+        return out
+    codes = np.unique(np.concatenate(pairs)) if pairs else np.empty(0, dtype=np.int64)
+    out["candidates"] = len(codes)
+    for code in codes.tolist():
+        i, j = int(idx[code // m]), int(idx[code % m])
+        n_words = min(flat[i].size, flat[j].size)
+        frac, words = close_fraction(flat[i][KEY_WORDS:n_words].view("<i8"), flat[j][KEY_WORDS:n_words].view("<i8"))
+        if frac > REUSED_FRACTION:
+            out["reused"].append({"messages": [i, j], "close_fraction": frac, "words": words})
+    out["ok"] = not out["reused"]
+    return out
+
+
 def uniformity(words: np.ndarray) -> dict:
     n = words.size
     counts = byte_counts(words)
@@ -301,8 +402,12 @@ def groups_by_rank(sizes: list[int]) -> dict[int, str]:
     return out
 
 
-def _verify_worker(d: Path, epoch: int, rank: int, group: str, spec: str, violations: list[str]) -> dict:
-    """Rules 1-3 and 5 on one worker's log of one epoch; returns its party entry."""
+def _verify_worker(
+    d: Path, epoch: int, rank: int, group: str, spec: str, violations: list[str], view: list | None = None
+) -> dict:
+    """Rules 1-3 and 5 on one worker's log of one epoch; returns its party entry. A member of A's
+    messages, each with where it was received (epoch, rank, op), are appended to `view`: its view
+    across epochs, for rule 5's any-pair check."""
     who = f"rank {rank} ({group})" if epoch == 0 else f"epoch {epoch} rank {rank} ({group})"
     if not log_path(d, rank, epoch).is_file():
         violations.append(f"{who}: no log")
@@ -330,6 +435,8 @@ def _verify_worker(d: Path, epoch: int, rank: int, group: str, spec: str, violat
     }
     if group == "A":
         tapped = read_tap(d, rank, epoch)
+        if view is not None:
+            view.extend((epoch, rank, op, m) for op, m in tapped)
         if tapped:
             words = np.concatenate([m.ravel() for _, m in tapped])
             party["uniformity"] = uni = uniformity(words)
@@ -345,20 +452,46 @@ def _verify_worker(d: Path, epoch: int, rank: int, group: str, spec: str, violat
     return party
 
 
+def _verify_view(who: int, view: list, violations: list[str]) -> dict:
+    """Rule 5's any-pair check on one member of A's whole view (every epoch it sat in A)."""
+    seats = sorted({(e, r) for e, r, _, _ in view})
+    where = ", ".join(f"rank {r}" if e == 0 else f"epoch {e} rank {r}" for e, r in seats)
+    out = pad_reuse([m for _, _, _, m in view])
+    out["ranks"] = [list(s) for s in seats]
+    if not out["ok"]:
+        if out["reused"]:
+            first = out["reused"][0]
+            i, j = (view[k] for k in first["messages"])
+            said = (
+                f"{len(out['reused'])} pair(s) of its messages share a pad (first: {i[2]} of epoch {i[0]} rank"
+                f" {i[1]} and {j[2]} of epoch {j[0]} rank {j[1]}, close in {first['close_fraction']:.3f} of"
+                f" {first['words']} words)"
+            )
+        else:
+            said = out["note"]
+        violations.append(f"participant {who} (A; {where}): masks not fresh any_pair: {said}")
+    return out
+
+
 def verify(audit_dir: str | Path) -> dict:
     """Check the rules of the module docstring, epoch by epoch (the client's log says which group
-    sizes each epoch had); returns {"ok", "violations", "parties", "epochs", "verification"}."""
+    sizes each epoch had); returns {"ok", "violations", "parties", "epochs", "verification",
+    "a_views"} (a_views: rule 5's any-pair check per participant that sat in A)."""
     d = Path(audit_dir)
     client = read_log(d, 0)
     head = client[0]
     violations: list[str] = []
     parties: dict[str, dict] = {}
     epochs = [r for r in client if r["type"] == "epoch"] or [{"epoch": 0, "groups": head["groups"]}]
+    views: dict[int, list] = {}  # participant -> [(epoch, rank, op, message)]: a member keeps its view
     for ep in epochs:
         group_of, spec = groups_by_rank(ep["groups"]), "+".join(map(str, ep["groups"]))
         for rank, group in sorted(group_of.items()):
             key = f"rank{rank}" if ep["epoch"] == 0 else f"epoch{ep['epoch']}.rank{rank}"
-            parties[key] = _verify_worker(d, ep["epoch"], rank, group, spec, violations)
+            who = ep["order"][rank - 1] if ep.get("order") else rank  # the participant seated at rank
+            view = views.setdefault(who, []) if group == "A" else None
+            parties[key] = _verify_worker(d, ep["epoch"], rank, group, spec, violations, view)
+    a_views = {f"participant{who}": _verify_view(who, view, violations) for who, view in sorted(views.items())}
 
     group_of = groups_by_rank(head["groups"])
     events = []
@@ -413,4 +546,5 @@ def verify(audit_dir: str | Path) -> dict:
         "parties": parties,
         "verification": verification,
         "epochs": [{"epoch": e["epoch"], "groups": e["groups"], "order": e.get("order")} for e in epochs],
+        "a_views": a_views,
     }
