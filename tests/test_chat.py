@@ -11,6 +11,7 @@ import signal
 import subprocess
 import termios
 import time
+from pathlib import Path
 
 import pytest
 from procs import FUSION, children
@@ -22,9 +23,13 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r")
 
 
 def _controlling_tty() -> None:
-    # A session of its own with the pty as its terminal, so that ^C becomes SIGINT as in a shell.
+    # A session of its own with the pty as its terminal, so that ^C becomes SIGINT as in a shell; and a
+    # shell's signal state: nothing blocked, SIGINT not ignored (a blocked mask and an ignored SIGINT
+    # survive exec, and the pytest process forking this may hold either after earlier tests' servers)
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Pty:
@@ -37,13 +42,26 @@ class Pty:
         os.close(slave)
         self.buf = ""
 
+    def _signals(self) -> str:
+        """The child's signal state and threads, for a failure's message (where a Ctrl-C went)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+            tasks = sorted(os.listdir(f"/proc/{self.proc.pid}/task"))
+        except OSError:
+            return "(the process is gone)"
+        return " ".join(
+            line for line in status if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        ) + (f" threads {len(tasks)}")
+
     def read_until(self, needle: str, timeout_s: float = 60) -> str:
         """Output up to and including `needle` (bounded wait); consumes it from the buffer."""
         deadline = time.monotonic() + timeout_s
         while needle not in ANSI.sub("", self.buf):
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None and not readable([self.master], 0):
-                raise AssertionError(f"no {needle!r} in time; got:\n{ANSI.sub('', self.buf)[-1500:]}")
+                raise AssertionError(
+                    f"no {needle!r} in time; got:\n{ANSI.sub('', self.buf)[-1500:]}\n{self._signals()}"
+                )
             if readable([self.master], min(left, 0.5)):
                 try:
                     self.buf += os.read(self.master, 65536).decode(errors="replace")
