@@ -217,17 +217,25 @@ def comm_fault(fault: Fault | None) -> Callable:
 def _drag_one(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str):
     """drag-one-lie: one reduce-scatter whose block for the highest other rank goes out SLOW_S late
     (the victim's, sent first, on time), the delay charged to the victim in the account."""
-    put = comm._put
     late = max(r for r in comm.links if r not in (0, comm.rank))
 
-    def dragging(peer, t):
-        if peer == late:
-            time.sleep(SLOW_S)
-            if comm.witness is not None:
-                comm.witness.charge(victim, SLOW_S)  # the lie: "the victim kept me waiting"
-        put(peer, t)
+    def dragging(put):
+        def send(peer, t):
+            if peer == late:
+                time.sleep(SLOW_S)
+                if comm.witness is not None:
+                    comm.witness.charge(victim, SLOW_S)  # the lie: "the victim kept me waiting"
+            put(peer, t)
 
-    comm._put = dragging
+        return send
+
+    return _with_put(comm, dragging, honest, chunk, sizes, op)
+
+
+def _with_put(comm, wrap: Callable, honest: Callable, chunk: Callable, sizes, op: str):
+    """One reduce-scatter (`honest`) with comm's link writer replaced by `wrap(put)`, put back after."""
+    put = comm._put
+    comm._put = wrap(put)
     try:
         return honest(chunk, sizes, op)
     finally:
@@ -279,23 +287,22 @@ def _poisoned(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: s
 def _stale(comm, honest: Callable, victim: int, chunk: Callable, sizes, op: str):
     """One reduce-scatter whose block for `victim` carries the previous step's number in its frame
     header (comm/links.py), as a late or replayed message of the right size would."""
-    put, link = comm._put, comm.links[victim]
+    link = comm.links[victim]
 
-    def stale(peer, t):
-        if peer == victim:
-            link.step -= 1
-            try:
+    def stale(put):
+        def send(peer, t):
+            if peer == victim:
+                link.step -= 1
+                try:
+                    put(peer, t)
+                finally:
+                    link.step += 1
+            else:
                 put(peer, t)
-            finally:
-                link.step += 1
-        else:
-            put(peer, t)
 
-    comm._put = stale
-    try:
-        return honest(chunk, sizes, op)
-    finally:
-        comm._put = put
+        return send
+
+    return _with_put(comm, stale, honest, chunk, sizes, op)
 
 
 def _send_fault(fault: Fault) -> Callable:
