@@ -14,7 +14,7 @@ import time
 
 import pytest
 from procs import run
-from test_serve import start_server, stop_server
+from test_serve import on_threads, start_server, stop_server
 
 from fusion_compute.cli.options import API_KEY_ENV, api_key
 from fusion_compute.errors import UsageError
@@ -86,18 +86,7 @@ def test_a_served_job_keeps_its_counters_admin_answers_and_connections_guarded(t
     keyfile.chmod(0o600)
     log = tmp_path / "serve.log"
     live = start_server(
-        [
-            "--model",
-            str(model),
-            "--workers",
-            "2",
-            "--executor",
-            "inproc",
-            "--threads",
-            "1",
-            "--api-key-file",
-            str(keyfile),
-        ],
+        on_threads(model, "--api-key-file", str(keyfile)),
         log,
     )
     host, port = live.host, int(live.port)

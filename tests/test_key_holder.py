@@ -94,7 +94,7 @@ def test_the_key_holder_gets_in_when_the_whole_budget_is_taken(tmp_path):
     503 without the key, and the key holder's /admin/workers answers 200; 500 connect-and-close
     attempts over the cap cost a few log lines, not 500."""
     from test_http_guards import _request
-    from test_serve import build_chat_model, start_server, stop_server
+    from test_serve import build_chat_model, on_threads, start_server, stop_server
 
     model = build_chat_model(tmp_path / "m")
     keyfile = tmp_path / "api.key"
@@ -102,19 +102,7 @@ def test_the_key_holder_gets_in_when_the_whole_budget_is_taken(tmp_path):
     keyfile.chmod(0o600)
     log = tmp_path / "serve.log"
     live = start_server(
-        [
-            "--model",
-            str(model),
-            "--workers",
-            "2",
-            "--executor",
-            "inproc",
-            "--threads",
-            "1",
-            "--api-key-file",
-            str(keyfile),
-        ]
-        + ["--max-connections", "32"],
+        on_threads(model, "--api-key-file", str(keyfile), "--max-connections", "32"),
         log,
     )
     host, port = live.host, int(live.port)

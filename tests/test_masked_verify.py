@@ -23,16 +23,20 @@ from fusion_compute.weights.loader import open_weights
 IDS = [1, 5, 9, 200, 3, 77, 12]
 
 
-@pytest.fixture(scope="module")
-def checker(tiny_qwen2):
-    src = open_weights(tiny_qwen2)
-    plan = make_masked_plan(src.config, 1, (1,), ring.DEFAULT_LIMB_BITS)
-    chk = ProductCheck(plan, src)
+def product_check(path) -> ProductCheck:
+    """The client's product check for the model at `path` (one member per group), its precomputation done."""
+    src = open_weights(path)
+    chk = ProductCheck(make_masked_plan(src.config, 1, (1,), ring.DEFAULT_LIMB_BITS), src)
     chk.wait()
     return chk
 
 
-def _honest(chk: ProductCheck, layer: int, op: int, t: int, gen: torch.Generator):
+@pytest.fixture(scope="module")
+def checker(tiny_qwen2):
+    return product_check(tiny_qwen2)
+
+
+def honest_product(chk: ProductCheck, layer: int, op: int, t: int, gen: torch.Generator):
     """The client's encoding of a random input, and the exact product the workers' ring gives."""
     s = chk.plan.shapes[op]
     w_fx = chk.weights(layer, op, (0, s.rows))
@@ -48,7 +52,7 @@ def test_honest_products_never_fail(checker):
     for _ in range(4):
         for layer in range(checker.plan.config.n_layers):
             for op in range(len(checker.plan.shapes)):
-                x_fx, y = _honest(checker, layer, op, 256, gen)
+                x_fx, y = honest_product(checker, layer, op, 256, gen)
                 assert checker.check(layer, op, y, x_fx), (layer, op)
     assert checker.checks - before >= 10_000 and checker.failures == 0
 
@@ -80,8 +84,8 @@ def test_every_corruption_is_caught_in_every_trial(checker, kind):
     trials = 0
     for trial in range(40):
         layer, op = trial % checker.plan.config.n_layers, trial % len(checker.plan.shapes)
-        x_fx, y = _honest(checker, layer, op, 3, gen)
-        _, other = _honest(checker, layer, op, 3, gen)
+        x_fx, y = honest_product(checker, layer, op, 3, gen)
+        _, other = honest_product(checker, layer, op, 3, gen)
         bad = _corrupt(kind, y, other, gen)
         if torch.equal(bad, y):
             continue  # a row swap of equal rows: nothing changed
@@ -203,7 +207,7 @@ def test_the_stated_escape_bound_is_computed_from_the_check(checker):
     assert verify.ESCAPE_BOUND == computed
     # The worst lie is caught unless U's column is zero there (every row rejects an error u_d 2^(64-u) ≠ 0).
     s = checker.plan.shapes[0]
-    x_fx, y = _honest(checker, 0, 0, 4, torch.Generator().manual_seed(3))
+    x_fx, y = honest_product(checker, 0, 0, 4, torch.Generator().manual_seed(3))
     lie = y.clone()
     lie[0, 0] += 1 << (64 - u_bits)
     assert bool((checker.lin[(0, 0)].u[:, 0] != 0).any()) and s.rows > 0  # not the 2^-64 case

@@ -68,6 +68,23 @@ def setup(hosts: Hosts, tmp: Path) -> tuple[Path, list[Path]]:
     return topo, keys
 
 
+def mpi_client_args(model: Path, topo: Path, keys: list[Path]) -> list[str]:
+    """The client's `fusion generate` for the workers mpiexec starts: the topology, the client's key,
+    the MPI fabric, `--no-recover`, a minute to join."""
+    return generate_args(
+        model,
+        "--topology",
+        str(topo),
+        "--key",
+        str(keys[0]),
+        "--comm-backend",
+        "mpi",
+        "--no-recover",
+        "--join-timeout",
+        "60",
+    )
+
+
 def mpiexec(
     topo: Path, keys: list[Path], launcher: Path, model: Path, network: bool = True, order: tuple[int, ...] = (1, 2, 3)
 ) -> list[str]:
@@ -130,18 +147,7 @@ def test_mpiexec_cluster_across_namespaces(tiny_qwen2, tmp_path, network, local_
             launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, network))
             client = hosts.fusion(  # forked from the suite's fork server: torch is imported already
                 CLIENT,
-                *generate_args(
-                    tiny_qwen2,
-                    "--topology",
-                    str(topo),
-                    "--key",
-                    str(keys[0]),
-                    "--comm-backend",
-                    "mpi",
-                    "--no-recover",
-                    "--join-timeout",
-                    "60",
-                ),
+                *mpi_client_args(tiny_qwen2, topo, keys),
             )
             out, err = client.communicate(timeout=300)
             w_out, w_err = launch.communicate(timeout=120)
@@ -199,18 +205,7 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
         launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, order=(3, 2, 1)))
         client = hosts.fusion(  # forked from the suite's fork server: torch is imported already
             CLIENT,
-            *generate_args(
-                tiny_qwen2,
-                "--topology",
-                str(topo),
-                "--key",
-                str(keys[0]),
-                "--comm-backend",
-                "mpi",
-                "--no-recover",
-                "--join-timeout",
-                "60",
-            ),
+            *mpi_client_args(tiny_qwen2, topo, keys),
         )
         out, err = client.communicate(timeout=300)
         w_out, w_err = launch.communicate(timeout=120)

@@ -30,27 +30,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_masked_verify import honest_product, product_check
 
-from fusion_compute.masked import ring, verify
-from fusion_compute.masked.plan import make_masked_plan
-from fusion_compute.masked.verify import ProductCheck
-from fusion_compute.weights.loader import open_weights
-
-
-def _checker(path) -> ProductCheck:
-    src = open_weights(path)
-    chk = ProductCheck(make_masked_plan(src.config, 1, (1,), ring.DEFAULT_LIMB_BITS), src)
-    chk.wait()
-    return chk
-
-
-def _honest(chk: ProductCheck, layer: int, op: int, t: int, gen: torch.Generator):
-    """The client's encoding of a random input, and the exact product the workers' ring gives."""
-    s = chk.plan.shapes[op]
-    w_fx = chk.weights(layer, op, (0, s.rows))
-    x = torch.randn(s.k, t, generator=gen, dtype=torch.float64) * 3
-    x_fx, _ = ring.encode(x, float(w_fx.norm(dim=1).max()))
-    return x_fx, ring.RingMatrix(w_fx, chk.plan.limb_bits).matmul(x_fx)
+from fusion_compute.masked import verify
 
 
 def null_vector(u_DN: torch.Tensor, cols: int = 24) -> torch.Tensor:
@@ -77,7 +59,7 @@ def test_the_checks_secret_is_all_fresh_os_randomness(tiny_qwen2, monkeypatch):
     drawn: list[int] = []
     real = verify._urandom
     monkeypatch.setattr(verify, "_urandom", lambda n: drawn.append(n) or real(n))
-    chk = _checker(tiny_qwen2)
+    chk = product_check(tiny_qwen2)
     need = sum(2 * verify.BASIS_ROWS * s.rows for s in chk.plan.shapes) * chk.plan.config.n_layers
     assert sum(drawn) >= need, (sum(drawn), need)
     # and no two linears share their U (each is its own draw)
@@ -96,10 +78,10 @@ def test_a_lie_in_the_null_space_of_a_guessed_U_is_caught(tiny_qwen2, monkeypatc
     drawn: list[bytes] = []
     real = verify._urandom
     monkeypatch.setattr(verify, "_urandom", lambda n: drawn.append(real(n)) or drawn[-1])
-    chk = _checker(tiny_qwen2)
+    chk = product_check(tiny_qwen2)
     gen = torch.Generator().manual_seed(7)
     layer, op = 0, 0
-    x_fx, y = _honest(chk, layer, op, 2, gen)
+    x_fx, y = honest_product(chk, layer, op, 2, gen)
     assert chk.check(layer, op, y, x_fx)
 
     true_u = torch.from_numpy(chk.lin[(layer, op)].u).to(torch.int64)
@@ -136,9 +118,9 @@ def test_escape_rate_of_the_best_lies_matches_the_bound(tiny_qwen2, monkeypatch,
     trials = 0
     jobs = 6 if rows == 1 else 12
     for _ in range(jobs):
-        chk = _checker(tiny_qwen2)
+        chk = product_check(tiny_qwen2)
         for (layer, op), _lin in chk.lin.items():
-            x_fx, y = _honest(chk, layer, op, 1, gen)
+            x_fx, y = honest_product(chk, layer, op, 1, gen)
             n = y.shape[0]
             for i in range(n):
                 one = y.clone()

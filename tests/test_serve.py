@@ -109,6 +109,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+def on_threads(model: Path, *extra: str) -> list[str]:
+    """`fusion serve`'s arguments for a tiny model on 2 workers run as threads of the server (one torch
+    thread each), then `extra`."""
+    return ["--model", str(model), "--workers", "2", "--executor", "inproc", "--threads", "1", *extra]
+
+
 def start_server(args: list[str], log: Path, timeout_s: float = 120) -> Live:
     f = open(log, "w")
     proc = fusion("serve", "--port", "0", *args, stdout=subprocess.DEVNULL, stderr=f)
@@ -148,22 +154,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def tiny_server(chat_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     live = start_server(
-        [
-            "--model",
-            str(chat_model),
-            "--workers",
-            "2",
-            "--executor",
-            "inproc",
-            "--threads",
-            "1",
-            "--api-key",
-            API_KEY,
-            "--served-model-name",
-            "tiny",
-            "--max-tokens",
-            "12",
-        ],
+        on_threads(chat_model, "--api-key", API_KEY, "--served-model-name", "tiny", "--max-tokens", "12"),
         log,
     )
     yield live

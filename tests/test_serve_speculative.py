@@ -8,7 +8,7 @@ import re
 
 import pytest
 import requests
-from test_serve import build_chat_model, start_server, stop_server
+from test_serve import build_chat_model, on_threads, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
@@ -22,22 +22,7 @@ def spec_server(tmp_path_factory):
     # counters; that speculation keeps the tokens is test_speculative.py's, on varied references.
     model = build_chat_model(d / "model", initializer_range=0.02, rms_norm_eps=1e-6)
     live = start_server(
-        [
-            "--model",
-            str(model),
-            "--workers",
-            "2",
-            "--executor",
-            "inproc",
-            "--threads",
-            "1",
-            "--served-model-name",
-            "tiny",
-            "--speculative",
-            "ngram",
-            "--num-speculative-tokens",
-            "3",
-        ],
+        on_threads(model, "--served-model-name", "tiny", "--speculative", "ngram", "--num-speculative-tokens", "3"),
         d / "serve.log",
     )
     yield live
