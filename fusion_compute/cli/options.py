@@ -681,7 +681,7 @@ def add_worker_args(g: dict[str, Any]) -> None:
     )
     t.add_argument(
         "--inject-fault",
-        help="tests only: close-mid-message@STEP, nan-egress@STEP, hello-fingerprint@1, never-join@N, cut-peer@N, slow-rs@N, drag-rs@N; masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP (faults.py)",
+        help="tests only: KIND@STEP, KIND one of runtime/faults.py's (an unknown one is refused with the list); masked: lie-one, lie-bias, lie-stale, lie-zeros or lie-shape@STEP",
     )
     t.add_argument(
         "--variant",
