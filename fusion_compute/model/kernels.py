@@ -21,7 +21,8 @@ def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
 # columns costs about twice the T = 1 matrix-vector product for any T from 2 to 8, while (xᵀ Wᵀ)ᵀ
 # grows from it with T: one worker's SmolLM2 shares at N = 2, 30 layers, one thread, medians of 15
 # interleaved runs (ms): T = 1 15.6 either way; T = 2 30.6 against 20.2; T = 3 31.9 against 21.9;
-# T = 4 30.3 against 30.9; T = 6 30.8 against 34.2; T = 8 32.0 against 39.2 (docs/performance.md)
+# T = 4 30.3 against 30.9; T = 6 30.8 against 34.2; T = 8 32.0 against 39.2 (docs/performance.md, "A
+# verification's second column": bench/linear_forms.py)
 TOKEN_MAJOR_COLUMNS = (2, 3)
 
 
