@@ -243,15 +243,43 @@ def test_simulated_replay_prices_a_jobs_first_drafts():
     assert got["copy", True][0] >= got["copy", False][0] > 3
 
 
+def test_a_measured_step_table_times_the_replay():
+    """bench/replay.py --step-ms: a step's compute read off a measured table (linear between its
+    points, along its last two beyond them), the link's round trips added; a table timing a draft's
+    step at twice a plain one's makes a session whose drafts all miss slower than one where they
+    cost little (the same replay, the same drafts: only the clock differs)."""
+    from fusion_compute.bench.replay import Clock, interpolate, replay
+    from fusion_compute.generation.speculative_config import SpeculativeConfig
+    from fusion_compute.generation.tree_cost import LinkCost
+
+    table = ((1, 0.1), (2, 0.2), (4, 0.25))
+    assert [interpolate(table, w) for w in (1, 2, 3, 4, 8)] == pytest.approx([0.1, 0.2, 0.225, 0.25, 0.35])
+    link = LinkCost(0.001, 120, 0.0, 1e9, 0.0)
+    assert Clock(link, table=table).seconds(3, 1) == pytest.approx(0.12 + 0.225)
+    prompt = [5, 6, 7, 8, 20, 21, 22, 23, 24, 25] * 3
+    miss = {"prompt": prompt, "output": [t for i, t in enumerate(prompt[:12]) for t in (t, 40 + i)]}
+    cfg = SpeculativeConfig("suffix", 32, suffix_cache_tokens=0, adaptive=False)
+    ratios = []
+    for second in (0.2, 0.101):
+        clock = Clock(link, table=((1, 0.1), (2, second), (33, second + 0.001)))
+        replay(cfg, [miss], clock=clock)
+        ratios.append(clock.plain_s / clock.spec_s)
+    assert ratios[0] < 0.96 and 0.99 < ratios[1] <= 1
+
+
 def test_budget_benches_refuse_bad_input_in_one_line(capsys):
     """bench/spec_pairs.py and bench/step_width.py: a bad prompt list or count is one line and exit 2,
     before any worker starts (no engine is made: these return at once)."""
-    from fusion_compute.bench import spec_pairs, step_width
+    from fusion_compute.bench import replay, spec_pairs, step_width
 
     assert spec_pairs.main(["single", "open_chat", "1,x"]) == 2
     assert step_width.main(["--repeats", "0"]) == 2
+    assert replay.main(["--rtt-ms", "1", "--simulate", "--step-ms", "1:100"]) == 2
+    assert replay.main(["--rtt-ms", "1", "--simulate", "--step-ms", "1:100,2:x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "bench.spec_pairs: prompts must be comma-separated indices, got '1,x'",
         "bench.step_width: --repeats and --workers must be >= 1",
+        "bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got '1:100'",
+        "bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got '1:100,2:x'",
     ]

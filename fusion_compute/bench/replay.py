@@ -217,9 +217,24 @@ class Clock:
     prior: bool = True  # the StepCost's prior before its first fit (False: unpriced until then)
     spec_s: float = 0.0  # the replayed steps' time
     plain_s: float = 0.0  # the same tokens, one per step
+    table: tuple[tuple[int, float], ...] = ()  # `--step-ms`: (columns, s) measured, in place of the model's compute
 
     def seconds(self, width: int, spans: int) -> float:
+        if self.table:  # the link's round trips, and the compute the table measured (drafting included)
+            return self.true.exchanges * self.true.round_trip_s + interpolate(self.table, width)  # type: ignore[attr-defined]
         return self.true.seconds(width) + self.span_s * spans  # type: ignore[attr-defined]
+
+
+def interpolate(table: tuple[tuple[int, float], ...], width: int) -> float:
+    """A step's time at `width` columns from a measured table (columns ascending): linear between its
+    points, along its last two beyond them (a prefill), its first below."""
+    if width <= table[0][0]:
+        return table[0][1]
+    for (w0, t0), (w1, t1) in zip(table, table[1:], strict=False):
+        if width <= w1:
+            return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+    (w0, t0), (w1, t1) = table[-2], table[-1]
+    return t1 + (t1 - t0) * (width - w1) / (w1 - w0)
 
 
 def replay(
@@ -407,11 +422,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--span-ms", type=float, default=0.0, help="--simulate: what a step with drafts costs more")
     p.add_argument("--no-prior", action="store_true", help="--simulate: drafts unpriced until the first fit")
+    p.add_argument(
+        "--step-ms",
+        help="--simulate: a step's compute by its columns, measured (e.g. bench/step_width's medians): "
+        "'1:140,2:243,3:262,5:284' (linear between the points; replaces --compute-ms, --base-ms, --span-ms)",
+    )
     p.add_argument("--job-per-prompt", action="store_true", help="a new job per prompt, as `fusion generate` runs")
     p.add_argument("--output-tokens", type=int, help="only the first N tokens of each output (the bench's runs: 24)")
     p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
     p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
     a = p.parse_args(argv)
+    table: tuple[tuple[int, float], ...] = ()
+    if a.step_ms:
+        try:
+            table = tuple(sorted((int(w), float(ms) / 1e3) for w, ms in (x.split(":") for x in a.step_ms.split(","))))
+        except ValueError:
+            table = ()
+        if len(table) < 2 or table[0][0] < 1 or len({w for w, _ in table}) != len(table):
+            print(
+                f"bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got {a.step_ms!r}",
+                file=sys.stderr,
+            )
+            return 2
     model = str(resolve_model_path(a.model))
     refs_path = Path(a.refs)
     refs = json.loads(refs_path.read_text()) if refs_path.is_file() else None
@@ -455,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         s, plain_s, spec_s, each = None, 0.0, 0.0, []
         taus: list[float] = []
         for g in groups:
-            clock = Clock(link, a.span_ms / 1e3, prior=not a.no_prior) if a.simulate else None
+            clock = Clock(link, a.span_ms / 1e3, prior=not a.no_prior, table=table) if a.simulate else None
             budget = a.max_new_tokens if a.output_tokens is None else min(a.max_new_tokens, a.output_tokens)
             one = replay(
                 cfg,
