@@ -29,7 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import forkserver  # noqa: E402
 import procs  # noqa: E402
-from tiny_models import LLAMA_PROMPTS, PROMPTS, SEEDS, build, check_varied  # noqa: E402
+
+# tiny_models (torch) is imported by the fixtures that build a model, not here: pytest-xdist's
+# controller imports this file and runs no test, and it starts its two pytest processes only after
+# (importing this file took 1.2 s of CPU with torch, 0.13 s without: load ~6, the 2-core machine).
 
 # Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
 # differs); a test that checks how a real worker process behaves asks for `real_workers`.
@@ -90,6 +93,7 @@ def checked_varied(config: pytest.Config, arch: str, path: Path, prompts) -> Non
 
     import torch
     import transformers
+    from tiny_models import check_varied
 
     from fusion_compute.model import reference
 
@@ -114,6 +118,8 @@ def shared_tiny(config: pytest.Config, tmp_path_factory, arch: str, prompts) -> 
     give the same weights in every process: the folder is what each would have built.)"""
     import fcntl
 
+    from tiny_models import SEEDS, build
+
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
         path = build(tmp_path_factory.mktemp(arch), arch, seed=SEEDS[arch])
         checked_varied(config, arch, path, prompts)
@@ -133,11 +139,15 @@ def shared_tiny(config: pytest.Config, tmp_path_factory, arch: str, prompts) -> 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(pytestconfig, tmp_path_factory) -> Path:
+    from tiny_models import PROMPTS
+
     return shared_tiny(pytestconfig, tmp_path_factory, "qwen2", PROMPTS)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(pytestconfig, tmp_path_factory) -> Path:
+    from tiny_models import LLAMA_PROMPTS, PROMPTS
+
     return shared_tiny(pytestconfig, tmp_path_factory, "llama", PROMPTS + LLAMA_PROMPTS)
 
 
