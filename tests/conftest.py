@@ -29,7 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import forkserver  # noqa: E402
 import procs  # noqa: E402
-from tiny_models import LLAMA_PROMPTS, PROMPTS, SEEDS, build, check_varied  # noqa: E402
+
+# tiny_models (torch) is imported by the fixtures that build a model, not here: pytest-xdist's
+# controller imports this file and runs no test, and it starts its two pytest processes only after
+# (importing this file took 1.2 s of CPU with torch, 0.13 s without: load ~6, the 2-core machine).
 
 # Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
 # differs); a test that checks how a real worker process behaves asks for `real_workers`.
@@ -38,6 +41,22 @@ _forks = tempfile.mkdtemp(prefix="fusion-test-forks-")  # who forked what (procs
 forkserver.use_registry(_forks)
 atexit.register(shutil.rmtree, _forks, ignore_errors=True)
 os.environ[procs.RUN_TAG] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # procs.worker_pids()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Let pytest keep the test modules it rewrote (assertion rewriting) in tests/__pycache__ while it
+    collects, where PYTHONDONTWRITEBYTECODE is set, as on this project's machines: otherwise every
+    pytest process parses and rewrites every test module again, ~2 s of CPU in each (the quick loop's
+    two processes; measured on the 2-core machine at load average ~5: `--collect-only` 6.1 s of user
+    CPU without the cached files, 4.0-4.2 s with them). Only while collecting: the fork server and what the tests start
+    keep the setting they were given. pytest writes each file atomically (a temporary file renamed),
+    so two xdist processes may write the same one; scripts/test.sh compiles the package itself."""
+    previous, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = previous
 
 
 @pytest.fixture(autouse=True)
@@ -61,18 +80,49 @@ def real_workers():
     forkserver.default_spawn[0] = previous
 
 
-def shared_tiny(tmp_path_factory, arch: str, prompts) -> Path:
+def checked_varied(config: pytest.Config, arch: str, path: Path, prompts) -> None:
+    """tiny_models.check_varied(path, prompts), unless the same check passed in an earlier run: pytest's
+    cache (.pytest_cache) keeps the digest of what decides its verdict, the model's files byte for
+    byte, the prompts, the check's code (tiny_models.py, the package's model/reference.py) and the
+    torch and transformers versions. Greedy decoding on the CPU is deterministic, so the same digest
+    means the same continuations; any change to one of them checks again. The check is the quick
+    loop's longest wait (transformers' greedy decoding: 11 s for Qwen2's 16 prompts, 14 s for Llama's 17,
+    measured on the 2-core machine at load average 6), and both pytest processes wait for it. Without the cache plugin
+    (`-p no:cacheprovider`) it always runs."""
+    import hashlib
+
+    import torch
+    import transformers
+    from tiny_models import check_varied
+
+    from fusion_compute.model import reference
+
+    digest = hashlib.sha256(repr((prompts, torch.__version__, transformers.__version__)).encode())
+    for f in [*sorted(path.iterdir()), Path(__file__).with_name("tiny_models.py"), Path(reference.__file__)]:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    key, cache = f"fusion/varied/{arch}", getattr(config, "cache", None)
+    if cache is not None and cache.get(key, None) == digest.hexdigest():
+        return
+    check_varied(path, prompts)
+    if cache is not None:
+        cache.set(key, digest.hexdigest())
+
+
+def shared_tiny(config: pytest.Config, tmp_path_factory, arch: str, prompts) -> Path:
     """The fixture's tiny `arch` model (tiny_models.build, its seed SEEDS[arch]), built and checked
-    once per run: every test prompt's reference varies (tiny_models.check_varied says why). The
-    check runs transformers' greedy decoding over every prompt (~3-30 s of CPU, by load), and each
+    once per run: every test prompt's reference varies (tiny_models.check_varied says why; a check
+    that passed before on the same files is not run again: checked_varied). The check runs
+    transformers' greedy decoding over every prompt (~3-30 s of CPU, by load), and each
     pytest process (xdist) needs the model: the first one to ask builds and checks it in the run's
     shared temporary folder, the others wait for it and use that folder. (The same seed and config
     give the same weights in every process: the folder is what each would have built.)"""
     import fcntl
 
+    from tiny_models import SEEDS, build
+
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
         path = build(tmp_path_factory.mktemp(arch), arch, seed=SEEDS[arch])
-        check_varied(path, prompts)
+        checked_varied(config, arch, path, prompts)
         return path
     shared = tmp_path_factory.getbasetemp().parent / f"tiny-{arch}"  # this run's, for every process
     shared.mkdir(exist_ok=True)
@@ -82,19 +132,23 @@ def shared_tiny(tmp_path_factory, arch: str, prompts) -> Path:
         if not (shared / "checked").exists():
             shutil.rmtree(path, ignore_errors=True)  # a process that failed midway: build afresh
             build(path, arch, seed=SEEDS[arch])
-            check_varied(path, prompts)
+            checked_varied(config, arch, path, prompts)
             (shared / "checked").touch()
         return path
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> Path:
-    return shared_tiny(tmp_path_factory, "qwen2", PROMPTS)
+def tiny_qwen2(pytestconfig, tmp_path_factory) -> Path:
+    from tiny_models import PROMPTS
+
+    return shared_tiny(pytestconfig, tmp_path_factory, "qwen2", PROMPTS)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    return shared_tiny(tmp_path_factory, "llama", PROMPTS + LLAMA_PROMPTS)
+def tiny_llama(pytestconfig, tmp_path_factory) -> Path:
+    from tiny_models import LLAMA_PROMPTS, PROMPTS
+
+    return shared_tiny(pytestconfig, tmp_path_factory, "llama", PROMPTS + LLAMA_PROMPTS)
 
 
 @pytest.fixture(scope="session")

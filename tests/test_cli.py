@@ -98,6 +98,7 @@ def test_bad_input_one_line(i, bad_runs):
     assert_one_line_error(bad_runs[0][i], BAD[i][1])
 
 
+@pytest.mark.slow  # its fixture forks every BAD command line (25 processes: 3-8 s at load 5-7), as its siblings'
 def test_bad_input_leaves_no_worker(bad_runs):
     assert bad_runs[1] == set(), "orphaned worker processes"
 

@@ -10,22 +10,35 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "fusion_compute"
 
 
-@functools.cache
 def parsed(path: Path) -> ast.Module:
-    """A file's syntax tree, parsed once per test process: the rules below walk every file of the
-    package, most of them more than once (the file's tree is only read)."""
-    return ast.parse(path.read_text())
+    """A file's syntax tree, parsed once per test process and text: the rules below walk every file
+    of the package, most of them more than once (the file's tree is only read). Keyed by the text,
+    not the path: a test that writes one path again (test_scanner_catches_an_offender's spellings)
+    gets each text's own tree."""
+    return _parsed(path.read_text())
 
 
-def imports(path: Path) -> set[str]:
+@functools.cache
+def _parsed(text: str) -> ast.Module:
+    return ast.parse(text)
+
+
+def imports(path: Path) -> frozenset[str]:
+    return _imports(path.read_text())
+
+
+@functools.cache
+def _imports(text: str) -> frozenset[str]:
+    """Every module a text imports, each `from M import a` as M and M.a (the rules below ask again
+    and again, each over every file of the package: walked once per text)."""
     out: set[str] = set()
-    for node in ast.walk(parsed(path)):
+    for node in ast.walk(_parsed(text)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
             out |= {f"{node.module}.{a.name}" for a in node.names}
-    return out
+    return frozenset(out)
 
 
 TRANSPORTS = ("torch.distributed", "ssl", "zmq", "mpi4py")  # what may carry state between participants
