@@ -1,6 +1,6 @@
 """What a wider decode step costs on this machine: the step's time against its columns, measured.
 
-    python -m fusion_compute.bench.step_width [--workers 2] [--repeats 8] [--model PATH]
+    python -m fusion_compute.bench.step_width [--workers 2] [--repeats 8] [--model PATH] [--cpu]
 
 The speculative budget (generation/speculative.py, StepCost) prices a draft column and a drafting
 session from the job's own steps; its prior before the first fit (StepCost.prior, PRIOR_SPAN_COLUMNS)
@@ -11,7 +11,10 @@ repeats interleaved, so that the machine's load falls on every shape alike), rol
 so that every one runs at the same position: one session with 1, 2, 3, 5, 9, 17 and 33 columns (a
 drafting session's columns after the first), and 8 sessions with one column each, one of them with
 2 or 9, all of them with 2 or 5. Prints one JSON line: each shape's median step time in ms, and the
-repeats. Greedy ids do not enter (the drafts are fixed tokens): this is timing only.
+repeats. Greedy ids do not enter (the drafts are fixed tokens): this is timing only. `--cpu`: the
+workers run as threads of this process (`--executor inproc`) and each step is timed in this process's
+CPU seconds (client and workers together, the TLS links on loopback included), which a shared machine's
+load moves far less than wall time: what a step's arithmetic costs, not what it waits for.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 SHAPES = {
     "1x1": [1],
@@ -49,13 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--cpu", action="store_true", help="workers as threads; each step's CPU seconds, not wall")
     a = p.parse_args(argv)
     if a.repeats < 1 or a.workers < 1:
         print("bench.step_width: --repeats and --workers must be >= 1", file=sys.stderr)
         return 2
     prompt = list(range(1000, 1060))
     times: dict[str, list[float]] = {k: [] for k in SHAPES}
-    with Engine(str(resolve_model_path(a.model)), EngineOptions(n_workers=a.workers, context=256)) as eng:
+    clock, options = time.perf_counter, EngineOptions(n_workers=a.workers, context=256)
+    if a.cpu:
+        from ..cli.options import run_worker_in_thread
+
+        clock, options = time.process_time, replace(options, executor="inproc", run_worker=run_worker_in_thread)
+    with Engine(str(resolve_model_path(a.model)), options) as eng:
         eng.batch_slots = 8
         eng.reset()
         for slot in range(8):
@@ -66,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 widths = SHAPES[name]
                 items = [(slot, [2000 + j for j in range(w)]) for slot, w in enumerate(widths)]
-                t0 = time.perf_counter()
+                t0 = clock()
                 eng.forward_batch(items, all_logits={slot for slot, w in enumerate(widths) if w > 1})
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
                 for slot, _ in items:
                     eng.rollback(slot, len(prompt))
     print(
@@ -76,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "median_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in times.items()},
                 "ms": {k: [round(x * 1e3, 1) for x in v] for k, v in times.items()},
+                "clock": "process CPU" if a.cpu else "wall",
                 "load_average_1min": os.getloadavg()[0],
             }
         )

@@ -17,6 +17,29 @@ def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+# linear_fm's token-major range: on this project's CPUs (MKL, AVX-512) W @ x for a row-major x of T
+# columns costs about twice the T = 1 matrix-vector product for any T from 2 to 8, while (xᵀ Wᵀ)ᵀ
+# grows from it with T: one worker's SmolLM2 shares at N = 2, 30 layers, one thread, medians of 15
+# interleaved runs (ms): T = 1 15.6 either way; T = 2 30.6 against 20.2; T = 3 31.9 against 21.9;
+# T = 4 30.3 against 30.9; T = 6 30.8 against 34.2; T = 8 32.0 against 39.2 (docs/performance.md, "A
+# verification's second column": bench/linear_forms.py)
+TOKEN_MAJOR_COLUMNS = (2, 3)
+
+
+def linear_fm(w: torch.Tensor, x_KT: torch.Tensor) -> torch.Tensor:
+    """W · x for a feature-major x (K, T): (M, T), contiguous, the layout the workers keep.
+
+    A CPU step of 2 or 3 columns (TOKEN_MAJOR_COLUMNS: a speculative verification of one or two
+    drafts) is computed token-major, (xᵀ · Wᵀ)ᵀ with xᵀ made contiguous first, where MKL's product
+    of W with a row-major (K, T) costs about twice the T = 1 one: a verification's second column cost
+    the workers about half a plain step through it. Other widths, and a GPU (cuBLAS has no such cliff,
+    and each copy would be a kernel launch), keep W @ x. The sums' order differs from W @ x in the
+    last bits, as any two BLAS kernels' do (transformers itself computes x · Wᵀ)."""
+    if x_KT.shape[1] in TOKEN_MAJOR_COLUMNS and x_KT.device.type == "cpu":
+        return (x_KT.T.contiguous() @ w.T).T.contiguous()
+    return w @ x_KT
+
+
 def rope_tables(
     inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

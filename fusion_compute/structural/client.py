@@ -17,7 +17,7 @@ from ..comm.value_checks import ROW_SUMSQ_LIMIT
 from ..errors import WorkerMisbehaved, WorkersSuspected
 from ..model import architecture as arch
 from ..model.config import ModelError
-from ..model.kernels import rms_norm
+from ..model.kernels import linear_fm, rms_norm
 from ..runtime.engine import EngineBase, control_word
 from ..runtime.engine_options import EngineOptions, effective_context
 from .plan import Plan, make_plan
@@ -60,7 +60,7 @@ def ingress_qkv(
     inv_s = torch.rsqrt((xf * xf).sum(0) / hidden + eps)
     out = []
     for w_rows, b in qkv0:
-        qkv = ((w_rows @ x_HT) * inv_s).to(x_HT.dtype)
+        qkv = (linear_fm(w_rows, x_HT) * inv_s).to(x_HT.dtype)
         out.append(qkv if b is None else qkv + b[:, None])
     return out
 

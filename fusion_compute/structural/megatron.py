@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.kernels import linear_fm
 from .ops import ShardedLayer, Span
 from .sharded import ShardedModel
 
@@ -45,9 +46,9 @@ class MegatronLayer(ShardedLayer):
             return qkv_aT
         h_HT = norm(x_HT, self.eps)  # full residual: norm is local
         if name == "qkv":
-            qkv_aT = self.w.qkv_w @ h_HT
+            qkv_aT = linear_fm(self.w.qkv_w, h_HT)
             return qkv_aT if self.w.qkv_b is None else qkv_aT + self.w.qkv_b[:, None]
-        return self.w.gu_w @ h_HT
+        return linear_fm(self.w.gu_w, h_HT)
 
     def post_norm(self, i: int, name: str, y_HT: torch.Tensor) -> torch.Tensor:
         """Gemma 3's post-norm on the replicated y (H, T): local, no collective."""
@@ -59,8 +60,8 @@ class MegatronLayer(ShardedLayer):
         """Row-parallel: every worker gets the full sum W y (H, T)."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
         if name == "down" and self.to_client:  # the client sums the partials (ShardedLayer.linear_back)
-            return w_back @ y
-        return self.comm.all_reduce_workers(w_back @ y, f"L{i}.{name}")
+            return linear_fm(w_back, y)
+        return self.comm.all_reduce_workers(linear_fm(w_back, y), f"L{i}.{name}")
 
     def residual_add(self, i: int, x_HT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """As the sharded layer's, x replicated: the last layer adds only this worker's rows R_w of x

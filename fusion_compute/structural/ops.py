@@ -58,6 +58,7 @@ from ..model.kernels import (
     attend_scored,
     causal_mask,
     gated,
+    linear_fm,
     outside_windows,
     rotate,
     softmax32,
@@ -264,7 +265,7 @@ def norm_linear_scatter(
     starts = [0, *itertools.accumulate(sizes_aug)]
 
     def chunk(q: int) -> torch.Tensor:  # the rows addressed to worker q: a pending sum (P)
-        part = w_aug[starts[q] : starts[q + 1]] @ x_dT
+        part = linear_fm(w_aug[starts[q] : starts[q + 1]], x_dT)
         part[-1] = ss
         return part
 
@@ -495,10 +496,10 @@ class ShardedLayer(LayerOps[Step]):
         """S(A or M) -> P -> S(R): this worker's residual rows of W_o o or W_down h."""
         w_back = self.w.o_w if name == "o" else self.w.down_w
         if name == "down" and self.to_client:  # the client sums the partials: no scatter (module doc)
-            return w_back @ y  # y_HT (H, ΣT): this worker's MLP rows' contribution to every coordinate
+            return linear_fm(w_back, y)  # y_HT (H, ΣT): this worker's MLP rows' contribution to every coordinate
         starts = self.res_starts
         return self.comm.reduce_scatter_from(
-            lambda q: w_back[starts[q] : starts[q + 1]] @ y, self.res_sizes, f"L{i}.{name}"
+            lambda q: linear_fm(w_back[starts[q] : starts[q + 1]], y), self.res_sizes, f"L{i}.{name}"
         )
 
     def residual_add(self, i: int, x_dT: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
