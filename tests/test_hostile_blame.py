@@ -33,15 +33,18 @@ from tiny_models import STEP_RS
 from fusion_compute.structural.client import Engine, EngineOptions
 
 SLOW_FROM = 11  # the dragging starts at this step (the ten before set the healthy median)
-# Per message: the sub-tick dragger's 0.2 s and 2.4 s per step, and the lying dragger's 0.4 s and
-# 4.8 s per step, stay under it; the link liar's stall is noticed by its victim at once (EOF).
+# Per message: the sub-tick dragger's 0.2 s and 2 s per step, and the lying dragger's 0.4 s and 4 s
+# per step (STEP_RS = 10 reduce-scatters), stay under it; the link liar's stall is noticed by its
+# victim at once (EOF).
 TIMEOUT_S = 10.0
 LINK_TIMEOUT_S = 3.0  # the link liar: what an accused that says it is computing is given (blame.py)
 # The step bound's floor. A healthy tiny step takes milliseconds (measured under 0.05 s on this
-# loaded machine), so the floor governs: a sub-tick-dragged step (2.4 s) earns 2 strikes at 1 s and
-# the second dragged step brings the verdict; a lying-dragged step (4.8 s) is cut at 3 x 1.5 s.
+# loaded machine), so the floor governs: a sub-tick-dragged step (2 s) earns 2 strikes at 1 s and
+# the second dragged step brings the verdict; a lying-dragged step (4 s) is cut at 3 x 1 s and
+# judged in that step (at a 1.5 s floor it earned 2 strikes a step, and each verdict waited for a
+# second dragged step: 8 s of dragging instead of 3). Both ways of reaching a verdict run.
 SUB_DEADLINE_MIN_S = 1.0
-LIE_DEADLINE_MIN_S = 1.5
+LIE_DEADLINE_MIN_S = 1.0
 
 _references: dict[int, list[int]] = {}
 
