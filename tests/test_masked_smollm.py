@@ -1,5 +1,6 @@
 """Masked mode on the bundled SmolLM2-135M-Instruct, groups 2+2: the issue's question answered with
-greedy ids identical to transformers; group A's real view passes the audit (uniform, fresh masks)
+greedy ids identical to transformers, then speculative decoding on the same job (greedy ids identical
+to transformers in fewer forwards); group A's real view passes the audit (uniform, fresh masks)
 and the vocabulary-matching attack on exactly what worker 1 received recovers no prompt token, while
 the same attack on a structural worker's ingress shard recovers the prompt.
 
@@ -14,6 +15,9 @@ import pytest
 import torch
 from chance import FALSE_FAILURE_RATE, chance_hits_bound
 from smollm_greedy import greedy
+from test_speculative_smollm import NEW_TOKENS as SPEC_NEW_TOKENS
+from test_speculative_smollm import PROMPTS as SPEC_PROMPTS
+from test_speculative_smollm import check as speculative_check
 
 from fusion_compute.generation.generate import generate
 from fusion_compute.generation.sampling_params import SamplingParams
@@ -36,8 +40,15 @@ def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_pa
     d = tmp_path / "audit"
     want = greedy(smollm_ref, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)  # transformers' (smollm_greedy.py)
 
+    # The same job then decodes test_speculative_smollm's first prompt with n-gram drafts (check(): greedy
+    # tokens equal transformers', in fewer forwards), what that file ran on its own masked 1+1 job: one
+    # job start less, and the audit below covers the speculative steps and their rollbacks too.
+    spec_ids = tok.chat_ids([{"role": "user", "content": SPEC_PROMPTS[0]}])
+    spec_want = greedy(smollm_ref, spec_ids, SPEC_NEW_TOKENS, tok.eos_ids, tmp_path_factory)
     with MaskedEngine(smollm_path, MaskedOptions(n_a=2, n_b=2, context=128, audit_dir=str(d)), source=src) as eng:
         res = generate(eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids)
+        speculative_check(eng, tok, [(spec_ids, spec_want)])
+        assert eng.verifier.failures == 0
     first = next((i for i, (a, b) in enumerate(zip(res.token_ids, want, strict=False)) if a != b), None)
     assert res.token_ids == want, f"first diverging token at {first}: {tok.decode(res.token_ids)!r}"
     assert "Paris" in tok.decode(res.token_ids)

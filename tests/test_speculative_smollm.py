@@ -1,6 +1,7 @@
 """Speculative decoding on the bundled SmolLM2-135M-Instruct (issue 23): greedy tokens with n-gram
 drafts identical to transformers' (and so to decoding without speculation: check() says why it is not
-run again), on several prompts, for N = 2 and 3 and masked 1+1, in fewer sharded forwards."""
+run again), on several prompts, for N = 2, in fewer sharded forwards. Masked, the first prompt alone
+(the masked client does every nonlinear step) is checked by test_masked_smollm.py on its 2+2 job."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from fusion_compute.weights.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow  # every test here starts workers or loads SmolLM2 (the quick loop skips them)
 
-NEW_TOKENS = 24
+# test_smollm.py's 20 too: its "Name three colours" reference (smollm_greedy.py) serves both files.
+NEW_TOKENS = 20
 PROMPTS = [
     # input-grounded: the answer copies from the prompt, so drafts are accepted
     "Repeat this sentence exactly: The committee will meet on Tuesday at nine in the main hall.",
@@ -54,17 +56,11 @@ def check(eng, tok, cases) -> None:
     assert t.num_accepted_tokens > 0 and steps < plain_steps, (t, steps, plain_steps)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_speculative_greedy_identical_to_transformers(smollm_path, cases, n):
+# N = 2 alone: on SmolLM2 (3 KV groups) N = 2 and 3 both give each worker whole KV groups, so a rollback
+# truncates the same kind of cache at both; N = 2's shares are uneven (2 groups and 1), which N = 3's are
+# not. N = 3 cost as much again and checked nothing N = 2 does not (its three-worker ring is
+# test_smollm.py's CLI test). Split groups are N = 4 (test_smollm.py) and test_speculative.py's tiny models.
+def test_speculative_greedy_identical_to_transformers(smollm_path, cases):
     tok, cs = cases
-    with Engine(smollm_path, EngineOptions(n_workers=n, timeout_s=120, context=256)) as eng:
+    with Engine(smollm_path, EngineOptions(n_workers=2, timeout_s=120, context=256)) as eng:
         check(eng, tok, cs)
-
-
-def test_masked_speculative_greedy_identical_to_transformers(smollm_path, cases):
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
-
-    tok, cs = cases
-    with MaskedEngine(smollm_path, MaskedOptions(n_a=1, n_b=1, timeout_s=120, context=256)) as eng:
-        check(eng, tok, cs[:1])  # the masked client does every nonlinear step: one prompt keeps it short
-        assert eng.verifier.failures == 0
