@@ -14,8 +14,8 @@ from fusion_compute.model.config import ModelError
 
 
 def test_nan_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_qwen2):
-    # worker 2's 60th forward: the 12th of the second request (the first makes NEW = 48 forwards)
-    with structural(tiny_qwen2, standby=1, args_for_worker={2: ("--inject-fault", "nan-egress@60")}) as eng:
+    # worker 2's forward NEW + 12: the 12th of the second request (the first makes NEW forwards)
+    with structural(tiny_qwen2, standby=1, args_for_worker={2: ("--inject-fault", f"nan-egress@{NEW + 12}")}) as eng:
         ref = run(eng).token_ids
         assert len(ref) == NEW
         with pytest.raises(
@@ -33,7 +33,7 @@ def test_huge_finite_egress_names_the_worker_and_a_standby_takes_its_seat(tiny_q
     """Issue 36: ±3e38 is finite, so the finiteness check let it through; the final norm's float32
     sum of squares overflowed, every logit became 0 and greedy emitted token 0, naming nobody. The
     scale check (its sum of squares in float64 against what float32 can carry) names the worker."""
-    with structural(tiny_qwen2, standby=1, args_for_worker={1: ("--inject-fault", "huge-egress@60")}) as eng:
+    with structural(tiny_qwen2, standby=1, args_for_worker={1: ("--inject-fault", f"huge-egress@{NEW + 12}")}) as eng:
         ref = run(eng).token_ids
         with pytest.raises(
             WorkerMisbehaved,
