@@ -31,7 +31,7 @@ import forkserver  # noqa: E402
 import procs  # noqa: E402
 
 # tiny_models (torch) is imported by the fixtures that build a model, not here: pytest-xdist's
-# controller imports this file and runs no test, and it starts its two pytest processes only after
+# controller imports this file and runs no test, and it starts its pytest processes only after
 # (importing this file took 1.2 s of CPU with torch, 0.13 s without: load ~6, the 2-core machine).
 
 # Local workers start from a fork server that has imported torch once (tests/forkserver.py says what
@@ -48,7 +48,7 @@ def pytest_collection(session):
     """Let pytest keep the test modules it rewrote (assertion rewriting) in tests/__pycache__ while it
     collects, where PYTHONDONTWRITEBYTECODE is set, as on this project's machines: otherwise every
     pytest process parses and rewrites every test module again, ~2 s of CPU in each (the quick loop's
-    two processes; measured on the 2-core machine at load average ~5: `--collect-only` 6.1 s of user
+    pytest processes; measured on the 2-core machine at load average ~5: `--collect-only` 6.1 s of user
     CPU without the cached files, 4.0-4.2 s with them). Only while collecting: the fork server and what the tests start
     keep the setting they were given. pytest writes each file atomically (a temporary file renamed),
     so two xdist processes may write the same one; scripts/test.sh compiles the package itself."""
