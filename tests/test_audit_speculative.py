@@ -61,6 +61,13 @@ def good(summary) -> dict:
     return summary["runs"][0]
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_qwen2, tmp_path_factory) -> dict:
+    """The same audited run without speculation (worker processes), once: the tokens and forwards
+    the speculative runs below are held to."""
+    return run_cold_start(config(tiny_qwen2, tmp_path_factory.mktemp("plain"), speculative=None), 0)
+
+
 def _log(run: dict, rank: int) -> list[dict]:
     return _records(Path(run["dir"]) / "epoch0" / S.log_name(rank))
 
@@ -112,8 +119,7 @@ def test_speculative_socket_counters_match_the_prediction(good):
 
 
 @pytest.mark.slow
-def test_same_tokens_without_speculation(tiny_qwen2, good, tmp_path):
-    plain = run_cold_start(config(tiny_qwen2, tmp_path, speculative=None), 0)
+def test_same_tokens_without_speculation(good, plain):
     assert plain["ok"] and plain["verify_steps"] == 0 and plain["forwards"] == TOKENS + 1
     assert plain["generated_sha256"] == good["generated_sha256"]
 
@@ -264,7 +270,7 @@ def test_speculative_limits(tiny_qwen2, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_tree_run_passes(tiny_qwen2, tmp_path, monkeypatch):
+def test_tree_run_passes(tiny_qwen2, plain, tmp_path, monkeypatch):
     """Token trees under the audit: the suffix drafter is made to propose, at every step, a tree whose
     first branch is wrong and whose second is the target's own greedy continuation (from
     transformers), so every verification keeps a path that is not a prefix of its columns: the
@@ -291,7 +297,6 @@ def test_tree_run_passes(tiny_qwen2, tmp_path, monkeypatch):
     suffix = SpeculativeConfig("suffix", num_speculative_tokens=4, adaptive=False)
     r = run_cold_start(config(tiny_qwen2, tmp_path / "suffix", speculative=suffix), 0)
     assert r["ok"], r["first_violations"]
-    plain = run_cold_start(config(tiny_qwen2, tmp_path / "plain", speculative=None), 0)
     assert r["generated_sha256"] == plain["generated_sha256"]
     assert r["verify_steps"] > 0 and r["forwards"] < plain["forwards"]
     assert r["speculative"]["num_accepted_tokens"] == 2 * r["speculative"]["num_drafts"]  # the second branch
