@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from inproc import masked_threads
 from test_masked_verify import honest_product, product_check
 
 from fusion_compute.masked import verify
@@ -181,10 +182,9 @@ def test_no_mask_covers_two_plaintexts_through_every_path(tiny_qwen2, tmp_path, 
     mask word is recorded (r = Σ r_g as drawn) and A's every received message read back from its
     audit tap. Promised: no mask word is drawn twice in the job, and no two messages A received
     (any pair, not only consecutive ones) share a pad."""
-    from fusion_compute.cli.options import run_worker_in_thread
     from fusion_compute.errors import WorkerMisbehaved
     from fusion_compute.masked import client as masked_client
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.client import MaskedEngine
     from fusion_compute.masked.worker import MaskedWorker
 
     words: list[torch.Tensor] = []
@@ -218,16 +218,7 @@ def test_no_mask_covers_two_plaintexts_through_every_path(tiny_qwen2, tmp_path, 
 
     monkeypatch.setattr(MaskedEngine, "_isend", isend)
     d = tmp_path / "audit"
-    opts = MaskedOptions(
-        n_a=2,
-        n_b=1,
-        standby=1,
-        timeout_s=60,
-        context=64,
-        audit_dir=str(d),
-        executor="inproc",
-        run_worker=run_worker_in_thread,
-    )
+    opts = masked_threads(n_a=2, n_b=1, standby=1, timeout_s=60, context=64, audit_dir=str(d))
     prompt = [7, 7, 7, 7, 30, 31, 7, 7]  # repeated tokens: identical clear inputs, the worst case
     with MaskedEngine(tiny_qwen2, opts) as eng:
         eng.batch_slots = 3  # what fusion serve --max-batch 3 sets
@@ -474,14 +465,12 @@ def test_metadata_every_group_agrees_on_is_checked_against_the_clients_own(tiny_
     row's output while every product passes the check. With the check off the lie goes through (the
     logits move: what it would do); with it on, start-up is refused: the client compares the
     metadata with its own quantization of the weights (before the fix: accepted, logits wrong)."""
-    from fusion_compute.cli.options import run_worker_in_thread
     from fusion_compute.masked import worker
-    from fusion_compute.masked.client import MaskedEngine, MaskedOptions
+    from fusion_compute.masked.client import MaskedEngine
     from fusion_compute.model.config import ModelError
 
     def opts(**kw):
-        base = dict(n_a=1, n_b=1, timeout_s=60, context=64, executor="inproc", run_worker=run_worker_in_thread)
-        return MaskedOptions(**{**base, **kw})
+        return masked_threads(**{"n_a": 1, "n_b": 1, "timeout_s": 60, "context": 64, **kw})
 
     ids = [1, 5, 9, 200, 3]
     with MaskedEngine(tiny_qwen2, opts(verify=False)) as eng:
