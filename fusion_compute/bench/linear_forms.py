@@ -26,6 +26,8 @@ SHAPES = ((481, 576), (1537, 576), (288, 288), (576, 768))
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from ..model.kernels import token_major
+
     p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.linear_forms", description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--layers", type=int, default=30)
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     forms = {
         "w_at_x": lambda w, x: w @ x,
-        "token_major": lambda w, x: (x.T.contiguous() @ w.T).T.contiguous(),
+        "token_major": token_major,
     }
     weights = [[torch.randn(*s) for s in SHAPES] for _ in range(a.layers)]
     ms: dict[str, dict[str, list[float]]] = {str(t): {f: [] for f in forms} for t in widths}

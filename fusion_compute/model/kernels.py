@@ -36,8 +36,13 @@ def linear_fm(w: torch.Tensor, x_KT: torch.Tensor) -> torch.Tensor:
     and each copy would be a kernel launch), keep W @ x. The sums' order differs from W @ x in the
     last bits, as any two BLAS kernels' do (transformers itself computes x · Wᵀ)."""
     if x_KT.shape[1] in TOKEN_MAJOR_COLUMNS and x_KT.device.type == "cpu":
-        return (x_KT.T.contiguous() @ w.T).T.contiguous()
+        return token_major(w, x_KT)
     return w @ x_KT
+
+
+def token_major(w: torch.Tensor, x_KT: torch.Tensor) -> torch.Tensor:
+    """W · x computed as (xᵀ · Wᵀ)ᵀ, xᵀ made contiguous first; the result (M, T) contiguous."""
+    return (x_KT.T.contiguous() @ w.T).T.contiguous()
 
 
 def rope_tables(
