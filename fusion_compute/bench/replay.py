@@ -3,6 +3,7 @@
     python -m fusion_compute.bench.replay [--method suffix] [--max-new-tokens 128] [--k 32]
         [--chain] [--no-cache] [--single-match] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
         [--simulate [--base-ms B] [--span-ms S] [--no-prior] [--job-per-prompt] [--output-tokens N]]
+        [--factor F] [--min-prob P] [--uncapped]
 
 Greedy decoding's tokens do not depend on the drafts, so one greedy output per prompt (the target's
 dense twin, model/dense.py: the same weights in one process, no workers) tells what any drafter
@@ -17,7 +18,9 @@ trip would choose; without it, every draft the drafter makes is verified. `--sim
 step by that model instead (plus `--span-ms` for a step that carries drafts) and lets the budget fit
 its costs from those times, its prior first, as an engine without link flags does; it reports the
 plain steps' time over the replayed steps' for the same tokens (`speedup`, per prompt with
-`--job-per-prompt`: a new job per prompt, as `fusion generate` runs).
+`--job-per-prompt`: a new job per prompt, as `fusion generate` runs). With a budget, the suffix
+drafter's size per match length is capped by the same cost, as a greedy session's in the loop
+(generation/suffix_size.py; `--uncapped`: the factor alone).
 
 Beside the counters, `--detail` prints what bounds τ on each workload, from the outputs alone:
   copy oracle   at each step, the longest run of the next output tokens found verbatim anywhere

@@ -3,7 +3,8 @@ tokens (prompt and output so far) and over earlier outputs of the same job (a bo
 shared by the sessions of one engine: a `fusion serve` keeps it from request to request).
 
 Each step both tries grow a draft from every match length m (the session's last m tokens a node of
-the trie: `SuffixTrie.drafts`; draft size min(K, factor · m + offset), tokens kept while their
+the trie: `SuffixTrie.drafts`; draft size min(K, factor · m + offset), for a greedy session also at
+most what pays at the job's step cost for a match of m (`sizing`, suffix_size.py), tokens kept while their
 estimated probability, a product of frequencies, is at least min_prob; in the session's own trie
 the frequencies leave out the match's last occurrence, the session's end, which has not gone on).
 `propose` gives the chain with the highest score over both tries (ties: the session's own).
