@@ -13,6 +13,9 @@ With a `speculative.Speculator`, a session's step carries its last token plus th
 drafter proposed, every column's logits come back, and speculative.verify keeps what the target
 model would have produced (several tokens per step when drafts are accepted); the rejected columns
 are rolled back (engine.rollback). This is the one place speculation happens, for every caller.
+The drafts a greedy session keeps are cut by the job's cost (speculative.StepCost): to the step's
+expected tokens per second while sessions wait for a slot (`waiting`), and in a fixed batch to what
+its tokens save the batch, which ends with its last session (`_worth`).
 
     runner = BatchRunner(engine, max_batch=8)
     runner.add(Sequence(prompt_ids, max_new_tokens=64, sampling=params, stop_ids=eos, on_token=cb))

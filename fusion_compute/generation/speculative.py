@@ -43,7 +43,9 @@ greedy session the number of drafts that makes the step's expected tokens per se
 session's j-th draft is worth q_1 ⋯ q_j, q_d its acceptance at depth d: depth_rates). Where a step's
 time is the network's (a wide-area round trip) a column costs almost nothing and every draft
 DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
-acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
+acceptance are cut. A fixed batch (no session waiting for a slot: batching.BatchRunner._worth) runs
+until its last session ends, so there a session's tokens are worth the seconds they save that batch
+(allocate_worth), not a step's share. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
 seed gives, must not depend on the batch or the clock. A tree's j-th column is worth the product of
 acceptance on its path (tree_cost.py: the session's acceptance at each node's depth times the
 drafter's branch frequency), and a StepCost given a link's model (tree_cost.LinkCost, from
