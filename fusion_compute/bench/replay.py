@@ -3,6 +3,7 @@
     python -m fusion_compute.bench.replay [--method suffix] [--max-new-tokens 128] [--k 32]
         [--chain] [--no-cache] [--single-match] [--rtt-ms R] [--refs FILE] [--limit N] [--detail]
         [--simulate [--base-ms B] [--span-ms S] [--no-prior] [--job-per-prompt] [--output-tokens N]]
+        [--factor F] [--min-prob P] [--uncapped]
 
 Greedy decoding's tokens do not depend on the drafts, so one greedy output per prompt (the target's
 dense twin, model/dense.py: the same weights in one process, no workers) tells what any drafter
@@ -17,7 +18,9 @@ trip would choose; without it, every draft the drafter makes is verified. `--sim
 step by that model instead (plus `--span-ms` for a step that carries drafts) and lets the budget fit
 its costs from those times, its prior first, as an engine without link flags does; it reports the
 plain steps' time over the replayed steps' for the same tokens (`speedup`, per prompt with
-`--job-per-prompt`: a new job per prompt, as `fusion generate` runs).
+`--job-per-prompt`: a new job per prompt, as `fusion generate` runs). With a budget, the suffix
+drafter's size per match length is capped by the same cost, as a greedy session's in the loop
+(generation/suffix_size.py; `--uncapped`: the factor alone).
 
 Beside the counters, `--detail` prints what bounds τ on each workload, from the outputs alone:
   copy oracle   at each step, the longest run of the next output tokens found verbatim anywhere
@@ -248,6 +251,7 @@ def replay(
     merge: bool = True,
     per_prompt: list[float] | None = None,
     clock: Clock | None = None,
+    capped: bool = True,
 ):
     """The loop's counters (SpecStats) for `rows` (prompt, greedy output) replayed in order through one
     job's Speculator (its global suffix cache carries from prompt to prompt, as in one `fusion
@@ -256,7 +260,8 @@ def replay(
     (its pooled acceptance and cache), as the bench's runs do. `merge`: the suffix drafter's trees
     merge every match length's draft (False: the best one alone, as before). `per_prompt`: each
     prompt's τ is appended to it. `clock`: the steps timed by a model and the cost fitted from those
-    times (`link` unused)."""
+    times (`link` unused). `capped`: the suffix drafts' size per match length capped by that cost
+    (suffix_size.MatchSizing; False: the factor alone)."""
     from ..generation.speculative import DEPTHS, SpecStats, Speculator, StepCost
     from ..generation.suffix import SuffixDrafter
     from ..generation.suffix_tree import Draft
@@ -267,6 +272,7 @@ def replay(
     if job is None:
         sp = Speculator(spec_config, 1 << 20, context)
         cost = StepCost(prior=clock.prior) if clock is not None else StepCost(link) if link is not None else None
+        bind_sizing(sp, cost, capped)
     else:
         sp, cost = job
     total = SpecStats(spec_config.method)
@@ -313,6 +319,8 @@ def replay(
             drafted, depth = len(step) - 1, max(step.depths_T())
             if drafted:
                 length.update(drafted, accepted, depth)
+                if isinstance(drafter, SuffixDrafter):
+                    drafter.verified(depth, accepted)
                 stats.add(drafted, accepted)
                 sp.pool.add(drafted, accepted, depth)
                 if detail is not None:
@@ -348,6 +356,16 @@ def replay(
         if per_prompt is not None:
             per_prompt.append(round(stats.tokens / stats.forwards, 2))
     return total
+
+
+def bind_sizing(sp, cost, capped: bool = True) -> None:
+    """The job's suffix size caps (suffix_size.MatchSizing) read the cost the replay's budget reads, as
+    the engine's read its StepCost; without a budget (no --rtt-ms), or not `capped`, none."""
+    if sp.sizing is not None:
+        if cost is None or not capped:
+            sp.sizing = None
+        else:
+            sp.sizing.cost = cost
 
 
 def _walk(step, ref: list[int], at: int) -> int:
@@ -431,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, help="only the first N tokens of each output (the bench's runs: 24)")
     p.add_argument("--factor", type=float, help="suffix: draft size per matched token")
     p.add_argument("--min-prob", type=float, help="suffix: the least estimated probability a draft token keeps")
+    p.add_argument(
+        "--uncapped",
+        action="store_true",
+        help="suffix: each match's draft size by the factor alone, not capped by the cost (suffix_size.py)",
+    )
     a = p.parse_args(argv)
     table: tuple[tuple[int, float], ...] = ()
     if a.step_ms:
@@ -478,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         every = [r for name in WORKLOAD_NAMES for r in refs["workloads"][name][: a.limit]]
         context = max(len(r["prompt"]) + len(r["output"]) for r in every) + a.k + 8
         job = Speculator(cfg, 1 << 20, context), StepCost(link) if link is not None else None
+        bind_sizing(job[0], job[1], not a.uncapped)
     for name in WORKLOAD_NAMES:
         rows = refs["workloads"][name][: a.limit]
         det = Detail() if a.detail else None
@@ -500,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 merge=not a.single_match,
                 per_prompt=taus,
                 clock=clock,
+                capped=not a.uncapped,
             )
             s = one if s is None else (s.merge(one) or s)
             if clock is not None:

@@ -146,7 +146,7 @@ class BatchRunner:
         self._stops[seq.slot] = set(seq.stop_ids)
         if self.speculator is not None:
             seq.spec = SpecStats(self.speculator.config.method)
-            self._drafters[seq.slot] = self.speculator.drafter()
+            self._drafters[seq.slot] = self.speculator.drafter(greedy=seq.sampling.greedy)
             self._lengths[seq.slot] = self.speculator.length()
 
     def step(self) -> list[Sequence]:
@@ -182,6 +182,8 @@ class BatchRunner:
                 accepted = len(path) - 1
                 depth = max(tree.depths_T())  # the verification's trials run along one path this deep
                 self._lengths[seq.slot].update(drafted, accepted, depth)
+                if isinstance(drafter := self._drafters.get(seq.slot), SuffixDrafter):
+                    drafter.verified(depth, accepted)  # what its match length earned (suffix_size.py)
                 if seq.spec is not None:
                     seq.spec.add(drafted, accepted)
                     if self.speculator is not None:

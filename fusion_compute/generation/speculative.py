@@ -72,6 +72,7 @@ from ..errors import UsageError
 from .sampling import Sampler
 from .speculative_config import SpeculativeConfig
 from .suffix import SuffixCache, SuffixDrafter
+from .suffix_size import MatchSizing
 from .suffix_tree import Draft
 from .token_tree import TokenTree, accept
 from .tree_cost import LinkCost
@@ -767,6 +768,12 @@ class Speculator:
         # what a wider step costs on this job's workers and network, learned across its runs and
         # requests; with a fixed draft length nothing is cut
         self.cost = StepCost() if config.adaptive else None
+        # the suffix drafts' size cap per match length, from that cost and what each length earned
+        self.sizing = (
+            MatchSizing(self.cost, config.num_speculative_tokens)
+            if self.cost is not None and config.method == "suffix"
+            else None
+        )
 
     def bind(self, plan) -> None:
         """The job's link model from `--link-rtt-ms/--link-mbps` and the engine's plan (its exchanges
@@ -785,8 +792,10 @@ class Speculator:
             compute_per_column_s=0.0,
         )
 
-    def drafter(self) -> NgramDrafter | SuffixDrafter | DraftModelDrafter:
-        """A new session's drafter."""
+    def drafter(self, greedy: bool = True) -> NgramDrafter | SuffixDrafter | DraftModelDrafter:
+        """A new session's drafter. A greedy session's suffix drafts are capped by the job's cost
+        (suffix_size.MatchSizing); a sampled one's keep the factor alone: its drafts, and so the draws
+        its seed gives, must not depend on the clock."""
         c = self.config
         if self.model is not None:
             return DraftModelDrafter(self.model, self.context)
@@ -797,6 +806,7 @@ class Speculator:
                 c.suffix_max_spec_factor,
                 c.suffix_max_spec_offset,
                 c.suffix_min_token_prob,
+                sizing=self.sizing if greedy else None,
             )
         return NgramDrafter(c.prompt_lookup_min, c.prompt_lookup_max)
 

@@ -3,7 +3,8 @@ tokens (prompt and output so far) and over earlier outputs of the same job (a bo
 shared by the sessions of one engine: a `fusion serve` keeps it from request to request).
 
 Each step both tries grow a draft from every match length m (the session's last m tokens a node of
-the trie: `SuffixTrie.drafts`; draft size min(K, factor · m + offset), tokens kept while their
+the trie: `SuffixTrie.drafts`; draft size min(K, factor · m + offset), for a greedy session also at
+most what pays at the job's step cost for a match of m (`sizing`, suffix_size.py), tokens kept while their
 estimated probability, a product of frequencies, is at least min_prob; in the session's own trie
 the frequencies leave out the match's last occurrence, the session's end, which has not gone on).
 `propose` gives the chain with the highest score over both tries (ties: the session's own).
@@ -28,8 +29,9 @@ position, how many were accepted: a request that repeats an earlier output is ac
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from .suffix_size import MatchSizing
 from .suffix_tree import TIE, Draft, SuffixTrie
 
 SESSION = 0  # the session trie's one sequence
@@ -70,8 +72,12 @@ class SuffixDrafter:
         offset: float = 0.0,
         min_prob: float = 0.1,
         merge: bool = True,
+        sizing: MatchSizing | None = None,
     ):
         self.cache = cache
+        # the most tokens a match of m may draft beside factor · m: what pays at the job's step cost
+        # (suffix_size.MatchSizing; None: the factor alone, as for a sampled session)
+        self.sizing = sizing
         self.merge = merge  # trees: every match length's draft from both tries, merged (False: the best one)
         self.factor, self.offset, self.min_prob = factor, offset, min_prob
         self.trie = SuffixTrie(max_depth)
@@ -93,25 +99,32 @@ class SuffixDrafter:
             return Draft()
         context = tokens[-(self.trie.max_depth - 1) :]
         args = (k, self.factor, self.offset, self.min_prob, tree)
+        cap = self.sizing.caps() if self.sizing is not None else None
         if tree and self.merge:
-            best = self._merged(context, k, args)
+            best = self._merged(context, k, args, cap)
         else:
-            best = self.trie.speculate(context, *args, own=True)
+            best = self.trie.speculate(context, *args, own=True, cap=cap)
             if self.cache is not None and len(self.cache):
-                other = self.cache.trie.speculate(context, *args)
+                other = self.cache.trie.speculate(context, *args, cap=cap)
                 if other.score > best.score:
                     best = other
                     best.from_cache = True
         self.last = best
         return best
 
-    def _merged(self, context: Sequence[int], k: int, args: tuple[int, float, float, float, bool]) -> Draft:
+    def _merged(
+        self,
+        context: Sequence[int],
+        k: int,
+        args: tuple[int, float, float, float, bool],
+        cap: Callable[[int], int] | None = None,
+    ) -> Draft:
         """Every match length's draft from both tries, as one tree of at most k tokens: the draft
         `propose` would choose first, then each other one by its score (ties: the session's trie, then
         the longer match), its paths not yet in the tree added below the paths they extend."""
-        drafts = self.trie.drafts(context, *args, own=True)
+        drafts = self.trie.drafts(context, *args, own=True, cap=cap)
         if self.cache is not None and len(self.cache):
-            for d in self.cache.trie.drafts(context, *args):
+            for d in self.cache.trie.drafts(context, *args, cap=cap):
                 d.from_cache = True
                 drafts.append(d)
         if not drafts:
@@ -151,6 +164,12 @@ class SuffixDrafter:
     def propose_tree(self, tokens: list[int], k: int) -> Draft:
         """A token tree of at most k tokens."""
         return self.draft(tokens, k, tree=True)
+
+    def verified(self, depth: int, accepted: int) -> None:
+        """The loop verified this session's last draft (cut to a tree `depth` deep) and accepted
+        `accepted` of its drafts: what its match length earned, for the job's caps."""
+        if self.sizing is not None and self.last is not None:
+            self.sizing.add(self.last.match_len, depth, accepted)
 
     def close(self, output: Sequence[int] | None = None) -> None:
         """The session is over; `output` (its generated tokens, when it ended well) joins the global cache."""

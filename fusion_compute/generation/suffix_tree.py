@@ -30,7 +30,7 @@ were the target's), and the match length with the highest score wins (ties: the 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # Scores are sums of count ratios: two equal ones may differ in their last bits, and a tie goes to the longer match
@@ -144,10 +144,11 @@ class SuffixTrie:
         min_prob: float = 0.1,
         tree: bool = False,
         own: bool = False,
+        cap: Callable[[int], int] | None = None,
     ) -> Draft:
         """The best-scoring draft over every match length (module docstring); empty when nothing matches."""
         best = Draft()
-        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree, own):
+        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree, own, cap):
             if draft.score >= best.score - TIE:
                 best = draft
         return best
@@ -161,18 +162,22 @@ class SuffixTrie:
         min_prob: float = 0.1,
         tree: bool = False,
         own: bool = False,
+        cap: Callable[[int], int] | None = None,
     ) -> list[Draft]:
         """The non-empty draft of every match length m = 1, 2, ... (shortest first), each with its
         match_len: what `speculate` chooses among. `own`: the context is the end of one of the trie's
         sequences (a session's trie and its own tokens), so every match u counts that occurrence,
         which has no continuation yet: it is left out, count(uv) / (count(u) - 1), the frequency
-        among the occurrences that went on (module docstring)."""
+        among the occurrences that went on (module docstring). `cap(m)`: the most tokens a match of m
+        may draft besides the factor's (suffix_size.MatchSizing.cap: what pays at the step's cost)."""
         out = []
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
             node = self.node(context[len(context) - m :])
             if node is None:
                 break  # a longer suffix of the context cannot occur either
             room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
+            if cap is not None and room > 0:
+                room = min(room, cap(m))
             base = max(1, node.count - own)
             draft = self._grow_tree(node, base, room, min_prob) if tree else self._grow_path(node, base, room, min_prob)
             if draft.tokens:

@@ -95,13 +95,15 @@ def expected_accepted(parents: Sequence[int], accept: Sequence[float]) -> float:
     return sum(path_gains(parents, accept))
 
 
-def best_size(gains: Sequence[float], base_s: float, per_column_s: float) -> int:
+def best_size(gains: Sequence[float], base_s: float, per_column_s: float, span_s: float = 0.0) -> int:
     """n* of the module docstring: how many of the first draft columns to run (0: none) so that
-    (1 + Σ_{c ≤ n} gains[c]) / (base_s + (1 + n) · per_column_s) is highest (ties: fewer)."""
+    (1 + Σ_{c ≤ n} gains[c]) / (base_s + (1 + n) · per_column_s + [n > 0] · span_s) is highest (ties:
+    fewer); `span_s`: what a step that carries drafts costs beyond its columns (speculative.StepCost's
+    per drafting session)."""
     best_n, best, tokens = 0, 1.0 / max(base_s + per_column_s, 1e-12), 1.0
     for n, g in enumerate(gains, start=1):
         tokens += g
-        rate = tokens / max(base_s + (1 + n) * per_column_s, 1e-12)
+        rate = tokens / max(base_s + span_s + (1 + n) * per_column_s, 1e-12)
         if rate > best:
             best_n, best = n, rate
     return best_n
