@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 EXCHANGES = 120  # SmolLM2 at N = 2: a forward's sequential exchanges (docs/performance.md)
+PREFILL = "8: all x60 (a prefill's columns)"  # bench/step_width.py's prefill shape
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class BatchSteps:
 
     @classmethod
     def from_medians(cls, ms: dict[str, float]) -> BatchSteps:
+        """ValueError, naming them, when shapes it needs are missing (bench/step_width.py's names)."""
+        need = ["1x1", "1x2", "8x1", "8: one x2", "8: all x2", PREFILL]
+        missing = [k for k in need if k not in ms]
+        if missing:
+            raise ValueError(f"the step table lacks {', '.join(missing)} (bench/step_width.py's shapes)")
         one = tuple(sorted((int(k[2:]), v / 1e3) for k, v in ms.items() if k.startswith("1x")))
         plain = tuple(sorted((int(k[0]), v / 1e3) for k, v in ms.items() if len(k) == 3 and k[1:] == "x1"))
         shapes = {"8: one x2": (8, 1, 1), "8: one x9": (8, 1, 8), "8: all x2": (8, 8, 8), "8: all x5": (8, 8, 32)}
@@ -74,7 +80,7 @@ class BatchSteps:
                 extra.append(ms[name] / 1e3 - _lerp(plain, n))
         coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(extra, dtype=torch.float64))
         per_span, per_column = (max(0.0, float(c)) for c in coef.solution)
-        return cls(one, plain, per_span, per_column, ms["8: all x60 (a prefill's columns)"] / 1e3)
+        return cls(one, plain, per_span, per_column, ms[PREFILL] / 1e3)
 
     def seconds(self, sessions: int, columns: int, spans: int, prefill: bool = False) -> float:
         if prefill:
