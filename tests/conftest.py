@@ -85,10 +85,11 @@ def checked_varied(config: pytest.Config, arch: str, path: Path, prompts) -> Non
     cache (.pytest_cache) keeps the digest of what decides its verdict, the model's files byte for
     byte, the prompts, the check's code (tiny_models.py, the package's model/reference.py) and the
     torch and transformers versions. Greedy decoding on the CPU is deterministic, so the same digest
-    means the same continuations; any change to one of them checks again. The check is the quick
-    loop's longest wait (transformers' greedy decoding: 11 s for Qwen2's 16 prompts, 14 s for Llama's 17,
-    measured on the 2-core machine at load average 6), and both pytest processes wait for it. Without the cache plugin
-    (`-p no:cacheprovider`) it always runs."""
+    means the same continuations; any change to one of them checks again. Every pytest process waits
+    for it (transformers' greedy decoding over every prompt): 0.4-0.5 s of CPU per tiny model with one
+    torch thread, as each of the suite's processes has (OMP_NUM_THREADS above), and 4-7 s with torch's
+    default two threads in one pytest process (-n 0) on the loaded 2-core machine, where the 11-14 s
+    once written here were measured. Without the cache plugin (`-p no:cacheprovider`) it always runs."""
     import hashlib
 
     import torch

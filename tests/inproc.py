@@ -35,7 +35,10 @@ threads, the faults that end or patch it) keeps processes (executor/inproc.py's 
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -74,6 +77,15 @@ class Board:
         for g, owners in enumerate(score_groups):
             if len(owners) > 1:
                 self.barriers[g] = threading.Barrier(len(owners), timeout=timeout_s)
+        self._ranks: dict[int, RankThreads] = {}
+
+    def rank_threads(self, n: int) -> RankThreads:
+        """The board's n long-lived rank threads (run_ranks), started at the first step; they end when
+        the board is collected (its job dropped)."""
+        if n not in self._ranks:
+            self._ranks[n] = ranks = RankThreads(n)
+            weakref.finalize(self, ranks.stop)
+        return self._ranks[n]
 
     def meet(self, group: int | None = None) -> None:
         try:
@@ -133,11 +145,38 @@ class MemoryFabric:
         pass
 
 
+class RankThreads:
+    """One thread per rank that runs that rank's part of every step (run_ranks), as a worker process
+    runs every step of its job. A thread started per rank per step cost more CPU than the tiny
+    models' steps themselves (test_families' in-process cases: 2-4x the CPU at N = 2..4, measured
+    on the 2-core machine), each new thread's first calls into torch and the allocator paying again.
+    The threads hold no reference to the board: a step's closure only while it runs."""
+
+    def __init__(self, n: int):
+        self.inbox: list[queue.SimpleQueue[Callable[[], None] | None]] = [queue.SimpleQueue() for _ in range(n)]
+        for w in range(n):
+            threading.Thread(
+                target=self._serve, args=(self.inbox[w],), name=f"inproc-worker-{w + 1}", daemon=True
+            ).start()
+
+    @staticmethod
+    def _serve(inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (job := inbox.get()) is not None:
+            job()
+            del job  # nothing of a finished step kept alive by an idle thread
+
+    def stop(self) -> None:
+        for inbox in self.inbox:
+            inbox.put(None)
+
+
 def run_ranks(board: Board, work: Sequence[Callable[[], T]]) -> list[T]:
-    """Run work[w] on a thread per rank; their results in rank order. A rank's exception aborts the
-    board (the others' waits end) and is raised here, the first one's in rank order."""
+    """Run work[w] on rank w's thread (the board's RankThreads); their results in rank order. A rank's
+    exception aborts the board (the others' waits end) and is raised here, the first one's in rank
+    order."""
     results: list = [None] * len(work)
     errors: list[BaseException | None] = [None] * len(work)
+    finished = threading.Semaphore(0)
 
     def rank(w: int) -> None:
         try:
@@ -145,15 +184,17 @@ def run_ranks(board: Board, work: Sequence[Callable[[], T]]) -> list[T]:
         except BaseException as e:
             errors[w] = e
             board.abort()
+        finally:
+            finished.release()
 
-    threads = [threading.Thread(target=rank, args=(w,), name=f"inproc-worker-{w + 1}") for w in range(len(work))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
-    if any(t.is_alive() for t in threads):
-        board.abort()
-        raise TimeoutError("in-process ranks did not finish")
+    ranks = board.rank_threads(len(work))
+    for w in range(len(work)):
+        ranks.inbox[w].put(lambda w=w: rank(w))
+    deadline = time.monotonic() + TIMEOUT_S * 2
+    for _ in work:
+        if not finished.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            board.abort()
+            raise TimeoutError("in-process ranks did not finish")
     first = next((e for e in errors if e is not None and not isinstance(e, CommError)), None)
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:

@@ -220,7 +220,10 @@ def test_simulated_replay_prices_a_jobs_first_drafts():
     drafts 53 columns in 24 steps when its drafts go unpriced until the fit and reads 0.84x the plain
     steps' time; priced from its first step, one draft (16 columns), then one probe. A session that copies
     its prompt drafts as much and in as few forwards either way (priced, its first decode step is plain
-    and its second carries the whole copy)."""
+    and its second carries the whole copy). All that with each match's draft size by the factor alone
+    (`capped=False`); with the cost's cap (suffix_size.py) the missing session drafts less again, and
+    the copying one's first long draft is cut at 20 of its 21 tokens, which costs it a fourth forward
+    (docs/speculative.md, "The first tree sized from the cost")."""
     from fusion_compute.bench.replay import Clock, replay
     from fusion_compute.generation.speculative_config import SpeculativeConfig
     from fusion_compute.generation.tree_cost import LinkCost
@@ -231,16 +234,21 @@ def test_simulated_replay_prices_a_jobs_first_drafts():
     miss = {"prompt": prompt, "output": [t for i, t in enumerate(prompt[:12]) for t in (t, 40 + i)]}
     copy = {"prompt": prompt, "output": prompt[:24]}
     got = {}
-    for name, row in (("miss", miss), ("copy", copy)):
-        for prior in (True, False):
-            clock = Clock(true, 0.08, prior=prior)
-            stats = replay(cfg, [row], clock=clock)
-            assert stats.tokens == 24 and clock.plain_s == pytest.approx(true.seconds(30) + 23 * true.seconds(1))
-            got[name, prior] = clock.plain_s / clock.spec_s, stats.num_draft_tokens, stats.forwards
-    assert got["miss", False][1] == 53 and got["miss", False][0] < 0.85
-    assert got["miss", True][1] == 16 + 1 and got["miss", False][0] < got["miss", True][0] < 1
-    assert got["copy", True][1:] == got["copy", False][1:] == (21, 3)  # every draft accepted, 3 forwards
-    assert got["copy", True][0] >= got["copy", False][0] > 3
+    for capped in (False, True):
+        for name, row in (("miss", miss), ("copy", copy)):
+            for prior in (True, False):
+                clock = Clock(true, 0.08, prior=prior)
+                stats = replay(cfg, [row], clock=clock, capped=capped)
+                assert stats.tokens == 24 and clock.plain_s == pytest.approx(true.seconds(30) + 23 * true.seconds(1))
+                got[name, prior, capped] = clock.plain_s / clock.spec_s, stats.num_draft_tokens, stats.forwards
+    assert got["miss", False, False][1] == 53 and got["miss", False, False][0] < 0.85
+    assert got["miss", True, False][1] == 16 + 1 and got["miss", False, False][0] < got["miss", True, False][0] < 1
+    assert got["copy", True, False][1:] == got["copy", False, False][1:] == (21, 3)  # every draft accepted
+    assert got["copy", True, False][0] >= got["copy", False, False][0] > 3
+    # the cap: the missing session's one-token trees cut (13 drafts against 17), so it loses less
+    assert got["miss", True, True][1] < got["miss", True, False][1]
+    assert got["miss", True, False][0] < got["miss", True, True][0] < 1
+    assert got["copy", True, True][1:] == (20, 4) and got["copy", True, True][0] > 3  # its cost, named above
 
 
 def test_a_measured_step_table_times_the_replay():
