@@ -291,3 +291,50 @@ def test_budget_benches_refuse_bad_input_in_one_line(capsys):
         "bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got '1:100'",
         "bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got '1:100,2:x'",
     ]
+
+
+MEDIANS = {"1x1": 117.0, "1x2": 153.0, "1x5": 326.0, "1x33": 479.0, "2x1": 198.0, "4x1": 300.0, "8x1": 345.0}
+MEDIANS |= {"8: one x2": 355.0, "8: one x9": 420.0, "8: all x2": 420.0, "8: all x5": 650.0, "4: all x2": 340.0}
+MEDIANS |= {"8: all x60 (a prefill's columns)": 2961.0}
+
+
+def test_batch_steps_model_the_measured_shapes():
+    """bench/replay_batch's step model reproduces bench/step_width's one-session and one-column points
+    exactly, fits a drafting session's and a draft column's cost by least squares to the batch shapes
+    (by hand: synthetic medians made from 2 ms a span and 9 ms a column are read back), and prices a
+    prefill along the 8 x 60 point."""
+    from fusion_compute.bench.replay_batch import BatchSteps
+
+    ms = dict(MEDIANS)
+    for name, (n, s, e) in {
+        "8: one x2": (8, 1, 1),
+        "8: one x9": (8, 1, 8),
+        "8: all x2": (8, 8, 8),
+        "8: all x5": (8, 8, 32),
+        "4: all x2": (4, 4, 4),
+    }.items():
+        ms[name] = ms[f"{n}x1"] + 2.0 * s + 9.0 * e
+    steps = BatchSteps.from_medians(ms)
+    assert (steps.per_span, steps.per_column) == pytest.approx((0.002, 0.009), abs=1e-9)
+    assert steps.seconds(1, 5, 1) == pytest.approx(0.326) and steps.seconds(4, 4, 0) == pytest.approx(0.300)
+    assert steps.seconds(3, 3, 0) == pytest.approx((0.198 + 0.300) / 2)  # linear between 2 and 4 sessions
+    assert steps.seconds(8, 12, 2) == pytest.approx(0.345 + 2 * 0.002 + 4 * 0.009)
+    assert steps.seconds(8, 480, 0, prefill=True) == pytest.approx(2.961)
+    assert all(abs(r) < 1e-6 for r in steps.residuals(ms).values())
+
+
+def test_batch_replay_refuses_bad_input(tmp_path, capsys):
+    """One line and exit 2: a table that is missing or lacks a shape, a negative round trip."""
+    import json
+
+    from fusion_compute.bench import replay_batch
+
+    assert replay_batch.main(["--step-width", str(tmp_path / "none.json"), "--rtt-ms", "1"]) == 2
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"median_ms": {"1x1": 117.0}}))
+    assert replay_batch.main(["--step-width", str(short), "--rtt-ms", "1"]) == 2
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"median_ms": MEDIANS}))
+    assert replay_batch.main(["--step-width", str(table), "--rtt-ms", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("bench.replay_batch: ") for line in err), err

@@ -864,3 +864,71 @@ def test_cli_json_reports_the_speculative_counters(tiny_llama):
     assert spec["steps"] + s["num_accepted_tokens"] == len(spec["token_ids"]) and spec["steps"] < plain["steps"]
     assert s["mean_acceptance_length"] == round(1 + s["num_accepted_tokens"] / s["num_drafts"], 4)
     assert "speculative" not in plain
+
+
+def test_a_fixed_batch_prices_a_token_by_the_time_it_saves():
+    """StepCost.allocate_worth (a fixed batch, batching.BatchRunner._worth): a session's m drafts are
+    kept where shared · min(G_m, limit) + own · G_m exceeds the seconds they add (per_span + m ·
+    per_column). By hand, at 9 ms a column and 0.3 ms a span: a session whose tokens save only its own
+    place in the steps (10 ms) drafts nothing at 30 % per column, which the step's tokens per second
+    (allocate, 8 sessions) keeps; the session that ends last (the plain step's 0.36 s for at most 3
+    tokens) drafts until its expected tokens reach 3 (m = 4), not the 5 that the limit would allow
+    without it (its fifth column's 0.5 token is worth only its own place)."""
+    cost = _fitted(0.009, 0.28, 0.0003)
+    assert cost.costs(8)[1:] == pytest.approx((0.009, 0.0003), abs=1e-9)
+    low = [0.3] * 4
+    assert cost.allocate([4] * 8, [0.3] * 8, gains=[low] * 8)[0] > 0  # the step's share keeps them
+    assert cost.allocate_worth([4], [low], [(0.0, 0.0, 0.01)]) == [0]
+    last = [0.9, 0.8, 0.7, 0.6, 0.5]
+    assert cost.allocate_worth([5], [last], [(0.36, 3.0, 0.01)]) == [4]
+    assert cost.allocate_worth([5], [last], [(0.36, 9.0, 0.01)]) == [5]  # the limit is what stops it
+    # a sampled (fixed) session keeps its cap; one without drafts gets none; no cost known: the caps
+    assert cost.allocate_worth([3, 0], [low, None], [(0.0, 0.0, 0.0)] * 2, fixed=[True, False]) == [3, 0]
+    assert S.StepCost().allocate_worth([4], [low], [(0.0, 0.0, 0.0)]) == [4]
+
+
+def _fixed_batch(waiting: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """8 sessions replayed through BatchRunner on bench/replay_batch's ReplayEngine (a step-time table,
+    no workers): 4 copy a passage of their prompt, 4 write tokens of a small alphabet their prompt
+    also uses (short suffix matches that mostly miss). Returns the outputs, the ids and each session's
+    draft columns."""
+    import random
+
+    from fusion_compute.bench.replay_batch import BatchSteps, ReplayEngine
+
+    rng = random.Random(7)
+    rows = []
+    for i in range(8):
+        if i < 4:
+            prompt = [100 + 40 * i + j for j in range(40)]
+            out = prompt[5:29]
+        else:
+            prompt = [rng.randrange(20) for _ in range(40)]
+            out = [rng.randrange(20) for _ in range(24)]
+        rows.append((prompt, out))
+    steps = BatchSteps(((1, 0.12), (2, 0.15), (5, 0.33), (33, 0.48)), ((1, 0.12), (8, 0.35)), 0.0003, 0.009, 3.0)
+    eng = ReplayEngine({tuple(p): o for p, o in rows}, 500, 200, steps, 0.0001)
+    sp = Speculator(SpeculativeConfig(method="suffix", num_speculative_tokens=32), 500, 200)
+    runner = batching.BatchRunner(eng, 8, speculator=sp, clock=lambda: eng.now)  # type: ignore[arg-type]
+    seqs = [Sequence(p, len(o), GREEDY) for p, o in rows]
+    for s in seqs:
+        runner.add(s)
+    while runner.active:
+        runner.waiting = waiting
+        runner.step()
+    return [o for _, o in rows], [s.out for s in seqs], [s.spec.num_draft_tokens for s in seqs]
+
+
+def test_a_fixed_batch_drafts_only_what_shortens_it():
+    """A batch that no session waits to join steps until its last session ends, so the drafts of a
+    session that would end with or before others save only that session's place in the steps, not a
+    step's share (BatchRunner._worth). Replayed (bench/replay_batch.py's engine, a step-time table):
+    with nobody waiting, the 4 sessions whose drafts mostly miss draft under half the columns they
+    draft under the step's tokens per second (a session waiting: every token a step's share), the
+    copying ones still draft, and the ids are the outputs either way. Negative control: the same
+    batch with a session waiting."""
+    want, ids_fixed, drafts_fixed = _fixed_batch(0)
+    _, ids_queue, drafts_queue = _fixed_batch(1)
+    assert ids_fixed == ids_queue == want
+    assert 2 * sum(drafts_fixed[4:]) < sum(drafts_queue[4:]), (drafts_fixed, drafts_queue)
+    assert min(drafts_fixed[:4]) > 0, drafts_fixed

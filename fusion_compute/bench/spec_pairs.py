@@ -11,7 +11,9 @@ without speculation and with it, back to back, the order alternating from pair t
 that prompt alone (decode tokens/s after the first token); `batch`: 8 sessions together, prompts
 i..i+7 (tokens after each one's first over the time from the last first token to the last end, as
 bench/speculative.py's batch). Prints a JSON line per pair (tokens/s both ways, their ratio, whether
-the tokens were the same, τ and drafts of a single session, the load average) and the median ratio.
+the tokens were the same, τ, drafts and accepted of the session or the batch's sessions pooled, the load
+average; for a batch, each decode step of its speculative run as the draft budget timed it: sessions,
+columns, drafting sessions, ms, at most the budget's last 32) and the median ratio.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ import json
 import os
 import statistics
 import sys
+
+POOLED = ("forwards", "num_draft_tokens", "num_accepted_tokens")
+
+
+def max_steps(seqs) -> int:
+    """The batch's decode steps: its longest-lived session's forwards after its prefill."""
+    return max(s.steps for s in seqs) - 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
                     rs = run_batch(eng, seqs, 8, speculator=sp if on else None)
                     span = max(s.t_end for s in seqs) - max(s.t_first for s in seqs)
                     res[on] = (sum(len(r.token_ids) - 1 for r in rs) / span, [r.token_ids for r in rs], {})
+                    if on:  # the batch's counters, pooled, and its decode steps as the budget timed them
+                        spec = {k: sum((r.speculative or {}).get(k) or 0 for r in rs) for k in POOLED}
+                        spec["tokens_per_forward"] = round(
+                            sum(len(r.token_ids) for r in rs) / max(1, spec["forwards"]), 3
+                        )
+                        cost = sp.cost
+                        if cost is not None:  # (sessions, columns, drafting sessions, ms) of its last steps
+                            steps = list(zip(cost.sessions, cost.samples, strict=True))[-max_steps(seqs) :]
+                            spec["steps"] = [(m, w, k, round(t * 1e3, 1)) for m, (w, k, t) in steps]
+                        res[on] = (*res[on][:2], spec)
             ratios.append(res[True][0] / res[False][0])
             spec = res[True][2]
             row = {
@@ -89,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 "accepted": spec.get("num_accepted_tokens"),
                 "load_average_1min": round(os.getloadavg()[0], 2),
             }
+            if "steps" in spec:
+                row["steps"] = spec["steps"]
             print(json.dumps(row), flush=True)
     print(json.dumps({"median_ratio": round(statistics.median(ratios), 3)}))
     return 0

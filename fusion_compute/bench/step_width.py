@@ -10,7 +10,10 @@ prompt and times single steps of each shape, every shape once per repeat in a sh
 repeats interleaved, so that the machine's load falls on every shape alike), rolling each step back
 so that every one runs at the same position: one session with 1, 2, 3, 5, 9, 17 and 33 columns (a
 drafting session's columns after the first), and 8 sessions with one column each, one of them with
-2 or 9, all of them with 2 or 5. Prints one JSON line: each shape's median step time in ms, and the
+2 or 9, all of them with 2 or 5; 2 and 4 sessions with one column each, 4 with 2 each (a batch whose
+sessions finish); and 8 sessions with 60 columns each, only the last column's logits asked for: a
+batch's prefill of 8 × 60 prompt tokens (run at position 60, after the first prefill; a prefill's
+cost, for bench/replay_batch.py, whose steps start with one). Prints one JSON line: each shape's median step time in ms, and the
 repeats. Greedy ids do not enter (the drafts are fixed tokens): this is timing only. `--cpu`: the
 workers run as threads of this process (`--executor inproc`) and each step is timed in this process's
 CPU seconds (client and workers together, the TLS links on loopback included), which a shared machine's
@@ -41,7 +44,13 @@ SHAPES = {
     "8: one x9": [9] + [1] * 7,
     "8: all x2": [2] * 8,
     "8: all x5": [5] * 8,
+    "2x1": [1] * 2,
+    "4x1": [1] * 4,
+    "4: all x2": [2] * 4,
+    "8: all x60 (a prefill's columns)": [60] * 8,
 }
+# shapes timed as a prefill is run: the last column's logits only (a verification wants every column's)
+LAST_LOGITS_ONLY = {"8: all x60 (a prefill's columns)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 widths = SHAPES[name]
                 items = [(slot, [2000 + j for j in range(w)]) for slot, w in enumerate(widths)]
                 t0 = clock()
-                eng.forward_batch(items, all_logits={slot for slot, w in enumerate(widths) if w > 1})
+                full = set() if name in LAST_LOGITS_ONLY else {slot for slot, w in enumerate(widths) if w > 1}
+                eng.forward_batch(items, all_logits=full)
                 times[name].append(clock() - t0)
                 for slot, _ in items:
                     eng.rollback(slot, len(prompt))

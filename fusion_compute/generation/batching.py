@@ -13,6 +13,9 @@ With a `speculative.Speculator`, a session's step carries its last token plus th
 drafter proposed, every column's logits come back, and speculative.verify keeps what the target
 model would have produced (several tokens per step when drafts are accepted); the rejected columns
 are rolled back (engine.rollback). This is the one place speculation happens, for every caller.
+The drafts a greedy session keeps are cut by the job's cost (speculative.StepCost): to the step's
+expected tokens per second while sessions wait for a slot (`waiting`), and in a fixed batch to what
+its tokens save the batch, which ends with its last session (`_worth`).
 
     runner = BatchRunner(engine, max_batch=8)
     runner.add(Sequence(prompt_ids, max_new_tokens=64, sampling=params, stop_ids=eos, on_token=cb))
@@ -86,13 +89,25 @@ class BatchRunner:
     """Runs up to `max_batch` sessions at once on one engine."""
 
     def __init__(
-        self, engine: EngineBase, max_batch: int, hooks: StepHooks | None = None, speculator: Speculator | None = None
+        self,
+        engine: EngineBase,
+        max_batch: int,
+        hooks: StepHooks | None = None,
+        speculator: Speculator | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        """`clock`: seconds, for the sessions' times and the steps' the cost budget fits (a replay's
+        simulated clock, bench/replay_batch.py; the wall clock otherwise)."""
         if max_batch < 1:
             raise ValueError(f"max batch must be >= 1, got {max_batch}")
         self.engine = engine
         self.max_batch = max_batch
         self.hooks = hooks or StepHooks()
+        self.clock = clock
+        # sessions waiting for a slot (run_batch's, the server's queue): while any wait, a finished
+        # session's slot is filled at once and every accepted token is worth a step's share; while none
+        # does, the batch is fixed (_worth)
+        self.waiting = 0
         # made at the first session's reset (and kept, zeroed, after); a runner of one (generate) keeps
         # the slots a batch made
         engine.batch_slots = max(max_batch, engine.batch_slots) if max_batch == 1 else max_batch
@@ -125,7 +140,7 @@ class BatchRunner:
             seen = len(self.engine.recoveries)
             self.engine.reset()  # the first session of a batch: every slot zeroed, every position 0
             seq.recoveries += self.engine.recoveries[seen:]  # noticed while idle, recovered at the reset
-        seq.t0 = time.perf_counter()
+        seq.t0 = self.clock()
         self.active[seq.slot] = seq
         self._samplers[seq.slot] = Sampler(seq.sampling)
         self._stops[seq.slot] = set(seq.stop_ids)
@@ -145,13 +160,13 @@ class BatchRunner:
         trees = {slot: t.parents_T for slot, t in drafts.items() if t is not None and not t.is_chain()}
         seen = len(self.engine.recoveries)
         self.hooks.before([(slot, len(self.engine.slot_history.get(slot, ())), len(ids)) for slot, ids in items])
-        t0 = time.perf_counter()
+        t0 = self.clock()
         full = {slot for slot, t in drafts.items() if t is not None}
         # a tree's parents ride with the step (engine.forward_batch's `trees`); chains need none
         logits = self.engine.forward_batch(items, all_logits=full, **({"trees": trees} if trees else {}))
         if self._cost is not None:  # fitted over decode steps only: a prefill is another cost (the prior's scale)
             prefill = not all(s.out for s in seqs)
-            width, seconds = sum(len(ids) for _, ids in items), time.perf_counter() - t0
+            width, seconds = sum(len(ids) for _, ids in items), self.clock() - t0
             self._cost.observe(width, len(full), seconds, prefill, sessions=len(items))
         self.hooks.after()
         self.steps += 1
@@ -187,7 +202,7 @@ class BatchRunner:
             for tok in toks:
                 seq.out.append(tok)
                 if len(seq.out) == 1:
-                    seq.t_first = time.perf_counter()
+                    seq.t_first = self.clock()
                 seq.finish = next_finish(tok, seq.out, self._stops[seq.slot], seq.on_token, budget)
                 if seq.finish is not None:
                     done.append(seq)
@@ -269,7 +284,16 @@ class BatchRunner:
                 gains.append(path_gains([p - 1 for p in t.parents_T[1:]], accept))
             else:
                 gains.append(chain_gains(q, len(t) - 1))
-        ks = self._cost.allocate(sizes, rates, [not s.sampling.greedy for s in decoding], gains)
+        fixed = [not s.sampling.greedy for s in decoding]
+        if len(decoding) > 1 and not self.waiting:  # a fixed batch: its steps last as long as its last session
+            worth = self._worth(seqs, decoding, gains)
+            ks = (
+                self._cost.allocate(sizes, rates, fixed, gains)
+                if worth is None
+                else self._cost.allocate_worth(sizes, gains, worth, fixed)
+            )
+        else:
+            ks = self._cost.allocate(sizes, rates, fixed, gains)
         out = dict(drafts)
         for s, k in zip(decoding, ks, strict=True):
             t = drafts[s.slot]
@@ -278,8 +302,54 @@ class BatchRunner:
             out[s.slot] = None if t is None or k == 0 else t.cut(1 + k)
         return out
 
+    def _worth(
+        self, seqs: list[Sequence], decoding: list[Sequence], gains: list[list[float] | None]
+    ) -> list[tuple[float, float, float]] | None:
+        """What one accepted token of each decoding session saves a batch that no session waits to
+        join, in seconds (None before any cost is known). Such a batch steps until its last session
+        ends: session i has L_i = R_i / τ_i steps left (R_i its remaining token budget, τ_i its tokens
+        per decode step so far, at least 1). A token of session i saves the batch's plain step (base +
+        per_column × sessions) only where i would end last: no session has a step more left than it,
+        and every other session within a step of it gains a token this step too (the chance of that:
+        the product of their first columns' chances, gains[j][0]; 0 for one that drafts nothing).
+        Otherwise it saves only i's own place in the steps it would still run (its column and its
+        per-session cost). Either is divided by τ_i (a token is 1 / τ_i of the session's steps). A
+        step's tokens per second (allocate) counts every accepted token as a step's share, which a
+        fixed batch gets back only from its last session (docs/speculative.md, "A fixed batch's
+        drafts")."""
+        assert self._cost is not None
+        fit = self._cost.costs(len(seqs))
+        if fit is None:
+            return None
+        base, per_column, _ = fit
+        plain = base + per_column * len(seqs)
+        presence = per_column + self._cost.per_session
+        taus, left = [], []
+        for s in decoding:
+            tau = max(1.0, (len(s.out) - 1) / (s.steps - 1)) if s.steps > 1 else 1.0
+            budget = min(s.max_new_tokens, self.engine.context - len(s.prompt_ids))
+            taus.append(tau)
+            left.append((budget - len(s.out)) / tau)
+        first = [g[0] if g else 0.0 for g in gains]
+        full = [sum(g) if g else 0.0 for g in gains]
+        worth = []
+        for i, (tau, steps) in enumerate(zip(taus, left, strict=True)):
+            shared, limit = 0.0, 0.0
+            if all(x < steps + 1 for j, x in enumerate(left) if j != i):  # none outlasts i by a step
+                with_i = [j for j, x in enumerate(left) if j != i and x > steps - 1]  # would end with i
+                rest = max((x for j, x in enumerate(left) if j != i and j not in with_i), default=0.0)
+                shared = plain
+                # the steps saved: at most i's lead over the next session that ends a step or more
+                # before it, and as many as those ending with i gain too (their full drafts'
+                # expected tokens), each of which must gain at all
+                limit = min([(steps - rest) * tau] + [full[j] for j in with_i])
+                for j in with_i:
+                    shared *= first[j]
+            worth.append((shared / tau, limit, presence / tau))
+        return worth
+
     def _retire(self, seq: Sequence) -> None:
-        seq.t_end = time.perf_counter()
+        seq.t_end = self.clock()
         del self.active[seq.slot], self._samplers[seq.slot], self._stops[seq.slot]
         drafter = self._drafters.pop(seq.slot, None)
         if drafter is not None:  # a finished output may serve later sessions' drafts (the suffix cache)
@@ -318,6 +388,7 @@ def run_batch(
         while waiting or runner.active:
             while waiting and runner.room:
                 runner.add(waiting.pop(0))
+            runner.waiting = len(waiting)
             runner.step()
     except BaseException:
         runner.abort()

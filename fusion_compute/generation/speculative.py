@@ -43,7 +43,9 @@ greedy session the number of drafts that makes the step's expected tokens per se
 session's j-th draft is worth q_1 ⋯ q_j, q_d its acceptance at depth d: depth_rates). Where a step's
 time is the network's (a wide-area round trip) a column costs almost nothing and every draft
 DraftLength allows is kept; where it is compute (one machine, a batch), long drafts with little
-acceptance are cut. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
+acceptance are cut. A fixed batch (no session waiting for a slot: batching.BatchRunner._worth) runs
+until its last session ends, so there a session's tokens are worth the seconds they save that batch
+(allocate_worth), not a step's share. Sampled sessions keep DraftLength's count: their drafts, and so the draws a
 seed gives, must not depend on the batch or the clock. A tree's j-th column is worth the product of
 acceptance on its path (tree_cost.py: the session's acceptance at each node's depth times the
 drafter's branch frequency), and a StepCost given a link's model (tree_cost.LinkCost, from
@@ -450,6 +452,42 @@ class StepCost:
                 ks[i] = best_m
                 tokens += best_gain
                 seconds += per_span + best_m * per_column
+        return ks
+
+    def allocate_worth(
+        self,
+        caps: list[int],
+        gains: list[list[float] | None],
+        worth: list[tuple[float, float, float]],
+        fixed: list[bool] | None = None,
+    ) -> list[int]:
+        """Drafts per decoding session of a batch whose sessions' tokens save unequal time (a fixed
+        batch: generation/batching.BatchRunner._worth): session i, worth[i] = (shared, limit, own),
+        gets the m (0 included) that makes
+
+            shared · min(G_m, limit) + own · G_m - per_span · [m > 0] - per_column · m
+
+        highest (G_m = g_1 + ... + g_m its first m columns' expected accepted tokens, `gains[i]`): the
+        seconds its tokens are expected to save the batch, the shared step's for at most `limit`
+        tokens and its own place in the steps for each, less the seconds its drafts add to the step.
+        A `fixed` one keeps its cap. With no cost at all: the caps."""
+        fit = self.costs(len(caps))
+        if fit is None or not caps:
+            return list(caps)
+        _, per_column, per_span = fit
+        fixed = fixed or [False] * len(caps)
+        ks = []
+        for cap, g, (shared, limit, own), f in zip(caps, gains, worth, fixed, strict=True):
+            if f or g is None:
+                ks.append(cap if f else 0)
+                continue
+            best_m, best, gained = 0, 0.0, 0.0
+            for m, gj in enumerate(g[:cap], start=1):
+                gained += gj
+                net = shared * min(gained, limit) + own * gained - per_span - per_column * m
+                if net > best:
+                    best_m, best = m, net
+            ks.append(best_m)
         return ks
 
 

@@ -209,6 +209,7 @@ class Scheduler:
 
     def _step(self) -> None:
         runner = self.runner
+        runner.waiting = self.waiting  # requests queued: a finished session's slot is filled at once
         try:
             finished = runner.step()
         except Exception as e:  # every session of the step fails with it; the next request starts afresh
