@@ -8,7 +8,7 @@ machine (0.1 ms) a step of 5+ columns costs about twice a plain one, and a fresh
 16 drafts from a one-token match, lost open chat 2-5 % before the job knew anything of its drafts
 (docs/speculative.md, "After the token-major products"). So the cap is chosen from the cost:
 
-    cap(m) = tree_cost.best_size([g_1, ..., g_K], base, per_column, span)
+    cap(m) = tree_cost.best_size([g_1, ..., g_K], base, per_column, span)    (best_sizes: every m at once)
     g_j    = Π_{d ≤ j} q_{m,d}
 
 (base, per_column, span) the job's StepCost.costs() now (its fit, or before the first fit its
@@ -48,7 +48,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from .tree_cost import best_size
+import numpy as np
+
+from .tree_cost import best_sizes
 
 MATCH_LENGTHS = 8  # match lengths told apart; longer ones share the last
 DEPTHS = 8  # depths told apart per match length (as speculative.DEPTHS); deeper ones share the last
@@ -62,11 +64,9 @@ class PricesSteps(Protocol):
     def costs(self, sessions: int | None = None) -> tuple[float, float, float] | None: ...
 
 
-def prior_rate(match_len: int, depth: int) -> float:
-    """q0_{m,d} of the module docstring."""
-    if depth == 1:
-        return match_len / (match_len + 2)
-    return (match_len + depth - 1) / (match_len + depth)
+def prior_rate(match_len, depth):
+    """q0_{m,d} of the module docstring, elementwise over arrays of m and d (numbers or numpy arrays)."""
+    return np.where(depth == 1, match_len / (match_len + 2), (match_len + depth - 1) / (match_len + depth))
 
 
 class MatchSizing:
@@ -77,6 +77,11 @@ class MatchSizing:
         self.cost = cost
         self.k_max = k_max
         self.history: dict[int, deque[tuple[int, int]]] = {}  # match bucket -> (depth, accepted) per verification
+        # what `caps` reads, kept until it changes: each step's drafts (every session of a batch, and
+        # every match length of a long copy, up to 63) would otherwise scan the history again, some 3 ms
+        # of the client's time a draft on this project's 2-core machine, serial with the workers' step
+        self._counts: dict[int, tuple[list[int], list[int]]] = {}  # bucket -> (hits, trials) per depth
+        self._memo: tuple[tuple[float, float, float], np.ndarray] | None = None  # costs -> cap per match length
 
     def add(self, match_len: int, depth: int, accepted: int) -> None:
         """One verification of a tree `depth` deep whose first draft came from a match of `match_len`
@@ -85,44 +90,58 @@ class MatchSizing:
             return
         b = min(match_len, MATCH_LENGTHS)
         self.history.setdefault(b, deque(maxlen=HISTORY)).append((depth, accepted))
+        self._counts.pop(b, None)
+        self._memo = None
 
-    def rates(self, match_len: int, depths: int) -> list[float]:
-        """q_{m,d} for d = 1..depths: a verification that accepted a of a path `depth` deep is a
-        success at depths 1..a and a failure at a + 1 (if a < depth), counted at min(d, DEPTHS); each
-        depth starts from PRIOR_TRIALS trials at q0_{m,d}."""
-        hits, trials = [0] * DEPTHS, [0] * DEPTHS
-        for depth, accepted in self.history.get(min(match_len, MATCH_LENGTHS), ()):
-            for d in range(1, min(accepted + 1, depth) + 1):
-                b = min(d, DEPTHS) - 1
-                trials[b] += 1
-                hits[b] += d <= accepted
-        out = []
-        for d in range(1, depths + 1):
-            b = min(d, DEPTHS) - 1
-            out.append((hits[b] + PRIOR_TRIALS * prior_rate(match_len, d)) / (trials[b] + PRIOR_TRIALS))
-        return out
+    def _counted(self, bucket: int) -> tuple[list[int], list[int]]:
+        """(hits, trials) per depth of a match bucket's history (`gain_table`), counted once per change."""
+        if bucket not in self._counts:
+            hits, trials = [0] * DEPTHS, [0] * DEPTHS
+            for depth, accepted in self.history.get(bucket, ()):
+                for d in range(1, min(accepted + 1, depth) + 1):
+                    b = min(d, DEPTHS) - 1
+                    trials[b] += 1
+                    hits[b] += d <= accepted
+            self._counts[bucket] = hits, trials
+        return self._counts[bucket]
+
+    def gain_table(self, match_lens: np.ndarray, n: int) -> np.ndarray:
+        """g_j = q_{m,1} ⋯ q_{m,j} for j = 1..n (columns), one row per match length m: a match's j-th
+        draft counts if those before it did. q_{m,d}: a verification that accepted a of a path
+        `depth` deep is a success at depths 1..a and a failure at a + 1 (if a < depth), counted at
+        min(d, DEPTHS) for m's bucket (`_counted`); each depth starts from PRIOR_TRIALS trials at
+        q0_{m,d}."""
+        m = match_lens.astype(np.float64)[:, None]
+        d = np.arange(1, n + 1, dtype=np.float64)[None, :]
+        prior = prior_rate(m, d)  # every (m, d)
+        counted = [self._counted(b) for b in range(1, MATCH_LENGTHS + 1)]
+        hits = np.array([h for h, _ in counted], dtype=np.float64)
+        trials = np.array([t for _, t in counted], dtype=np.float64)
+        rows = np.minimum(match_lens, MATCH_LENGTHS)[:, None] - 1
+        cols = np.minimum(np.arange(1, n + 1), DEPTHS)[None, :] - 1
+        q = (hits[rows, cols] + PRIOR_TRIALS * prior) / (trials[rows, cols] + PRIOR_TRIALS)
+        return np.multiply.accumulate(q, axis=1)
 
     def gains(self, match_len: int, n: int) -> list[float]:
-        """g_j = q_{m,1} ⋯ q_{m,j} for j = 1..n: a match's j-th draft counts if those before it did."""
-        out, g = [], 1.0
-        for q in self.rates(match_len, n):
-            g *= q
-            out.append(g)
-        return out
+        """One row of `gain_table`."""
+        return [float(g) for g in self.gain_table(np.array([match_len]), n)[0]]
 
     def caps(self) -> Callable[[int], int]:
-        """cap(m) for one draft: the step cost read once, each match length's cap computed once. K for
-        every m while no step was timed (nothing to price drafts by; the budget lets every draft
-        through then too)."""
+        """cap(m) for one draft, from a table of every match length's cap (1 to the longest asked,
+        at least 64, SuffixTrie's default depth) computed once for as long as the cost and the history
+        stay what they were: a batch's sessions in one step share it, and a long copy's drafts ask for
+        every match length up to 63, which one at a time cost the client ~2 ms a draft, serial with
+        the workers' step (3 % of a plain step at 0.1 ms). K for every m while no step was timed
+        (nothing to price drafts by; the budget lets every draft through then too)."""
         costs = self.cost.costs()
-        memo: dict[int, int] = {}
+        if costs is None:
+            return lambda match_len: self.k_max
 
         def cap(match_len: int) -> int:
-            if costs is None:
-                return self.k_max
-            if match_len not in memo:
-                base, per_column, span = costs
-                memo[match_len] = best_size(self.gains(match_len, self.k_max), base, per_column, span)
-            return memo[match_len]
+            if self._memo is None or self._memo[0] != costs or len(self._memo[1]) < match_len:
+                upto = max(64, match_len, len(self._memo[1]) if self._memo is not None else 0)
+                gains = self.gain_table(np.arange(1, upto + 1), self.k_max)
+                self._memo = (costs, best_sizes(gains, *costs))
+            return int(self._memo[1][match_len - 1])
 
         return cap

@@ -41,6 +41,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class LinkCost:
@@ -100,10 +102,15 @@ def best_size(gains: Sequence[float], base_s: float, per_column_s: float, span_s
     (1 + Σ_{c ≤ n} gains[c]) / (base_s + (1 + n) · per_column_s + [n > 0] · span_s) is highest (ties:
     fewer); `span_s`: what a step that carries drafts costs beyond its columns (speculative.StepCost's
     per drafting session)."""
-    best_n, best, tokens = 0, 1.0 / max(base_s + per_column_s, 1e-12), 1.0
-    for n, g in enumerate(gains, start=1):
-        tokens += g
-        rate = tokens / max(base_s + span_s + (1 + n) * per_column_s, 1e-12)
-        if rate > best:
-            best_n, best = n, rate
-    return best_n
+    return int(best_sizes(np.asarray([gains], dtype=np.float64).reshape(1, -1), base_s, per_column_s, span_s)[0])
+
+
+def best_sizes(gains: np.ndarray, base_s: float, per_column_s: float, span_s: float = 0.0) -> np.ndarray:
+    """best_size of every row of `gains` (candidates × draft columns) at once, in the same float64
+    operations in the same order (the running sum starts at 1 and adds one gain at a time, as
+    `np.add.accumulate` does; argmax takes the first of equal rates: ties to fewer columns)."""
+    rows, n = gains.shape
+    tokens = np.add.accumulate(np.concatenate([np.ones((rows, 1)), gains], axis=1), axis=1)
+    columns = np.arange(2, n + 2, dtype=np.float64)  # 1 + n for n = 1..len(gains)
+    seconds = np.concatenate([[base_s + per_column_s], base_s + span_s + columns * per_column_s])
+    return np.argmax(tokens / np.maximum(seconds, 1e-12), axis=1)
