@@ -231,6 +231,13 @@ def test_every_match_length_drafts_as_brute_force(seqs, depth, ctx, tree, own):
     if own:
         ctx = seqs[-1][-8:]
     drafts = trie.drafts(ctx, 5, 1.0, 3.0, 0.2, tree, own)
+    if own:  # the session's own suffixes' nodes, as extend keeps them, draft the same as the lookups
+        ends = trie.suffix_nodes(len(seqs) - 1)
+        assert [ends[m - 1] is trie.node(seqs[-1][len(seqs[-1]) - m :]) for m in range(1, len(ends) + 1)] == [
+            True
+        ] * len(ends)
+        assert len(ends) == min(len(seqs[-1]), depth - 1)
+        assert trie.drafts(ctx, 5, 1.0, 3.0, 0.2, tree, own, ends=ends) == drafts
     want = []
     for m in range(1, min(len(ctx), depth - 1) + 1):
         u = tuple(ctx[len(ctx) - m :])

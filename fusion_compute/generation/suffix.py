@@ -103,7 +103,7 @@ class SuffixDrafter:
         if tree and self.merge:
             best = self._merged(context, k, args, cap)
         else:
-            best = self.trie.speculate(context, *args, own=True, cap=cap)
+            best = self.trie.speculate(context, *args, own=True, cap=cap, ends=self.trie.suffix_nodes(SESSION))
             if self.cache is not None and len(self.cache):
                 other = self.cache.trie.speculate(context, *args, cap=cap)
                 if other.score > best.score:
@@ -122,7 +122,7 @@ class SuffixDrafter:
         """Every match length's draft from both tries, as one tree of at most k tokens: the draft
         `propose` would choose first, then each other one by its score (ties: the session's trie, then
         the longer match), its paths not yet in the tree added below the paths they extend."""
-        drafts = self.trie.drafts(context, *args, own=True, cap=cap)
+        drafts = self.trie.drafts(context, *args, own=True, cap=cap, ends=self.trie.suffix_nodes(SESSION))
         if self.cache is not None and len(self.cache):
             for d in self.cache.trie.drafts(context, *args, cap=cap):
                 d.from_cache = True

@@ -123,6 +123,11 @@ class SuffixTrie:
                     break
                 node = child
 
+    def suffix_nodes(self, seq_id: int) -> list[_Node]:
+        """The nodes of a sequence's last suffixes, shortest first (lengths 1 to max_depth - 1, as
+        many as it has tokens): what `node` finds for them, kept by `extend`."""
+        return self._active.get(seq_id, [])
+
     def node(self, pattern: Sequence[int]) -> _Node | None:
         node: _Node | None = self.root
         for t in pattern:
@@ -145,10 +150,11 @@ class SuffixTrie:
         tree: bool = False,
         own: bool = False,
         cap: Callable[[int], int] | None = None,
+        ends: Sequence[_Node] | None = None,
     ) -> Draft:
         """The best-scoring draft over every match length (module docstring); empty when nothing matches."""
         best = Draft()
-        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree, own, cap):
+        for draft in self.drafts(context, max_tokens, factor, offset, min_prob, tree, own, cap, ends):
             if draft.score >= best.score - TIE:
                 best = draft
         return best
@@ -163,16 +169,20 @@ class SuffixTrie:
         tree: bool = False,
         own: bool = False,
         cap: Callable[[int], int] | None = None,
+        ends: Sequence[_Node] | None = None,
     ) -> list[Draft]:
         """The non-empty draft of every match length m = 1, 2, ... (shortest first), each with its
         match_len: what `speculate` chooses among. `own`: the context is the end of one of the trie's
         sequences (a session's trie and its own tokens), so every match u counts that occurrence,
         which has no continuation yet: it is left out, count(uv) / (count(u) - 1), the frequency
         among the occurrences that went on (module docstring). `cap(m)`: the most tokens a match of m
-        may draft besides the factor's (suffix_size.MatchSizing.cap: what pays at the step's cost)."""
+        may draft besides the factor's (suffix_size.MatchSizing.cap: what pays at the step's cost).
+        `ends`: the nodes of the context's suffixes, shortest first, where the context is the end of
+        one of the trie's sequences (`suffix_nodes`): the same nodes the lookups from the root find,
+        without a walk of m tokens for every m (a long copy's 63 lengths: ~2,000 steps a draft)."""
         out = []
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
-            node = self.node(context[len(context) - m :])
+            node = ends[m - 1] if ends is not None and m <= len(ends) else self.node(context[len(context) - m :])
             if node is None:
                 break  # a longer suffix of the context cannot occur either
             room = min(max_tokens, int(m * factor + offset + 1e-6), self.max_depth - m)
