@@ -424,3 +424,28 @@ def test_replayed_suffix_drafts_never_beat_the_trie_oracle(rows, k, cache, merge
     assert tokens == stats.tokens and stats.forwards >= forwards
     if not cache:
         assert forwards >= sum(copy_oracle(p, o)[0] for p, o in rows)
+
+
+def test_a_trie_started_on_the_prompt_drafts_as_one_built_at_the_first_draft():
+    """SuffixDrafter.start: the session's trie over its prompt, built on a thread during the prefill,
+    drafts exactly as the trie the first draft would have built (the same tokens in the same order);
+    a build that failed is raised at the next draft, and dropped with the session at close."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6] * 4
+    out = [7, 8, 5, 6, 7]
+    started, lazy = SuffixDrafter(None, 16, 4.0), SuffixDrafter(None, 16, 4.0)
+    started.start(prompt)
+    started._join()  # what the first draft does first: the prompt is in the trie before it
+    assert started.tokens == prompt and len(started.trie) == len(prompt) and len(lazy.trie) == 0
+    for i in range(1, len(out) + 1):
+        a, b = started.propose_tree(prompt + out[:i], 8), lazy.propose_tree(prompt + out[:i], 8)
+        assert (a.tokens, a.parents, a.probs) == (b.tokens, b.parents, b.probs) and a.tokens
+    assert started.trie._serial == lazy.trie._serial and started._building is None
+
+    broken = SuffixDrafter(None, 16, 4.0)
+    broken.start([[1]])  # an unhashable token: the build fails on its thread
+    with pytest.raises(TypeError):
+        broken.propose_tree(prompt, 8)
+    again = SuffixDrafter(None, 16, 4.0)
+    again.start([[1]])
+    again.close()  # the failure goes with the session
+    assert again._failed is None and again._building is None

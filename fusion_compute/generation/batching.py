@@ -146,8 +146,10 @@ class BatchRunner:
         self._stops[seq.slot] = set(seq.stop_ids)
         if self.speculator is not None:
             seq.spec = SpecStats(self.speculator.config.method)
-            self._drafters[seq.slot] = self.speculator.drafter(greedy=seq.sampling.greedy)
+            self._drafters[seq.slot] = drafter = self.speculator.drafter(greedy=seq.sampling.greedy)
             self._lengths[seq.slot] = self.speculator.length()
+            if isinstance(drafter, SuffixDrafter):
+                drafter.start(seq.prompt_ids)  # its trie over the prompt, built during the prefill
 
     def step(self) -> list[Sequence]:
         """One sharded step for every active session; returns those that finished (their slots are

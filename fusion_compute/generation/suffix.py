@@ -28,6 +28,7 @@ position, how many were accepted: a request that repeats an earlier output is ac
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -83,6 +84,33 @@ class SuffixDrafter:
         self.trie = SuffixTrie(max_depth)
         self.tokens: list[int] = []
         self.last: Draft | None = None  # the last draft proposed (for the counters: its match length)
+        self._building: threading.Thread | None = None  # `start`'s trie over the prompt, until joined
+        self._failed: BaseException | None = None  # what stopped it, raised where the trie is next read
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """Build the session's trie over its prompt on a thread while the prompt's prefill runs (the
+        client mostly waits on the workers then). Built at the first draft instead, it added ~0.1 s to
+        the first decode step of a batch of 8 prompts of ~150 tokens (depth 64: ~60,000 nodes; profiled
+        on this project's 2-core machine), serial with the workers. The trie is the one `_sync` would
+        build: the same tokens extended in the same order. Every reader joins it first (`_join`)."""
+        tokens = list(prompt)
+
+        def build() -> None:
+            try:
+                self._sync(tokens)
+            except BaseException as e:  # re-raised where the session next reads its trie
+                self._failed = e
+
+        self._building = threading.Thread(target=build, name="fusion-suffix-trie", daemon=True)
+        self._building.start()
+
+    def _join(self, raise_failed: bool = True) -> None:
+        if self._building is not None:
+            self._building.join()
+            self._building = None
+        failed, self._failed = self._failed, None
+        if failed is not None and raise_failed:
+            raise failed
 
     def _sync(self, tokens: Sequence[int]) -> None:
         n = len(self.tokens)
@@ -94,6 +122,7 @@ class SuffixDrafter:
         self.tokens = list(tokens)
 
     def draft(self, tokens: Sequence[int], k: int, tree: bool) -> Draft:
+        self._join()
         self._sync(tokens)
         if k < 1:
             return Draft()
@@ -173,6 +202,7 @@ class SuffixDrafter:
 
     def close(self, output: Sequence[int] | None = None) -> None:
         """The session is over; `output` (its generated tokens, when it ended well) joins the global cache."""
+        self._join(raise_failed=False)  # a trie that failed to build goes with the session
         if output is not None and self.cache is not None:
             self.cache.add(output)
         self.trie = SuffixTrie(self.trie.max_depth)
