@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .replay import interpolate
+
 EXCHANGES = 120  # SmolLM2 at N = 2: a forward's sequential exchanges (docs/performance.md)
 PREFILL = "8: all x60 (a prefill's columns)"  # bench/step_width.py's prefill shape
 
@@ -77,35 +79,24 @@ class BatchSteps:
         for name, (n, s, e) in shapes.items():
             if name in ms:
                 rows.append([float(s), float(e)])
-                extra.append(ms[name] / 1e3 - _lerp(plain, n))
+                extra.append(ms[name] / 1e3 - interpolate(plain, n))
         coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(extra, dtype=torch.float64))
         per_span, per_column = (max(0.0, float(c)) for c in coef.solution)
         return cls(one, plain, per_span, per_column, ms[PREFILL] / 1e3)
 
     def seconds(self, sessions: int, columns: int, spans: int, prefill: bool = False) -> float:
         if prefill:
-            p8 = _lerp(self.plain, 8)
+            p8 = interpolate(self.plain, 8)
             return max(p8, p8 + (columns - 8) * (self.prefill_480 - p8) / 472)
         if sessions == 1:
-            return _lerp(self.one, columns)
-        return _lerp(self.plain, sessions) + self.per_span * spans + self.per_column * (columns - sessions)
+            return interpolate(self.one, columns)
+        return interpolate(self.plain, sessions) + self.per_span * spans + self.per_column * (columns - sessions)
 
     def residuals(self, ms: dict[str, float]) -> dict[str, float]:
         """Measured less modelled, ms, for every shape the table names."""
         shapes = {"8: one x2": (8, 9, 1), "8: one x9": (8, 16, 1), "8: all x2": (8, 16, 8), "8: all x5": (8, 40, 8)}
         shapes |= {"4: all x2": (4, 8, 4), "8x1": (8, 8, 0), "4x1": (4, 4, 0), "2x1": (2, 2, 0)}
         return {k: round(ms[k] - 1e3 * self.seconds(*v), 1) for k, v in shapes.items() if k in ms}
-
-
-def _lerp(points: tuple[tuple[int, float], ...], x: int) -> float:
-    """Linear between the points (x ascending), along the nearest two beyond them."""
-    if len(points) == 1:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = points[-2], points[-1]
-    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 class _Config:
