@@ -887,6 +887,30 @@ def test_a_fixed_batch_prices_a_token_by_the_time_it_saves():
     assert S.StepCost().allocate_worth([4], [low], [(0.0, 0.0, 0.0)]) == [4]
 
 
+def test_a_session_in_its_prefill_outlasts_the_decoding_ones():
+    """BatchRunner._worth counts a session admitted this step (in its prefill: its whole budget to go,
+    no drafts) among those a decoding session must outlast: B, 19 tokens to go, would end last beside
+    A alone and earns the plain step for its tokens; beside a newcomer with 200 to go it earns only its
+    own place (the newcomer outlasts it, and gains no token this step)."""
+    from types import SimpleNamespace
+
+    class Cost:
+        per_session = 0.001
+
+        def costs(self, sessions=None):
+            return (0.1, 0.009, 0.0003)
+
+    r = batching.BatchRunner.__new__(batching.BatchRunner)
+    r._cost, r.engine = Cost(), SimpleNamespace(context=1000)
+    a, b, c = Sequence([1] * 10, 24, GREEDY), Sequence([1] * 10, 24, GREEDY), Sequence([1] * 10, 200, GREEDY)
+    a.out, a.steps, b.out, b.steps = [0] * 20, 20, [0] * 5, 5
+    gains = [[0.5, 0.4], [0.5, 0.4]]
+    alone = r._worth([a, b], [a, b], gains)
+    assert alone is not None and alone[1][0] > 0.1  # B ends last: its tokens save a plain step
+    beside = r._worth([a, b, c], [a, b], gains)
+    assert beside is not None and beside[1][:2] == (0.0, 0.0) and beside[1][2] == pytest.approx(0.01)
+
+
 def _fixed_batch(waiting: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """8 sessions replayed through BatchRunner on bench/replay_batch's ReplayEngine (a step-time table,
     no workers): 4 copy a passage of their prompt, 4 write tokens of a small alphabet their prompt

@@ -334,8 +334,15 @@ class BatchRunner:
             left.append((budget - len(s.out)) / tau)
         first = [g[0] if g else 0.0 for g in gains]
         full = [sum(g) if g else 0.0 for g in gains]
+        # a session admitted this step is in its prefill: its whole budget to go, a token a step so far,
+        # and no drafts to gain with (it is counted among the others, never as i)
+        for s in seqs:
+            if not s.out:
+                left.append(float(min(s.max_new_tokens, self.engine.context - len(s.prompt_ids))))
+                first.append(0.0)
+                full.append(0.0)
         worth = []
-        for i, (tau, steps) in enumerate(zip(taus, left, strict=True)):
+        for i, (tau, steps) in enumerate(zip(taus, left[: len(taus)], strict=True)):
             shared, limit = 0.0, 0.0
             if all(x < steps + 1 for j, x in enumerate(left) if j != i):  # none outlasts i by a step
                 with_i = [j for j, x in enumerate(left) if j != i and x > steps - 1]  # would end with i
