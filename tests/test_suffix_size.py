@@ -74,6 +74,21 @@ def test_the_cap_follows_the_cost():
     assert all(wan5(m) == wan21(m) == K for m in range(2, 9))
 
 
+def test_one_sizing_follows_its_jobs_cost_as_it_changes():
+    """The caps are kept while the cost and the history stay the same (MatchSizing._memo); a job whose
+    steps' cost changes (here its round trips grow from 0.1 to 21 ms, the same StepCost observing them)
+    gets the new cost's caps from the same MatchSizing, each equal to a fresh one's at that cost."""
+    cost = job_cost(0.1)
+    s = MatchSizing(cost, K)
+    local = [s.caps()(m) for m in range(1, 10)]
+    assert local == [MatchSizing(job_cost(0.1), K).caps()(m) for m in range(1, 10)]
+    for _ in range(40):  # the same job, now across a wide-area link
+        cost.observe(1, 0, 120 * 0.021 + interpolate(TABLE, 1))
+    wide = [s.caps()(m) for m in range(1, 10)]
+    assert wide != local and wide == [MatchSizing(cost, K).caps()(m) for m in range(1, 10)]
+    assert wide[0] >= 16 > local[0]
+
+
 def test_no_step_timed_no_cap():
     assert MatchSizing(StepCost(), K).caps()(1) == K  # nothing to price drafts by yet (the budget's rule too)
 
