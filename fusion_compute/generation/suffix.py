@@ -101,8 +101,9 @@ class SuffixDrafter:
             except BaseException as e:  # re-raised where the session next reads its trie
                 self._failed = e
 
-        self._building = threading.Thread(target=build, name="fusion-suffix-trie", daemon=True)
-        self._building.start()
+        thread = threading.Thread(target=build, name="fusion-suffix-trie", daemon=True)
+        thread.start()  # if that fails (no thread to be had), the first draft builds the trie instead
+        self._building = thread
 
     def _join(self, raise_failed: bool = True) -> None:
         if self._building is not None:
