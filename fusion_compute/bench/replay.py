@@ -52,6 +52,16 @@ from pathlib import Path
 WORKLOAD_NAMES = ("input_grounded", "open_chat")
 
 
+def cached_refs(path: Path, model: str, max_new: int) -> dict:
+    """greedy_refs for `model` and `max_new`, read from `path` where it holds them (many minutes of
+    CPU to make), else made (its progress on stderr) and written there."""
+    refs = json.loads(path.read_text()) if path.is_file() else None
+    if refs is None or refs["model"] != model or refs["max_new_tokens"] != max_new:
+        refs = greedy_refs(model, max_new, None, lambda s: print(s, file=sys.stderr, flush=True))
+        path.write_text(json.dumps(refs))
+    return refs
+
+
 def greedy_refs(model: str, max_new: int, limit: int | None, log=lambda s: None) -> dict:
     """Each workload's prompts (chat template ids) and the target's greedy output for each, up to
     `max_new` tokens, stopping after an end-of-turn token (kept, as generate keeps it)."""
@@ -468,11 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     model = str(resolve_model_path(a.model))
-    refs_path = Path(a.refs)
-    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else None
-    if refs is None or refs["model"] != model or refs["max_new_tokens"] != a.max_new_tokens:
-        refs = greedy_refs(model, a.max_new_tokens, None, lambda s: print(s, file=sys.stderr, flush=True))
-        refs_path.write_text(json.dumps(refs))
+    refs = cached_refs(Path(a.refs), model, a.max_new_tokens)
     try:
         kw: dict = {"suffix_cache_tokens": 0} if a.no_cache and a.method == "suffix" else {}
         if a.factor is not None:

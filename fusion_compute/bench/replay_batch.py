@@ -274,7 +274,7 @@ def batches(
 def main(argv: list[str] | None = None) -> int:
     from ..generation.speculative_config import SpeculativeConfig
     from ..weights.loader import resolve_model_path
-    from .replay import WORKLOAD_NAMES, greedy_refs
+    from .replay import WORKLOAD_NAMES, cached_refs
 
     p = argparse.ArgumentParser(prog="python -m fusion_compute.bench.replay_batch", description=__doc__.splitlines()[0])
     p.add_argument("--step-width", required=True, help="bench/step_width.py's JSON line (its median_ms)")
@@ -303,12 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.rtt_ms < 0 or a.sessions < 1 or a.output_tokens < 2:
         print("bench.replay_batch: --rtt-ms >= 0, --sessions >= 1 and --output-tokens >= 2", file=sys.stderr)
         return 2
-    model = str(resolve_model_path(None))
-    refs_path = Path(a.refs)
-    refs = json.loads(refs_path.read_text()) if refs_path.is_file() else None
-    if refs is None or refs["model"] != model:
-        refs = greedy_refs(model, 128, None, lambda s: print(s, file=sys.stderr, flush=True))
-        refs_path.write_text(json.dumps(refs))
+    refs = cached_refs(Path(a.refs), str(resolve_model_path(None)), 128)  # bench/replay.py's default length
     cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=a.k, suffix_cache_tokens=0)
     report: dict = {"rtt_ms": a.rtt_ms, "model_residual_ms": steps.residuals(ms)}
     for name in a.workload or WORKLOAD_NAMES:

@@ -198,7 +198,7 @@ class BatchRunner:
                     self.engine.keep_path(seq.slot, path)
             else:
                 toks = [self._samplers[seq.slot](lg)]
-            budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+            budget = self._tokens_allowed(seq)
             emitted = len(seq.out)
             decode = emitted > 0
             for tok in toks:
@@ -217,6 +217,10 @@ class BatchRunner:
             self._retire(seq)
         return done
 
+    def _tokens_allowed(self, seq: Sequence) -> int:
+        """The most tokens `seq` may generate in all: its max_new_tokens, within the context."""
+        return min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+
     def _draft(self, seq: Sequence) -> TokenTree | None:
         """The columns `seq` proposes this step after its last token, as a token tree (a chain from a
         chain drafter, or where the engine cannot verify trees): none at its prefill, without a
@@ -225,7 +229,7 @@ class BatchRunner:
         tree is cut to that many columns, never written past the end)."""
         if not seq.out or self.speculator is None:
             return None
-        budget = min(seq.max_new_tokens, self.engine.context - len(seq.prompt_ids))
+        budget = self._tokens_allowed(seq)
         # a greedy session whose drafts the job's cost model prices: that model is the gate (_budget)
         priced = self._cost is not None and seq.sampling.greedy and self._cost.costs() is not None
         k = min(self._lengths[seq.slot].next(priced), budget - len(seq.out) - 1)
@@ -329,7 +333,7 @@ class BatchRunner:
         taus, left = [], []
         for s in decoding:
             tau = max(1.0, (len(s.out) - 1) / (s.steps - 1)) if s.steps > 1 else 1.0
-            budget = min(s.max_new_tokens, self.engine.context - len(s.prompt_ids))
+            budget = self._tokens_allowed(s)
             taus.append(tau)
             left.append((budget - len(s.out)) / tau)
         first = [g[0] if g else 0.0 for g in gains]
@@ -338,7 +342,7 @@ class BatchRunner:
         # and no drafts to gain with (it is counted among the others, never as i)
         for s in seqs:
             if not s.out:
-                left.append(float(min(s.max_new_tokens, self.engine.context - len(s.prompt_ids))))
+                left.append(float(self._tokens_allowed(s)))
                 first.append(0.0)
                 full.append(0.0)
         worth = []
