@@ -48,6 +48,17 @@ def test_the_block_check_refuses_nan_inf_and_values_over_the_bound_and_passes_th
     assert "over" in block_fault(torch.tensor([1e30, -1e30]))
     assert "over" in block_fault(torch.tensor([3e38], dtype=torch.bfloat16))  # in a 2-byte dtype too
     assert block_fault(torch.empty(0, 4)) is None
+    # the one-pass bound (aminmax) lets none through: a NaN or a negative value over the bound alone in
+    # a large block, at its last element (the vectorized kernels' tail), in a 2-byte dtype too
+    for dtype in (torch.float32, torch.bfloat16):
+        for bad, why in (
+            (math.nan, "1 NaN"),
+            (-math.inf, "1 NaN or infinite"),
+            (-PEER_VALUE_LIMIT * 2, "1 value(s) over"),
+        ):
+            block = torch.zeros(1536, 33, dtype=dtype)
+            block[-1, -1] = bad
+            assert why in (block_fault(block) or ""), (dtype, bad)
     # the egress (a partial the client sums with N - 1 others): finite, and each token's sum of
     # squares within its 1/N² share of the client's limit
     assert egress_fault(torch.randn(16, 4), 3) is None

@@ -42,6 +42,13 @@ def block_fault(block: torch.Tensor) -> str | None:
     every value is finite and at most PEER_VALUE_LIMIT in magnitude. Two reductions over the block."""
     if block.numel() == 0:
         return None
+    # The usual case in one pass: every value within the bound (a NaN fails both comparisons, and
+    # aminmax carries it). A separate isfinite, all, abs and max cost 8-17 us a decode block and ~110 us a
+    # 1536 x 32 one, against 2 and ~11 (one torch thread, this project's 2-core machine); every
+    # partial of every reduce-scatter is checked twice, by its sender and its receiver.
+    lo, hi = torch.aminmax(block)
+    if -PEER_VALUE_LIMIT <= float(lo) and float(hi) <= PEER_VALUE_LIMIT:
+        return None
     finite = torch.isfinite(block)
     if not bool(finite.all()):
         return f"{int((~finite).sum())} NaN or infinite value(s) of {block.numel()}"
