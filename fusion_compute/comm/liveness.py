@@ -184,6 +184,10 @@ class Watch:
         self._failed: dict[int, str] = {}
         self._ignored: set[int] = set()
         self._saw: dict[int, dict] = {}  # each worker's last answer to `ask`
+        # a link whose receive failed (closed, cut, garbled): nothing more can be read from it, and its
+        # socket stays readable (at its end), so polling it again would spin this thread at a whole core
+        # until the rank is forgotten or rejoins (0.18 s of CPU in every job's close, measured)
+        self._broken: dict[int, Link] = {}
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fusion-watch", daemon=True)
@@ -199,6 +203,7 @@ class Watch:
             self._locks[rank] = threading.Lock()
             self._seen[rank] = time.monotonic()
             self._failed.pop(rank, None)
+            self._broken.pop(rank, None)
             self._ignored.discard(rank)
         if old is not None and old is not link:
             old.close()
@@ -207,6 +212,7 @@ class Watch:
         """Stop watching `rank` (revoked, or its failure is handled): its silence is no news."""
         with self._guard:
             link = self._links.pop(rank, None)
+            self._broken.pop(rank, None)
             self._ignored.add(rank)
             self._failed.pop(rank, None)
         if link is not None:
@@ -294,7 +300,12 @@ class Watch:
         while not self._stop.is_set():
             with self._guard:
                 links = dict(self._links)
-            by_sock = {link.sock: (rank, link) for rank, link in links.items() if not link.closed}
+                broken = dict(self._broken)
+            by_sock = {
+                link.sock: (rank, link)
+                for rank, link in links.items()
+                if not link.closed and broken.get(rank) is not link
+            }
             ready = [by_sock[s] for s in by_sock if by_sock[s][1].has_buffered()]
             if not ready and by_sock:
                 try:
@@ -318,6 +329,9 @@ class Watch:
                         with self._guard:
                             self._saw[rank] = msg["saw"]
                 except (CommError, OSError, ValueError) as e:
+                    with self._guard:
+                        if self._links.get(rank) is link:
+                            self._broken[rank] = link
                     if link.said is not None:  # it said why as it left
                         self._fail(rank, f"{link.label} exited: {link.said}")
                     else:
