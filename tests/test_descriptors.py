@@ -156,6 +156,35 @@ def test_a_workers_output_file_is_closed_when_it_exits_and_its_last_words_kept()
         procs.stop(grace_s=0)
 
 
+def test_closing_wakes_the_watchdog_and_the_admission_thread_at_once(monkeypatch):
+    """A job's close ends WorkerProcs's watchdog and the client's admission thread when it is asked
+    to, not at their next tick: with both ticks made 30 s long here, each object's close returns with
+    its thread gone well within them (a job's close waited ~0.24 s for the two 0.2 / 0.25 s ticks)."""
+    from fusion_compute.comm.rendezvous import Admission
+    from fusion_compute.runtime import launch
+
+    monkeypatch.setattr(launch, "WATCH_S", 30.0)
+    started: list[_Started] = []
+
+    def launcher(args, env, log, stdin):
+        started.append(_Started())
+        return started[-1]
+
+    procs = launch.WorkerProcs(lambda rank: [], 1, launcher=launcher)
+    time.sleep(0.1)  # the watchdog in its wait
+    started[0].exit(0)
+    t0 = time.monotonic()
+    procs.stop(grace_s=0)
+    assert time.monotonic() - t0 < 10 and not procs._watch.is_alive()
+
+    adm = Admission(None, [], "127.0.0.1")
+    adm.sock.settimeout(30.0)  # its accept, blocked for the whole tick
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    adm.close()
+    assert time.monotonic() - t0 < 10 and not adm._thread.is_alive()
+
+
 def test_readable_waits_on_a_descriptor_past_select_ceiling():
     """The wait every link uses (comm/readiness.py) on a socket numbered past 1,024: nothing to read
     yet, then the byte sent; select.select refuses the same socket (the fault this replaces)."""

@@ -147,6 +147,7 @@ class WorkerProcs:
         self.procs: list[Proc] = []
         self.logs: list[IO[bytes]] = []  # a finished worker's is closed (its fileno() raises ValueError)
         self.closing = False
+        self._stopping = threading.Event()  # `stop` wakes the watchdog at once (its join waited up to WATCH_S)
         self.failures: list[tuple[int, str]] = []
         self.quiet = True  # during start-up the client's own error says it; afterwards the watchdog does
         self.retired: set[int] = set()  # ranks told to leave (revoked): their exit is expected
@@ -232,7 +233,7 @@ class WorkerProcs:
                         )
                         sys.stderr.flush()
                 self._settle(i)
-            time.sleep(WATCH_S)
+            self._stopping.wait(WATCH_S)
 
     def failure(self) -> tuple[int, str] | None:
         """(rank, last error line) of the first worker that exited unexpectedly, if any."""
@@ -242,6 +243,7 @@ class WorkerProcs:
         """Wait up to `grace_s` for the workers to leave (they were told to), stop any still there,
         and close every output file: afterwards this object holds no process, thread or descriptor."""
         self.closing = True
+        self._stopping.set()
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             while p.poll() is None and time.monotonic() < deadline:
