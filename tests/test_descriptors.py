@@ -185,6 +185,23 @@ def test_closing_wakes_the_watchdog_and_the_admission_thread_at_once(monkeypatch
     assert time.monotonic() - t0 < 10 and not adm._thread.is_alive()
 
 
+def test_linking_up_with_peers_ends_the_accept_thread_at_once(tiny_qwen2, monkeypatch):
+    """A worker's link-up with its peers (rendezvous._link_peers) ends its accept thread once every
+    peer has linked, not at the thread's next tick: with the tick made 30 s, a job of in-process
+    workers starts with no accept thread left (each epoch's link-up waited ~0.25 s for it)."""
+    import threading
+
+    from inproc import threads
+
+    from fusion_compute.comm import rendezvous
+    from fusion_compute.structural.client import Engine
+
+    monkeypatch.setattr(rendezvous, "ACCEPT_TICK_S", 30.0)
+    with Engine(tiny_qwen2, threads(n_workers=3, context=32)):
+        left = [t.name for t in threading.enumerate() if t.name.startswith("fusion-accept-")]
+    assert left == []
+
+
 def test_readable_waits_on_a_descriptor_past_select_ceiling():
     """The wait every link uses (comm/readiness.py) on a socket numbered past 1,024: nothing to read
     yet, then the byte sent; select.select refuses the same socket (the fault this replaces)."""

@@ -64,6 +64,7 @@ MAX_PENDING = 64
 BACKLOG = 1024
 LOG_FIRST = 10  # refusals logged one line each per reason; after that, a line at each power of ten
 RETRY_S = 0.2
+ACCEPT_TICK_S = 0.25  # how often an accept loop looks whether it should stop (its closer also wakes it)
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ class Admission:
         self._gone: set[int] = set()  # revoked or failed for good: refused from now on
         self._arrived: queue.Queue[Joined] = queue.Queue()
         self._stop = threading.Event()
-        self.sock.settimeout(0.25)  # the accept loop checks `_stop` this often
+        self.sock.settimeout(ACCEPT_TICK_S)  # the accept loop checks `_stop` this often
         self._thread = threading.Thread(target=self._accept_loop, name="fusion-admission", daemon=True)
         self._thread.start()
 
@@ -493,7 +494,7 @@ class Admission:
         self._stop.set()
         try:
             # shutdown wakes the admission thread's accept at once (Linux: EINVAL); close alone leaves
-            # it blocked until its 0.25 s timeout, which the join below waited for at every job's close
+            # it blocked until its tick, which the join below waited for at every job's close
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
@@ -712,7 +713,7 @@ def _link_peers(
             greeters.start(conn, addr, greet)
 
     links: dict[int, Link] = {}
-    listener.settimeout(0.25)  # the accept loop checks `finished` this often
+    listener.settimeout(ACCEPT_TICK_S)  # the accept loop checks `finished` this often
     acceptor = threading.Thread(target=accept_loop, name=f"fusion-accept-{rank}", daemon=True)
     acceptor.start()
     try:
@@ -767,5 +768,9 @@ def _link_peers(
                 arrived.get_nowait()[2].close()
             except queue.Empty:
                 break
+        try:  # wake the accept at once (Linux: EINVAL), rather than at its tick: every epoch's link-up waited for it
+            listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         acceptor.join(timeout=1.0)
     return links
