@@ -226,6 +226,58 @@ def test_the_watch_stops_reading_a_pulse_link_that_failed(monkeypatch):
         watch.close()
 
 
+def test_no_pulse_message_stops_the_watch():
+    """A worker that sends 60,000 "[" on its pulse link (json's decoder recurses per level: a
+    RecursionError, not a ValueError) is failed for it, and the watch goes on: another worker's
+    closed link is still noticed. The thread used to die there, and no failure was recorded again."""
+    from fusion_compute.comm import Watch
+
+    liar_end, liar_client = tcp_pair()
+    honest_end, honest_client = tcp_pair()
+    watch = Watch(deadline_s=30)
+    try:
+        watch.add(1, liar_client)
+        watch.add(2, honest_client)
+        liar_end.send(memoryview(b"[" * 60000))
+        liar_end.flush(time.monotonic() + 5)
+        deadline = time.monotonic() + 10
+        while 1 not in watch.failed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "nested too deep" in watch.failed()[1]
+        honest_end.close()
+        while 2 not in watch.failed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "exited: its connection closed" in watch.failed().get(2, "")
+    finally:
+        watch.close()
+        liar_end.close()
+
+
+def test_a_read_cut_by_the_ranks_rejoining_fails_nobody():
+    """The watch is in the middle of reading a worker's pulse message (half a frame header sent) when
+    the worker rejoins on a new link (`add` closes the old one): the failed read is the old link's,
+    not news about the worker now beating on the new one."""
+    from fusion_compute.comm import Pulse, Watch
+
+    old_end, old_client = tcp_pair()
+    watch = Watch(deadline_s=30)
+    pulse = None
+    try:
+        watch.add(1, old_client)
+        old_end.sock.sendall(b"\x00\x00")  # a frame header's first bytes: the watch waits for the rest
+        time.sleep(0.3)
+        new_end, new_client = tcp_pair()
+        pulse = Pulse(new_end, lambda word: None, lambda: None, interval_s=0.05)
+        watch.add(1, new_client)
+        time.sleep(0.5)
+        assert watch.failed() == {}
+    finally:
+        if pulse is not None:
+            pulse.close()
+        watch.close()
+        old_end.close()
+
+
 @pytest.mark.slow
 def test_health_of_a_served_job_says_the_workers_own_words(tmp_path):
     """`fusion serve`'s path: the request that lost the worker gets 503 with its words, `/health`

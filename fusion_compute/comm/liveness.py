@@ -39,7 +39,11 @@ def _send(link: Link, obj: dict) -> None:
 
 
 def _recv(link: Link, wait_s: float) -> dict:
-    return json.loads(link.recv_bytes(time.monotonic() + wait_s, 1 << 16))
+    data = link.recv_bytes(time.monotonic() + wait_s, 1 << 16)
+    try:
+        return json.loads(data)
+    except RecursionError:  # e.g. 60,000 "[": json's decoder recurses per level; malformed as any other
+        raise ValueError("a pulse message nested too deep") from None
 
 
 class Pulse:
@@ -328,10 +332,13 @@ class Watch:
                     if isinstance(msg, dict) and isinstance(msg.get("saw"), dict):
                         with self._guard:
                             self._saw[rank] = msg["saw"]
-                except (CommError, OSError, ValueError) as e:
+                except Exception as e:  # whatever a peer sends, this thread goes on watching the others
                     with self._guard:
-                        if self._links.get(rank) is link:
+                        current = self._links.get(rank) is link
+                        if current:
                             self._broken[rank] = link
+                    if not current:  # replaced (its rank rejoined) or forgotten while this read was on
+                        continue
                     if link.said is not None:  # it said why as it left
                         self._fail(rank, f"{link.label} exited: {link.said}")
                     else:
