@@ -337,9 +337,9 @@ MUTANTS += [
     (
         "blame-link-sets-not-liar-only",
         R + "runtime/blame.py",
-        "causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))\n"
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs))\n"
         '        return set(), Verdict(None, causes, "; ".join(words), liar_only=True)',
-        "causes = tuple(dict.fromkeys(accused + sorted(counted) + [w for ring in rings for w in ring]))\n"
+        "causes = tuple(dict.fromkeys(accused + sorted(counted) + pairs))\n"
         '        return set(), Verdict(None, causes, "; ".join(words))',
         [B41 + "test_only_sets_that_hold_a_liar_are_marked_to_feed_follows"],
     ),
@@ -893,9 +893,37 @@ MUTANTS += [
     (  # issue 43 (branch nevers): a single session's span cost is fitted from its steps with and without drafts
         "t43-single-span-not-fitted",
         R + "generation/speculative.py",
-        "if statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS:",
-        "if statistics.pstdev(ss) > 0.5:",
+        "statistics.pstdev(ss) > 0.5 or min(ss.count(low), len(ss) - ss.count(low)) >= SPAN_MIN_STEPS",
+        "statistics.pstdev(ss) > 0.5",
         ["test_speculative.py::test_a_single_sessions_span_cost_is_fitted"],
+    ),
+    (  # the value check's one-pass bound: a NaN fails both comparisons (aminmax carries it)
+        "w42-value-check-lets-nan-pass",
+        R + "comm/value_checks.py",
+        "if -PEER_VALUE_LIMIT <= float(lo) and float(hi) <= PEER_VALUE_LIMIT:",
+        "if not (float(lo) < -PEER_VALUE_LIMIT or float(hi) > PEER_VALUE_LIMIT):",
+        ["test_poisoned_partials.py::test_the_block_check_refuses_nan_inf_and_values_over_the_bound_and_passes_the_rest"],
+    ),
+    (  # the client's watch leaves a failed pulse link alone (it re-read it at a whole core)
+        "w42-watch-rereads-a-failed-link",
+        R + "comm/liveness.py",
+        "if not link.closed and broken.get(rank) is not link",
+        "if not link.closed",
+        ["test_worker_errors.py::test_the_watch_stops_reading_a_pulse_link_that_failed"],
+    ),
+    (  # a pulse message nested too deep for json is malformed, not the end of the watch thread
+        "w42-watch-deep-message-not-malformed",
+        R + "comm/liveness.py",
+        "    except RecursionError:",
+        "    except ZeroDivisionError:",
+        ["test_worker_errors.py::test_no_pulse_message_stops_the_watch"],
+    ),
+    (  # a read cut by the rank's rejoining is not news about the worker on its new link
+        "w42-watch-fails-a-rejoined-rank",
+        R + "comm/liveness.py",
+        "                    if not current:  # replaced (its rank rejoined) or forgotten while this read was on",
+        "                    if False:",
+        ["test_worker_errors.py::test_a_read_cut_by_the_ranks_rejoining_fails_nobody"],
     ),
 ]
 
