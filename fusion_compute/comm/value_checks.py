@@ -39,7 +39,8 @@ PEER_VALUE_LIMIT = math.sqrt(_FLOAT32_MAX / 2)  # ≈ 1.3e19: see the module doc
 
 def block_fault(block: torch.Tensor) -> str | None:
     """Why `block` (a partial of a reduce-scatter or a score sum) cannot be on the wire, or None when
-    every value is finite and at most PEER_VALUE_LIMIT in magnitude. Two reductions over the block."""
+    every value is finite and at most PEER_VALUE_LIMIT in magnitude. One reduction over the block when
+    it passes; the reasons are counted only when it does not."""
     if block.numel() == 0:
         return None
     # The usual case in one pass: every value within the bound (a NaN fails both comparisons, and
