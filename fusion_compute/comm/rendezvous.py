@@ -219,6 +219,31 @@ class Joined:
 # ---- client side ----
 
 
+def accept_until(
+    sock: socket.socket, stop: threading.Event, greeters: Greeters, greet: Callable[[socket.socket, Any], None]
+) -> None:
+    """Hand each connection `sock` accepts to `greeters` (`greet(conn, addr)` in its own thread) until
+    `stop` is set (looked at every ACCEPT_TICK_S, the socket's timeout) or the socket is shut down or
+    closed (`stop_accepting`)."""
+    while not stop.is_set():
+        try:
+            conn, addr = sock.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        greeters.start(conn, addr, greet)
+
+
+def stop_accepting(sock: socket.socket) -> None:
+    """Shut a listening socket down: a thread blocked in its `accept` returns at once (Linux: EINVAL),
+    where closing it alone leaves that thread blocked until its tick, which whoever joins it waits for."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class Admission:
     """The client's listener and roster, for the whole job. Its own thread greets every connection,
     refuses strangers, routes pulse links to `on_pulse` and answers standbys; the engine collects
@@ -257,7 +282,12 @@ class Admission:
         self._arrived: queue.Queue[Joined] = queue.Queue()
         self._stop = threading.Event()
         self.sock.settimeout(ACCEPT_TICK_S)  # the accept loop checks `_stop` this often
-        self._thread = threading.Thread(target=self._accept_loop, name="fusion-admission", daemon=True)
+        self._thread = threading.Thread(
+            target=accept_until,
+            args=(self.sock, self._stop, self.greeters, self._greet),
+            name="fusion-admission",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -275,16 +305,6 @@ class Admission:
             link.close()
 
     # ---- the admission thread ----
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, addr = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.greeters.start(conn, addr, self._greet)
 
     def _greet(self, conn: socket.socket, addr: Any) -> None:
         """Handshake, JOIN and verdict of one connection, in its own thread (Greeters)."""
@@ -492,12 +512,7 @@ class Admission:
 
     def close(self) -> None:
         self._stop.set()
-        try:
-            # shutdown wakes the admission thread's accept at once (Linux: EINVAL); close alone leaves
-            # it blocked until its tick, which the join below waited for at every job's close
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        stop_accepting(self.sock)
         try:
             self.sock.close()
         except OSError:
@@ -702,19 +717,11 @@ def _link_peers(
                 greeters.authenticated(conn)
                 arrived.put((q, where, link))
 
-    def accept_loop() -> None:
-        while not finished.is_set():
-            try:
-                conn, addr = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            greeters.start(conn, addr, greet)
-
     links: dict[int, Link] = {}
     listener.settimeout(ACCEPT_TICK_S)  # the accept loop checks `finished` this often
-    acceptor = threading.Thread(target=accept_loop, name=f"fusion-accept-{rank}", daemon=True)
+    acceptor = threading.Thread(
+        target=accept_until, args=(listener, finished, greeters, greet), name=f"fusion-accept-{rank}", daemon=True
+    )
     acceptor.start()
     try:
         for q in sorted(r for r in table if r < rank):
@@ -768,9 +775,6 @@ def _link_peers(
                 arrived.get_nowait()[2].close()
             except queue.Empty:
                 break
-        try:  # wake the accept at once (Linux: EINVAL), rather than at its tick: every epoch's link-up waited for it
-            listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        stop_accepting(listener)  # every epoch's link-up waited for the accept's tick here
         acceptor.join(timeout=1.0)
     return links
