@@ -291,15 +291,12 @@ class BatchRunner:
             else:
                 gains.append(chain_gains(q, len(t) - 1))
         fixed = [not s.sampling.greedy for s in decoding]
-        if len(decoding) > 1 and not self.waiting:  # a fixed batch: its steps last as long as its last session
-            worth = self._worth(seqs, decoding, gains)
-            ks = (
-                self._cost.allocate(sizes, rates, fixed, gains)
-                if worth is None
-                else self._cost.allocate_worth(sizes, gains, worth, fixed)
-            )
-        else:
+        # a fixed batch (none waits for a slot) steps as long as its last session: its tokens' worth
+        worth = self._worth(seqs, decoding, gains) if len(decoding) > 1 and not self.waiting else None
+        if worth is None:
             ks = self._cost.allocate(sizes, rates, fixed, gains)
+        else:
+            ks = self._cost.allocate_worth(sizes, gains, worth, fixed)
         out = dict(drafts)
         for s, k in zip(decoding, ks, strict=True):
             t = drafts[s.slot]
