@@ -102,7 +102,7 @@ class SuffixDrafter:
                 self._failed = e
 
         thread = threading.Thread(target=build, name="fusion-suffix-trie", daemon=True)
-        thread.start()  # if that fails (no thread to be had), the first draft builds the trie instead
+        thread.start()  # (kept only once started: if this raises, no close waits on a thread never started)
         self._building = thread
 
     def _join(self, raise_failed: bool = True) -> None:
