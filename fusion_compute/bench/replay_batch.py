@@ -197,13 +197,13 @@ def run(
     seqs = [Sequence(list(r["prompt"]), len(r["output"]), SamplingParams(), r["stop"]) for r in rows]
     for s in seqs:
         runner.add(s)
+    seq_of = {s.slot: s for s in seqs}
     while runner.active:
         runner.waiting = int(queued)
         before = {s.slot: (len(s.out), _drafted(s)) for s in runner.active.values()}
         runner.step()
         if log is not None:
             entry = dict(eng.log[-1])
-            seq_of = {s.slot: s for s in seqs}
             entry["drafts"] = [_drafted(seq_of[k]) - d for k, (_, d) in before.items()]
             entry["tokens"] = [len(seq_of[k].out) - n for k, (n, _) in before.items()]
             cost = speculator.cost.costs() if speculator is not None and speculator.cost is not None else None
