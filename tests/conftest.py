@@ -160,14 +160,29 @@ def smollm_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm_ref(smollm_path, tmp_path_factory):
-    """transformers' SmolLM2 in float64 (model/reference.py), loaded from the GGUF once per run.
+def smollm_reference(smollm_path, tmp_path_factory):
+    """A loader of transformers' SmolLM2 in float64 (model/reference.py): the model is loaded on the
+    first call, once per pytest process, and never where no call comes. smollm_greedy.greedy takes it,
+    so a process whose greedy references were all computed by another one (its shared store) loads
+    nothing (~3 s of CPU each).
 
     transformers' GGUF path costs ~20 s of CPU, most of it parsing the file's metadata, and each
-    pytest process (xdist) needs the model. The first one to ask loads it so and leaves its weights in
-    the run's shared temporary folder with its config, as float32 (exact: asserted, they are
-    dequantized from 4-bit blocks with float16 scales); the others load that folder (~3 s). Weights
+    pytest process (xdist) that calls this needs the model. The first one to ask loads it so and leaves
+    its weights in the run's shared temporary folder with its config, as float32 (exact: asserted, they
+    are dequantized from 4-bit blocks with float16 scales); the others load that folder (~3 s). Weights
     and logits are bit-identical either way (checked when this was written)."""
+    import functools
+
+    return functools.cache(lambda: _load_smollm_reference(smollm_path, tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def smollm_ref(smollm_reference):
+    """transformers' SmolLM2 in float64, loaded now (smollm_reference): for tests that read its logits."""
+    return smollm_reference()
+
+
+def _load_smollm_reference(smollm_path, tmp_path_factory):
     import fcntl
 
     import torch

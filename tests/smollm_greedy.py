@@ -8,10 +8,11 @@ with transformers' KV cache computes token t the same way however many tokens fo
 tokens of a longer run are the n-token run (or the whole run, where it stopped at an end token
 first): a request is answered from the longest run of its prompt stored so far, else computed and
 stored. The store is the run's shared temporary folder (under xdist, every process's; as conftest.py's
-smollm_ref), a JSON file per prompt, written whole under a lock: nothing outlives the run, and nothing
-is recorded in the tests.
+smollm_reference), a JSON file per prompt, written whole under a lock: nothing outlives the run, and
+nothing is recorded in the tests. transformers' model is asked for (`load_ref()`, conftest.py's
+smollm_reference) only to compute a run, so a process answered from the store never loads it.
 
-    want = greedy(smollm_ref, ids, 16, tok.eos_ids, tmp_path_factory)
+    want = greedy(smollm_reference, ids, 16, tok.eos_ids, tmp_path_factory)
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,10 +40,14 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def greedy(
-    ref, ids: list[int], n: int, stop_ids: tuple[int, ...], tmp_path_factory: pytest.TempPathFactory
+    load_ref: Callable[[], Any],
+    ids: list[int],
+    n: int,
+    stop_ids: tuple[int, ...],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> list[int]:
-    """reference.greedy(ref, ids, n, stop_ids), answered from this run's longest stored run of `ids`
-    when it covers n tokens."""
+    """reference.greedy(load_ref(), ids, n, stop_ids), answered from this run's longest stored run of
+    `ids` when it covers n tokens (then load_ref is not called)."""
     key = hashlib.sha256(json.dumps([list(ids), sorted(stop_ids)]).encode()).hexdigest()[:24]
     path = store(tmp_path_factory) / f"{key}.json"
     with open(path.with_suffix(".lock"), "w") as lock:
@@ -50,7 +57,7 @@ def greedy(
             tokens, asked = run["tokens"], run["max_new_tokens"]
             if asked >= n or len(tokens) < asked:  # long enough, or it stopped at an end token
                 return tokens[:n]
-        tokens = reference.greedy(ref, ids, n, stop_ids=stop_ids)
+        tokens = reference.greedy(load_ref(), ids, n, stop_ids=stop_ids)
         path.with_suffix(".part").write_text(json.dumps({"max_new_tokens": n, "tokens": tokens}))
         path.with_suffix(".part").rename(path)
         return tokens

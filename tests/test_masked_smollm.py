@@ -33,18 +33,18 @@ QUESTION = "What is the capital of France?"
 NEW_TOKENS = 16
 
 
-def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_ref, tmp_path, tmp_path_factory):
+def test_masked_paris_exact_and_a_learns_nothing(smollm_path, smollm_reference, tmp_path, tmp_path_factory):
     tok = load_tokenizer(smollm_path)
     ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
     src = open_weights(smollm_path)
     d = tmp_path / "audit"
-    want = greedy(smollm_ref, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)  # transformers' (smollm_greedy.py)
+    want = greedy(smollm_reference, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)  # transformers' (smollm_greedy.py)
 
     # The same job then decodes test_speculative_smollm's first prompt with n-gram drafts (check(): greedy
     # tokens equal transformers', in fewer forwards), what that file ran on its own masked 1+1 job: one
     # job start less, and the audit below covers the speculative steps and their rollbacks too.
     spec_ids = tok.chat_ids([{"role": "user", "content": SPEC_PROMPTS[0]}])
-    spec_want = greedy(smollm_ref, spec_ids, SPEC_NEW_TOKENS, tok.eos_ids, tmp_path_factory)
+    spec_want = greedy(smollm_reference, spec_ids, SPEC_NEW_TOKENS, tok.eos_ids, tmp_path_factory)
     with MaskedEngine(smollm_path, MaskedOptions(n_a=2, n_b=2, context=128, audit_dir=str(d)), source=src) as eng:
         res = generate(eng, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_ids=tok.eos_ids)
         speculative_check(eng, tok, [(spec_ids, spec_want)])

@@ -21,10 +21,10 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def chat_ids(smollm_path, smollm_ref, tmp_path_factory):
+def chat_ids(smollm_path, smollm_reference, tmp_path_factory):
     tok = load_tokenizer(smollm_path)
     ids = tok.chat_ids([{"role": "user", "content": "Name three colours of the rainbow."}])
-    want = greedy(smollm_ref, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)  # transformers' (smollm_greedy.py)
+    want = greedy(smollm_reference, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)  # transformers' (smollm_greedy.py)
     return tok, ids, want
 
 
@@ -43,7 +43,7 @@ def test_greedy_identical_to_transformers(smollm_path, chat_ids, n):
     assert got.token_ids == want, f"N={n}: first diverging token at {first}: {tok.decode(got.token_ids)!r}"
 
 
-def test_cli_json_answers_paris(smollm_path, smollm_ref, tmp_path_factory):
+def test_cli_json_answers_paris(smollm_path, smollm_reference, tmp_path_factory):
     """No --chat: the chat template is the default for a model that has one (as llama.cpp's and Ollama's)."""
     out = procs.run("generate", "--workers", "3", "--prompt", QUESTION, "--max-tokens", "16", "--json", timeout=300)
     assert out.returncode == 0, out.stderr
@@ -56,7 +56,7 @@ def test_cli_json_answers_paris(smollm_path, smollm_ref, tmp_path_factory):
     tok = load_tokenizer(smollm_path)
     ids = tok.chat_ids([{"role": "user", "content": QUESTION}])
     assert res["prompt_tokens"] == len(ids)
-    assert res["token_ids"] == greedy(smollm_ref, ids, 16, tok.eos_ids, tmp_path_factory)
+    assert res["token_ids"] == greedy(smollm_reference, ids, 16, tok.eos_ids, tmp_path_factory)
 
 
 def test_recovery_revocation_and_migration_keep_the_logits(smollm_path):

@@ -29,12 +29,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def cases(smollm_path, smollm_ref, tmp_path_factory):
+def cases(smollm_path, smollm_reference, tmp_path_factory):
     tok = load_tokenizer(smollm_path)
     out = []
     for text in PROMPTS:
         ids = tok.chat_ids([{"role": "user", "content": text}])
-        out.append((ids, greedy(smollm_ref, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)))  # transformers'
+        out.append((ids, greedy(smollm_reference, ids, NEW_TOKENS, tok.eos_ids, tmp_path_factory)))  # transformers'
     return tok, out
 
 
