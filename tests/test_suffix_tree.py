@@ -7,6 +7,7 @@ small alphabet (hypothesis), so that substrings recur, branch and tie."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -449,3 +450,23 @@ def test_a_trie_started_on_the_prompt_drafts_as_one_built_at_the_first_draft():
     again.start([[1]])
     again.close()  # the failure goes with the session
     assert again._failed is None and again._building is None
+
+
+def test_a_trie_whose_thread_cannot_start_is_built_at_the_first_draft(monkeypatch):
+    """A process at its thread limit (threading.Thread.start raises RuntimeError, "can't start new
+    thread"): SuffixDrafter.start leaves the trie to the first draft instead of failing the session's
+    admission, and that draft proposes what a drafter whose thread ran proposes."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6] * 4
+    started = SuffixDrafter(None, 16, 4.0)
+    started.start(prompt)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    starved = SuffixDrafter(None, 16, 4.0)
+    starved.start(prompt)  # no error: nothing is built yet
+    assert starved._building is None and len(starved.trie) == 0
+    a, b = started.propose_tree(prompt + [7], 8), starved.propose_tree(prompt + [7], 8)
+    assert (a.tokens, a.parents, a.probs) == (b.tokens, b.parents, b.probs) and a.tokens
+    starved.close()

@@ -92,7 +92,8 @@ class SuffixDrafter:
         client mostly waits on the workers then). Built at the first draft instead, it added ~0.1 s to
         the first decode step of a batch of 8 prompts of ~150 tokens (depth 64: ~60,000 nodes; profiled
         on this project's 2-core machine), serial with the workers. The trie is the one `_sync` would
-        build: the same tokens extended in the same order. Every reader joins it first (`_join`)."""
+        build: the same tokens extended in the same order. Every reader joins it first (`_join`). Where
+        no thread can be started, nothing is built here, and the first draft builds it."""
         tokens = list(prompt)
 
         def build() -> None:
@@ -102,8 +103,11 @@ class SuffixDrafter:
                 self._failed = e
 
         thread = threading.Thread(target=build, name="fusion-suffix-trie", daemon=True)
-        thread.start()  # (kept only once started: if this raises, no close waits on a thread never started)
-        self._building = thread
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (the process at its limit): the first draft builds it
+            return  # (`draft` syncs the trie with the session's tokens, the prompt included, as before)
+        self._building = thread  # (kept only once started: no close waits on a thread never started)
 
     def _join(self, raise_failed: bool = True) -> None:
         if self._building is not None:
