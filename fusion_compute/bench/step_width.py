@@ -1,6 +1,6 @@
 """What a wider decode step costs on this machine: the step's time against its columns, measured.
 
-    python -m fusion_compute.bench.step_width [--workers 2] [--repeats 8] [--model PATH] [--cpu]
+    python -m fusion_compute.bench.step_width [--workers 2] [--repeats 8] [--model PATH] [--cpu | --split]
 
 The speculative budget (generation/speculative.py, StepCost) prices a draft column and a drafting
 session from the job's own steps; its prior before the first fit (StepCost.prior, PRIOR_SPAN_COLUMNS)
@@ -17,7 +17,11 @@ cost, for bench/replay_batch.py, whose steps start with one). Prints one JSON li
 repeats. Greedy ids do not enter (the drafts are fixed tokens): this is timing only. `--cpu`: the
 workers run as threads of this process (`--executor inproc`) and each step is timed in this process's
 CPU seconds (client and workers together, the TLS links on loopback included), which a shared machine's
-load moves far less than wall time: what a step's arithmetic costs, not what it waits for.
+load moves far less than wall time: what a step's arithmetic costs, not what it waits for. `--split`
+(Linux, local worker processes): beside each shape's wall time, the CPU seconds the client process and
+the worker processes (together) spent on it, read from /proc: whether a step waits or computes, and who
+computes (where they share the cores, a step whose processes keep them busy has no idle time to hide a
+column's work in).
 """
 
 from __future__ import annotations
@@ -63,12 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--cpu", action="store_true", help="workers as threads; each step's CPU seconds, not wall")
+    p.add_argument("--split", action="store_true", help="also each step's CPU in the client and in the workers (Linux)")
     a = p.parse_args(argv)
     if a.repeats < 1 or a.workers < 1:
         print("bench.step_width: --repeats and --workers must be >= 1", file=sys.stderr)
         return 2
+    if a.split and (a.cpu or not os.path.exists("/proc/self/stat")):
+        print("bench.step_width: --split reads worker processes' /proc (Linux), without --cpu", file=sys.stderr)
+        return 2
     prompt = list(range(1000, 1060))
     times: dict[str, list[float]] = {k: [] for k in SHAPES}
+    client_cpu: dict[str, list[float]] = {k: [] for k in SHAPES}
+    worker_cpu: dict[str, list[float]] = {k: [] for k in SHAPES}
     clock, options = time.perf_counter, EngineOptions(n_workers=a.workers, context=256)
     if a.cpu:
         from ..cli.options import run_worker_in_thread
@@ -79,22 +89,28 @@ def main(argv: list[str] | None = None) -> int:
         eng.reset()
         for slot in range(8):
             eng.forward_batch([(slot, prompt)])
+        pids = eng.procs.pids if a.split and eng.procs is not None else []
         for r in range(a.repeats):
             order = list(SHAPES)
             random.Random(r).shuffle(order)
             for name in order:
                 widths = SHAPES[name]
                 items = [(slot, [2000 + j for j in range(w)]) for slot, w in enumerate(widths)]
-                t0 = clock()
                 full = set() if name in LAST_LOGITS_ONLY else {slot for slot, w in enumerate(widths) if w > 1}
+                w0, c0, t0 = processes_cpu(pids), time.process_time(), clock()
                 eng.forward_batch(items, all_logits=full)
                 times[name].append(clock() - t0)
+                client_cpu[name].append(time.process_time() - c0)
+                worker_cpu[name].append(processes_cpu(pids) - w0)
                 for slot, _ in items:
                     eng.rollback(slot, len(prompt))
+    # CPU as means over the repeats: /proc counts in clock ticks (10 ms), which a median would keep
+    split = {"client_cpu_mean_ms": means(client_cpu), "workers_cpu_mean_ms": means(worker_cpu)} if pids else {}
     print(
         json.dumps(
             {
                 "median_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in times.items()},
+                **split,
                 "ms": {k: [round(x * 1e3, 1) for x in v] for k, v in times.items()},
                 "clock": "process CPU" if a.cpu else "wall",
                 "load_average_1min": os.getloadavg()[0],
@@ -102,6 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def means(ms: dict[str, list[float]]) -> dict[str, float]:
+    return {k: round(statistics.fmean(v) * 1e3, 1) for k, v in ms.items()}
+
+
+def processes_cpu(pids: list[int]) -> float:
+    """User and system CPU seconds the processes `pids` have spent so far, all their threads (/proc;
+    at the kernel's clock tick, 10 ms: a step's figure is a mean over the repeats, not one reading)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
