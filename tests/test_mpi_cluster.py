@@ -199,7 +199,10 @@ def test_cluster_refusals(tiny_qwen2, tmp_path, standby, extra, message):
 @pytest.mark.slow
 def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
     """Each worker on its own host with its own key, but mpiexec's ranks in another order than the
-    topology's: the misplaced workers say so in one line, the client fails, nothing hangs."""
+    topology's: the client refuses the epoch in one line naming both misplaced workers (each said its
+    rank when it joined: rendezvous.launched_rank), every worker leaves with that line, nothing hangs.
+    (Before, each misplaced worker found out only once it had opened MPI, and the first to end its
+    epoch could end the job before the other had said so: a race the suite lost once under load.)"""
     with Hosts([CLIENT, *WORKERS]) as hosts:
         topo, keys = setup(hosts, tmp_path)
         launch = hosts.popen(CLIENT, mpiexec(topo, keys, tmp_path / "launch.sh", tiny_qwen2, order=(3, 2, 1)))
@@ -209,10 +212,14 @@ def test_rank_order_must_be_the_topology_order(tiny_qwen2, tmp_path):
         )
         out, err = client.communicate(timeout=300)
         w_out, w_err = launch.communicate(timeout=120)
-    assert client.returncode != 0 and "closed the connection" in err, err
-    said = w_out + w_err  # each misplaced worker says why, in one line, and ends its epoch
-    assert "mpiexec started this worker as rank 0 of 3, but it is worker 3 of 3 in the topology" in said, said
-    assert "mpiexec started this worker as rank 2 of 3, but it is worker 1 of 3 in the topology" in said, said
+    lines = [line for line in err.splitlines() if "mpiexec started the workers in another order" in line]
+    assert client.returncode != 0 and len(lines) == 1, err
+    assert "worker 1 [" in lines[0] and "is rank 2 of 3, not 0 of 3" in lines[0], lines[0]
+    assert "worker 3 [" in lines[0] and "is rank 0 of 3, not 2 of 3" in lines[0], lines[0]
+    assert "worker 2 [" not in lines[0], lines[0]  # rank 1, in its place
+    said = w_out + w_err  # every worker leaves with the client's refusal, none after opening MPI
+    assert said.count("the client refused this worker: mpiexec started the workers in another order") == 3, said
+    assert "mpiexec started this worker as rank" not in said, said
 
 
 def test_membership_changes_are_refused(tmp_path):
@@ -232,3 +239,39 @@ def test_membership_changes_are_refused(tmp_path):
         m.revoke(1)
     with pytest.raises(UnknownWorker, match="cannot add a standby"):
         m.add_standby()
+
+
+def test_a_worker_says_the_rank_mpiexec_gave_it():
+    """rendezvous.launched_rank: MPICH's PMI_RANK/PMI_SIZE or Open MPI's OMPI_COMM_WORLD_RANK/SIZE, read
+    before MPI loads; nothing outside mpiexec, nor from words that are not a rank inside its world."""
+    from fusion_compute.comm.rendezvous import launched_rank
+
+    assert launched_rank({"PMI_RANK": "2", "PMI_SIZE": "3"}) == (2, 3)
+    assert launched_rank({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}) == (0, 4)
+    assert launched_rank({}) is None
+    assert launched_rank({"PMI_RANK": "3", "PMI_SIZE": "3"}) is None  # outside its world
+    assert launched_rank({"PMI_RANK": "x", "PMI_SIZE": "3"}) is None
+    assert launched_rank({"PMI_RANK": "1"}) is None
+
+
+def test_the_client_names_every_worker_out_of_the_worlds_order():
+    """membership.out_of_world_order: nothing to say when every worker is mpiexec's rank of its place
+    (or said nothing: its own check runs when it opens MPI); else one line naming each misplaced one."""
+    from types import SimpleNamespace
+
+    from fusion_compute.runtime.membership import out_of_world_order
+
+    def joined(*launched):
+        return {
+            pid: SimpleNamespace(launched=lw, member=SimpleNamespace(label=lambda p=pid: f"worker {p} [h{p}]"))
+            for pid, lw in enumerate(launched, start=1)
+        }
+
+    assert out_of_world_order([1, 2, 3], joined((0, 3), (1, 3), (2, 3))) is None
+    assert out_of_world_order([1, 2, 3], joined((0, 3), None, (2, 3))) is None
+    why = out_of_world_order([1, 2, 3], joined((2, 3), (1, 3), (0, 3)))
+    assert why is not None and "\n" not in why
+    assert "worker 1 [h1] is rank 2 of 3, not 0 of 3" in why and "worker 3 [h3] is rank 0 of 3, not 2 of 3" in why
+    assert "worker 2" not in why
+    why = out_of_world_order([1, 2], joined((0, 3), (1, 3)))  # a world of another size
+    assert why is not None and "worker 1 [h1] is rank 0 of 3, not 0 of 2" in why

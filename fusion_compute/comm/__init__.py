@@ -36,7 +36,7 @@ from .fabrics import backend_of, open_fabric
 from .identity import Identity, IdentityError, PublicId
 from .links import farewell_all, farewell_on_failure, reason_of, say_farewell, wire_bytes
 from .liveness import Pulse, Watch, Witness
-from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, open_pulse
+from .rendezvous import Admission, Credentials, Joined, Member, join_epoch, launched_rank, open_pulse
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -74,6 +74,7 @@ __all__ = [
     "farewell_on_failure",
     "free_port",
     "join_epoch",
+    "launched_rank",
     "open_fabric",
     "open_pulse",
     "reason_of",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import queue
 import socket
 import ssl
@@ -214,6 +215,7 @@ class Joined:
     host: str  # where it listens for peers
     port: int
     epoch: int  # the epoch it was admitted for
+    launched: tuple[int, int] | None = None  # (rank, size) mpiexec gave it, as it says (`launched_rank`)
 
 
 # ---- client side ----
@@ -294,15 +296,16 @@ class Admission:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def refuse(self, joined: dict[int, Joined], line: str) -> None:
+        """Send every one of an epoch's admitted workers `line` as its refusal and close its link: the
+        epoch cannot start (the worker leaves with the line as its error, not a lost connection)."""
+        for j in joined.values():
+            _tell_refused(j.link, line)
+
     def _refuse(self, reason: str, line: str, link: Link | None = None) -> None:
         self.refusals.add(reason, line)
         if link is not None:
-            try:
-                send_json(link, {"refused": line})
-                link.flush(time.monotonic() + 1)
-            except CommError:
-                pass
-            link.close()
+            _tell_refused(link, line)
 
     # ---- the admission thread ----
 
@@ -353,7 +356,7 @@ class Admission:
         with self._lock:  # queued under the lock: `expect()` sorts the queue against one expectation
             epoch, wanted = self._expect
             if member.pid in wanted and join.get("epoch") in (None, epoch):
-                self._arrived.put(Joined(link, member, host, int(join["port"]), epoch))
+                self._arrived.put(Joined(link, member, host, int(join["port"]), epoch, _launched(join.get("launched"))))
                 return
         if member.standby or join.get("epoch") is None:  # a standby, or an early or spare worker
             try:
@@ -544,6 +547,38 @@ def _tls_refusal(e: BaseException) -> str:
     return str(getattr(e, "reason", None) or e)
 
 
+def _tell_refused(link: Link, line: str) -> None:
+    """A connection's refusal, `line`, sent (its reader's error) and the link closed."""
+    try:
+        send_json(link, {"refused": line})
+        link.flush(time.monotonic() + 1)
+    except CommError:
+        pass
+    link.close()
+
+
+def launched_rank(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """(rank, size) of this process in the world mpiexec started it in, from the launcher's environment
+    (MPICH's Hydra: PMI_RANK, PMI_SIZE; Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE), before
+    MPI itself is loaded; None outside mpiexec. A worker announces it when it joins, so that the client
+    can refuse workers started in another order than the topology's, naming each, before any of them
+    opens MPI (mpi_fabric.py checks the world again when it does)."""
+    env = os.environ if environ is None else environ
+    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank in env and size in env:
+            return _launched([env[rank], env[size]])
+    return None
+
+
+def _launched(value: Any) -> tuple[int, int] | None:
+    """A (rank, size) pair with 0 <= rank < size, from the launcher's words or a worker's JOIN; None else."""
+    try:
+        rank, size = (int(v) for v in value)
+    except (TypeError, ValueError):
+        return None
+    return (rank, size) if 0 <= rank < size else None
+
+
 @dataclass
 class Credentials:
     """How a worker reaches and proves itself to the client."""
@@ -554,6 +589,7 @@ class Credentials:
     claim_pid: int | None = None
     claim_group: str | None = None
     listen_host: str | None = None
+    launched: tuple[int, int] | None = None  # mpiexec's rank and world size for it (`launched_rank`)
     listen_ip: str = field(default="", init=False)  # learned from the first connection when not given
 
     def __post_init__(self) -> None:
@@ -631,6 +667,7 @@ def join_epoch(cred: Credentials, epoch: int | None, deadline: float, log: Calla
                 "epoch": epoch,
                 "host": lhost,
                 "port": lport,
+                **({"launched": list(cred.launched)} if cred.launched is not None else {}),
             },
         )
         try:

@@ -42,6 +42,7 @@ from ..comm import (
     Comm,
     CommError,
     Identity,
+    Joined,
     Member,
     PeerError,
     PeerLost,
@@ -811,6 +812,11 @@ class Membership:
             for p in order:
                 self.host.watch.tell(p, {"join": self.epoch})
         joined = adm.collect(order, deadline, abort=self.host.spawn_failure if self.epoch == 0 else lambda: None)
+        if self.opts.mpi_world:
+            misplaced = out_of_world_order(order, joined)
+            if misplaced:
+                adm.refuse(joined, misplaced)
+                raise CommError(misplaced)
         links = adm.welcome(self.epoch, order, joined, deadline, self.host.welcome_for)
         self.waits.start(self.epoch)  # the client's own account: which worker alone it waited for (comm.Comm)
         self.host.comm = Comm(
@@ -832,3 +838,23 @@ class Membership:
         for link in links.values():
             link.check = check
         return self.host.hello(deadline, order)
+
+
+def out_of_world_order(order: list[int], joined: dict[int, Joined]) -> str | None:
+    """Why workers that mpiexec started together cannot be this epoch's, or None: the worker at
+    position i of `order` (from 0; the topology's order) must be mpiexec's rank i in a world of
+    len(order), and each said what mpiexec made it when it joined (rendezvous.launched_rank). Every misplaced worker is
+    named, before any of them opens MPI; one that said nothing (a launcher that sets no rank in the
+    environment) is left to its own check when it does (mpi_fabric.MpiFabric._world)."""
+    wrong = []
+    for i, pid in enumerate(order):
+        j = joined[pid]
+        if j.launched is not None and j.launched != (i, len(order)):
+            rank, size = j.launched
+            wrong.append(f"{j.member.label()} is rank {rank} of {size}, not {i} of {len(order)}")
+    if not wrong:
+        return None
+    return (
+        f"mpiexec started the workers in another order than the topology's: {'; '.join(wrong)}; start "
+        "exactly the topology's workers, in its order (mpiexec's host file in that order)"
+    )

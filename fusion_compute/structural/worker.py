@@ -48,6 +48,7 @@ from ..comm import (
     Witness,
     backend_of,
     join_epoch,
+    launched_rank,
     open_fabric,
     open_pulse,
     reason_of,
@@ -273,7 +274,7 @@ def run(o: WorkerOptions) -> None:
     src = open_weights(o.model)
     o.controls.opened(src.config)  # a control's spec that does not fit the model fails before joining
     report.phase("join")
-    cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host)
+    cred = Credentials(o.key, o.client_key, o.master, o.rank, o.group, o.listen_host, launched_rank())
     report.end_line()
     _log.info(
         f"{src.config.arch} model opened; waiting for the client at {o.master[0]}:{o.master[1]} "
