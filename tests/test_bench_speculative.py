@@ -282,12 +282,14 @@ def test_budget_benches_refuse_bad_input_in_one_line(capsys):
 
     assert spec_pairs.main(["single", "open_chat", "1,x"]) == 2
     assert step_width.main(["--repeats", "0"]) == 2
+    assert step_width.main(["--split", "--cpu"]) == 2  # workers as threads: no worker process to read
     assert replay.main(["--rtt-ms", "1", "--simulate", "--step-ms", "1:100"]) == 2
     assert replay.main(["--rtt-ms", "1", "--simulate", "--step-ms", "1:100,2:x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "bench.spec_pairs: prompts must be comma-separated indices, got '1,x'",
         "bench.step_width: --repeats and --workers must be >= 1",
+        "bench.step_width: --split reads worker processes' /proc (Linux), without --cpu",
         "bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got '1:100'",
         "bench.replay: --step-ms needs two or more distinct 'columns:ms' points, got '1:100,2:x'",
     ]
