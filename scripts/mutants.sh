@@ -925,6 +925,30 @@ MUTANTS += [
         "                    if False:",
         ["test_worker_errors.py::test_a_read_cut_by_the_ranks_rejoining_fails_nobody"],
     ),
+    (  # a worker out of mpiexec's order is named by the client before any opens MPI
+        "w42-mpiexec-order-unchecked",
+        R + "runtime/membership.py",
+        "        if j.launched is not None and j.launched != (i, len(order)):",
+        "        if j.launched is not None and j.launched[0] != i:",
+        [
+            "test_mpi_cluster.py::test_the_client_names_every_worker_out_of_the_worlds_order",
+            "test_mpi_cluster.py::test_rank_order_must_be_the_topology_order",
+        ],
+    ),
+    (  # a worker that does not say its mpiexec rank leaves the client nothing to check
+        "w42-mpiexec-rank-unsaid",
+        R + "comm/rendezvous.py",
+        '                **({"launched": list(cred.launched)} if cred.launched is not None else {}),',
+        "",
+        ["test_mpi_cluster.py::test_rank_order_must_be_the_topology_order"],
+    ),
+    (  # a process that can start no thread still gets its suffix drafts (the trie at the first draft)
+        "w42-suffix-thread-failure-raised",
+        R + "generation/suffix.py",
+        "        except RuntimeError:  # no thread to be had",
+        "        except ZeroDivisionError:  # no thread to be had",
+        ["test_suffix_tree.py::test_a_trie_whose_thread_cannot_start_is_built_at_the_first_draft"],
+    ),
 ]
 
 words = sys.argv[1:]
