@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import procs
@@ -252,6 +253,52 @@ def test_a_worker_says_the_rank_mpiexec_gave_it():
     assert launched_rank({"PMI_RANK": "3", "PMI_SIZE": "3"}) is None  # outside its world
     assert launched_rank({"PMI_RANK": "x", "PMI_SIZE": "3"}) is None
     assert launched_rank({"PMI_RANK": "1"}) is None
+    assert launched_rank({"PMI_RANK": "1", "PMI_SIZE": "9" * 5000}) is None  # no 5,000-digit parse
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [[1e400, 3], [1.0, 3], [True, 3], [0, 2**70], [-1, 3], [3, 3], [0, 1, 2], {"0": 0, "1": 3}, "03", None, [[0], 3]],
+)
+def test_a_claimed_rank_that_is_not_two_integers_in_a_world_is_no_claim(claim):
+    """What a worker's JOIN says mpiexec made it, as any JSON a liar can send: only [rank, size], two
+    integers with 0 <= rank < size <= MAX_WORLD, is a claim; nothing else raises (an infinity made
+    int() raise OverflowError in the client's greeter thread: the red team's find) or counts."""
+    from fusion_compute.comm.rendezvous import _launched
+
+    assert _launched(claim) is None
+    assert _launched([2, 3]) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 200_000 + "]" * 200_000, '{"n": ' + "9" * 5000 + "}", '{"a": "\\ud800', "\xff"],
+    ids=["nested-200000-deep", "a-5000-digit-integer", "unterminated", "not-utf8"],
+)
+def test_a_rendezvous_message_json_cannot_read_is_malformed(text):
+    """recv_json: nesting too deep (RecursionError), an integer past Python's 4,300 digits (ValueError),
+    bad JSON or bytes that are not UTF-8: one CommError naming the sender, never another exception
+    (either escaped the client's greeter thread with a traceback, and the join then waited out its
+    deadline)."""
+    import socket
+
+    from fusion_compute.comm.errors import CommError
+    from fusion_compute.comm.links import Link
+    from fusion_compute.comm.rendezvous import recv_json
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ours = socket.create_connection(server.getsockname())
+        theirs, _ = server.accept()
+    sender, receiver = Link(ours, None, 0, "the client"), Link(theirs, None, 1, "worker 1")  # each names its peer
+    try:
+        payload = text.encode("latin-1") if text == "\xff" else text.encode()
+        sender.send(memoryview(payload))
+        sender.flush(time.monotonic() + 5)
+        with pytest.raises(CommError, match="^worker 1 sent a malformed rendezvous message$"):
+            recv_json(receiver, time.monotonic() + 5)
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_the_client_names_every_worker_out_of_the_worlds_order():

@@ -94,7 +94,7 @@ def recv_json(link: Link, deadline: float) -> dict:
     raw = link.recv_bytes(deadline, CONTROL_LIMIT)
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, an integer past 4,300 digits, nesting too deep
         raise CommError(f"{link.label} sent a malformed rendezvous message") from None
     if not isinstance(obj, dict):
         raise CommError(f"{link.label} sent a malformed rendezvous message")
@@ -566,17 +566,23 @@ def launched_rank(environ: dict[str, str] | None = None) -> tuple[int, int] | No
     env = os.environ if environ is None else environ
     for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
         if rank in env and size in env:
-            return _launched([env[rank], env[size]])
+            words = env[rank], env[size]
+            if all(w.isdecimal() and len(w) <= 9 for w in words):
+                return _launched([int(w) for w in words])
+            return None
     return None
 
 
+MAX_WORLD = 1 << 20  # more ranks than any mpiexec world of workers: a claim past it is not one
+
+
 def _launched(value: Any) -> tuple[int, int] | None:
-    """A (rank, size) pair with 0 <= rank < size, from the launcher's words or a worker's JOIN; None else."""
-    try:
-        rank, size = (int(v) for v in value)
-    except (TypeError, ValueError):
+    """A (rank, size) pair, two integers with 0 <= rank < size <= MAX_WORLD, from the launcher's
+    environment or a worker's JOIN (any JSON: anything else, floats and booleans included, is None)."""
+    if not isinstance(value, list) or len(value) != 2 or any(type(v) is not int for v in value):
         return None
-    return (rank, size) if 0 <= rank < size else None
+    rank, size = value
+    return (rank, size) if 0 <= rank < size <= MAX_WORLD else None
 
 
 @dataclass

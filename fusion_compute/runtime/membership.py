@@ -812,7 +812,7 @@ class Membership:
             for p in order:
                 self.host.watch.tell(p, {"join": self.epoch})
         joined = adm.collect(order, deadline, abort=self.host.spawn_failure if self.epoch == 0 else lambda: None)
-        if self.opts.mpi_world:
+        if self.opts.mpi_world and self.epoch == 0:  # the world mpiexec started: the first epoch's order
             misplaced = out_of_world_order(order, joined)
             if misplaced:
                 adm.refuse(joined, misplaced)
@@ -841,11 +841,12 @@ class Membership:
 
 
 def out_of_world_order(order: list[int], joined: dict[int, Joined]) -> str | None:
-    """Why workers that mpiexec started together cannot be this epoch's, or None: the worker at
-    position i of `order` (from 0; the topology's order) must be mpiexec's rank i in a world of
-    len(order), and each said what mpiexec made it when it joined (rendezvous.launched_rank). Every misplaced worker is
-    named, before any of them opens MPI; one that said nothing (a launcher that sets no rank in the
-    environment) is left to its own check when it does (mpi_fabric.MpiFabric._world)."""
+    """Why workers that mpiexec started together cannot be the job's first epoch, or None: the worker
+    at position i of `order` (from 0; the topology's order) must be mpiexec's rank i in a world of
+    len(order), and each said what mpiexec made it when it joined (rendezvous.launched_rank). Every
+    misplaced worker is named, before any of them opens MPI; one that said nothing (a launcher that
+    sets no rank in the environment) is left to its own check when it does (MpiFabric._world). Only
+    the first epoch's order is the world's: a later, smaller one is not compared with it here."""
     wrong = []
     for i, pid in enumerate(order):
         j = joined[pid]
