@@ -942,6 +942,20 @@ MUTANTS += [
         "",
         ["test_mpi_cluster.py::test_rank_order_must_be_the_topology_order"],
     ),
+    (  # a JOIN that json cannot read (too deep, a 5,000-digit integer) is malformed, not a traceback
+        "w42-join-json-errors-escape",
+        R + "comm/rendezvous.py",
+        "    except (ValueError, RecursionError):  # bad JSON or UTF-8",
+        "    except (json.JSONDecodeError, UnicodeDecodeError):  # bad JSON or UTF-8",
+        ["test_mpi_cluster.py::test_a_rendezvous_message_json_cannot_read_is_malformed"],
+    ),
+    (  # a claimed mpiexec rank is two JSON integers: an infinity or a float is no claim
+        "w42-claim-not-integers",
+        R + "comm/rendezvous.py",
+        "any(type(v) is not int for v in value)",
+        "any(not isinstance(v, (int, float)) for v in value)",
+        ["test_mpi_cluster.py::test_a_claimed_rank_that_is_not_two_integers_in_a_world_is_no_claim"],
+    ),
     (  # a process that can start no thread still gets its suffix drafts (the trie at the first draft)
         "w42-suffix-thread-failure-raised",
         R + "generation/suffix.py",
