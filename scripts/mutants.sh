@@ -956,6 +956,13 @@ MUTANTS += [
         "any(not isinstance(v, (int, float)) for v in value)",
         ["test_mpi_cluster.py::test_a_claimed_rank_that_is_not_two_integers_in_a_world_is_no_claim"],
     ),
+    (  # a worker whose launcher said no rank checks its place in mpiexec's world itself
+        "w42-world-rank-unchecked",
+        R + "comm/mpi_fabric.py",
+        "if world.Get_size() != n_workers or world.Get_rank() != worker:",
+        "if world.Get_size() != n_workers:",
+        ["test_mpi_cluster.py::test_a_worker_whose_launcher_said_nothing_checks_its_rank_when_it_opens_mpi"],
+    ),
     (  # a process that can start no thread still gets its suffix drafts (the trie at the first draft)
         "w42-suffix-thread-failure-raised",
         R + "generation/suffix.py",

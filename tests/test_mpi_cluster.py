@@ -322,3 +322,27 @@ def test_the_client_names_every_worker_out_of_the_worlds_order():
     assert "worker 2" not in why
     why = out_of_world_order([1, 2], joined((0, 3), (1, 3)))  # a world of another size
     assert why is not None and "worker 1 [h1] is rank 0 of 3, not 0 of 2" in why
+
+
+def test_a_worker_whose_launcher_said_nothing_checks_its_rank_when_it_opens_mpi():
+    """MpiFabric._world, the backstop for a launcher that sets no rank in the environment (the client
+    then has nothing to compare): the world mpiexec made must have the epoch's size and this worker at
+    its place, else one line saying both; in place, the world is duplicated. (mpi4py's world stands in
+    for MPI here: what is checked is the worker's comparison, not MPI.)"""
+    from types import SimpleNamespace
+
+    from fusion_compute.comm.errors import CommError
+    from fusion_compute.comm.mpi_fabric import MpiFabric
+
+    def world(rank, size):
+        return SimpleNamespace(
+            COMM_WORLD=SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: size, Dup=lambda: "dup")
+        )
+
+    assert MpiFabric._world(world(2, 3), 2, 3) == "dup"
+    with pytest.raises(
+        CommError, match="^mpiexec started this worker as rank 0 of 3, but it is worker 3 of 3 in the topology"
+    ):
+        MpiFabric._world(world(0, 3), 2, 3)
+    with pytest.raises(CommError, match="as rank 1 of 3, but it is worker 2 of 2"):
+        MpiFabric._world(world(1, 3), 1, 2)  # a smaller epoch than the world
