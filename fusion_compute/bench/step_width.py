@@ -59,6 +59,7 @@ LAST_LOGITS_ONLY = {"8: all x60 (a prefill's columns)"}
 
 def main(argv: list[str] | None = None) -> int:
     from ..runtime.engine_options import EngineOptions
+    from ..runtime.resources import processes_cpu_s
     from ..structural.client import Engine
     from ..weights.loader import resolve_model_path
 
@@ -97,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
                 widths = SHAPES[name]
                 items = [(slot, [2000 + j for j in range(w)]) for slot, w in enumerate(widths)]
                 full = set() if name in LAST_LOGITS_ONLY else {slot for slot, w in enumerate(widths) if w > 1}
-                w0, c0, t0 = processes_cpu(pids), time.process_time(), clock()
+                w0, c0, t0 = processes_cpu_s(pids), time.process_time(), clock()
                 eng.forward_batch(items, all_logits=full)
                 times[name].append(clock() - t0)
                 client_cpu[name].append(time.process_time() - c0)
-                worker_cpu[name].append(processes_cpu(pids) - w0)
+                worker_cpu[name].append(processes_cpu_s(pids) - w0)
                 for slot, _ in items:
                     eng.rollback(slot, len(prompt))
     # CPU as means over the repeats: /proc counts in clock ticks (10 ms), which a median would keep
@@ -122,17 +123,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def means(ms: dict[str, list[float]]) -> dict[str, float]:
     return {k: round(statistics.fmean(v) * 1e3, 1) for k, v in ms.items()}
-
-
-def processes_cpu(pids: list[int]) -> float:
-    """User and system CPU seconds the processes `pids` have spent so far, all their threads (/proc;
-    at the kernel's clock tick, 10 ms: a step's figure is a mean over the repeats, not one reading)."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(") ", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -40,20 +40,11 @@ class _Bytes:
         self.received += sum(e.received) * e.itemsize
 
 
-def _proc_cpu_s(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-    return total / tick
-
-
 def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, verify: bool = True) -> dict:
     from ..generation.generate import generate
     from ..generation.sampling_params import SamplingParams
     from ..runtime.engine import EngineBase
+    from ..runtime.resources import processes_cpu_s
     from ..structural.client import Engine, EngineOptions
     from .client import MaskedEngine, MaskedOptions
 
@@ -77,7 +68,7 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, veri
                 at["start"] = (
                     rec.sent,
                     rec.received,
-                    _proc_cpu_s(pids),
+                    processes_cpu_s(pids),
                     time.process_time(),
                     time.perf_counter(),
                     (check.check_s if check is not None else 0.0),
@@ -89,7 +80,7 @@ def run_mode(mode: str, model, ids: list[int], tokens: int, n: int, groups, veri
                     time.process_time() - c0,
                     rec.sent - s0,
                     rec.received - r0,
-                    _proc_cpu_s(pids) - w0,
+                    processes_cpu_s(pids) - w0,
                     check.check_s - k0 if check is not None else 0.0,
                 )
 
