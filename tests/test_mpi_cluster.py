@@ -280,15 +280,13 @@ def test_a_rendezvous_message_json_cannot_read_is_malformed(text):
     bad JSON or bytes that are not UTF-8: one CommError naming the sender, never another exception
     (either escaped the client's greeter thread with a traceback, and the join then waited out its
     deadline)."""
-    import socket
+    from test_boundaries_wire import tcp
 
     from fusion_compute.comm.errors import CommError
     from fusion_compute.comm.links import Link
     from fusion_compute.comm.rendezvous import recv_json
 
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        ours = socket.create_connection(server.getsockname())
-        theirs, _ = server.accept()
+    ours, theirs = tcp()
     sender, receiver = Link(ours, None, 0, "the client"), Link(theirs, None, 1, "worker 1")  # each names its peer
     try:
         payload = text.encode("latin-1") if text == "\xff" else text.encode()
